@@ -1,0 +1,787 @@
+/* client.c: libtensord's connection to tensord: requests and replies matched
+ * by seq so any number of threads can share one client, storage handles, and
+ * the key operations. */
+#include "internal.h"
+
+#include "tensord.pb-c.h"
+#include "viewmsg.h"
+#include "wire.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* A call waiting for the reply with its seq. */
+typedef struct pending {
+  uint64_t seq;
+  int done;
+  Tensord__Response *resp;
+  int fd;
+  struct pending *next;
+} pending;
+
+struct td_client {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  atomic_int refs; /* the user's (until td_close) plus one per handle */
+  int closed;      /* td_close was called */
+  int broken;      /* the connection failed: every call now fails with err */
+  int err;
+  int reader; /* a thread is reading replies for everyone */
+  td__wire wire;
+  uint64_t next_seq;
+  pending *pending;
+  uint64_t instance;
+  int32_t daemon_pid;
+  char path[108];
+};
+
+struct td_storage {
+  td_client *c;
+  atomic_int refs;
+  uint64_t id;
+  size_t nbytes;
+  td_device device;
+  int readonly;
+  td__mapping *map;
+};
+
+/* ---- errors ---- */
+
+static __thread struct {
+  const td_client *c;
+  char msg[1024];
+} last;
+
+static int fail(const td_client *c, int err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int fail(const td_client *c, int err, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last.msg, sizeof(last.msg), fmt, ap);
+  va_end(ap);
+  last.c = c;
+  return err;
+}
+
+const char *td_last_error(const td_client *c) {
+  return last.c == c ? last.msg : "";
+}
+
+/* ---- the connection ---- */
+
+static void client_unref(td_client *c) {
+  if (atomic_fetch_sub(&c->refs, 1) != 1)
+    return;
+  if (c->wire.fd >= 0)
+    close(c->wire.fd);
+  td__wire_free(&c->wire);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+}
+
+/* Marks the connection failed and wakes every waiting call. Locked. */
+static void set_broken(td_client *c, int err) {
+  if (c->broken)
+    return;
+  c->broken = 1;
+  c->err = err;
+  pthread_cond_broadcast(&c->cv);
+}
+
+/* Packs r into the output queue and sends it all. Locked. */
+static int send_locked(td_client *c, Tensord__Request *r) {
+  if (c->broken)
+    return c->err;
+  size_t len = tensord__request__get_packed_size(r);
+  uint8_t *p = td__wire_reserve(&c->wire, len);
+  if (p == NULL)
+    return len > TD__FRAME_MAX ? TD_EMSGSIZE : TD_ENOMEM;
+  tensord__request__pack(r, p);
+  int err = td__wire_commit(&c->wire, len, NULL, 0);
+  if (err == 0)
+    err = td__wire_flush(&c->wire, 0);
+  if (err < 0) {
+    set_broken(c, TD_ECONNRESET);
+    return TD_ECONNRESET;
+  }
+  return 0;
+}
+
+/* Reads until one whole reply has arrived and hands it to its caller.
+ * Called by the one reader, unlocked; returns 0 or a connection error. */
+static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
+  for (;;) {
+    td__frame f;
+    int r = td__wire_frame(&c->wire, &f);
+    if (r < 0)
+      return r;
+    if (r == 1) {
+      *resp = tensord__response__unpack(NULL, f.len, f.data);
+      *fd = f.nfds > 0 ? f.fds[0] : -1;
+      for (unsigned i = 1; i < f.nfds; i++)
+        close(f.fds[i]);
+      td__wire_consume(&c->wire, &f);
+      if (*resp == NULL) {
+        if (*fd >= 0)
+          close(*fd);
+        return TD_EPROTO;
+      }
+      return 0;
+    }
+    ssize_t n = td__wire_recv(&c->wire, 0);
+    if (n == 0)
+      return TD_ECONNRESET;
+    if (n < 0)
+      return (int)n == TD_EPROTO ? TD_EPROTO : TD_ECONNRESET;
+  }
+}
+
+static const char *body_name(int body) {
+  switch (body) {
+  case TENSORD__REQUEST__BODY_HELLO:
+    return "hello";
+  case TENSORD__REQUEST__BODY_CREATE:
+    return "create";
+  case TENSORD__REQUEST__BODY_OPEN:
+    return "open";
+  case TENSORD__REQUEST__BODY_PUBLISH:
+    return "publish";
+  case TENSORD__REQUEST__BODY_LOOKUP:
+    return "lookup";
+  case TENSORD__REQUEST__BODY_UNPUBLISH:
+    return "unpublish";
+  case TENSORD__REQUEST__BODY_LIST:
+    return "list";
+  case TENSORD__REQUEST__BODY_STAT:
+    return "stat";
+  case TENSORD__REQUEST__BODY_INFO:
+    return "info";
+  case TENSORD__REQUEST__BODY_PING:
+    return "ping";
+  }
+  return "request";
+}
+
+/* Sends req and waits for its reply. On success *resp is the reply (free it
+ * with tensord__response__free_unpacked) and *fd the fd it carried, or -1.
+ * An Error reply becomes its code, with the daemon's message kept for
+ * td_last_error. */
+static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
+                int *fd) {
+  pending p = {0, 0, NULL, -1, NULL};
+  int err;
+  pthread_mutex_lock(&c->mu);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    return fail(c, TD_ENOTCONN, "%s: client is closed", body_name(req->body_case));
+  }
+  req->seq = p.seq = ++c->next_seq;
+  err = send_locked(c, req);
+  if (err < 0)
+    goto unlock;
+  p.next = c->pending;
+  c->pending = &p;
+  while (!p.done && !c->broken) {
+    if (c->reader) {
+      pthread_cond_wait(&c->cv, &c->mu);
+      continue;
+    }
+    c->reader = 1;
+    pthread_mutex_unlock(&c->mu);
+    Tensord__Response *r = NULL;
+    int rfd = -1;
+    int rerr = read_reply(c, &r, &rfd);
+    pthread_mutex_lock(&c->mu);
+    c->reader = 0;
+    if (rerr < 0) {
+      set_broken(c, rerr == TD_EPROTO ? TD_EPROTO : TD_ECONNRESET);
+      break;
+    }
+    pending *q = c->pending;
+    while (q != NULL && q->seq != r->seq)
+      q = q->next;
+    if (q != NULL) {
+      q->resp = r;
+      q->fd = rfd;
+      q->done = 1;
+    } else { /* nobody asked: drop it */
+      tensord__response__free_unpacked(r, NULL);
+      if (rfd >= 0)
+        close(rfd);
+    }
+    pthread_cond_broadcast(&c->cv);
+  }
+  pending **pp = &c->pending;
+  while (*pp != &p)
+    pp = &(*pp)->next;
+  *pp = p.next;
+  if (!p.done)
+    err = c->err;
+unlock:
+  pthread_mutex_unlock(&c->mu);
+  if (err < 0)
+    return fail(c, err, "%s: connection to tensord at %s lost (%s)",
+                body_name(req->body_case), c->path, td_strerror(err));
+  if (p.resp->body_case == TENSORD__RESPONSE__BODY_ERROR) {
+    err = p.resp->error->code < 0 ? p.resp->error->code : TD_EPROTO;
+    fail(c, err, "%s", p.resp->error->message);
+    tensord__response__free_unpacked(p.resp, NULL);
+    if (p.fd >= 0)
+      close(p.fd);
+    return err;
+  }
+  *resp = p.resp;
+  if (fd != NULL)
+    *fd = p.fd;
+  else if (p.fd >= 0)
+    close(p.fd);
+  return 0;
+}
+
+/* Checks that the reply has the expected body. Frees it if not. */
+static int expect(td_client *c, Tensord__Response *r, int body, int fd) {
+  if ((int)r->body_case == body)
+    return 0;
+  int got = r->body_case;
+  tensord__response__free_unpacked(r, NULL);
+  if (fd >= 0)
+    close(fd);
+  return fail(c, TD_EPROTO, "tensord answered with body %d where %d was due",
+              got, body);
+}
+
+static void client_name(char *buf, size_t len) {
+  char comm[64] = "";
+  FILE *f = fopen("/proc/self/comm", "r");
+  if (f != NULL) {
+    if (fgets(comm, sizeof(comm), f) != NULL)
+      comm[strcspn(comm, "\n")] = '\0';
+    fclose(f);
+  }
+  snprintf(buf, len, "%s", comm[0] ? comm : "libtensord");
+}
+
+int td_connect(const char *socket_path, td_client **out) {
+  char path[108];
+  *out = NULL;
+  if (socket_path == NULL) {
+    if (td_default_socket_path(path, sizeof(path)) < 0)
+      return fail(NULL, TD_ENAMETOOLONG, "default socket path too long");
+  } else if (snprintf(path, sizeof(path), "%s", socket_path) >=
+             (int)sizeof(path)) {
+    return fail(NULL, TD_ENAMETOOLONG, "socket path '%s' is longer than %zu "
+                "bytes", socket_path, sizeof(path) - 1);
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return fail(NULL, -errno, "socket: %s", strerror(errno));
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  memcpy(sa.sun_path, path, sizeof(path));
+  if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+    int e = errno;
+    close(fd);
+    return fail(NULL, -e, "cannot connect to %s: %s%s", path, strerror(e),
+                e == ENOENT || e == ECONNREFUSED ? " (is tensord running?)"
+                                                 : "");
+  }
+  td_client *c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    close(fd);
+    return fail(NULL, TD_ENOMEM, "out of memory");
+  }
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  atomic_init(&c->refs, 1);
+  td__wire_init(&c->wire, fd);
+  memcpy(c->path, path, sizeof(path));
+
+  char name[64];
+  client_name(name, sizeof(name));
+  Tensord__Hello h = TENSORD__HELLO__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.client_name = name;
+  req.body_case = TENSORD__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
+  if (err < 0) {
+    fail(NULL, err, "%s: %s", path, td_last_error(c));
+    client_unref(c);
+    return err;
+  }
+  c->instance = r->hello->instance;
+  c->daemon_pid = r->hello->pid;
+  tensord__response__free_unpacked(r, NULL);
+  *out = c;
+  return 0;
+}
+
+void td_close(td_client *c) {
+  if (c == NULL)
+    return;
+  pthread_mutex_lock(&c->mu);
+  c->closed = 1;
+  set_broken(c, TD_ENOTCONN);
+  /* The daemon sees end-of-stream now and drops every reference we held;
+   * a thread blocked reading wakes with an error. */
+  shutdown(c->wire.fd, SHUT_RDWR);
+  pthread_mutex_unlock(&c->mu);
+  client_unref(c);
+}
+
+/* Sends a request that has no reply. */
+static void send_oneway(td_client *c, Tensord__Request *req) {
+  pthread_mutex_lock(&c->mu);
+  if (!c->broken) {
+    req->seq = 0;
+    send_locked(c, req);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- storages ---- */
+
+static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
+  Tensord__Release m = TENSORD__RELEASE__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.id = id;
+  m.readonly = ro;
+  m.count = count;
+  req.body_case = TENSORD__REQUEST__BODY_RELEASE;
+  req.release = &m;
+  send_oneway(c, &req);
+}
+
+static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
+                     Tensord__Response **r, int *fd) {
+  Tensord__Open m = TENSORD__OPEN__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.id = id;
+  m.readonly = ro;
+  m.force_fd = force_fd;
+  req.body_case = TENSORD__REQUEST__BODY_OPEN;
+  req.open = &m;
+  int err = call(c, &req, r, fd);
+  if (err == 0)
+    err = expect(c, *r, TENSORD__RESPONSE__BODY_STORAGE, *fd);
+  return err;
+}
+
+/* Makes a handle for the reference the daemon just gave us (m, with fd or
+ * -1). On failure the reference is released. */
+static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
+                       td_storage **out) {
+  td_storage *s = calloc(1, sizeof(*s));
+  if (s == NULL) {
+    if (fd >= 0)
+      close(fd);
+    send_release(c, m->id, m->readonly, 1);
+    return fail(c, TD_ENOMEM, "out of memory");
+  }
+  int err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd,
+                            &s->map);
+  if (err == TD_ENOENT) {
+    /* Our last mapping went with another thread's release after the daemon
+     * saw our reference: ask for an fd with a second reference, then give
+     * that one back. */
+    Tensord__Response *r;
+    int fd2 = -1;
+    err = open_call(c, m->id, m->readonly, 1, &r, &fd2);
+    if (err == 0) {
+      err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd2,
+                            &s->map);
+      tensord__response__free_unpacked(r, NULL);
+      send_release(c, m->id, m->readonly, 1);
+    }
+  }
+  if (err < 0) {
+    free(s);
+    send_release(c, m->id, m->readonly, 1);
+    return fail(c, err, "storage %llu: cannot map %llu bytes: %s",
+                (unsigned long long)m->id, (unsigned long long)m->nbytes,
+                td_strerror(err));
+  }
+  s->c = c;
+  atomic_init(&s->refs, 1);
+  s->id = m->id;
+  s->nbytes = (size_t)m->nbytes;
+  s->device = (td_device)m->device;
+  s->readonly = m->readonly;
+  atomic_fetch_add(&c->refs, 1);
+  *out = s;
+  return 0;
+}
+
+int td_storage_create(td_client *c, size_t nbytes, td_storage **out) {
+  *out = NULL;
+  if (nbytes == 0)
+    return fail(c, TD_EINVAL, "create of 0 bytes: a storage needs at least "
+                "one byte");
+  Tensord__Create m = TENSORD__CREATE__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.nbytes = nbytes;
+  req.body_case = TENSORD__REQUEST__BODY_CREATE;
+  req.create = &m;
+  Tensord__Response *r;
+  int fd = -1;
+  int err = call(c, &req, &r, &fd);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_STORAGE, fd);
+  if (err < 0)
+    return err;
+  err = make_handle(c, r->storage, fd, out);
+  tensord__response__free_unpacked(r, NULL);
+  return err;
+}
+
+int td_storage_open(td_client *c, uint64_t id, unsigned flags,
+                    td_storage **out) {
+  *out = NULL;
+  if (flags & ~TD_RDONLY)
+    return fail(c, TD_EINVAL, "open: unknown flags 0x%x", flags);
+  Tensord__Response *r;
+  int fd = -1;
+  int err = open_call(c, id, (flags & TD_RDONLY) != 0, 0, &r, &fd);
+  if (err < 0)
+    return err;
+  err = make_handle(c, r->storage, fd, out);
+  tensord__response__free_unpacked(r, NULL);
+  return err;
+}
+
+td_storage *td_storage_retain(td_storage *s) {
+  atomic_fetch_add(&s->refs, 1);
+  return s;
+}
+
+int td_storage_release(td_storage *s) {
+  if (s == NULL)
+    return 0;
+  if (atomic_fetch_sub(&s->refs, 1) != 1)
+    return 0;
+  td__map_release(s->map);
+  send_release(s->c, s->id, s->readonly, 1);
+  client_unref(s->c);
+  free(s);
+  return 0;
+}
+
+uint64_t td_storage_id(const td_storage *s) { return s->id; }
+size_t td_storage_nbytes(const td_storage *s) { return s->nbytes; }
+void *td_storage_data(const td_storage *s) { return td__map_addr(s->map); }
+td_device td_storage_device(const td_storage *s) { return s->device; }
+int td_storage_is_readonly(const td_storage *s) { return s->readonly; }
+td_client *td_storage_client(const td_storage *s) { return s->c; }
+
+/* ---- keys ---- */
+
+/* Checks key here, so that a bad one never reaches the wire. */
+static int check_key(td_client *c, const char *op, const char *key,
+                     size_t *len) {
+  if (key == NULL)
+    return fail(c, TD_EINVAL, "%s: key is NULL", op);
+  size_t n = strnlen(key, TD_KEY_MAX + 1);
+  *len = n;
+  if (n == 0)
+    return fail(c, TD_EINVAL, "%s: empty key", op);
+  if (n > TD_KEY_MAX)
+    return fail(c, TD_EINVAL, "%s: key of %zu bytes is longer than %d",
+                op, strlen(key), TD_KEY_MAX);
+  return 0;
+}
+
+int td_publish(td_client *c, const char *key, const td_storage *s,
+               const td_view *v) {
+  size_t len;
+  int err = check_key(c, "publish", key, &len);
+  if (err < 0)
+    return err;
+  if (s == NULL)
+    return fail(c, TD_EINVAL, "publish '%s': storage is NULL", key);
+  if (s->c != c)
+    return fail(c, TD_EINVAL, "publish '%s': storage %llu belongs to another "
+                "client", key, (unsigned long long)s->id);
+  if (s->readonly)
+    return fail(c, TD_EACCES, "publish '%s': storage %llu is open read-only",
+                key, (unsigned long long)s->id);
+  char msg[768];
+  if (v != NULL && (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
+    return fail(c, err, "publish '%s': %s", key, msg);
+  Tensord__Publish m = TENSORD__PUBLISH__INIT;
+  Tensord__View vm;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.key.data = (uint8_t *)key;
+  m.key.len = len;
+  m.id = s->id;
+  if (v != NULL) {
+    td__view_to_msg(v, &vm);
+    m.view = &vm;
+  }
+  req.body_case = TENSORD__REQUEST__BODY_PUBLISH;
+  req.publish = &m;
+  Tensord__Response *r;
+  err = call(c, &req, &r, NULL);
+  if (err < 0)
+    return err;
+  err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1);
+  if (err == 0)
+    tensord__response__free_unpacked(r, NULL);
+  return err;
+}
+
+int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
+              td_storage **s, td_view *v) {
+  *s = NULL;
+  size_t len;
+  int err = check_key(c, "lookup", key, &len);
+  if (err < 0)
+    return err;
+  if (flags & ~(TD_RDONLY | TD_TAKE))
+    return fail(c, TD_EINVAL, "lookup '%s': unknown flags 0x%x", key, flags);
+  if (timeout_ms < -1)
+    return fail(c, TD_EINVAL, "lookup '%s': timeout of %d ms (use -1 to wait "
+                "forever)", key, timeout_ms);
+  Tensord__Lookup m = TENSORD__LOOKUP__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.key.data = (uint8_t *)key;
+  m.key.len = len;
+  m.readonly = (flags & TD_RDONLY) != 0;
+  m.take = (flags & TD_TAKE) != 0;
+  m.wait_ms = timeout_ms;
+  req.body_case = TENSORD__REQUEST__BODY_LOOKUP;
+  req.lookup = &m;
+  Tensord__Response *r;
+  int fd = -1;
+  err = call(c, &req, &r, &fd);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_LOOKUP, fd);
+  if (err < 0)
+    return err;
+  Tensord__LookupReply *lr = r->lookup;
+  char msg[128];
+  td_view view;
+  if (lr->storage == NULL || lr->view == NULL ||
+      td__view_from_msg(lr->view, &view, msg, sizeof(msg)) < 0) {
+    if (fd >= 0)
+      close(fd);
+    if (lr->storage != NULL)
+      send_release(c, lr->storage->id, lr->storage->readonly, 1);
+    tensord__response__free_unpacked(r, NULL);
+    return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
+  }
+  err = make_handle(c, lr->storage, fd, s);
+  tensord__response__free_unpacked(r, NULL);
+  if (err == 0 && v != NULL)
+    *v = view;
+  return err;
+}
+
+int td_unpublish(td_client *c, const char *key) {
+  size_t len;
+  int err = check_key(c, "unpublish", key, &len);
+  if (err < 0)
+    return err;
+  Tensord__Unpublish m = TENSORD__UNPUBLISH__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.key.data = (uint8_t *)key;
+  m.key.len = len;
+  req.body_case = TENSORD__REQUEST__BODY_UNPUBLISH;
+  req.unpublish = &m;
+  Tensord__Response *r;
+  err = call(c, &req, &r, NULL);
+  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1)) == 0)
+    tensord__response__free_unpacked(r, NULL);
+  return err;
+}
+
+int td_ping(td_client *c, uint64_t *rtt_ns) {
+  struct timespec t0, t1;
+  Tensord__Ping m = TENSORD__PING__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  req.body_case = TENSORD__REQUEST__BODY_PING;
+  req.ping = &m;
+  Tensord__Response *r;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int err = call(c, &req, &r, NULL);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_PONG, -1)) == 0)
+    tensord__response__free_unpacked(r, NULL);
+  if (err == 0 && rtt_ns != NULL)
+    *rtt_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
+              (uint64_t)(t1.tv_nsec - t0.tv_nsec);
+  return err;
+}
+
+/* ---- introspection ---- */
+
+/* Converts m into a td_storage_info whose arrays live in one allocation
+ * (*mem, freed by the caller). */
+static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
+                         void **mem) {
+  size_t size = m->n_holders * sizeof(td_holder) + m->n_keys * sizeof(char *);
+  for (size_t i = 0; i < m->n_keys; i++)
+    size += m->keys[i].len + 1;
+  char *p = malloc(size ? size : 1);
+  if (p == NULL)
+    return TD_ENOMEM;
+  *mem = p;
+  td_holder *hs = (td_holder *)p;
+  p += m->n_holders * sizeof(td_holder);
+  const char **ks = (const char **)p;
+  p += m->n_keys * sizeof(char *);
+  for (size_t i = 0; i < m->n_holders; i++) {
+    hs[i].pid = m->holders[i]->pid;
+    hs[i].uid = m->holders[i]->uid;
+    hs[i].refs = m->holders[i]->refs;
+  }
+  for (size_t i = 0; i < m->n_keys; i++) {
+    memcpy(p, m->keys[i].data, m->keys[i].len);
+    p[m->keys[i].len] = '\0';
+    ks[i] = p;
+    p += m->keys[i].len + 1;
+  }
+  memset(out, 0, sizeof(*out));
+  out->id = m->id;
+  out->nbytes = m->nbytes;
+  out->device = (td_device)m->device;
+  out->refs = m->refs;
+  out->owner_pid = m->owner_pid;
+  out->owner_uid = m->owner_uid;
+  out->created_unix_ms = m->created_unix_ms;
+  out->nholders = m->n_holders;
+  out->holders = hs;
+  out->nkeys = m->n_keys;
+  out->nkeys_total = m->nkeys > m->n_keys ? m->nkeys : m->n_keys;
+  out->keys = ks;
+  return 0;
+}
+
+int td_list(td_client *c, td_list_cb cb, void *arg) {
+  uint64_t after = 0;
+  for (;;) {
+    Tensord__List m = TENSORD__LIST__INIT;
+    Tensord__Request req = TENSORD__REQUEST__INIT;
+    m.after_id = after;
+    req.body_case = TENSORD__REQUEST__BODY_LIST;
+    req.list = &m;
+    Tensord__Response *r;
+    int err = call(c, &req, &r, NULL);
+    if (err == 0)
+      err = expect(c, r, TENSORD__RESPONSE__BODY_LIST, -1);
+    if (err < 0)
+      return err;
+    Tensord__ListReply *lr = r->list;
+    int ret = 0;
+    for (size_t i = 0; i < lr->n_storages && ret == 0; i++) {
+      td_storage_info info;
+      void *mem;
+      if (info_from_msg(lr->storages[i], &info, &mem) < 0) {
+        ret = fail(c, TD_ENOMEM, "list: out of memory");
+        break;
+      }
+      ret = cb(&info, arg);
+      free(mem);
+    }
+    int more = lr->more && lr->n_storages > 0;
+    after = lr->next_after_id;
+    tensord__response__free_unpacked(r, NULL);
+    if (ret != 0 || !more)
+      return ret;
+  }
+}
+
+int td_stat_get(td_client *c, td_stat *out) {
+  Tensord__Stat m = TENSORD__STAT__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  req.body_case = TENSORD__REQUEST__BODY_STAT;
+  req.stat = &m;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_STAT, -1);
+  if (err < 0)
+    return err;
+  const Tensord__StatReply *st = r->stat;
+  memset(out, 0, sizeof(*out));
+  out->storages = st->storages;
+  out->bytes_used = st->bytes_used;
+  out->capacity = st->capacity;
+  out->shm_free = st->shm_free;
+  out->clients = st->clients;
+  out->keys = st->keys;
+  out->waiters = st->waiters;
+  out->uptime_ms = st->uptime_ms;
+  out->pid = st->pid;
+  snprintf(out->version, sizeof(out->version), "%s", st->version);
+  snprintf(out->socket, sizeof(out->socket), "%s", st->socket);
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
+            td_key_cb kcb, void *arg) {
+  Tensord__Info m = TENSORD__INFO__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  size_t len;
+  if ((key == NULL) == (id == 0))
+    return fail(c, TD_EINVAL, "info: give exactly one of a storage id and a "
+                "key");
+  if (key != NULL) {
+    int err = check_key(c, "info", key, &len);
+    if (err < 0)
+      return err;
+    m.which_case = TENSORD__INFO__WHICH_KEY;
+    m.key.data = (uint8_t *)key;
+    m.key.len = len;
+  } else {
+    m.which_case = TENSORD__INFO__WHICH_ID;
+    m.id = id;
+  }
+  req.body_case = TENSORD__REQUEST__BODY_INFO;
+  req.info = &m;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_INFO, -1);
+  if (err < 0)
+    return err;
+  const Tensord__InfoReply *ir = r->info;
+  int ret = 0;
+  if (ir->storage != NULL && scb != NULL) {
+    td_storage_info info;
+    void *mem;
+    if (info_from_msg(ir->storage, &info, &mem) < 0) {
+      ret = fail(c, TD_ENOMEM, "info: out of memory");
+    } else {
+      ret = scb(&info, arg);
+      free(mem);
+    }
+  }
+  for (size_t i = 0; i < ir->n_keys && ret == 0 && kcb != NULL; i++) {
+    const Tensord__KeyInfo *k = ir->keys[i];
+    char name[TD_KEY_MAX + 1];
+    size_t n = k->key.len < TD_KEY_MAX ? k->key.len : TD_KEY_MAX;
+    memcpy(name, k->key.data, n);
+    name[n] = '\0';
+    td_key_info ki = {name, k->id, {0}, k->published_unix_ms};
+    char msg[128];
+    if (k->view != NULL)
+      td__view_from_msg(k->view, &ki.view, msg, sizeof(msg));
+    ret = kcb(&ki, arg);
+  }
+  tensord__response__free_unpacked(r, NULL);
+  return ret;
+}

@@ -1,0 +1,243 @@
+/* tensord.h: the public API of libtensord, the tensord client library. */
+#ifndef TENSORD_H
+#define TENSORD_H
+
+#include <errno.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TD_VERSION_MAJOR 0
+#define TD_VERSION_MINOR 1
+#define TD_VERSION_PATCH 0
+#define TD_VERSION_STRING "0.1.0"
+
+/* Wire protocol version spoken by this library; the daemon refuses others. */
+#define TD_PROTOCOL_VERSION 1
+
+#define TD_MAX_DIMS 16 /* most dimensions a view may have */
+#define TD_KEY_MAX 255 /* longest key, in bytes */
+
+/* Errors. Every int-returning call returns 0 (or a count) on success and one
+ * of these negative codes on failure. Where an errno fits, the code equals
+ * -errno, as in libuv. */
+#define TD_ERRNO_MAP(XX)                                                       \
+  XX(EINVAL, -EINVAL, "invalid argument")                                      \
+  XX(ERANGE, -ERANGE, "view reaches outside its storage")                      \
+  XX(ENOENT, -ENOENT, "no such storage or key")                                \
+  XX(ETIMEDOUT, -ETIMEDOUT, "timed out")                                       \
+  XX(ENOMEM, -ENOMEM, "not enough memory or over capacity")                    \
+  XX(ENOSPC, -ENOSPC, "no space left in shared memory")                        \
+  XX(EACCES, -EACCES, "permission denied")                                     \
+  XX(EPERM, -EPERM, "operation not permitted")                                 \
+  XX(ECONNRESET, -ECONNRESET, "connection reset by tensord")                   \
+  XX(ECONNREFUSED, -ECONNREFUSED, "connection refused")                        \
+  XX(ENOTCONN, -ENOTCONN, "client is closed")                                  \
+  XX(EPROTO, -EPROTO, "protocol error")                                        \
+  XX(EPROTONOSUPPORT, -EPROTONOSUPPORT, "protocol version not supported")      \
+  XX(ENOSYS, -ENOSYS, "operation not supported")                               \
+  XX(EMSGSIZE, -EMSGSIZE, "message too long")                                  \
+  XX(EOVERFLOW, -EOVERFLOW, "value too large")                                 \
+  XX(EAGAIN, -EAGAIN, "resource temporarily unavailable")                      \
+  XX(EBADF, -EBADF, "bad file descriptor")                                     \
+  XX(EMFILE, -EMFILE, "too many open files")                                   \
+  XX(ENFILE, -ENFILE, "too many open files in system")                         \
+  XX(EDQUOT, -EDQUOT, "quota exceeded")                                        \
+  XX(EBUSY, -EBUSY, "resource busy")                                           \
+  XX(ENODEV, -ENODEV, "no such device")                                        \
+  XX(EIO, -EIO, "i/o error")                                                   \
+  XX(ECANCELED, -ECANCELED, "operation canceled")                              \
+  XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")
+
+typedef enum {
+#define XX(name, code, _) TD_##name = code,
+  TD_ERRNO_MAP(XX)
+#undef XX
+} td_errno;
+
+/* Returns a short description of err; never NULL, also for unknown codes. */
+const char *td_strerror(int err);
+/* Returns the name of err ("EINVAL"); never NULL, also for unknown codes. */
+const char *td_err_name(int err);
+
+/* Element types, named as in PyTorch. The numbers travel on the wire and
+ * never change; 0 is no dtype. */
+typedef enum {
+  TD_DTYPE_INVALID = 0,
+  TD_BOOL = 1,
+  TD_UINT8 = 2,
+  TD_INT8 = 3,
+  TD_INT16 = 4,
+  TD_INT32 = 5,
+  TD_INT64 = 6,
+  TD_FLOAT16 = 7,
+  TD_BFLOAT16 = 8,
+  TD_FLOAT32 = 9,
+  TD_FLOAT64 = 10,
+  TD_COMPLEX64 = 11,
+  TD_COMPLEX128 = 12,
+  TD_UINT16 = 13,
+  TD_UINT32 = 14,
+  TD_UINT64 = 15,
+  TD_FLOAT8_E4M3FN = 16,
+  TD_FLOAT8_E5M2 = 17,
+  TD_DTYPE_COUNT_
+} td_dtype;
+
+/* Returns the size of one element in bytes, or 0 for an unknown dtype. */
+size_t td_dtype_size(td_dtype dtype);
+/* Returns PyTorch's name ("float32"), or NULL for an unknown dtype. */
+const char *td_dtype_name(td_dtype dtype);
+/* Parses a PyTorch or numpy spelling; returns TD_DTYPE_INVALID if unknown. */
+td_dtype td_dtype_from_name(const char *name);
+
+/* Where a storage's bytes live. */
+typedef enum { TD_CPU = 0, TD_CUDA = 1 } td_device;
+
+/* A view interprets the bytes of a storage, exactly as a PyTorch tensor does
+ * its UntypedStorage: strides and offset count elements, not bytes. A view is
+ * plain metadata; nothing here touches bytes. */
+typedef struct td_view {
+  td_dtype dtype;
+  int32_t ndim;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t stride[TD_MAX_DIMS];
+  int64_t offset;
+} td_view;
+
+/* Fills *out with a contiguous (row-major) view of shape at offset 0.
+ * Returns TD_EINVAL for a bad dtype, ndim or negative size, TD_EOVERFLOW if
+ * the element count overflows int64; *out is unchanged on failure. */
+int td_view_contiguous(td_dtype dtype, int32_t ndim, const int64_t *shape,
+                       td_view *out);
+/* Returns 0 if every element of v lies inside a storage of nbytes bytes,
+ * TD_ERANGE if some element does not, TD_EINVAL if v is malformed
+ * (bad dtype or ndim, negative size, stride or offset) and TD_EOVERFLOW if
+ * its arithmetic overflows. */
+int td_view_check(const td_view *v, size_t nbytes);
+/* Returns the number of elements of v (1 for a 0-d view), or a negative
+ * code if v is malformed or the count overflows. */
+int64_t td_view_numel(const td_view *v);
+/* Formats v as "float32[4, 3] stride (3, 1) offset 0" into buf; returns buf. */
+char *td_view_format(const td_view *v, char *buf, size_t len);
+
+/* Clients and storages. */
+typedef struct td_client td_client;
+typedef struct td_storage td_storage;
+
+#define TD_RDONLY 0x1u /* open or look up for reading only */
+#define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */
+
+/* Returns the socket path the daemon, the library and tensorctl agree on:
+ * $TENSORD_SOCKET, else $XDG_RUNTIME_DIR/tensord.sock, else
+ * /tmp/tensord-<uid>/tensord.sock. Writes at most len bytes into buf.
+ * Returns 0, or TD_ENAMETOOLONG if the path does not fit in len bytes. */
+int td_default_socket_path(char *buf, size_t len);
+
+/* Connects to tensord at socket_path (NULL: the default path) and says Hello.
+ * On success *out is a client usable from any thread. On failure *out is
+ * NULL and td_last_error(NULL) names the cause. */
+int td_connect(const char *socket_path, td_client **out);
+/* Closes the connection; the daemon drops every reference this client held.
+ * Storage handles made by c stay mapped until they are released. NULL ok. */
+void td_close(td_client *c);
+/* Returns the message of the last failure of a call made by this thread on
+ * c (or of td_connect when c is NULL); "" if none. */
+const char *td_last_error(const td_client *c);
+
+/* Creates a storage of nbytes bytes on the CPU, mapped read-write, zeroed. */
+int td_storage_create(td_client *c, size_t nbytes, td_storage **out);
+/* Takes a new reference to storage id; flags: TD_RDONLY maps it read-only
+ * (the kernel refuses writes). */
+int td_storage_open(td_client *c, uint64_t id, unsigned flags,
+                    td_storage **out);
+/* Takes one more reference on the same handle, for a holder that must outlive
+ * the caller's (a DLPack deleter, a binding's object). Returns s. */
+td_storage *td_storage_retain(td_storage *s);
+/* Drops one reference of s; the last drops the daemon's reference and unmaps
+ * when the process holds no other handle on the storage. NULL ok. */
+int td_storage_release(td_storage *s);
+uint64_t td_storage_id(const td_storage *s);
+size_t td_storage_nbytes(const td_storage *s);
+void *td_storage_data(const td_storage *s);
+td_device td_storage_device(const td_storage *s);
+int td_storage_is_readonly(const td_storage *s);
+/* Returns the client a storage handle was made by. */
+td_client *td_storage_client(const td_storage *s);
+
+/* Publishes a view of s under key (replacing any previous value). v NULL
+ * publishes the whole storage as uint8[nbytes]. The key holds its own
+ * reference until it is unpublished or replaced. */
+int td_publish(td_client *c, const char *key, const td_storage *s,
+               const td_view *v);
+/* Looks key up; waits up to timeout_ms for it to be published (0: do not
+ * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE. On success *s is a new
+ * handle and *v (if not NULL) the published view. */
+int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
+              td_storage **s, td_view *v);
+int td_unpublish(td_client *c, const char *key);
+/* Round trip to the daemon; *rtt_ns (if not NULL) gets the time it took. */
+int td_ping(td_client *c, uint64_t *rtt_ns);
+
+/* Introspection, as used by tensorctl. */
+typedef struct td_holder {
+  int32_t pid;
+  uint32_t uid;
+  uint32_t refs; /* references this process's connection holds */
+} td_holder;
+
+typedef struct td_storage_info {
+  uint64_t id;
+  uint64_t nbytes;
+  td_device device;
+  uint32_t refs; /* every reference: holders' and keys' */
+  int32_t owner_pid;
+  uint32_t owner_uid;
+  int64_t created_unix_ms;
+  size_t nholders;
+  const td_holder *holders;
+  size_t nkeys;             /* keys listed in keys[] */
+  size_t nkeys_total;       /* keys naming the storage (LIST shows 32 at most) */
+  const char *const *keys;
+} td_storage_info;
+
+typedef struct td_key_info {
+  const char *key;
+  uint64_t id;
+  td_view view;
+  int64_t published_unix_ms;
+} td_key_info;
+
+typedef struct td_stat {
+  uint64_t storages;
+  uint64_t bytes_used;
+  uint64_t capacity;
+  uint64_t shm_free; /* free bytes in /dev/shm as the daemon sees them */
+  uint64_t clients;
+  uint64_t keys;
+  uint64_t waiters;
+  int64_t uptime_ms;
+  int32_t pid;
+  char version[32];
+  char socket[256];
+} td_stat;
+
+/* Called once per live storage, in id order; a non-zero return stops the
+ * listing and td_list returns it. info is valid during the call only. */
+typedef int (*td_list_cb)(const td_storage_info *info, void *arg);
+int td_list(td_client *c, td_list_cb cb, void *arg);
+int td_stat_get(td_client *c, td_stat *out);
+/* Describes one storage (by id) and every key that names it. Exactly one of
+ * id (non-zero) and key (non-NULL) selects it. Callbacks as for td_list;
+ * keys get kcb (may be NULL). */
+typedef int (*td_key_cb)(const td_key_info *info, void *arg);
+int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
+            td_key_cb kcb, void *arg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TENSORD_H */

@@ -1,0 +1,393 @@
+/* tensorctl.c: the operator's view of tensord: ls, stat, info, rm, ping. */
+#include "tensord.h"
+
+#include <ctype.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int json;
+static int64_t now_ms;
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
+          "\n"
+          "commands:\n"
+          "  ls          every live storage: id, device, size, references,\n"
+          "              holders (pids), keys, age\n"
+          "  stat        totals: storages, bytes used / capacity, clients,\n"
+          "              keys, uptime, version\n"
+          "  info ID|KEY everything about one storage, with its published "
+          "views\n"
+          "  rm KEY      unpublish KEY\n"
+          "  ping        round trip to tensord\n"
+          "\n"
+          "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
+          "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
+          "                 /tmp/tensord-<uid>/tensord.sock)\n"
+          "  --json         one JSON document on stdout (see docs/cli.md)\n"
+          "\n"
+          "exit status: 0 ok, 1 error, 2 usage\n");
+}
+
+static char *human(uint64_t n, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)n;
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", n);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+  return buf;
+}
+
+static char *age(int64_t ms, char *buf, size_t len) {
+  int64_t s = ms < 0 ? 0 : ms / 1000;
+  if (s < 60)
+    snprintf(buf, len, "%" PRId64 "s", s);
+  else if (s < 3600)
+    snprintf(buf, len, "%" PRId64 "m%02" PRId64 "s", s / 60, s % 60);
+  else if (s < 86400)
+    snprintf(buf, len, "%" PRId64 "h%02" PRId64 "m", s / 3600, s / 60 % 60);
+  else
+    snprintf(buf, len, "%" PRId64 "d%02" PRId64 "h", s / 86400, s / 3600 % 24);
+  return buf;
+}
+
+static void json_str(const char *s) {
+  putchar('"');
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p == '"' || *p == '\\')
+      printf("\\%c", *p);
+    else if (*p < 0x20)
+      printf("\\u%04x", *p);
+    else
+      putchar(*p);
+  }
+  putchar('"');
+}
+
+static const char *device_name(td_device d) {
+  return d == TD_CUDA ? "cuda" : "cpu";
+}
+
+static void json_storage(const td_storage_info *s) {
+  printf("{\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
+         ",\"refs\":%u,\"owner_pid\":%d,\"owner_uid\":%u,"
+         "\"created_unix_ms\":%" PRId64 ",\"age_ms\":%" PRId64
+         ",\"holders\":[",
+         s->id, device_name(s->device), s->nbytes, s->refs, s->owner_pid,
+         s->owner_uid, s->created_unix_ms, now_ms - s->created_unix_ms);
+  for (size_t i = 0; i < s->nholders; i++)
+    printf("%s{\"pid\":%d,\"uid\":%u,\"refs\":%u}", i ? "," : "",
+           s->holders[i].pid, s->holders[i].uid, s->holders[i].refs);
+  printf("],\"keys\":[");
+  for (size_t i = 0; i < s->nkeys; i++) {
+    if (i)
+      putchar(',');
+    json_str(s->keys[i]);
+  }
+  printf("],\"nkeys\":%zu}", s->nkeys_total);
+}
+
+static void json_view(const td_view *v) {
+  const char *name = td_dtype_name(v->dtype);
+  printf("{\"dtype\":\"%s\",\"shape\":[", name ? name : "?");
+  for (int32_t i = 0; i < v->ndim; i++)
+    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
+  printf("],\"stride\":[");
+  for (int32_t i = 0; i < v->ndim; i++)
+    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
+  printf("],\"offset\":%" PRId64 "}", v->offset);
+}
+
+/* ---- ls ---- */
+
+typedef struct ls_state {
+  size_t n;
+} ls_state;
+
+static int ls_row(const td_storage_info *s, void *arg) {
+  ls_state *st = arg;
+  if (json) {
+    if (st->n)
+      putchar(',');
+    json_storage(s);
+    st->n++;
+    return 0;
+  }
+  char size[32], ag[32], holders[128] = "", keys[256] = "";
+  size_t hl = 0, kl = 0;
+  for (size_t i = 0; i < s->nholders; i++) {
+    int k = snprintf(holders + hl, sizeof(holders) - hl, "%s%d", i ? "," : "",
+                     s->holders[i].pid);
+    if (k < 0 || (size_t)k >= sizeof(holders) - hl) {
+      snprintf(holders + (hl > sizeof(holders) - 5 ? sizeof(holders) - 5 : hl),
+               5, ",...");
+      break;
+    }
+    hl += (size_t)k;
+  }
+  for (size_t i = 0; i < s->nkeys; i++) {
+    int k = snprintf(keys + kl, sizeof(keys) - kl, "%s%s", i ? "," : "",
+                     s->keys[i]);
+    if (k < 0 || (size_t)k >= sizeof(keys) - kl) {
+      kl = sizeof(keys) - 1;
+      break;
+    }
+    kl += (size_t)k;
+  }
+  if (s->nkeys_total > s->nkeys || kl >= sizeof(keys) - 1)
+    snprintf(keys + (kl > sizeof(keys) - 16 ? sizeof(keys) - 16 : kl), 16,
+             " (+%zu more)", s->nkeys_total - s->nkeys);
+  if (st->n++ == 0)
+    printf("%-8s %-6s %10s %5s %-20s %-24s %s\n", "ID", "DEVICE", "SIZE",
+           "REFS", "HOLDERS", "KEYS", "AGE");
+  printf("%-8" PRIu64 " %-6s %10s %5u %-20s %-24s %s\n", s->id,
+         device_name(s->device), human(s->nbytes, size, sizeof(size)), s->refs,
+         holders[0] ? holders : "-", keys[0] ? keys : "-",
+         age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+  return 0;
+}
+
+static int cmd_ls(td_client *c) {
+  ls_state st = {0};
+  if (json)
+    printf("{\"storages\":[");
+  int err = td_list(c, ls_row, &st);
+  if (json)
+    printf("],\"count\":%zu}\n", st.n);
+  else if (err == 0 && st.n == 0)
+    printf("no storages\n");
+  return err;
+}
+
+/* ---- stat ---- */
+
+static int cmd_stat(td_client *c) {
+  td_stat st;
+  int err = td_stat_get(c, &st);
+  if (err < 0)
+    return err;
+  char a[32], b[32], d[32], u[32];
+  if (json) {
+    printf("{\"storages\":%" PRIu64 ",\"bytes_used\":%" PRIu64
+           ",\"capacity\":%" PRIu64 ",\"shm_free\":%" PRIu64
+           ",\"clients\":%" PRIu64 ",\"keys\":%" PRIu64 ",\"waiters\":%" PRIu64
+           ",\"uptime_ms\":%" PRId64 ",\"pid\":%d,\"version\":",
+           st.storages, st.bytes_used, st.capacity, st.shm_free, st.clients,
+           st.keys, st.waiters, st.uptime_ms, st.pid);
+    json_str(st.version);
+    printf(",\"socket\":");
+    json_str(st.socket);
+    printf("}\n");
+    return 0;
+  }
+  printf("storages  %" PRIu64 "\n", st.storages);
+  printf("used      %s / %s (%.1f%%)\n", human(st.bytes_used, a, sizeof(a)),
+         human(st.capacity, b, sizeof(b)),
+         st.capacity ? 100.0 * (double)st.bytes_used / (double)st.capacity
+                     : 0.0);
+  printf("shm free  %s\n", human(st.shm_free, d, sizeof(d)));
+  printf("clients   %" PRIu64 "\n", st.clients);
+  printf("keys      %" PRIu64 "\n", st.keys);
+  printf("waiters   %" PRIu64 "\n", st.waiters);
+  printf("uptime    %s\n", age(st.uptime_ms, u, sizeof(u)));
+  printf("version   %s (pid %d)\n", st.version, st.pid);
+  printf("socket    %s\n", st.socket);
+  return 0;
+}
+
+/* ---- info ---- */
+
+typedef struct info_state {
+  size_t nkeys;
+} info_state;
+
+static int info_storage(const td_storage_info *s, void *arg) {
+  (void)arg;
+  if (json) {
+    printf("{\"storage\":");
+    json_storage(s);
+    printf(",\"views\":[");
+    return 0;
+  }
+  char size[32], ag[32];
+  printf("storage   %" PRIu64 "\n", s->id);
+  printf("device    %s\n", device_name(s->device));
+  printf("size      %s (%" PRIu64 " bytes)\n", human(s->nbytes, size,
+                                                    sizeof(size)), s->nbytes);
+  printf("refs      %u\n", s->refs);
+  printf("owner     pid %d, uid %u\n", s->owner_pid, s->owner_uid);
+  printf("age       %s\n", age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+  printf("holders  ");
+  if (s->nholders == 0)
+    printf(" -");
+  for (size_t i = 0; i < s->nholders; i++)
+    printf(" %d (uid %u, %u ref%s)%s", s->holders[i].pid, s->holders[i].uid,
+           s->holders[i].refs, s->holders[i].refs == 1 ? "" : "s",
+           i + 1 < s->nholders ? "," : "");
+  printf("\nkeys      %zu\n", s->nkeys_total);
+  return 0;
+}
+
+static int info_key(const td_key_info *k, void *arg) {
+  info_state *st = arg;
+  if (json) {
+    if (st->nkeys)
+      putchar(',');
+    printf("{\"key\":");
+    json_str(k->key);
+    printf(",\"view\":");
+    json_view(&k->view);
+    printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
+  } else {
+    char vb[600];
+    printf("  %s: %s\n", k->key, td_view_format(&k->view, vb, sizeof(vb)));
+  }
+  st->nkeys++;
+  return 0;
+}
+
+static int is_number(const char *s) {
+  if (*s == '\0')
+    return 0;
+  for (; *s; s++)
+    if (!isdigit((unsigned char)*s))
+      return 0;
+  return 1;
+}
+
+static int cmd_info(td_client *c, const char *arg) {
+  info_state st = {0};
+  int err;
+  if (is_number(arg)) {
+    uint64_t id = strtoull(arg, NULL, 10);
+    err = td_info(c, id, NULL, info_storage, info_key, &st);
+    if (err == TD_ENOENT) /* maybe a key made of digits */
+      err = td_info(c, 0, arg, info_storage, info_key, &st);
+  } else {
+    err = td_info(c, 0, arg, info_storage, info_key, &st);
+  }
+  if (err == 0 && json)
+    printf("]}\n");
+  return err;
+}
+
+static int cmd_rm(td_client *c, const char *key) {
+  int err = td_unpublish(c, key);
+  if (err == 0) {
+    if (json) {
+      printf("{\"removed\":");
+      json_str(key);
+      printf("}\n");
+    } else {
+      printf("removed '%s'\n", key);
+    }
+  }
+  return err;
+}
+
+static int cmd_ping(td_client *c) {
+  uint64_t rtt;
+  int err = td_ping(c, &rtt);
+  if (err < 0)
+    return err;
+  if (json)
+    printf("{\"rtt_us\":%.1f}\n", (double)rtt / 1000.0);
+  else
+    printf("tensord answered in %.1f us\n", (double)rtt / 1000.0);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"socket", required_argument, NULL, 's'},
+      {"json", no_argument, NULL, 'j'},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
+  const char *socket = NULL;
+  int ch;
+  while ((ch = getopt_long(argc, argv, "+s:jh", opts, NULL)) != -1) {
+    switch (ch) {
+    case 's':
+      socket = optarg;
+      break;
+    case 'j':
+      json = 1;
+      break;
+    case 'h':
+      usage(stdout);
+      return 0;
+    default:
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (optind >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[optind++];
+  /* Options may also follow the command: "tensorctl ls --json". */
+  const char *arg = NULL;
+  for (int i = optind; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) {
+      json = 1;
+    } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
+      socket = argv[++i];
+    } else if (arg == NULL) {
+      arg = argv[i];
+    } else {
+      fprintf(stderr, "tensorctl: unexpected argument '%s'\n", argv[i]);
+      return 2;
+    }
+  }
+  int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
+  int known = needs_arg || strcmp(cmd, "ls") == 0 ||
+              strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0;
+  if (!known) {
+    fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  if (needs_arg != (arg != NULL)) {
+    fprintf(stderr, "tensorctl %s: %s\n", cmd,
+            needs_arg ? "needs an argument" : "takes no argument");
+    return 2;
+  }
+
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  now_ms = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+
+  td_client *c;
+  int err = td_connect(socket, &c);
+  if (err < 0) {
+    fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
+    return 1;
+  }
+  if (strcmp(cmd, "ls") == 0)
+    err = cmd_ls(c);
+  else if (strcmp(cmd, "stat") == 0)
+    err = cmd_stat(c);
+  else if (strcmp(cmd, "info") == 0)
+    err = cmd_info(c, arg);
+  else if (strcmp(cmd, "rm") == 0)
+    err = cmd_rm(c, arg);
+  else
+    err = cmd_ping(c);
+  if (err < 0)
+    fprintf(stderr, "tensorctl %s: %s\n", cmd, td_last_error(c));
+  td_close(c);
+  return err < 0 ? 1 : 0;
+}

@@ -1,0 +1,17 @@
+# td_add_test(NAME SOURCES src... LIBS lib... LABELS label...)
+# One Criterion binary per module, registered with ctest under its labels.
+function(td_add_test name)
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE PkgConfig::CRITERION ${T_LIBS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests/lib)
+  target_compile_definitions(${name} PRIVATE
+    TENSORD_BIN="$<TARGET_FILE:tensord>"
+    TENSORCTL_BIN="$<TARGET_FILE:tensorctl>")
+  add_test(NAME ${name} COMMAND ${name} --jobs 2 --timeout 60)
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}"
+                       TIMEOUT ${T_TIMEOUT})
+endfunction()

@@ -1,0 +1,279 @@
+/* conn.c: one client connection: reading frames, queueing replies with their
+ * fds, back-pressure, and teardown. */
+#include "daemon.h"
+
+#include "tensord.pb-c.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* Past OUT_HIGH unsent bytes (or OUT_FDS_HIGH unsent fds) the daemon stops
+ * reading the client's requests until its output drains below the low marks:
+ * a client that does not read its replies stalls only itself. */
+#define OUT_HIGH (4u << 20)
+#define OUT_LOW (1u << 20)
+#define OUT_FDS_HIGH 256
+#define OUT_FDS_LOW 64
+/* recvmsg calls per wake-up, so that one busy client cannot starve others. */
+#define READ_BUDGET 8
+
+static void on_poll(uv_poll_t *h, int status, int events);
+
+static void update_events(td__conn *c) {
+  if (c->closing)
+    return;
+  size_t pending = td__wire_pending(&c->wire);
+  unsigned nfds = c->wire.out_nfds;
+  if (c->paused && pending <= OUT_LOW && nfds <= OUT_FDS_LOW) {
+    c->paused = 0;
+    td__debug("client %d: output drained, reading again", (int)c->hold.peer.pid);
+  } else if (!c->paused && (pending > OUT_HIGH || nfds > OUT_FDS_HIGH)) {
+    c->paused = 1;
+    td__debug("client %d: %zu bytes unread by the client, pausing its input",
+              (int)c->hold.peer.pid, pending);
+  }
+  int ev = (c->paused ? 0 : UV_READABLE) | (pending ? UV_WRITABLE : 0);
+  if (ev == c->events)
+    return;
+  c->events = ev;
+  if (ev)
+    uv_poll_start(&c->poll, ev, on_poll);
+  else
+    uv_poll_stop(&c->poll);
+}
+
+/* Sends what the socket takes now. Returns 0, or a negative code after
+ * closing the connection. */
+static int flush(td__conn *c) {
+  int err = td__wire_flush(&c->wire, MSG_DONTWAIT);
+  if (err == 0 || err == TD_EAGAIN)
+    return 0;
+  char why[96];
+  snprintf(why, sizeof(why), "write failed: %s", td_strerror(err));
+  td__conn_close(c, why);
+  return err;
+}
+
+int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
+  if (c->closing) {
+    if (fd >= 0)
+      close(fd);
+    return TD_ECONNRESET;
+  }
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *p = td__wire_reserve(&c->wire, len);
+  if (p == NULL) {
+    if (fd >= 0)
+      close(fd);
+    td__conn_close(c, "out of memory queueing a reply");
+    return TD_ENOMEM;
+  }
+  tensord__response__pack(r, p);
+  int err = td__wire_commit(&c->wire, len, &fd, fd >= 0 ? 1 : 0);
+  if (err < 0) {
+    td__conn_close(c, "out of memory queueing a reply");
+    return err;
+  }
+  if (!c->in_batch) {
+    err = flush(c);
+    update_events(c);
+  }
+  return err;
+}
+
+static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
+  Tensord__Error e = TENSORD__ERROR__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  e.code = code;
+  e.message = (char *)msg;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_ERROR;
+  r.error = &e;
+  td__debug("client %d: seq %llu: %s: %s", (int)c->hold.peer.pid,
+            (unsigned long long)seq, td_err_name(code), msg);
+  return td__conn_send(c, &r, -1);
+}
+
+int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  send_error(c, seq, code, msg);
+  return code;
+}
+
+/* Tells the client why, makes one attempt to send it, and hangs up. */
+static void protocol_error(td__conn *c, uint64_t seq, int code,
+                           const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  td__warn("client %d: protocol error: %s; closing its connection",
+           (int)c->hold.peer.pid, msg);
+  c->in_batch = 1; /* queue only; flushed once below */
+  send_error(c, seq, code, msg);
+  if (!c->closing)
+    td__wire_flush(&c->wire, MSG_DONTWAIT);
+  td__conn_close(c, "protocol error");
+}
+
+/* Handles every complete frame in the input. Returns -1 once the connection
+ * is closing. */
+static int process_frames(td__conn *c) {
+  td__frame f;
+  int r;
+  while ((r = td__wire_frame(&c->wire, &f)) == 1) {
+    Tensord__Request *req = tensord__request__unpack(NULL, f.len, f.data);
+    size_t len = f.len;
+    td__close_fds(f.fds, f.nfds);
+    td__wire_consume(&c->wire, &f);
+    if (req == NULL) {
+      protocol_error(c, 0, TD_EPROTO,
+                     "garbled frame: %zu bytes that do not decode as a "
+                     "Request",
+                     len);
+      return -1;
+    }
+    int err = td__dispatch(c, req);
+    tensord__request__free_unpacked(req, NULL);
+    if (c->closing)
+      return -1;
+    if (err < 0) {
+      c->in_batch = 0;
+      return -1;
+    }
+  }
+  if (r < 0) {
+    const uint8_t *h = c->wire.in + c->wire.in_off;
+    uint32_t len = (uint32_t)h[0] | (uint32_t)h[1] << 8 |
+                   (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    if (r == TD_EMSGSIZE)
+      protocol_error(c, 0, r, "frame of %u bytes exceeds the limit of %u",
+                     len, TD__FRAME_MAX);
+    else
+      protocol_error(c, 0, r,
+                     "garbled frame header %02x %02x %02x %02x %02x %02x %02x "
+                     "%02x",
+                     h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+    return -1;
+  }
+  return 0;
+}
+
+static void read_batch(td__conn *c) {
+  c->in_batch = 1;
+  for (int i = 0; i < READ_BUDGET && !c->paused; i++) {
+    ssize_t n = td__wire_recv(&c->wire, MSG_DONTWAIT);
+    if (c->wire.in_nfds > 0) {
+      unsigned nfds = c->wire.in_nfds;
+      td__close_fds(c->wire.in_fds, nfds);
+      c->wire.in_nfds = 0;
+      protocol_error(c, 0, TD_EPROTO,
+                     "client sent %u file descriptor(s); tensord accepts none",
+                     nfds);
+      return;
+    }
+    if (n == TD_EAGAIN)
+      break;
+    if (n == 0) {
+      td__conn_close(c, "disconnected");
+      return;
+    }
+    if (n < 0) {
+      char why[96];
+      snprintf(why, sizeof(why), "read failed: %s", td_strerror((int)n));
+      td__conn_close(c, why);
+      return;
+    }
+    if (process_frames(c) < 0)
+      return;
+    if (c->wire.short_read)
+      break; /* the socket is drained; skip the recvmsg that says EAGAIN */
+  }
+  c->in_batch = 0;
+  flush(c);
+}
+
+static void on_poll(uv_poll_t *h, int status, int events) {
+  td__conn *c = td__container_of(h, td__conn, poll);
+  if (status < 0) {
+    char why[96];
+    snprintf(why, sizeof(why), "poll failed: %s", uv_strerror(status));
+    td__conn_close(c, why);
+    return;
+  }
+  if ((events & UV_WRITABLE) && flush(c) < 0)
+    return;
+  if (events & UV_READABLE)
+    read_batch(c);
+  update_events(c);
+}
+
+int td__conn_accept(td__server *srv, int fd) {
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+    int err = -errno;
+    close(fd);
+    return err;
+  }
+  td__conn *c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    close(fd);
+    return TD_ENOMEM;
+  }
+  td__peer peer = {cred.pid, cred.uid, cred.gid};
+  c->srv = srv;
+  c->cid = ++srv->next_cid;
+  td__wire_init(&c->wire, fd);
+  td__holdings_init(&c->hold, &peer);
+  int err = uv_poll_init(srv->loop, &c->poll, fd);
+  if (err < 0) {
+    close(fd);
+    free(c);
+    return err;
+  }
+  c->next = srv->conns;
+  if (srv->conns)
+    srv->conns->prev = c;
+  srv->conns = c;
+  srv->nconns++;
+  update_events(c);
+  td__info("client %d (uid %u) connected", (int)peer.pid, (unsigned)peer.uid);
+  return 0;
+}
+
+static void on_closed(uv_handle_t *h) {
+  td__conn *c = td__container_of(h, td__conn, poll);
+  close(c->wire.fd);
+  free(c);
+}
+
+void td__conn_close(td__conn *c, const char *why) {
+  if (c->closing)
+    return;
+  c->closing = 1;
+  td__server *srv = c->srv;
+  td__info("client %d%s%s: %s; dropping its %llu reference(s)",
+           (int)c->hold.peer.pid, c->name[0] ? " " : "", c->name, why,
+           (unsigned long long)c->hold.nrefs);
+  td__ops_conn_gone(c);
+  td__holdings_clear(&srv->reg, &c->hold);
+  td__wire_free(&c->wire);
+  if (c->prev)
+    c->prev->next = c->next;
+  else
+    srv->conns = c->next;
+  if (c->next)
+    c->next->prev = c->prev;
+  srv->nconns--;
+  uv_close((uv_handle_t *)&c->poll, on_closed);
+}

@@ -1,0 +1,114 @@
+/* log.c: one line per event on stderr, and the small formatting helpers the
+ * daemon's messages share. */
+#include "daemon.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+int td__log_level = TD_LOG_INFO;
+
+static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+int td__log_level_parse(const char *s) {
+  for (int i = 0; i < 4; i++)
+    if (strcmp(s, level_names[i]) == 0)
+      return i;
+  return TD_EINVAL;
+}
+
+void td__log(int level, const char *fmt, ...) {
+  if (level > td__log_level)
+    return;
+  char line[1024];
+  struct timespec ts;
+  struct tm tm;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  localtime_r(&ts.tv_sec, &tm);
+  int n = snprintf(line, sizeof(line), "%02d:%02d:%02d.%03ld tensord[%d] %s: ",
+                   tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+                   (int)getpid(), level_names[level]);
+  va_list ap;
+  va_start(ap, fmt);
+  if (n > 0 && (size_t)n < sizeof(line))
+    vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+  va_end(ap);
+  /* One write per line, so lines of concurrent writers never interleave. */
+  size_t len = strnlen(line, sizeof(line) - 2);
+  line[len++] = '\n';
+  ssize_t w = write(STDERR_FILENO, line, len);
+  (void)w;
+}
+
+int64_t td__now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+char *td__human_bytes(uint64_t n, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)n;
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%llu B", (unsigned long long)n);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+  return buf;
+}
+
+int td__parse_size(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || errno != 0 || !(v >= 0) || isinf(v))
+    return TD_EINVAL;
+  while (isspace((unsigned char)*end))
+    end++;
+  double mult = 1;
+  switch (toupper((unsigned char)*end)) {
+  case '\0':
+    break;
+  case 'K':
+    mult = 1024.0;
+    break;
+  case 'M':
+    mult = 1024.0 * 1024;
+    break;
+  case 'G':
+    mult = 1024.0 * 1024 * 1024;
+    break;
+  case 'T':
+    mult = 1024.0 * 1024 * 1024 * 1024;
+    break;
+  case 'B':
+    break;
+  default:
+    return TD_EINVAL;
+  }
+  if (*end != '\0' && toupper((unsigned char)*end) != 'B') {
+    end++;
+    if (*end == 'i' || *end == 'I')
+      end++;
+    if (*end == 'B' || *end == 'b')
+      end++;
+  } else if (*end != '\0') {
+    end++;
+  }
+  if (*end != '\0')
+    return TD_EINVAL;
+  v *= mult;
+  if (v >= 18446744073709551615.0)
+    return TD_EINVAL;
+  *out = (uint64_t)v;
+  return 0;
+}

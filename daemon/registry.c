@@ -1,0 +1,332 @@
+/* registry.c: the bookkeeping of storages, per-connection references and
+ * keys. A storage lives exactly while its count of references is non-zero.
+ * Nothing here does I/O; the owner releases segments in free_fn. */
+#include "daemon.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int storage_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__storage, node)->id == *(const uint64_t *)key;
+}
+
+static int ref_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__ref, node)->storage->id ==
+         *(const uint64_t *)key;
+}
+
+typedef struct {
+  const char *s;
+  size_t len;
+} keyspan;
+
+static int key_eq(const td__hnode *n, const void *key) {
+  const td__key *k = td__container_of(n, td__key, node);
+  const keyspan *ks = key;
+  return k->len == ks->len && memcmp(k->name, ks->s, ks->len) == 0;
+}
+
+void td__registry_init(td__registry *r, uint64_t capacity,
+                       td__storage_free_fn fn, void *arg) {
+  memset(r, 0, sizeof(*r));
+  td__htab_init(&r->storages);
+  td__htab_init(&r->keys);
+  r->next_id = 1;
+  r->capacity = capacity;
+  r->free_fn = fn;
+  r->free_arg = arg;
+}
+
+/* Drops one reference of s; the last one unregisters it and hands it to
+ * free_fn. */
+static void storage_unref(td__registry *r, td__storage *s) {
+  if (--s->refs > 0)
+    return;
+  td__htab_remove(&r->storages, &s->node);
+  if (s->prev)
+    s->prev->next = s->next;
+  else
+    r->first = s->next;
+  if (s->next)
+    s->next->prev = s->prev;
+  else
+    r->last = s->prev;
+  r->bytes_used -= s->nbytes;
+  r->free_fn(s, r->free_arg);
+}
+
+void td__registry_drop_keys(td__registry *r) {
+  for (td__storage *s = r->first, *next; s != NULL; s = next) {
+    /* Removing s's last key may free s; take the next one first. A storage
+     * has at most its own keys, so s->next survives. */
+    next = s->next;
+    while (s->keys != NULL) {
+      td__key *k = s->keys;
+      int last = s->refs == 1;
+      td__key_remove(r, k);
+      if (last)
+        break;
+    }
+  }
+}
+
+void td__registry_free(td__registry *r) {
+  td__registry_drop_keys(r);
+  td__htab_free(&r->storages);
+  td__htab_free(&r->keys);
+}
+
+td__storage *td__storage_find(const td__registry *r, uint64_t id) {
+  td__hnode *n =
+      td__htab_find(&r->storages, td__hash_u64(id), storage_eq, &id);
+  return n ? td__container_of(n, td__storage, node) : NULL;
+}
+
+int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
+  s->refs = 0;
+  s->holders = NULL;
+  s->keys = NULL;
+  int err = td__htab_insert(&r->storages, &s->node, td__hash_u64(s->id));
+  if (err < 0)
+    return err;
+  err = td__ref_add(r, h, s, 0, NULL);
+  if (err < 0) {
+    td__htab_remove(&r->storages, &s->node);
+    return err;
+  }
+  /* Ids only grow, so appending keeps the list in id order. */
+  s->prev = r->last;
+  s->next = NULL;
+  if (r->last)
+    r->last->next = s;
+  else
+    r->first = s;
+  r->last = s;
+  r->bytes_used += s->nbytes;
+  return 0;
+}
+
+td__storage *td__storage_after(const td__registry *r, uint64_t after_id) {
+  if (after_id == 0)
+    return r->first;
+  td__storage *s = td__storage_find(r, after_id);
+  if (s != NULL)
+    return s->next;
+  /* after_id is gone: walk from whichever end is nearer by id. */
+  if (r->last == NULL || r->last->id <= after_id)
+    return NULL;
+  if (after_id - r->first->id < r->last->id - after_id) {
+    for (s = r->first; s && s->id <= after_id; s = s->next)
+      ;
+    return s;
+  }
+  for (s = r->last; s->prev && s->prev->id > after_id; s = s->prev)
+    ;
+  return s;
+}
+
+void td__holdings_init(td__holdings *h, const td__peer *peer) {
+  td__htab_init(&h->refs);
+  h->peer = *peer;
+  h->nrefs = 0;
+}
+
+td__ref *td__ref_find(const td__holdings *h, uint64_t id) {
+  td__hnode *n = td__htab_find(&h->refs, td__hash_u64(id), ref_eq, &id);
+  return n ? td__container_of(n, td__ref, node) : NULL;
+}
+
+int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
+                uint32_t *had) {
+  td__ref *ref = td__ref_find(h, s->id);
+  if (ref == NULL) {
+    ref = calloc(1, sizeof(*ref));
+    if (ref == NULL)
+      return TD_ENOMEM;
+    ref->storage = s;
+    ref->peer = &h->peer;
+    if (td__htab_insert(&h->refs, &ref->node, td__hash_u64(s->id)) < 0) {
+      free(ref);
+      return TD_ENOMEM;
+    }
+    if (h->nrefs == 0)
+      r->nholdings++;
+    ref->snext = s->holders;
+    if (s->holders)
+      s->holders->sprev = ref;
+    s->holders = ref;
+  }
+  uint32_t *count = ro ? &ref->ro : &ref->rw;
+  if (had)
+    *had = *count;
+  (*count)++;
+  h->nrefs++;
+  s->refs++;
+  return 0;
+}
+
+/* Unlinks ref from its storage and its holdings and frees it. */
+static void ref_free(td__registry *r, td__holdings *h, td__ref *ref) {
+  td__storage *s = ref->storage;
+  td__htab_remove(&h->refs, &ref->node);
+  if (ref->sprev)
+    ref->sprev->snext = ref->snext;
+  else
+    s->holders = ref->snext;
+  if (ref->snext)
+    ref->snext->sprev = ref->sprev;
+  free(ref);
+  if (h->nrefs == 0)
+    r->nholdings--;
+}
+
+int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
+                 uint32_t count) {
+  td__ref *ref = td__ref_find(h, id);
+  if (ref == NULL || count == 0)
+    return TD_ENOENT;
+  uint32_t *held = ro ? &ref->ro : &ref->rw;
+  if (*held < count)
+    return TD_ENOENT;
+  td__storage *s = ref->storage;
+  *held -= count;
+  h->nrefs -= count;
+  if (ref->rw == 0 && ref->ro == 0)
+    ref_free(r, h, ref);
+  /* Keep s registered until the last of these drops. */
+  s->refs -= count - 1;
+  storage_unref(r, s);
+  return 0;
+}
+
+void td__holdings_clear(td__registry *r, td__holdings *h) {
+  while (h->refs.count > 0) {
+    td__ref *ref = NULL;
+    for (size_t i = 0; i < h->refs.nbuckets && ref == NULL; i++)
+      if (h->refs.buckets[i])
+        ref = td__container_of(h->refs.buckets[i], td__ref, node);
+    uint32_t n = ref->rw + ref->ro;
+    td__storage *s = ref->storage;
+    h->nrefs -= n;
+    ref_free(r, h, ref);
+    s->refs -= n - 1;
+    storage_unref(r, s);
+  }
+  td__htab_free(&h->refs);
+}
+
+td__key *td__key_find(const td__registry *r, const char *key, size_t len) {
+  keyspan ks = {key, len};
+  td__hnode *n = td__htab_find(&r->keys, td__hash_bytes(key, len), key_eq, &ks);
+  return n ? td__container_of(n, td__key, node) : NULL;
+}
+
+static void key_link(td__storage *s, td__key *k) {
+  k->storage = s;
+  k->sprev = NULL;
+  k->snext = s->keys;
+  if (s->keys)
+    s->keys->sprev = k;
+  s->keys = k;
+  s->refs++;
+}
+
+static void key_unlink(td__key *k) {
+  td__storage *s = k->storage;
+  if (k->sprev)
+    k->sprev->snext = k->snext;
+  else
+    s->keys = k->snext;
+  if (k->snext)
+    k->snext->sprev = k->sprev;
+}
+
+int td__key_publish(td__registry *r, const char *key, size_t len,
+                    td__storage *s, const td_view *view, td__key **out) {
+  td__key *k = td__key_find(r, key, len);
+  if (k != NULL) {
+    /* Replace in place: the new storage gains its reference before the old
+     * one loses its, so publishing a key onto itself frees nothing. */
+    td__storage *old = k->storage;
+    key_unlink(k);
+    key_link(s, k);
+    k->view = *view;
+    k->published_ms = td__now_ms();
+    storage_unref(r, old);
+    *out = k;
+    return 0;
+  }
+  k = malloc(sizeof(*k) + len + 1);
+  if (k == NULL)
+    return TD_ENOMEM;
+  memcpy(k->name, key, len);
+  k->name[len] = '\0';
+  k->len = len;
+  if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
+    free(k);
+    return TD_ENOMEM;
+  }
+  key_link(s, k);
+  k->view = *view;
+  k->published_ms = td__now_ms();
+  *out = k;
+  return 0;
+}
+
+void td__key_remove(td__registry *r, td__key *k) {
+  td__storage *s = k->storage;
+  td__htab_remove(&r->keys, &k->node);
+  key_unlink(k);
+  free(k);
+  storage_unref(r, s);
+}
+
+int td__key_validate(const char *key, size_t len, char *msg, size_t msglen) {
+  if (len == 0)
+    return td__msg(msg, msglen, TD_EINVAL, "empty key");
+  if (len > TD_KEY_MAX)
+    return td__msg(msg, msglen, TD_EINVAL,
+                   "key of %zu bytes: longer than %d bytes", len, TD_KEY_MAX);
+  const unsigned char *p = (const unsigned char *)key;
+  for (size_t i = 0; i < len;) {
+    unsigned c = p[i];
+    size_t n;
+    uint32_t cp;
+    if (c == 0)
+      return td__msg(msg, msglen, TD_EINVAL, "key contains NUL at byte %zu",
+                     i);
+    if (c < 0x80) {
+      i++;
+      continue;
+    } else if ((c & 0xe0) == 0xc0) {
+      n = 2;
+      cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      n = 3;
+      cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      n = 4;
+      cp = c & 0x07;
+    } else {
+      goto bad;
+    }
+    if (i + n > len)
+      goto bad;
+    for (size_t j = 1; j < n; j++) {
+      if ((p[i + j] & 0xc0) != 0x80)
+        goto bad;
+      cp = cp << 6 | (p[i + j] & 0x3f);
+    }
+    /* Overlong forms, surrogates and code points past U+10FFFF. */
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) ||
+        (n == 4 && cp < 0x10000) || cp > 0x10ffff ||
+        (cp >= 0xd800 && cp <= 0xdfff))
+      goto bad;
+    i += n;
+    continue;
+  bad:
+    return td__msg(msg, msglen, TD_EINVAL, "key is not valid UTF-8 at byte %zu",
+                   i);
+  }
+  return 0;
+}

@@ -1,0 +1,274 @@
+/* server.c: the listening socket (bound or inherited from systemd), accepting
+ * clients, readiness notification, and orderly shutdown. */
+#include "daemon.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define SD_LISTEN_FDS_START 3
+#define ACCEPT_RETRY_MS 100
+
+static void on_accept(uv_poll_t *h, int status, int events);
+
+static void accept_resume(uv_timer_t *t) {
+  td__server *srv = td__container_of(t, td__server, accept_timer);
+  if (!srv->stopping)
+    uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+}
+
+static void on_accept(uv_poll_t *h, int status, int events) {
+  td__server *srv = td__container_of(h, td__server, listen_poll);
+  for (int i = 0; i < 64; i++) {
+    int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED)
+        continue;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+          errno == ENOMEM) {
+        /* Level-triggered poll would spin: stop accepting for a moment. */
+        td__error("accept: %s; pausing new connections for %d ms",
+                  strerror(errno), ACCEPT_RETRY_MS);
+        uv_poll_stop(&srv->listen_poll);
+        uv_timer_start(&srv->accept_timer, accept_resume, ACCEPT_RETRY_MS, 0);
+      } else if (errno != EAGAIN) {
+        td__error("accept: %s", strerror(errno));
+      }
+      return;
+    }
+    int err = td__conn_accept(srv, fd);
+    if (err < 0)
+      td__error("accepting a client: %s", td_strerror(err));
+  }
+}
+
+/* Makes the directory of the default socket path, mode 0700, and refuses one
+ * that someone else owns or others can enter. */
+static int make_socket_dir(const char *path) {
+  char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  snprintf(dir, sizeof(dir), "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == NULL || slash == dir)
+    return 0;
+  *slash = '\0';
+  if (mkdir(dir, 0700) == 0)
+    return 0;
+  if (errno != EEXIST) {
+    td__error("cannot create socket directory %s: %s", dir, strerror(errno));
+    return -errno;
+  }
+  return 0;
+}
+
+/* Unlinks path if it is a socket nobody listens on. */
+static int clear_stale_socket(const char *path) {
+  struct stat st;
+  if (lstat(path, &st) < 0)
+    return 0;
+  if (!S_ISSOCK(st.st_mode)) {
+    td__error("%s exists and is not a socket; not touching it", path);
+    return TD_EBUSY;
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  int live = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+  close(fd);
+  if (live) {
+    td__error("another tensord is already listening on %s", path);
+    return TD_EBUSY;
+  }
+  unlink(path);
+  return 0;
+}
+
+static int bind_socket(td__server *srv, const char *path) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof(sa.sun_path)) {
+    td__error("socket path %s is longer than %zu bytes", path,
+              sizeof(sa.sun_path) - 1);
+    return TD_ENAMETOOLONG;
+  }
+  int err = make_socket_dir(path);
+  if (err < 0)
+    return err;
+  err = clear_stale_socket(path);
+  if (err < 0)
+    return err;
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+      listen(fd, SOMAXCONN) < 0) {
+    err = -errno;
+    td__error("cannot listen on %s: %s", path, strerror(errno));
+    close(fd);
+    return err;
+  }
+  srv->listen_fd = fd;
+  srv->own_socket = 1;
+  snprintf(srv->socket_path, sizeof(srv->socket_path), "%s", path);
+  return 0;
+}
+
+/* Adopts the listening socket systemd passed (LISTEN_FDS), if any. Returns
+ * 1 if it did, 0 if there is none, or a negative code. */
+static int adopt_socket(td__server *srv) {
+  const char *pid = getenv("LISTEN_PID");
+  const char *fds = getenv("LISTEN_FDS");
+  if (pid == NULL || fds == NULL || atol(pid) != (long)getpid())
+    return 0;
+  int n = atoi(fds);
+  unsetenv("LISTEN_PID");
+  unsetenv("LISTEN_FDS");
+  unsetenv("LISTEN_FDNAMES");
+  if (n < 1)
+    return 0;
+  if (n > 1)
+    td__warn("LISTEN_FDS=%d: using fd %d, ignoring the rest", n,
+             SD_LISTEN_FDS_START);
+  int fd = SD_LISTEN_FDS_START;
+  int accepting = 0, type = 0;
+  socklen_t len = sizeof(int);
+  struct sockaddr_un sa;
+  socklen_t salen = sizeof(sa);
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) < 0 ||
+      getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 ||
+      getsockname(fd, (struct sockaddr *)&sa, &salen) < 0 ||
+      sa.sun_family != AF_UNIX || type != SOCK_STREAM || !accepting) {
+    td__error("inherited fd %d is not a listening Unix stream socket", fd);
+    return TD_EINVAL;
+  }
+  fcntl(fd, F_SETFD, FD_CLOEXEC);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  srv->listen_fd = fd;
+  srv->own_socket = 0;
+  snprintf(srv->socket_path, sizeof(srv->socket_path), "%s", sa.sun_path);
+  return 1;
+}
+
+/* Tells systemd (or whoever set NOTIFY_SOCKET) our state. */
+static void sd_notify_state(const char *state) {
+  const char *path = getenv("NOTIFY_SOCKET");
+  if (path == NULL || (path[0] != '/' && path[0] != '@'))
+    return;
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  size_t len = strlen(path);
+  if (len >= sizeof(sa.sun_path))
+    return;
+  memcpy(sa.sun_path, path, len);
+  if (sa.sun_path[0] == '@')
+    sa.sun_path[0] = '\0';
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return;
+  char msg[128];
+  int n = snprintf(msg, sizeof(msg), "%s\nMAINPID=%d", state, (int)getpid());
+  if (sendto(fd, msg, (size_t)n, MSG_NOSIGNAL, (struct sockaddr *)&sa,
+             (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
+    td__warn("notifying %s: %s", path, strerror(errno));
+  close(fd);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  td__server *srv = h->data;
+  td__info("%s: shutting down", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  td__server_stop(srv);
+}
+
+int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
+  memset(srv, 0, sizeof(*srv));
+  srv->loop = loop;
+  srv->listen_fd = -1;
+  srv->start_ms = td__now_ms();
+  td__htab_init(&srv->waitqs);
+  if (getrandom(&srv->instance, sizeof(srv->instance), 0) !=
+      sizeof(srv->instance))
+    srv->instance = (uint64_t)getpid() << 32 ^ (uint64_t)srv->start_ms;
+  /* Names no other instance can produce: its own random instance id. */
+  snprintf(srv->prefix, sizeof(srv->prefix), "/tensord.%016llx.",
+           (unsigned long long)srv->instance);
+
+  uint64_t shm_free = 0, shm_total = 0;
+  td__shm_space(&shm_free, &shm_total);
+  uint64_t capacity = o->capacity ? o->capacity : shm_total / 2;
+  char a[32], b[32];
+  if (o->capacity && o->capacity > shm_total)
+    td__warn("--capacity %s is more than /dev/shm holds (%s); creates will "
+             "fail with ENOSPC before they reach it",
+             td__human_bytes(o->capacity, a, sizeof(a)),
+             td__human_bytes(shm_total, b, sizeof(b)));
+  td__registry_init(&srv->reg, capacity, td__storage_gone, srv);
+
+  int err = adopt_socket(srv);
+  if (err == 0) {
+    char path[sizeof(srv->socket_path)];
+    const char *p = o->socket_path;
+    if (p == NULL) {
+      err = td_default_socket_path(path, sizeof(path));
+      if (err < 0) {
+        td__error("default socket path too long");
+        return err;
+      }
+      p = path;
+    }
+    err = bind_socket(srv, p);
+  }
+  if (err < 0)
+    return err;
+
+  uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
+  uv_timer_init(loop, &srv->accept_timer);
+  uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+  uv_signal_init(loop, &srv->sigint);
+  uv_signal_init(loop, &srv->sigterm);
+  srv->sigint.data = srv->sigterm.data = srv;
+  uv_signal_start(&srv->sigint, on_signal, SIGINT);
+  uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
+
+  td__info("tensord %s listening on %s%s (capacity %s, pid %d, instance "
+           "%016llx)",
+           TD_VERSION_STRING, srv->socket_path,
+           srv->own_socket ? "" : " (inherited)",
+           td__human_bytes(capacity, a, sizeof(a)), (int)getpid(),
+           (unsigned long long)srv->instance);
+  sd_notify_state("READY=1");
+  return 0;
+}
+
+static void on_listen_closed(uv_handle_t *h) {
+  td__server *srv = td__container_of((uv_poll_t *)h, td__server, listen_poll);
+  close(srv->listen_fd);
+  srv->listen_fd = -1;
+}
+
+void td__server_stop(td__server *srv) {
+  if (srv->stopping)
+    return;
+  srv->stopping = 1;
+  sd_notify_state("STOPPING=1");
+  uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
+  uv_close((uv_handle_t *)&srv->accept_timer, NULL);
+  uv_close((uv_handle_t *)&srv->sigint, NULL);
+  uv_close((uv_handle_t *)&srv->sigterm, NULL);
+  if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
+    td__warn("unlink(%s): %s", srv->socket_path, strerror(errno));
+  uint64_t n = srv->nconns;
+  while (srv->conns != NULL)
+    td__conn_close(srv->conns, "tensord is stopping");
+  uint64_t storages = srv->reg.storages.count;
+  td__registry_free(&srv->reg);
+  td__htab_free(&srv->waitqs);
+  td__info("closed %llu client(s), released %llu storage(s)",
+           (unsigned long long)n, (unsigned long long)storages);
+}

@@ -1,0 +1,28 @@
+/* errors.c: names and descriptions of the TD_E* codes. */
+#include "tensord.h"
+
+const char *td_strerror(int err) {
+  switch (err) {
+  case 0:
+    return "success";
+#define XX(name, code, msg)                                                    \
+  case code:                                                                   \
+    return msg;
+    TD_ERRNO_MAP(XX)
+#undef XX
+  }
+  return "unknown error";
+}
+
+const char *td_err_name(int err) {
+  switch (err) {
+  case 0:
+    return "OK";
+#define XX(name, code, _)                                                      \
+  case code:                                                                   \
+    return #name;
+    TD_ERRNO_MAP(XX)
+#undef XX
+  }
+  return "EUNKNOWN";
+}

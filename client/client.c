@@ -725,6 +725,7 @@ int td_stat_get(td_client *c, td_stat *out) {
   out->waiters = st->waiters;
   out->uptime_ms = st->uptime_ms;
   out->pid = st->pid;
+  out->instance = st->instance;
   snprintf(out->version, sizeof(out->version), "%s", st->version);
   snprintf(out->socket, sizeof(out->socket), "%s", st->socket);
   tensord__response__free_unpacked(r, NULL);

@@ -761,6 +761,7 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.waiters = srv->nwaiters;
   st.uptime_ms = td__now_ms() - srv->start_ms;
   st.pid = (int32_t)getpid();
+  st.instance = srv->instance;
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;
   r.seq = seq;

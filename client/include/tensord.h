@@ -221,6 +221,7 @@ typedef struct td_stat {
   uint64_t waiters;
   int64_t uptime_ms;
   int32_t pid;
+  uint64_t instance; /* segments are /dev/shm/tensord.<instance, %016x>.<id> */
   char version[32];
   char socket[256];
 } td_stat;

@@ -1,0 +1,297 @@
+/* harness.c: starts and stops a real tensord for integration tests. */
+#include "harness.h"
+
+#include "tensord.pb-c.h"
+#include "wire.h"
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+
+int tdt_open_fds(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/fd");
+  if (d == NULL)
+    return -1;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  return n - 1; /* the directory's own fd */
+}
+
+static void make_dir(tdt_daemon *d) {
+  memset(d, 0, sizeof(*d));
+  d->fds_before = tdt_open_fds();
+  snprintf(d->dir, sizeof(d->dir), "/tmp/tensord-test.XXXXXX");
+  cr_assert_not_null(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+  snprintf(d->sock, sizeof(d->sock), "%.60s/tensord.sock", d->dir);
+  snprintf(d->log, sizeof(d->log), "%s/tensord.log", d->dir);
+}
+
+/* Opens the datagram socket tensord reports READY=1 on. */
+static int notify_socket(const tdt_daemon *d, char *path, size_t len) {
+  snprintf(path, len, "%.60s/notify.sock", d->dir);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%.100s", path);
+  cr_assert(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
+            "notify socket: %s", strerror(errno));
+  return fd;
+}
+
+static void dump_log(const tdt_daemon *d) {
+  FILE *f = fopen(d->log, "r");
+  if (f == NULL)
+    return;
+  char line[1024];
+  fprintf(stderr, "---- %s ----\n", d->log);
+  while (fgets(line, sizeof(line), f))
+    fputs(line, stderr);
+  fclose(f);
+}
+
+/* Waits for READY=1 on nfd, then learns the instance. */
+static void wait_ready(tdt_daemon *d, int nfd) {
+  struct pollfd p = {nfd, POLLIN, 0};
+  int r = poll(&p, 1, 10000);
+  if (r != 1)
+    dump_log(d);
+  cr_assert_eq(r, 1, "tensord did not report READY=1 within 10 s");
+  char buf[256] = "";
+  ssize_t n = recv(nfd, buf, sizeof(buf) - 1, 0);
+  cr_assert(n > 0 && strstr(buf, "READY=1") != NULL, "notify said '%s'", buf);
+  close(nfd);
+  td_client *c = tdt_connect(d);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
+  d->instance = st.instance;
+  td_close(c);
+}
+
+static void exec_daemon(const tdt_daemon *d, const char *notify,
+                        const char *const *args, int inherited) {
+  int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (log < 0 || dup2(log, STDERR_FILENO) < 0)
+    _exit(126);
+  setenv("NOTIFY_SOCKET", notify, 1);
+  const char *argv[32];
+  int n = 0;
+  argv[n++] = TENSORD_BIN;
+  if (!inherited) {
+    argv[n++] = "--socket";
+    argv[n++] = d->sock;
+  }
+  argv[n++] = "--log-level";
+  argv[n++] = "debug";
+  for (int i = 0; args && args[i] && n < 31; i++)
+    argv[n++] = args[i];
+  argv[n] = NULL;
+  execv(TENSORD_BIN, (char *const *)argv);
+  _exit(127);
+}
+
+void tdt_start(tdt_daemon *d, const char *const *args) {
+  make_dir(d);
+  char notify[100];
+  int nfd = notify_socket(d, notify, sizeof(notify));
+  d->pid = fork();
+  cr_assert(d->pid >= 0);
+  if (d->pid == 0)
+    exec_daemon(d, notify, args, 0);
+  wait_ready(d, nfd);
+}
+
+void tdt_start_inherited(tdt_daemon *d) {
+  make_dir(d);
+  char notify[100];
+  int nfd = notify_socket(d, notify, sizeof(notify));
+  int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%.100s", d->sock);
+  cr_assert(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+            listen(lfd, 16) == 0);
+  d->pid = fork();
+  cr_assert(d->pid >= 0);
+  if (d->pid == 0) {
+    if (dup2(lfd, 3) < 0) /* dup2 clears FD_CLOEXEC on fd 3 */
+      _exit(126);
+    char pid[32];
+    snprintf(pid, sizeof(pid), "%d", (int)getpid());
+    setenv("LISTEN_PID", pid, 1);
+    setenv("LISTEN_FDS", "1", 1);
+    exec_daemon(d, notify, NULL, 1);
+  }
+  close(lfd);
+  wait_ready(d, nfd);
+}
+
+int tdt_segments(const tdt_daemon *d) {
+  char prefix[64];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)d->instance);
+  DIR *dir = opendir("/dev/shm");
+  cr_assert_not_null(dir);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL)
+    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0)
+      n++;
+  closedir(dir);
+  return n;
+}
+
+int tdt_no_segments(const tdt_daemon *d) { return tdt_segments(d) == 0; }
+
+uint64_t tdt_storages(const tdt_daemon *d) {
+  td_client *c = tdt_connect(d);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
+  td_close(c);
+  return st.storages;
+}
+
+int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
+              int timeout_ms) {
+  struct timespec ts = {0, 2 * 1000 * 1000};
+  for (int waited = 0;; waited += 2) {
+    if (pred(d))
+      return 1;
+    if (waited >= timeout_ms)
+      return pred(d);
+    nanosleep(&ts, NULL);
+  }
+}
+
+static void remove_dir(tdt_daemon *d) {
+  char path[330];
+  DIR *dir = opendir(d->dir);
+  if (dir != NULL) {
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+      if (e->d_name[0] == '.')
+        continue;
+      snprintf(path, sizeof(path), "%s/%s", d->dir, e->d_name);
+      unlink(path);
+    }
+    closedir(dir);
+  }
+  rmdir(d->dir);
+}
+
+void tdt_stop(tdt_daemon *d) {
+  cr_assert_eq(kill(d->pid, SIGTERM), 0);
+  int status = tdt_wait(d->pid);
+  d->pid = 0;
+  if (status != 0)
+    dump_log(d);
+  cr_assert_eq(status, 0, "tensord exited with %d", status);
+  int left = tdt_segments(d);
+  struct stat st;
+  int sock_left = stat(d->sock, &st) == 0;
+  int fds = tdt_open_fds();
+  remove_dir(d);
+  cr_assert_eq(left, 0, "%d segment(s) of this tensord left in /dev/shm", left);
+  cr_assert_not(sock_left, "tensord left its socket %s", d->sock);
+  cr_assert_eq(fds, d->fds_before, "the test leaked %d fd(s)",
+               fds - d->fds_before);
+}
+
+void tdt_kill(tdt_daemon *d) {
+  if (d->pid > 0) {
+    kill(d->pid, SIGKILL);
+    tdt_wait(d->pid);
+    d->pid = 0;
+  }
+  char prefix[64], path[320];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)d->instance);
+  DIR *dir = opendir("/dev/shm");
+  struct dirent *e;
+  while (dir && (e = readdir(dir)) != NULL) {
+    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) {
+      snprintf(path, sizeof(path), "/dev/shm/%s", e->d_name);
+      unlink(path);
+    }
+  }
+  if (dir)
+    closedir(dir);
+  remove_dir(d);
+}
+
+td_client *tdt_connect(const tdt_daemon *d) {
+  td_client *c = NULL;
+  int err = td_connect(d->sock, &c);
+  cr_assert_eq(err, 0, "td_connect(%s): %s", d->sock, td_last_error(NULL));
+  return c;
+}
+
+int tdt_log_has(const tdt_daemon *d, const char *needle) {
+  FILE *f = fopen(d->log, "r");
+  if (f == NULL)
+    return 0;
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof(line), f))
+    found = strstr(line, needle) != NULL;
+  fclose(f);
+  return found;
+}
+
+pid_t tdt_fork(int (*fn)(void *), void *arg) {
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert(pid >= 0, "fork: %s", strerror(errno));
+  if (pid == 0)
+    _exit(fn(arg));
+  return pid;
+}
+
+int tdt_wait(pid_t pid) {
+  int status;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR)
+      return -1;
+  if (WIFEXITED(status))
+    return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+int tdt_raw_connect(const tdt_daemon *d, int hello) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%.100s", d->sock);
+  cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+  if (hello) {
+    Tensord__Hello h = TENSORD__HELLO__INIT;
+    Tensord__Request r = TENSORD__REQUEST__INIT;
+    h.version = TD_PROTOCOL_VERSION;
+    r.seq = 1;
+    r.body_case = TENSORD__REQUEST__BODY_HELLO;
+    r.hello = &h;
+    td__wire w;
+    td__wire_init(&w, fd);
+    uint8_t *p = td__wire_reserve(&w, tensord__request__get_packed_size(&r));
+    tensord__request__pack(&r, p);
+    td__wire_commit(&w, tensord__request__get_packed_size(&r), NULL, 0);
+    cr_assert_eq(td__wire_flush(&w, 0), 0);
+    td__frame f;
+    int got;
+    while ((got = td__wire_frame(&w, &f)) == 0)
+      cr_assert(td__wire_recv(&w, 0) > 0, "no Hello reply");
+    cr_assert_eq(got, 1);
+    td__wire_consume(&w, &f);
+    td__wire_free(&w);
+  }
+  return fd;
+}

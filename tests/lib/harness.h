@@ -1,0 +1,68 @@
+/* harness.h: a real tensord on a temporary socket, forked clients, and the
+ * leak checks every integration test ends with. */
+#ifndef TD_TEST_HARNESS_H
+#define TD_TEST_HARNESS_H
+
+#include "tensord.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+typedef struct tdt_daemon {
+  pid_t pid;
+  char dir[64];   /* /tmp/tensord-test.XXXXXX */
+  char sock[108]; /* dir/tensord.sock */
+  char log[128];  /* dir/tensord.log: the daemon's stderr */
+  uint64_t instance;
+  int fds_before; /* the test process's open fds before the daemon */
+} tdt_daemon;
+
+/* Starts tensord on a fresh socket with extra arguments (NULL-terminated, may
+ * be NULL) and waits for its READY=1; asserts on failure. */
+void tdt_start(tdt_daemon *d, const char *const *args);
+/* Like tdt_start, but hands tensord an already listening socket the way
+ * systemd does (LISTEN_FDS=1, LISTEN_PID, fd 3). */
+void tdt_start_inherited(tdt_daemon *d);
+/* Stops tensord with SIGTERM and asserts: it exits 0, leaves none of its
+ * segments in /dev/shm, removes its socket, and the test leaked no fd. */
+void tdt_stop(tdt_daemon *d);
+/* Kills tensord with SIGKILL (no checks); removes what it leaves. */
+void tdt_kill(tdt_daemon *d);
+
+/* Connects to d; asserts. */
+td_client *tdt_connect(const tdt_daemon *d);
+/* Segments of d's instance in /dev/shm now. */
+int tdt_segments(const tdt_daemon *d);
+/* Storages d has now (asserts the stat call works). */
+uint64_t tdt_storages(const tdt_daemon *d);
+/* Polls pred until it is true or timeout_ms passes; returns pred's last. */
+int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
+              int timeout_ms);
+int tdt_no_segments(const tdt_daemon *d);
+int tdt_open_fds(void);
+/* Whether d's log contains needle. */
+int tdt_log_has(const tdt_daemon *d, const char *needle);
+
+/* Forks a child that runs fn(arg) and exits with its return value (0 for
+ * success); returns the child's pid. Use CHECK in fn, not cr_assert. */
+pid_t tdt_fork(int (*fn)(void *), void *arg);
+/* Waits for pid; returns its exit status, or 128 + the signal that ended
+ * it. */
+int tdt_wait(pid_t pid);
+
+/* Inside a forked child: on failure, say where and return 1. */
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "%s:%d: child check failed: %s\n", __FILE__, __LINE__,   \
+              #cond);                                                          \
+      return 1;                                                                \
+    }                                                                          \
+  } while (0)
+
+/* A raw connection that has said Hello, for sending hand-made frames. */
+int tdt_raw_connect(const tdt_daemon *d, int hello);
+
+#endif /* TD_TEST_HARNESS_H */

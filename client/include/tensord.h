@@ -124,6 +124,9 @@ int64_t td_view_numel(const td_view *v);
 /* Formats v as "float32[4, 3] stride (3, 1) offset 0" into buf; returns buf. */
 char *td_view_format(const td_view *v, char *buf, size_t len);
 
+/* ---- view algebra (docs/views.md) ---- */
+/* ---- end of view algebra ---- */
+
 /* Clients and storages. */
 typedef struct td_client td_client;
 typedef struct td_storage td_storage;

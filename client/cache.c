@@ -53,8 +53,8 @@ static int meq(const td__hnode *n, const void *key) {
          m->readonly == k->readonly;
 }
 
-int td__map_acquire(uint64_t instance, uint64_t id, int readonly,
-                    size_t nbytes, int fd, td__mapping **out) {
+int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
+                    int fd, td__mapping **out) {
   pthread_once(&once, cache_init);
   mkey k = {instance, id, readonly};
   uint64_t h = mhash(&k);
@@ -116,7 +116,9 @@ void td__map_release(td__mapping *m) {
   pthread_mutex_unlock(&mu);
 }
 
-void *td__map_addr(const td__mapping *m) { return m->addr; }
+void *td__map_addr(const td__mapping *m) {
+  return m->addr;
+}
 
 size_t td__map_count(void) {
   pthread_once(&once, cache_init);

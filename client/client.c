@@ -183,7 +183,8 @@ static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
   pthread_mutex_lock(&c->mu);
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
-    return fail(c, TD_ENOTCONN, "%s: client is closed", body_name(req->body_case));
+    return fail(c, TD_ENOTCONN, "%s: client is closed",
+                body_name(req->body_case));
   }
   req->seq = p.seq = ++c->next_seq;
   err = send_locked(c, req);
@@ -279,8 +280,10 @@ int td_connect(const char *socket_path, td_client **out) {
       return fail(NULL, TD_ENAMETOOLONG, "default socket path too long");
   } else if (snprintf(path, sizeof(path), "%s", socket_path) >=
              (int)sizeof(path)) {
-    return fail(NULL, TD_ENAMETOOLONG, "socket path '%s' is longer than %zu "
-                "bytes", socket_path, sizeof(path) - 1);
+    return fail(NULL, TD_ENAMETOOLONG,
+                "socket path '%s' is longer than %zu "
+                "bytes",
+                socket_path, sizeof(path) - 1);
   }
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0)
@@ -391,8 +394,8 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     send_release(c, m->id, m->readonly, 1);
     return fail(c, TD_ENOMEM, "out of memory");
   }
-  int err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd,
-                            &s->map);
+  int err =
+      td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd, &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -428,7 +431,8 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
 int td_storage_create(td_client *c, size_t nbytes, td_storage **out) {
   *out = NULL;
   if (nbytes == 0)
-    return fail(c, TD_EINVAL, "create of 0 bytes: a storage needs at least "
+    return fail(c, TD_EINVAL,
+                "create of 0 bytes: a storage needs at least "
                 "one byte");
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -479,12 +483,24 @@ int td_storage_release(td_storage *s) {
   return 0;
 }
 
-uint64_t td_storage_id(const td_storage *s) { return s->id; }
-size_t td_storage_nbytes(const td_storage *s) { return s->nbytes; }
-void *td_storage_data(const td_storage *s) { return td__map_addr(s->map); }
-td_device td_storage_device(const td_storage *s) { return s->device; }
-int td_storage_is_readonly(const td_storage *s) { return s->readonly; }
-td_client *td_storage_client(const td_storage *s) { return s->c; }
+uint64_t td_storage_id(const td_storage *s) {
+  return s->id;
+}
+size_t td_storage_nbytes(const td_storage *s) {
+  return s->nbytes;
+}
+void *td_storage_data(const td_storage *s) {
+  return td__map_addr(s->map);
+}
+td_device td_storage_device(const td_storage *s) {
+  return s->device;
+}
+int td_storage_is_readonly(const td_storage *s) {
+  return s->readonly;
+}
+td_client *td_storage_client(const td_storage *s) {
+  return s->c;
+}
 
 /* ---- keys ---- */
 
@@ -498,8 +514,8 @@ static int check_key(td_client *c, const char *op, const char *key,
   if (n == 0)
     return fail(c, TD_EINVAL, "%s: empty key", op);
   if (n > TD_KEY_MAX)
-    return fail(c, TD_EINVAL, "%s: key of %zu bytes is longer than %d",
-                op, strlen(key), TD_KEY_MAX);
+    return fail(c, TD_EINVAL, "%s: key of %zu bytes is longer than %d", op,
+                strlen(key), TD_KEY_MAX);
   return 0;
 }
 
@@ -512,13 +528,16 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
   if (s == NULL)
     return fail(c, TD_EINVAL, "publish '%s': storage is NULL", key);
   if (s->c != c)
-    return fail(c, TD_EINVAL, "publish '%s': storage %llu belongs to another "
-                "client", key, (unsigned long long)s->id);
+    return fail(c, TD_EINVAL,
+                "publish '%s': storage %llu belongs to another "
+                "client",
+                key, (unsigned long long)s->id);
   if (s->readonly)
     return fail(c, TD_EACCES, "publish '%s': storage %llu is open read-only",
                 key, (unsigned long long)s->id);
   char msg[768];
-  if (v != NULL && (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
+  if (v != NULL &&
+      (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
     return fail(c, err, "publish '%s': %s", key, msg);
   Tensord__Publish m = TENSORD__PUBLISH__INIT;
   Tensord__View vm;
@@ -552,8 +571,10 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   if (flags & ~(TD_RDONLY | TD_TAKE))
     return fail(c, TD_EINVAL, "lookup '%s': unknown flags 0x%x", key, flags);
   if (timeout_ms < -1)
-    return fail(c, TD_EINVAL, "lookup '%s': timeout of %d ms (use -1 to wait "
-                "forever)", key, timeout_ms);
+    return fail(c, TD_EINVAL,
+                "lookup '%s': timeout of %d ms (use -1 to wait "
+                "forever)",
+                key, timeout_ms);
   Tensord__Lookup m = TENSORD__LOOKUP__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.key.data = (uint8_t *)key;
@@ -738,7 +759,8 @@ int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
   Tensord__Request req = TENSORD__REQUEST__INIT;
   size_t len;
   if ((key == NULL) == (id == 0))
-    return fail(c, TD_EINVAL, "info: give exactly one of a storage id and a "
+    return fail(c, TD_EINVAL,
+                "info: give exactly one of a storage id and a "
                 "key");
   if (key != NULL) {
     int err = check_key(c, "info", key, &len);

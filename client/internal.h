@@ -13,8 +13,7 @@ int td__msg(char *msg, size_t len, int err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
 /* td_view_check that also says why, naming the dimension and values. */
-int td__view_check_msg(const td_view *v, size_t nbytes, char *msg,
-                       size_t len);
+int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len);
 
 /* cache.c: the process's mappings, one per (daemon, storage, mode). */
 typedef struct td__mapping td__mapping;
@@ -22,8 +21,8 @@ typedef struct td__mapping td__mapping;
  * read-only or read-write) if there is none. Adds one handle to it. Always
  * closes fd (when >= 0). Returns 0, TD_ENOENT if there is no mapping and fd
  * is -1, or the mmap error. */
-int td__map_acquire(uint64_t instance, uint64_t id, int readonly,
-                    size_t nbytes, int fd, td__mapping **out);
+int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
+                    int fd, td__mapping **out);
 /* Drops one handle; the last unmaps. NULL ok. */
 void td__map_release(td__mapping *m);
 void *td__map_addr(const td__mapping *m);

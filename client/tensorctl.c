@@ -82,8 +82,7 @@ static const char *device_name(td_device d) {
 static void json_storage(const td_storage_info *s) {
   printf("{\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
          ",\"refs\":%u,\"owner_pid\":%d,\"owner_uid\":%u,"
-         "\"created_unix_ms\":%" PRId64 ",\"age_ms\":%" PRId64
-         ",\"holders\":[",
+         "\"created_unix_ms\":%" PRId64 ",\"age_ms\":%" PRId64 ",\"holders\":[",
          s->id, device_name(s->device), s->nbytes, s->refs, s->owner_pid,
          s->owner_uid, s->created_unix_ms, now_ms - s->created_unix_ms);
   for (size_t i = 0; i < s->nholders; i++)
@@ -223,8 +222,8 @@ static int info_storage(const td_storage_info *s, void *arg) {
   char size[32], ag[32];
   printf("storage   %" PRIu64 "\n", s->id);
   printf("device    %s\n", device_name(s->device));
-  printf("size      %s (%" PRIu64 " bytes)\n", human(s->nbytes, size,
-                                                    sizeof(size)), s->nbytes);
+  printf("size      %s (%" PRIu64 " bytes)\n",
+         human(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
   printf("owner     pid %d, uid %u\n", s->owner_pid, s->owner_uid);
   printf("age       %s\n", age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
@@ -353,8 +352,8 @@ int main(int argc, char **argv) {
     }
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
-  int known = needs_arg || strcmp(cmd, "ls") == 0 ||
-              strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0;
+  int known = needs_arg || strcmp(cmd, "ls") == 0 || strcmp(cmd, "stat") == 0 ||
+              strcmp(cmd, "ping") == 0;
   if (!known) {
     fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
     usage(stderr);

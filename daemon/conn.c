@@ -30,7 +30,8 @@ static void update_events(td__conn *c) {
   unsigned nfds = c->wire.out_nfds;
   if (c->paused && pending <= OUT_LOW && nfds <= OUT_FDS_LOW) {
     c->paused = 0;
-    td__debug("client %d: output drained, reading again", (int)c->hold.peer.pid);
+    td__debug("client %d: output drained, reading again",
+              (int)c->hold.peer.pid);
   } else if (!c->paused && (pending > OUT_HIGH || nfds > OUT_FDS_HIGH)) {
     c->paused = 1;
     td__debug("client %d: %zu bytes unread by the client, pausing its input",
@@ -109,8 +110,8 @@ int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
 }
 
 /* Tells the client why, makes one attempt to send it, and hangs up. */
-static void protocol_error(td__conn *c, uint64_t seq, int code,
-                           const char *fmt, ...) {
+static void protocol_error(td__conn *c, uint64_t seq, int code, const char *fmt,
+                           ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
@@ -146,18 +147,21 @@ static int process_frames(td__conn *c) {
     tensord__request__free_unpacked(req, NULL);
     if (c->closing)
       return -1;
-    if (err < 0) {
-      c->in_batch = 0;
+    if (err < 0) { /* the handler has queued the Error: send it, hang up */
+      td__warn("client %d: protocol error: %s; closing its connection",
+               (int)c->hold.peer.pid, td_strerror(err));
+      td__wire_flush(&c->wire, MSG_DONTWAIT);
+      td__conn_close(c, "protocol error");
       return -1;
     }
   }
   if (r < 0) {
     const uint8_t *h = c->wire.in + c->wire.in_off;
-    uint32_t len = (uint32_t)h[0] | (uint32_t)h[1] << 8 |
-                   (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    uint32_t len = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+                   (uint32_t)h[3] << 24;
     if (r == TD_EMSGSIZE)
-      protocol_error(c, 0, r, "frame of %u bytes exceeds the limit of %u",
-                     len, TD__FRAME_MAX);
+      protocol_error(c, 0, r, "frame of %u bytes exceeds the limit of %u", len,
+                     TD__FRAME_MAX);
     else
       protocol_error(c, 0, r,
                      "garbled frame header %02x %02x %02x %02x %02x %02x %02x "

@@ -64,7 +64,7 @@ typedef struct td__holdings {
 } td__holdings;
 
 struct td__storage {
-  td__hnode node; /* in registry.storages, by id */
+  td__hnode node;           /* in registry.storages, by id */
   td__storage *prev, *next; /* registry list, in id order */
   uint64_t id;
   uint64_t nbytes;

@@ -30,9 +30,10 @@ void td__log(int level, const char *fmt, ...) {
   struct tm tm;
   clock_gettime(CLOCK_REALTIME, &ts);
   localtime_r(&ts.tv_sec, &tm);
-  int n = snprintf(line, sizeof(line), "%02d:%02d:%02d.%03ld tensord[%d] %s: ",
-                   tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
-                   (int)getpid(), level_names[level]);
+  int n = snprintf(line, sizeof(line),
+                   "%02d:%02d:%02d.%03ld tensord[%d] %s: ", tm.tm_hour,
+                   tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(),
+                   level_names[level]);
   va_list ap;
   va_start(ap, fmt);
   if (n > 0 && (size_t)n < sizeof(line))

@@ -5,6 +5,7 @@
 #include "tensord.pb-c.h"
 #include "viewmsg.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +17,8 @@
 #define SYNC_BYTES_MAX (256u * 1024)
 #define LIST_LIMIT_DEFAULT 256
 #define LIST_LIMIT_MAX 1024
-#define LIST_KEYS_MAX 32     /* keys per storage in a LIST page */
-#define INFO_KEYS_MAX 4096   /* keys in an INFO reply */
+#define LIST_KEYS_MAX 32   /* keys per storage in a LIST page */
+#define INFO_KEYS_MAX 4096 /* keys in an INFO reply */
 #define PAGE_BYTES_MAX (512u * 1024)
 
 struct td__create {
@@ -50,6 +51,20 @@ struct td__waiter {
   td__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
+/* Answers seq with an argument error; the connection stays. Returns 0, so
+ * handlers can `return reject(...)`. */
+static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  td__conn_error(c, seq, code, "%s", msg);
+  return 0;
+}
 
 /* ---- references and replies ---- */
 
@@ -96,8 +111,8 @@ static int send_ok(td__conn *c, uint64_t seq) {
   return 0;
 }
 
-static int send_storage(td__conn *c, uint64_t seq, const td__storage *s,
-                        int ro, int fd) {
+static int send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
+                        int fd) {
   Tensord__StorageReply m;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
   storage_reply(s, ro, fd, &m);
@@ -148,8 +163,8 @@ static void create_finish(td__create *cr) {
     td__conn_error(c, cr->seq, TD_ENOMEM, "create: out of memory");
   } else {
     td__debug("client %d created storage %llu (%llu bytes)",
-             (int)c->hold.peer.pid, (unsigned long long)s->id,
-             (unsigned long long)s->nbytes);
+              (int)c->hold.peer.pid, (unsigned long long)s->id,
+              (unsigned long long)s->nbytes);
     send_storage(c, cr->seq, s, 0, cr->fd);
   }
   free(cr);
@@ -157,8 +172,7 @@ static void create_finish(td__create *cr) {
 
 static void create_work(uv_work_t *w) {
   td__create *cr = td__container_of(w, td__create, work);
-  cr->fd = td__shm_create(cr->s->name, cr->s->nbytes, cr->msg,
-                          sizeof(cr->msg));
+  cr->fd = td__shm_create(cr->s->name, cr->s->nbytes, cr->msg, sizeof(cr->msg));
 }
 
 static void create_after(uv_work_t *w, int status) {
@@ -177,46 +191,41 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   char a[32], b[32], d[32];
   uint64_t n = m->nbytes;
   if (n == 0)
-    return td__conn_error(c, seq, TD_EINVAL,
-                          "create of 0 bytes: a storage needs at least one "
-                          "byte"),
-           0;
+    return reject(c, seq, TD_EINVAL,
+                  "create of 0 bytes: a storage needs at least one "
+                  "byte");
   if (m->device != TENSORD__DEVICE__DEVICE_CPU)
-    return td__conn_error(c, seq, TD_ENODEV,
-                          "create on device %d: this tensord has CPU "
-                          "storages only",
-                          (int)m->device),
-           0;
+    return reject(c, seq, TD_ENODEV,
+                  "create on device %d: this tensord has CPU "
+                  "storages only",
+                  (int)m->device);
   uint64_t committed = reg->bytes_used + reg->bytes_reserved;
   if (n > reg->capacity || committed > reg->capacity - n) {
     uint64_t freeb = committed < reg->capacity ? reg->capacity - committed : 0;
-    return td__conn_error(
-               c, seq, TD_ENOMEM,
-               "create of %s (%llu bytes) exceeds capacity: %s (%llu bytes) "
-               "free of %s",
-               td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-               td__human_bytes(freeb, b, sizeof(b)), (unsigned long long)freeb,
-               td__human_bytes(reg->capacity, d, sizeof(d))),
-           0;
+    return reject(c, seq, TD_ENOMEM,
+                  "create of %s (%llu bytes) exceeds capacity: %s (%llu bytes) "
+                  "free of %s",
+                  td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+                  td__human_bytes(freeb, b, sizeof(b)),
+                  (unsigned long long)freeb,
+                  td__human_bytes(reg->capacity, d, sizeof(d)));
   }
   uint64_t shm_free = 0, shm_total = 0;
   if (td__shm_space(&shm_free, &shm_total) == 0 && n > shm_free)
-    return td__conn_error(
-               c, seq, TD_ENOSPC,
-               "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free "
-               "of %s",
-               td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-               td__human_bytes(shm_free, b, sizeof(b)),
-               (unsigned long long)shm_free,
-               td__human_bytes(shm_total, d, sizeof(d))),
-           0;
+    return reject(
+        c, seq, TD_ENOSPC,
+        "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free "
+        "of %s",
+        td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+        td__human_bytes(shm_free, b, sizeof(b)), (unsigned long long)shm_free,
+        td__human_bytes(shm_total, d, sizeof(d)));
 
   td__create *cr = calloc(1, sizeof(*cr));
   td__storage *s = calloc(1, sizeof(*s));
   if (cr == NULL || s == NULL) {
     free(cr);
     free(s);
-    return td__conn_error(c, seq, TD_ENOMEM, "create: out of memory"), 0;
+    return reject(c, seq, TD_ENOMEM, "create: out of memory");
   }
   s->id = reg->next_id++;
   s->nbytes = n;
@@ -300,16 +309,14 @@ void td__storage_gone(td__storage *s, void *arg) {
 static int op_open(td__conn *c, uint64_t seq, const Tensord__Open *m) {
   td__storage *s = td__storage_find(&c->srv->reg, m->id);
   if (s == NULL)
-    return td__conn_error(c, seq, TD_ENOENT, "storage %llu: no such storage",
-                          (unsigned long long)m->id),
-           0;
+    return reject(c, seq, TD_ENOENT, "storage %llu: no such storage",
+                  (unsigned long long)m->id);
   char msg[256];
   int fd;
   int err = grant(c, s, m->readonly, m->force_fd, &fd, msg, sizeof(msg));
   if (err < 0)
-    return td__conn_error(c, seq, err, "storage %llu: %s",
-                          (unsigned long long)m->id, msg),
-           0;
+    return reject(c, seq, err, "storage %llu: %s", (unsigned long long)m->id,
+                  msg);
   return send_storage(c, seq, s, m->readonly, fd);
 }
 
@@ -332,8 +339,8 @@ static int key_eq(const td__hnode *n, const void *key) {
 }
 
 static waitq *waitq_find(td__server *srv, const ProtobufCBinaryData *key) {
-  td__hnode *n = td__htab_find(&srv->waitqs, td__hash_bytes(key->data, key->len),
-                               key_eq, key);
+  td__hnode *n = td__htab_find(
+      &srv->waitqs, td__hash_bytes(key->data, key->len), key_eq, key);
   return n ? td__container_of(n, waitq, node) : NULL;
 }
 
@@ -463,18 +470,16 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
   char key[TD_KEY_MAX + 1];
   key_str(&m->key, key, sizeof(key));
   if (m->wait_ms == 0)
-    return td__conn_error(c, seq, TD_ENOENT, "key '%s': not published", key),
-           0;
+    return reject(c, seq, TD_ENOENT, "key '%s': not published", key);
   if (m->wait_ms < -1)
-    return td__conn_error(c, seq, TD_EINVAL,
-                          "key '%s': wait of %d ms (use -1 to wait forever)",
-                          key, (int)m->wait_ms),
-           0;
+    return reject(c, seq, TD_EINVAL,
+                  "key '%s': wait of %d ms (use -1 to wait forever)", key,
+                  (int)m->wait_ms);
 
   waitq *q = waitq_find(srv, &m->key);
   td__waiter *w = calloc(1, sizeof(*w));
   if (w == NULL)
-    return td__conn_error(c, seq, TD_ENOMEM, "lookup: out of memory"), 0;
+    return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
   if (q == NULL) {
     q = calloc(1, sizeof(*q) + m->key.len + 1);
     if (q == NULL ||
@@ -482,7 +487,7 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
                         td__hash_bytes(m->key.data, m->key.len)) < 0) {
       free(q);
       free(w);
-      return td__conn_error(c, seq, TD_ENOMEM, "lookup: out of memory"), 0;
+      return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
     }
     memcpy(q->key, m->key.data, m->key.len);
     q->len = m->key.len;
@@ -522,11 +527,10 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
   td__ref *ref = td__ref_find(&c->hold, m->id);
   if (ref == NULL || ref->rw == 0) {
     int code = td__storage_find(reg, m->id) ? TD_EACCES : TD_ENOENT;
-    return td__conn_error(c, seq, code,
-                          "publish '%s': storage %llu is not held read-write "
-                          "by this client",
-                          key, (unsigned long long)m->id),
-           0;
+    return reject(c, seq, code,
+                  "publish '%s': storage %llu is not held read-write "
+                  "by this client",
+                  key, (unsigned long long)m->id);
   }
   td__storage *s = ref->storage;
   td_view v;
@@ -535,16 +539,14 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     if (err == 0)
       err = td__view_check_msg(&v, s->nbytes, msg, sizeof(msg));
     if (err < 0)
-      return td__conn_error(c, seq, err, "publish '%s': %s", key, msg), 0;
+      return reject(c, seq, err, "publish '%s': %s", key, msg);
   } else {
     int64_t shape = (int64_t)s->nbytes;
     td_view_contiguous(TD_UINT8, 1, &shape, &v);
   }
   td__key *k;
   if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0)
-    return td__conn_error(c, seq, TD_ENOMEM, "publish '%s': out of memory",
-                          key),
-           0;
+    return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);
@@ -560,9 +562,8 @@ static int op_unpublish(td__conn *c, uint64_t seq,
       td__key_find(&c->srv->reg, (const char *)m->key.data, m->key.len);
   char key[TD_KEY_MAX + 1];
   if (k == NULL)
-    return td__conn_error(c, seq, TD_ENOENT, "key '%s': not published",
-                          key_str(&m->key, key, sizeof(key))),
-           0;
+    return reject(c, seq, TD_ENOENT, "key '%s': not published",
+                  key_str(&m->key, key, sizeof(key)));
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
 }
@@ -671,7 +672,7 @@ static int op_list(td__conn *c, uint64_t seq, const Tensord__List *m) {
   return 0;
 nomem:
   arena_free(&a);
-  return td__conn_error(c, seq, TD_ENOMEM, "list: out of memory"), 0;
+  return reject(c, seq, TD_ENOMEM, "list: out of memory");
 }
 
 static int op_info(td__conn *c, uint64_t seq, const Tensord__Info *m) {
@@ -684,16 +685,14 @@ static int op_info(td__conn *c, uint64_t seq, const Tensord__Info *m) {
       return 0;
     named = td__key_find(reg, (const char *)m->key.data, m->key.len);
     if (named == NULL)
-      return td__conn_error(c, seq, TD_ENOENT, "key '%s': not published",
-                            key_str(&m->key, key, sizeof(key))),
-             0;
+      return reject(c, seq, TD_ENOENT, "key '%s': not published",
+                    key_str(&m->key, key, sizeof(key)));
     s = named->storage;
   } else {
     s = td__storage_find(reg, m->id);
     if (s == NULL)
-      return td__conn_error(c, seq, TD_ENOENT, "storage %llu: no such storage",
-                            (unsigned long long)m->id),
-             0;
+      return reject(c, seq, TD_ENOENT, "storage %llu: no such storage",
+                    (unsigned long long)m->id);
   }
   arena a = {0};
   Tensord__StorageInfo si;
@@ -744,7 +743,7 @@ static int op_info(td__conn *c, uint64_t seq, const Tensord__Info *m) {
   return 0;
 nomem:
   arena_free(&a);
-  return td__conn_error(c, seq, TD_ENOMEM, "info: out of memory"), 0;
+  return reject(c, seq, TD_ENOMEM, "info: out of memory");
 }
 
 static int op_stat(td__conn *c, uint64_t seq) {

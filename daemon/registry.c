@@ -77,8 +77,7 @@ void td__registry_free(td__registry *r) {
 }
 
 td__storage *td__storage_find(const td__registry *r, uint64_t id) {
-  td__hnode *n =
-      td__htab_find(&r->storages, td__hash_u64(id), storage_eq, &id);
+  td__hnode *n = td__htab_find(&r->storages, td__hash_u64(id), storage_eq, &id);
   return n ? td__container_of(n, td__storage, node) : NULL;
 }
 
@@ -293,8 +292,7 @@ int td__key_validate(const char *key, size_t len, char *msg, size_t msglen) {
     size_t n;
     uint32_t cp;
     if (c == 0)
-      return td__msg(msg, msglen, TD_EINVAL, "key contains NUL at byte %zu",
-                     i);
+      return td__msg(msg, msglen, TD_EINVAL, "key contains NUL at byte %zu", i);
     if (c < 0x80) {
       i++;
       continue;

@@ -17,8 +17,7 @@ int td__shm_create(const char *name, uint64_t nbytes, char *msg, size_t len) {
                    (unsigned long long)nbytes);
   int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0)
-    return td__msg(msg, len, -errno, "shm_open(%s): %s", name,
-                   strerror(errno));
+    return td__msg(msg, len, -errno, "shm_open(%s): %s", name, strerror(errno));
   /* Reserve every page now, so that running out of /dev/shm is an error
    * here and never a SIGBUS in a client at first touch. */
   int err = posix_fallocate(fd, 0, (off_t)nbytes);

@@ -23,7 +23,8 @@ int main(int argc, char **argv) {
   }
   char vb[256];
   printf("'%s' -> storage %llu: %s\n", key,
-         (unsigned long long)td_storage_id(s), td_view_format(&v, vb, sizeof(vb)));
+         (unsigned long long)td_storage_id(s),
+         td_view_format(&v, vb, sizeof(vb)));
   if (v.dtype == TD_FLOAT32 && v.ndim == 2) {
     const float *x = (const float *)td_storage_data(s) + v.offset;
     for (int64_t i = 0; i < v.shape[0]; i++) {

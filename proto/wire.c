@@ -238,8 +238,8 @@ close_fds:
   return err;
 }
 
-int td__wire_queue(td__wire *w, const void *payload, size_t len,
-                   const int *fds, unsigned nfds) {
+int td__wire_queue(td__wire *w, const void *payload, size_t len, const int *fds,
+                   unsigned nfds) {
   uint8_t *p = td__wire_reserve(w, len);
   if (p == NULL) {
     for (unsigned i = 0; i < nfds; i++)

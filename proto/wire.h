@@ -34,7 +34,7 @@ typedef struct td__wire {
   uint8_t *out;
   size_t out_off, out_len, out_cap; /* unsent bytes are out[out_off, out_len) */
   uint64_t out_pos;                 /* stream offset of out[0] */
-  td__wire_fd *out_fds; /* in stream order */
+  td__wire_fd *out_fds;             /* in stream order */
   unsigned out_nfds, out_fds_cap;
   /* Test hooks: cap each recvmsg/sendmsg at this many bytes (0: none). */
   size_t max_io;
@@ -69,8 +69,8 @@ void td__wire_consume(td__wire *w, const td__frame *f);
 
 /* Appends a frame. Takes ownership of fds (closed once sent, or by
  * td__wire_free), also on failure. Returns 0, TD_EMSGSIZE or TD_ENOMEM. */
-int td__wire_queue(td__wire *w, const void *payload, size_t len,
-                   const int *fds, unsigned nfds);
+int td__wire_queue(td__wire *w, const void *payload, size_t len, const int *fds,
+                   unsigned nfds);
 /* Reserves room for a frame of len payload bytes and returns a pointer to
  * where the payload goes, or NULL (no memory or oversize); finish with
  * td__wire_commit. Lets protobuf-c pack straight into the output queue. */

@@ -151,7 +151,9 @@ int tdt_segments(const tdt_daemon *d) {
   return n;
 }
 
-int tdt_no_segments(const tdt_daemon *d) { return tdt_segments(d) == 0; }
+int tdt_no_segments(const tdt_daemon *d) {
+  return tdt_segments(d) == 0;
+}
 
 uint64_t tdt_storages(const tdt_daemon *d) {
   td_client *c = tdt_connect(d);

@@ -162,8 +162,15 @@ static int cmd_ls(td_client *c) {
   if (json)
     printf("{\"storages\":[");
   int err = td_list(c, ls_row, &st);
-  if (json)
-    printf("],\"count\":%zu}\n", st.n);
+  if (json) {
+    /* Always a whole document, even when the listing was cut short. */
+    printf("],\"count\":%zu", st.n);
+    if (err < 0) {
+      printf(",\"error\":");
+      json_str(td_last_error(c));
+    }
+    printf("}\n");
+  }
   else if (err == 0 && st.n == 0)
     printf("no storages\n");
   return err;

@@ -66,6 +66,15 @@ int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
     return TD_ECONNRESET;
   }
   size_t len = tensord__response__get_packed_size(r);
+  if (len > TD__FRAME_MAX) { /* a bug if it happens: say so, keep going */
+    if (fd >= 0)
+      close(fd);
+    td__error("client %d: reply of %zu bytes exceeds the frame limit",
+              (int)c->hold.peer.pid, len);
+    return td__conn_error(c, r->seq, TD_EMSGSIZE,
+                          "reply of %zu bytes exceeds the frame limit of %u",
+                          len, TD__FRAME_MAX);
+  }
   uint8_t *p = td__wire_reserve(&c->wire, len);
   if (p == NULL) {
     if (fd >= 0)

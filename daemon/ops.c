@@ -18,7 +18,7 @@
 #define LIST_LIMIT_DEFAULT 256
 #define LIST_LIMIT_MAX 1024
 #define LIST_KEYS_MAX 32   /* keys per storage in a LIST page */
-#define INFO_KEYS_MAX 4096 /* keys in an INFO reply */
+#define INFO_KEYS_MAX 1024 /* keys in an INFO reply: fits a frame */
 #define PAGE_BYTES_MAX (512u * 1024)
 
 struct td__create {

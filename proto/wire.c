@@ -300,10 +300,12 @@ int td__wire_flush(td__wire *w, int flags) {
       return errno == EWOULDBLOCK ? TD_EAGAIN : -errno;
 
     /* The fds went with the first byte; our copies are no longer needed. */
-    for (unsigned i = 0; i < nf; i++)
-      close(w->out_fds[i].fd);
-    w->out_nfds -= nf;
-    memmove(w->out_fds, w->out_fds + nf, w->out_nfds * sizeof(*w->out_fds));
+    if (nf > 0) {
+      for (unsigned i = 0; i < nf; i++)
+        close(w->out_fds[i].fd);
+      w->out_nfds -= nf;
+      memmove(w->out_fds, w->out_fds + nf, w->out_nfds * sizeof(*w->out_fds));
+    }
     w->out_off += (size_t)n;
   }
   w->out_pos += w->out_len;

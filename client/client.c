@@ -40,6 +40,8 @@ struct td_client {
   pending *pending;
   uint64_t instance;
   int32_t daemon_pid;
+  int why_code; /* the daemon's last word on the connection (seq 0) */
+  char why[512];
   char path[108];
 };
 
@@ -146,6 +148,33 @@ static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
   }
 }
 
+/* The daemon may have said why it hung up before we noticed (a send that
+ * failed): read what it left, without blocking. Locked, no reader active. */
+static void read_why(td_client *c) {
+  for (int i = 0; i < 64 && c->why[0] == '\0'; i++) {
+    td__frame f;
+    int r = td__wire_frame(&c->wire, &f);
+    if (r < 0)
+      return;
+    if (r == 0) {
+      if (td__wire_recv(&c->wire, MSG_DONTWAIT) <= 0)
+        return;
+      continue;
+    }
+    Tensord__Response *resp = tensord__response__unpack(NULL, f.len, f.data);
+    td__close_fds(f.fds, f.nfds);
+    td__wire_consume(&c->wire, &f);
+    if (resp != NULL && resp->seq == 0 &&
+        resp->body_case == TENSORD__RESPONSE__BODY_ERROR) {
+      c->why_code = resp->error->code < 0 ? resp->error->code : TD_EPROTO;
+      snprintf(c->why, sizeof(c->why), "%s", resp->error->message);
+      c->err = c->why_code;
+    }
+    if (resp != NULL)
+      tensord__response__free_unpacked(resp, NULL);
+  }
+}
+
 static const char *body_name(int body) {
   switch (body) {
   case TENSORD__REQUEST__BODY_HELLO:
@@ -188,8 +217,13 @@ static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
   }
   req->seq = p.seq = ++c->next_seq;
   err = send_locked(c, req);
-  if (err < 0)
+  if (err < 0) {
+    if (!c->reader)
+      read_why(c);
+    if (c->why_code)
+      err = c->why_code;
     goto unlock;
+  }
   p.next = c->pending;
   c->pending = &p;
   while (!p.done && !c->broken) {
@@ -205,7 +239,9 @@ static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
     pthread_mutex_lock(&c->mu);
     c->reader = 0;
     if (rerr < 0) {
-      set_broken(c, rerr == TD_EPROTO ? TD_EPROTO : TD_ECONNRESET);
+      set_broken(c, c->why_code         ? c->why_code
+                    : rerr == TD_EPROTO ? TD_EPROTO
+                                        : TD_ECONNRESET);
       break;
     }
     pending *q = c->pending;
@@ -215,6 +251,14 @@ static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
       q->resp = r;
       q->fd = rfd;
       q->done = 1;
+    } else if (r->seq == 0 && r->body_case == TENSORD__RESPONSE__BODY_ERROR) {
+      /* About the connection itself (a protocol error, too many clients):
+       * the daemon hangs up next, and every call fails with this. */
+      c->why_code = r->error->code < 0 ? r->error->code : TD_EPROTO;
+      snprintf(c->why, sizeof(c->why), "%s", r->error->message);
+      tensord__response__free_unpacked(r, NULL);
+      if (rfd >= 0)
+        close(rfd);
     } else { /* nobody asked: drop it */
       tensord__response__free_unpacked(r, NULL);
       if (rfd >= 0)
@@ -230,6 +274,9 @@ static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
     err = c->err;
 unlock:
   pthread_mutex_unlock(&c->mu);
+  if (err < 0 && c->why[0] != '\0')
+    return fail(c, err, "%s: tensord closed the connection: %s",
+                body_name(req->body_case), c->why);
   if (err < 0)
     return fail(c, err, "%s: connection to tensord at %s lost (%s)",
                 body_name(req->body_case), c->path, td_strerror(err));
@@ -321,7 +368,9 @@ int td_connect(const char *socket_path, td_client **out) {
   if (err == 0)
     err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
   if (err < 0) {
-    fail(NULL, err, "%s: %s", path, td_last_error(c));
+    char why[sizeof(last.msg)];
+    snprintf(why, sizeof(why), "%s", td_last_error(c));
+    fail(NULL, err, "%s: %s", path, why);
     client_unref(c);
     return err;
   }
@@ -429,14 +478,26 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
 }
 
 int td_storage_create(td_client *c, size_t nbytes, td_storage **out) {
+  td_create_opts o = {nbytes, 0, TD_CPU};
+  return td_storage_create_ex(c, &o, out);
+}
+
+int td_storage_create_ex(td_client *c, const td_create_opts *o,
+                         td_storage **out) {
   *out = NULL;
-  if (nbytes == 0)
+  if (o->nbytes == 0)
     return fail(c, TD_EINVAL,
-                "create of 0 bytes: a storage needs at least "
-                "one byte");
+                "create of 0 bytes: a storage needs at least one byte");
+  if (o->mode & ~0666u)
+    return fail(c, TD_EINVAL,
+                "create with mode %04o: only read and write bits (0666) may "
+                "be set",
+                (unsigned)o->mode);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
-  m.nbytes = nbytes;
+  m.nbytes = o->nbytes;
+  m.mode = o->mode;
+  m.device = (Tensord__Device)o->device;
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
   req.create = &m;
   Tensord__Response *r;
@@ -681,6 +742,8 @@ static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
   out->refs = m->refs;
   out->owner_pid = m->owner_pid;
   out->owner_uid = m->owner_uid;
+  out->owner_gid = m->owner_gid;
+  out->mode = m->mode;
   out->created_unix_ms = m->created_unix_ms;
   out->nholders = m->n_holders;
   out->holders = hs;
@@ -747,6 +810,10 @@ int td_stat_get(td_client *c, td_stat *out) {
   out->uptime_ms = st->uptime_ms;
   out->pid = st->pid;
   out->instance = st->instance;
+  out->quota = st->quota;
+  out->max_clients = st->max_clients;
+  out->max_storages_per_client = st->max_storages_per_client;
+  snprintf(out->state_dir, sizeof(out->state_dir), "%s", st->state_dir);
   snprintf(out->version, sizeof(out->version), "%s", st->version);
   snprintf(out->socket, sizeof(out->socket), "%s", st->socket);
   tensord__response__free_unpacked(r, NULL);

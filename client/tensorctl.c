@@ -3,6 +3,8 @@
 
 #include <ctype.h>
 #include <getopt.h>
+#include <grp.h>
+#include <pwd.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +12,7 @@
 #include <time.h>
 
 static int json;
+static int longfmt; /* ls -l */
 static int64_t now_ms;
 
 static void usage(FILE *f) {
@@ -17,8 +20,9 @@ static void usage(FILE *f) {
           "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
           "\n"
           "commands:\n"
-          "  ls          every live storage: id, device, size, references,\n"
-          "              holders (pids), keys, age\n"
+          "  ls [-l]     every live storage: id, device, size, references,\n"
+          "              holders (pids), keys, age; -l adds mode, owner, "
+          "group\n"
           "  stat        totals: storages, bytes used / capacity, clients,\n"
           "              keys, uptime, version\n"
           "  info ID|KEY everything about one storage, with its published "
@@ -82,9 +86,11 @@ static const char *device_name(td_device d) {
 static void json_storage(const td_storage_info *s) {
   printf("{\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
          ",\"refs\":%u,\"owner_pid\":%d,\"owner_uid\":%u,"
+         "\"owner_gid\":%u,\"mode\":\"%04o\","
          "\"created_unix_ms\":%" PRId64 ",\"age_ms\":%" PRId64 ",\"holders\":[",
          s->id, device_name(s->device), s->nbytes, s->refs, s->owner_pid,
-         s->owner_uid, s->created_unix_ms, now_ms - s->created_unix_ms);
+         s->owner_uid, s->owner_gid, s->mode, s->created_unix_ms,
+         now_ms - s->created_unix_ms);
   for (size_t i = 0; i < s->nholders; i++)
     printf("%s{\"pid\":%d,\"uid\":%u,\"refs\":%u}", i ? "," : "",
            s->holders[i].pid, s->holders[i].uid, s->holders[i].refs);
@@ -106,6 +112,25 @@ static void json_view(const td_view *v) {
   for (int32_t i = 0; i < v->ndim; i++)
     printf("%s%" PRId64, i ? "," : "", v->stride[i]);
   printf("],\"offset\":%" PRId64 "}", v->offset);
+}
+
+/* Returns the name of uid, or the number; valid until the next call. */
+static const char *user_name(uint32_t uid) {
+  static char buf[32];
+  struct passwd *pw = getpwuid(uid);
+  if (pw != NULL)
+    return pw->pw_name;
+  snprintf(buf, sizeof(buf), "%u", uid);
+  return buf;
+}
+
+static const char *group_name(uint32_t gid) {
+  static char buf[32];
+  struct group *gr = getgrgid(gid);
+  if (gr != NULL)
+    return gr->gr_name;
+  snprintf(buf, sizeof(buf), "%u", gid);
+  return buf;
 }
 
 /* ---- ls ---- */
@@ -147,9 +172,22 @@ static int ls_row(const td_storage_info *s, void *arg) {
   if (s->nkeys_total > s->nkeys || kl >= sizeof(keys) - 1)
     snprintf(keys + (kl > sizeof(keys) - 16 ? sizeof(keys) - 16 : kl), 16,
              " (+%zu more)", s->nkeys_total - s->nkeys);
-  if (st->n++ == 0)
+  if (st->n++ == 0) {
+    if (longfmt)
+      printf("%-10s %-8s %-8s ", "MODE", "OWNER", "GROUP");
     printf("%-8s %-6s %10s %5s %-20s %-24s %s\n", "ID", "DEVICE", "SIZE",
            "REFS", "HOLDERS", "KEYS", "AGE");
+  }
+  if (longfmt) {
+    char mode[11] = "----------";
+    for (int i = 0; i < 3; i++) {
+      unsigned bits = (s->mode >> (6 - 3 * i)) & 7;
+      mode[1 + 3 * i] = bits & 4 ? 'r' : '-';
+      mode[2 + 3 * i] = bits & 2 ? 'w' : '-';
+    }
+    printf("%-10s %-8s %-8s ", mode, user_name(s->owner_uid),
+           group_name(s->owner_gid));
+  }
   printf("%-8" PRIu64 " %-6s %10s %5u %-20s %-24s %s\n", s->id,
          device_name(s->device), human(s->nbytes, size, sizeof(size)), s->refs,
          holders[0] ? holders : "-", keys[0] ? keys : "-",
@@ -170,8 +208,7 @@ static int cmd_ls(td_client *c) {
       json_str(td_last_error(c));
     }
     printf("}\n");
-  }
-  else if (err == 0 && st.n == 0)
+  } else if (err == 0 && st.n == 0)
     printf("no storages\n");
   return err;
 }
@@ -188,12 +225,17 @@ static int cmd_stat(td_client *c) {
     printf("{\"storages\":%" PRIu64 ",\"bytes_used\":%" PRIu64
            ",\"capacity\":%" PRIu64 ",\"shm_free\":%" PRIu64
            ",\"clients\":%" PRIu64 ",\"keys\":%" PRIu64 ",\"waiters\":%" PRIu64
-           ",\"uptime_ms\":%" PRId64 ",\"pid\":%d,\"version\":",
+           ",\"uptime_ms\":%" PRId64 ",\"pid\":%d,\"quota\":%" PRIu64
+           ",\"max_clients\":%u,\"max_storages_per_client\":%u,"
+           "\"version\":",
            st.storages, st.bytes_used, st.capacity, st.shm_free, st.clients,
-           st.keys, st.waiters, st.uptime_ms, st.pid);
+           st.keys, st.waiters, st.uptime_ms, st.pid, st.quota, st.max_clients,
+           st.max_storages_per_client);
     json_str(st.version);
     printf(",\"socket\":");
     json_str(st.socket);
+    printf(",\"state_dir\":");
+    json_str(st.state_dir);
     printf("}\n");
     return 0;
   }
@@ -209,6 +251,14 @@ static int cmd_stat(td_client *c) {
   printf("uptime    %s\n", age(st.uptime_ms, u, sizeof(u)));
   printf("version   %s (pid %d)\n", st.version, st.pid);
   printf("socket    %s\n", st.socket);
+  printf("state     %s\n",
+         st.state_dir[0] ? st.state_dir : "none (keys end with tensord)");
+  if (st.quota)
+    printf("quota     %s per uid\n", human(st.quota, a, sizeof(a)));
+  if (st.max_clients)
+    printf("clients   at most %u\n", st.max_clients);
+  if (st.max_storages_per_client)
+    printf("storages  at most %u per client\n", st.max_storages_per_client);
   return 0;
 }
 
@@ -232,7 +282,10 @@ static int info_storage(const td_storage_info *s, void *arg) {
   printf("size      %s (%" PRIu64 " bytes)\n",
          human(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
-  printf("owner     pid %d, uid %u\n", s->owner_pid, s->owner_uid);
+  printf("owner     pid %d, uid %u (%s)", s->owner_pid, s->owner_uid,
+         user_name(s->owner_uid));
+  printf(", gid %u (%s)\n", s->owner_gid, group_name(s->owner_gid));
+  printf("mode      %04o\n", s->mode);
   printf("age       %s\n", age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   printf("holders  ");
   if (s->nholders == 0)
@@ -349,6 +402,8 @@ int main(int argc, char **argv) {
   for (int i = optind; i < argc; i++) {
     if (strcmp(argv[i], "--json") == 0) {
       json = 1;
+    } else if (strcmp(argv[i], "-l") == 0 && strcmp(cmd, "ls") == 0) {
+      longfmt = 1;
     } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
       socket = argv[++i];
     } else if (arg == NULL) {

@@ -6,10 +6,15 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#ifndef SO_PEERGROUPS
+#define SO_PEERGROUPS 59
+#endif
 
 /* Past OUT_HIGH unsent bytes (or OUT_FDS_HIGH unsent fds) the daemon stops
  * reading the client's requests until its output drains below the low marks:
@@ -18,16 +23,64 @@
 #define OUT_LOW (1u << 20)
 #define OUT_FDS_HIGH 256
 #define OUT_FDS_LOW 64
+/* Past OUT_MAX unsent bytes (replies to lookups that were waiting, say) the
+ * client is disconnected. */
+#define OUT_MAX (64u << 20)
 /* recvmsg calls per wake-up, so that one busy client cannot starve others. */
 #define READ_BUDGET 8
 
 static void on_poll(uv_poll_t *h, int status, int events);
+
+static void on_stall(uv_timer_t *t);
+
+/* Whether c is in the middle of something only it can finish: a request
+ * partly received, or replies it has not read. */
+static int stalled(const td__conn *c) {
+  return c->wire.in_len > c->wire.in_off || td__wire_pending(&c->wire) > 0;
+}
+
+/* Starts or stops the stall timer to match c's state. */
+static void watch_stall(td__conn *c) {
+  if (!stalled(c))
+    uv_timer_stop(&c->stall);
+  else if (!uv_is_active((uv_handle_t *)&c->stall))
+    uv_timer_start(&c->stall, on_stall, c->srv->io_timeout_ms, 0);
+}
+
+static void on_stall(uv_timer_t *t) {
+  td__conn *c = td__container_of(t, td__conn, stall);
+  uint64_t idle = uv_now(c->srv->loop) - c->progress_ms;
+  if (!stalled(c))
+    return;
+  if (idle < c->srv->io_timeout_ms) {
+    uv_timer_start(t, on_stall, c->srv->io_timeout_ms - idle, 0);
+    return;
+  }
+  char why[128];
+  if (c->wire.in_len > c->wire.in_off)
+    snprintf(why, sizeof(why),
+             "sent %zu bytes of a request and nothing for %llu ms",
+             c->wire.in_len - c->wire.in_off, (unsigned long long)idle);
+  else
+    snprintf(why, sizeof(why), "left %zu bytes of replies unread for %llu ms",
+             td__wire_pending(&c->wire), (unsigned long long)idle);
+  td__warn("client %d: %s; disconnecting it", (int)c->hold.peer.pid, why);
+  td__conn_close(c, why);
+}
 
 static void update_events(td__conn *c) {
   if (c->closing)
     return;
   size_t pending = td__wire_pending(&c->wire);
   unsigned nfds = c->wire.out_nfds;
+  if (pending > OUT_MAX) {
+    char why[96];
+    snprintf(why, sizeof(why), "did not read %zu bytes of replies", pending);
+    td__warn("client %d: %s; disconnecting it", (int)c->hold.peer.pid, why);
+    td__conn_close(c, why);
+    return;
+  }
+  watch_stall(c);
   if (c->paused && pending <= OUT_LOW && nfds <= OUT_FDS_LOW) {
     c->paused = 0;
     td__debug("client %d: output drained, reading again",
@@ -50,7 +103,10 @@ static void update_events(td__conn *c) {
 /* Sends what the socket takes now. Returns 0, or a negative code after
  * closing the connection. */
 static int flush(td__conn *c) {
+  size_t before = td__wire_pending(&c->wire);
   int err = td__wire_flush(&c->wire, MSG_DONTWAIT);
+  if (td__wire_pending(&c->wire) < before)
+    c->progress_ms = uv_now(c->srv->loop);
   if (err == 0 || err == TD_EAGAIN)
     return 0;
   char why[96];
@@ -59,30 +115,9 @@ static int flush(td__conn *c) {
   return err;
 }
 
-int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
-  if (c->closing) {
-    if (fd >= 0)
-      close(fd);
-    return TD_ECONNRESET;
-  }
-  size_t len = tensord__response__get_packed_size(r);
-  if (len > TD__FRAME_MAX) { /* a bug if it happens: say so, keep going */
-    if (fd >= 0)
-      close(fd);
-    td__error("client %d: reply of %zu bytes exceeds the frame limit",
-              (int)c->hold.peer.pid, len);
-    return td__conn_error(c, r->seq, TD_EMSGSIZE,
-                          "reply of %zu bytes exceeds the frame limit of %u",
-                          len, TD__FRAME_MAX);
-  }
-  uint8_t *p = td__wire_reserve(&c->wire, len);
-  if (p == NULL) {
-    if (fd >= 0)
-      close(fd);
-    td__conn_close(c, "out of memory queueing a reply");
-    return TD_ENOMEM;
-  }
-  tensord__response__pack(r, p);
+/* Commits a frame of len bytes reserved (and filled) in c's output, with
+ * fd, and sends it unless a read batch is in progress. */
+static int commit(td__conn *c, size_t len, int fd) {
   int err = td__wire_commit(&c->wire, len, &fd, fd >= 0 ? 1 : 0);
   if (err < 0) {
     td__conn_close(c, "out of memory queueing a reply");
@@ -93,6 +128,47 @@ int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
     update_events(c);
   }
   return err;
+}
+
+/* Reserves room for a reply of len bytes; on failure closes fd and either
+ * answers EMSGSIZE or hangs up. */
+static uint8_t *reserve(td__conn *c, uint64_t seq, size_t len, int fd) {
+  uint8_t *p = NULL;
+  if (!c->closing && len <= TD__FRAME_MAX)
+    p = td__wire_reserve(&c->wire, len);
+  if (p != NULL)
+    return p;
+  if (fd >= 0)
+    close(fd);
+  if (c->closing)
+    return NULL;
+  if (len > TD__FRAME_MAX) { /* a bug if it happens: say so, keep going */
+    td__error("client %d: reply of %zu bytes exceeds the frame limit",
+              (int)c->hold.peer.pid, len);
+    td__conn_error(c, seq, TD_EMSGSIZE,
+                   "reply of %zu bytes exceeds the frame limit of %u", len,
+                   TD__FRAME_MAX);
+  } else {
+    td__conn_close(c, "out of memory queueing a reply");
+  }
+  return NULL;
+}
+
+int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *p = reserve(c, r->seq, len, fd);
+  if (p == NULL)
+    return TD_ECONNRESET;
+  tensord__response__pack(r, p);
+  return commit(c, len, fd);
+}
+
+int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd) {
+  uint8_t *p = reserve(c, 0, len, fd);
+  if (p == NULL)
+    return TD_ECONNRESET;
+  memcpy(p, frame, len);
+  return commit(c, len, fd);
 }
 
 static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
@@ -206,6 +282,7 @@ static void read_batch(td__conn *c) {
       td__conn_close(c, why);
       return;
     }
+    c->progress_ms = uv_now(c->srv->loop);
     if (process_frames(c) < 0)
       return;
     if (c->wire.short_read)
@@ -248,24 +325,50 @@ int td__conn_accept(td__server *srv, int fd) {
   c->cid = ++srv->next_cid;
   td__wire_init(&c->wire, fd);
   td__holdings_init(&c->hold, &peer);
+  /* Supplementary groups, for the group bits of storages' modes. */
+  socklen_t glen = sizeof(c->hold.groups);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->hold.groups, &glen) == 0)
+    c->hold.ngroups = (int)(glen / sizeof(gid_t));
+  else
+    td__debug("client %d: no supplementary groups (%s); its primary group "
+              "only counts",
+              (int)peer.pid, strerror(errno));
   int err = uv_poll_init(srv->loop, &c->poll, fd);
   if (err < 0) {
     close(fd);
     free(c);
     return err;
   }
+  uv_timer_init(srv->loop, &c->stall);
+  c->nhandles = 2;
+  c->progress_ms = uv_now(srv->loop);
   c->next = srv->conns;
   if (srv->conns)
     srv->conns->prev = c;
   srv->conns = c;
   srv->nconns++;
+  if (srv->max_clients && srv->nconns > srv->max_clients) {
+    td__warn("refusing client %d (uid %u): %u clients connected, the most "
+             "--max-clients allows",
+             (int)peer.pid, (unsigned)peer.uid, srv->max_clients);
+    c->in_batch = 1; /* queue the error, send it once, hang up */
+    td__conn_error(c, 0, TD_EUSERS,
+                   "tensord serves at most %u client(s) (--max-clients) and "
+                   "has that many; try again later",
+                   srv->max_clients);
+    td__wire_flush(&c->wire, MSG_DONTWAIT);
+    td__conn_close(c, "refused: too many clients");
+    return 0;
+  }
   update_events(c);
   td__info("client %d (uid %u) connected", (int)peer.pid, (unsigned)peer.uid);
   return 0;
 }
 
 static void on_closed(uv_handle_t *h) {
-  td__conn *c = td__container_of(h, td__conn, poll);
+  td__conn *c = h->data;
+  if (--c->nhandles > 0)
+    return;
   close(c->wire.fd);
   free(c);
 }
@@ -279,6 +382,7 @@ void td__conn_close(td__conn *c, const char *why) {
            (int)c->hold.peer.pid, c->name[0] ? " " : "", c->name, why,
            (unsigned long long)c->hold.nrefs);
   td__ops_conn_gone(c);
+  td__state_conn_gone(srv->state, c);
   td__holdings_clear(&srv->reg, &c->hold);
   td__wire_free(&c->wire);
   if (c->prev)
@@ -288,5 +392,7 @@ void td__conn_close(td__conn *c, const char *why) {
   if (c->next)
     c->next->prev = c->prev;
   srv->nconns--;
+  c->poll.data = c->stall.data = c;
   uv_close((uv_handle_t *)&c->poll, on_closed);
+  uv_close((uv_handle_t *)&c->stall, on_closed);
 }

@@ -56,12 +56,20 @@ typedef struct td__ref {
   uint32_t rw, ro;
 } td__ref;
 
-/* Everything one connection holds. */
+#define TD__GROUPS_MAX 64
+
+/* Everything one connection holds, and who it is. */
 typedef struct td__holdings {
   td__htab refs;
   td__peer peer;
   uint64_t nrefs; /* sum of rw + ro over refs */
+  int ngroups;    /* supplementary groups (SO_PEERGROUPS), at most 64 */
+  gid_t groups[TD__GROUPS_MAX];
 } td__holdings;
+
+/* What an operation needs of a storage. */
+#define TD__MAY_READ 04
+#define TD__MAY_WRITE 02
 
 struct td__storage {
   td__hnode node;           /* in registry.storages, by id */
@@ -69,8 +77,9 @@ struct td__storage {
   uint64_t id;
   uint64_t nbytes;
   td_device device;
-  uint32_t refs; /* holders' references plus one per key */
-  td__peer owner;
+  uint32_t refs;  /* holders' references plus one per key */
+  uint32_t mode;  /* rw bits for owner, group, other: 0600 by default */
+  td__peer owner; /* the creator: pid, and the uid and gid that own it */
   int64_t created_ms;
   td__ref *holders;
   td__key *keys;
@@ -95,10 +104,12 @@ typedef struct td__registry {
   td__htab storages;
   td__storage *first, *last;
   td__htab keys;
+  td__htab usage; /* td__usage by uid */
   uint64_t next_id;
-  uint64_t bytes_used;     /* live storages */
-  uint64_t bytes_reserved; /* creates in flight */
+  uint64_t bytes_used;      /* live storages */
+  uint64_t bytes_committed; /* live storages and creates in flight */
   uint64_t capacity;
+  uint64_t quota;     /* most bytes one uid may own; 0: no quota */
   uint64_t nholdings; /* holdings with at least one reference */
   td__storage_free_fn free_fn;
   void *free_arg;
@@ -106,12 +117,24 @@ typedef struct td__registry {
 
 void td__registry_init(td__registry *r, uint64_t capacity,
                        td__storage_free_fn fn, void *arg);
+/* Charges a create of n bytes owned by uid against the capacity and uid's
+ * quota. Returns 0, TD_ENOMEM (capacity) or TD_EDQUOT (quota), with the
+ * figures in msg; nothing is charged on failure. force charges past the
+ * limits (storages adopted at a restart). A storage inserted later
+ * keeps the charge until it is freed; a create that fails gives it back
+ * with td__credit. */
+int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
+               size_t len);
+void td__credit(td__registry *r, uid_t uid, uint64_t n);
+/* Bytes uid owns now, creates in flight included. */
+uint64_t td__usage_of(const td__registry *r, uid_t uid);
 /* Frees every key; storages then left unreferenced go to free_fn. */
 void td__registry_drop_keys(td__registry *r);
 void td__registry_free(td__registry *r);
 td__storage *td__storage_find(const td__registry *r, uint64_t id);
 /* Registers s (id, nbytes, name set by the caller) with one read-write
- * reference held by h. Returns 0 or TD_ENOMEM (nothing changed). */
+ * reference held by h, or with none if h is NULL (the caller then publishes
+ * a key on it at once). Returns 0 or TD_ENOMEM (nothing changed). */
 int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h);
 /* First storage with id > after_id, in id order; NULL if none. */
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id);
@@ -129,6 +152,14 @@ int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
  * fewer (nothing changed). May free the storage. */
 int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
                  uint32_t count);
+
+/* Returns 0 if h may do what want asks (TD__MAY_READ, TD__MAY_WRITE) to s,
+ * judged like a file: root may do anything; then the owner's bits if h is
+ * the owner, the group's if h is in the owning group, else the others'.
+ * Returns TD_EACCES otherwise. */
+int td__may(const td__storage *s, const td__holdings *h, int want);
+/* Formats who owns s and how ("mode 0640, owner uid 1000 gid 100"). */
+char *td__describe_access(const td__storage *s, char *buf, size_t len);
 
 td__key *td__key_find(const td__registry *r, const char *key, size_t len);
 /* Names view of s key, replacing an existing key. Returns 0 or TD_ENOMEM. */
@@ -158,9 +189,13 @@ typedef struct td__server td__server;
 typedef struct td__conn td__conn;
 typedef struct td__waiter td__waiter;
 typedef struct td__create td__create;
+typedef struct td__state td__state;
 
 struct td__conn {
   uv_poll_t poll;
+  uv_timer_t stall; /* runs while a request is half-read or replies unsent */
+  int nhandles;     /* handles not yet closed; the last close frees c */
+  uint64_t progress_ms; /* loop time bytes last moved either way */
   td__server *srv;
   td__wire wire;
   td__holdings hold;
@@ -185,6 +220,9 @@ struct td__server {
   uv_timer_t accept_timer; /* retry after EMFILE */
   uv_signal_t sigint, sigterm;
   char socket_path[108];
+  char state_dir[256]; /* "" without --state-dir */
+  char run_path[120];  /* <socket>.instance: who made the segments */
+  uint64_t prev_instance;
   char prefix[48]; /* shm name prefix of this instance */
   uint64_t instance;
   int64_t start_ms;
@@ -195,15 +233,30 @@ struct td__server {
   td__htab waitqs; /* key -> lookups waiting for it */
   uint64_t nwaiters;
   uint64_t pending_work; /* thread-pool jobs in flight */
+  td__state *state;      /* NULL without --state-dir */
+  int keep_segments;     /* stopping with --state-dir: keep keyed segments */
+  uint32_t max_clients;  /* 0: no limit */
+  uint32_t max_storages_per_client;
+  uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
 };
 
 typedef struct td__options {
   const char *socket_path;
   uint64_t capacity; /* 0: half of /dev/shm */
+  uint64_t quota;    /* per uid; 0: none */
+  uint32_t max_clients;
+  uint32_t max_storages_per_client;
+  uint64_t io_timeout_ms;   /* 0: the default, 30 s */
+  const char *socket_group; /* chown the socket to this group */
+  int socket_mode;          /* chmod the socket; -1: leave it */
+  const char *state_dir;
 } td__options;
 
 /* Sets srv up and starts listening (or adopts LISTEN_FDS). */
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* After the loop has ended: the final snapshot, or a last sweep of
+ * segments. */
+void td__server_finish(td__server *srv);
 /* Stops accepting, closes every client and frees every storage. */
 void td__server_stop(td__server *srv);
 /* Takes ownership of fd (a connected socket). */
@@ -217,6 +270,23 @@ int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
 /* Sends an Error reply for seq. */
 int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* Queues an already packed Response (and fd >= 0, ownership taken). */
+int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd);
+
+/* ---- state.c: --state-dir ---- */
+/* Loads DIR (creating it), serves its keys again, unlinks unnamed segments
+ * of the instances it records, and sets srv->state. */
+int td__state_open(td__server *srv, const char *dir);
+/* Records a key change; replies that acknowledge it go through
+ * td__state_reply, which holds them until the change is on disk. st may be
+ * NULL (no --state-dir): then nothing is recorded or held. */
+void td__state_put(td__state *st, const td__key *k);
+void td__state_del(td__state *st, const char *key, size_t len);
+int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
+                    int fd);
+void td__state_conn_gone(td__state *st, const td__conn *c);
+/* Writes a final snapshot and closes. NULL ok. */
+void td__state_close(td__state *st);
 
 /* ---- ops.c: requests ---- */
 struct Tensord__Request;

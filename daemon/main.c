@@ -1,51 +1,155 @@
 /* main.c: tensord's command line. */
 #include "daemon.h"
 
+#include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: tensord [--socket PATH] [--capacity SIZE] "
-          "[--log-level error|warn|info|debug] [--version]\n"
-          "\n"
-          "Shares tensor storages between the processes of this machine.\n"
-          "\n"
-          "  --socket PATH     listen here (default: $TENSORD_SOCKET, else\n"
-          "                    $XDG_RUNTIME_DIR/tensord.sock, else\n"
-          "                    /tmp/tensord-<uid>/tensord.sock); ignored when\n"
-          "                    systemd passes a socket (LISTEN_FDS)\n"
-          "  --capacity SIZE   most bytes of live storages, e.g. 8G, 512MiB\n"
-          "                    (default: half of /dev/shm)\n"
-          "  --log-level L     error, warn, info (default) or debug\n"
-          "  --version         print the version and exit\n");
+  fprintf(
+      f,
+      "usage: tensord [OPTION]...\n"
+      "\n"
+      "Shares tensor storages between the processes of this machine.\n"
+      "\n"
+      "  --socket PATH          listen here (default: $TENSORD_SOCKET, else\n"
+      "                         $XDG_RUNTIME_DIR/tensord.sock, else\n"
+      "                         /tmp/tensord-<uid>/tensord.sock); ignored\n"
+      "                         when systemd passes a socket (LISTEN_FDS)\n"
+      "  --socket-group GROUP   give the socket to this group ...\n"
+      "  --socket-mode MODE     ... with this mode, e.g. 0660 (default 0600)\n"
+      "  --capacity SIZE        most bytes of live storages, e.g. 8G, 512MiB\n"
+      "                         (default: half of /dev/shm)\n"
+      "  --quota SIZE           most bytes of storages one uid may own\n"
+      "  --max-clients N        most connected clients\n"
+      "  --max-storages-per-client N\n"
+      "                         most storages one client may hold at once\n"
+      "  --io-timeout MS        disconnect a client that leaves a request\n"
+      "                         half-sent or its replies unread this long\n"
+      "                         (default 30000)\n"
+      "  --state-dir DIR        keep published keys here, durably, so that\n"
+      "                         they survive a restart or a crash\n"
+      "  --log-level L          error, warn, info (default) or debug\n"
+      "  --version              print the version and exit\n");
+}
+
+static int parse_count(const char *opt, const char *s, uint64_t max,
+                       uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (*s == '\0' || *end != '\0' || errno != 0 || *s == '-' || v == 0 ||
+      v > max) {
+    fprintf(stderr, "tensord: %s '%s': not a count from 1 to %llu\n", opt, s,
+            (unsigned long long)max);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int parse_bytes(const char *opt, const char *s, uint64_t *out) {
+  if (td__parse_size(s, out) < 0 || *out == 0) {
+    fprintf(stderr, "tensord: %s '%s': not a size (e.g. 8G, 512MiB)\n", opt, s);
+    return -1;
+  }
+  return 0;
+}
+
+/* Raises the soft limit on open files to the hard limit: every client is an
+ * fd, and so is every fd on its way to a client. */
+static void raise_nofile(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == rl.rlim_max)
+    return;
+  rlim_t was = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+    td__warn("cannot raise the open-file limit from %llu: %s",
+             (unsigned long long)was, strerror(errno));
+  else
+    td__debug("open-file limit raised from %llu to %llu",
+              (unsigned long long)was, (unsigned long long)rl.rlim_cur);
 }
 
 int main(int argc, char **argv) {
+  enum {
+    OPT_QUOTA = 256,
+    OPT_MAX_CLIENTS,
+    OPT_MAX_STORAGES,
+    OPT_IO_TIMEOUT,
+    OPT_SOCKET_GROUP,
+    OPT_SOCKET_MODE,
+    OPT_STATE_DIR,
+  };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
+      {"socket-group", required_argument, NULL, OPT_SOCKET_GROUP},
+      {"socket-mode", required_argument, NULL, OPT_SOCKET_MODE},
       {"capacity", required_argument, NULL, 'c'},
+      {"quota", required_argument, NULL, OPT_QUOTA},
+      {"max-clients", required_argument, NULL, OPT_MAX_CLIENTS},
+      {"max-storages-per-client", required_argument, NULL, OPT_MAX_STORAGES},
+      {"io-timeout", required_argument, NULL, OPT_IO_TIMEOUT},
+      {"state-dir", required_argument, NULL, OPT_STATE_DIR},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   td__options o = {0};
+  o.socket_mode = -1;
+  uint64_t n;
   int ch;
   while ((ch = getopt_long(argc, argv, "s:c:l:Vh", opts, NULL)) != -1) {
     switch (ch) {
     case 's':
       o.socket_path = optarg;
       break;
-    case 'c':
-      if (td__parse_size(optarg, &o.capacity) < 0 || o.capacity == 0) {
-        fprintf(stderr, "tensord: --capacity '%s': not a size (e.g. 8G)\n",
+    case OPT_SOCKET_GROUP:
+      o.socket_group = optarg;
+      break;
+    case OPT_SOCKET_MODE: {
+      char *end;
+      long mode = strtol(optarg, &end, 8);
+      if (*optarg == '\0' || *end != '\0' || mode < 0 || mode > 0777) {
+        fprintf(stderr, "tensord: --socket-mode '%s': not an octal mode\n",
                 optarg);
         return 2;
       }
+      o.socket_mode = (int)mode;
+      break;
+    }
+    case 'c':
+      if (parse_bytes("--capacity", optarg, &o.capacity) < 0)
+        return 2;
+      break;
+    case OPT_QUOTA:
+      if (parse_bytes("--quota", optarg, &o.quota) < 0)
+        return 2;
+      break;
+    case OPT_MAX_CLIENTS:
+      if (parse_count("--max-clients", optarg, UINT32_MAX, &n) < 0)
+        return 2;
+      o.max_clients = (uint32_t)n;
+      break;
+    case OPT_MAX_STORAGES:
+      if (parse_count("--max-storages-per-client", optarg, UINT32_MAX, &n) < 0)
+        return 2;
+      o.max_storages_per_client = (uint32_t)n;
+      break;
+    case OPT_IO_TIMEOUT:
+      if (parse_count("--io-timeout", optarg, 24ull * 3600 * 1000,
+                      &o.io_timeout_ms) < 0)
+        return 2;
+      break;
+    case OPT_STATE_DIR:
+      o.state_dir = optarg;
       break;
     case 'l': {
       int level = td__log_level_parse(optarg);
@@ -77,15 +181,13 @@ int main(int argc, char **argv) {
   }
 
   signal(SIGPIPE, SIG_IGN);
+  raise_nofile();
   uv_loop_t *loop = uv_default_loop();
   static td__server srv;
   if (td__server_start(&srv, loop, &o) < 0)
     return 1;
   uv_run(loop, UV_RUN_DEFAULT);
-  /* Whatever a bug might have left behind goes too. */
-  int n = td__shm_unlink_prefix(srv.prefix + 1);
-  if (n > 0)
-    td__warn("unlinked %d segment(s) still in /dev/shm at exit", n);
+  td__server_finish(&srv);
   uv_loop_close(loop);
   td__info("stopped");
   return 0;

@@ -68,14 +68,42 @@ static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
 
 /* ---- references and replies ---- */
 
+/* Checks that c may do what want asks of s; on refusal msg says who owns s
+ * and who c is. */
+static int check_access(td__conn *c, const td__storage *s, int want,
+                        const char *what, char *msg, size_t len) {
+  if (td__may(s, &c->hold, want) == 0)
+    return 0;
+  char acc[96];
+  return td__msg(msg, len, TD_EACCES,
+                 "%s: permission denied (%s; this client is uid %u gid %u)",
+                 what, td__describe_access(s, acc, sizeof(acc)),
+                 (unsigned)c->hold.peer.uid, (unsigned)c->hold.peer.gid);
+}
+
 /* Gives c one more reference of mode ro to s and, unless c already has the
  * storage in that mode (so its process has it mapped), a fresh fd in *fd.
- * On failure nothing changed and msg says why. */
-static int grant(td__conn *c, td__storage *s, int ro, int force_fd, int *fd,
-                 char *msg, size_t len) {
+ * Checks c's permission (write too if take) and its storage limit first. On
+ * failure nothing changed and msg says why. */
+static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
+                 int *fd, char *msg, size_t len) {
   uint32_t had = 0;
   *fd = -1;
-  int err = td__ref_add(&c->srv->reg, &c->hold, s, ro, &had);
+  int want = TD__MAY_READ | (ro && !take ? 0 : TD__MAY_WRITE);
+  int err = check_access(c, s, want,
+                         take ? "take"
+                         : ro ? "read-only access"
+                              : "read-write access",
+                         msg, len);
+  if (err < 0)
+    return err;
+  uint32_t max = c->srv->max_storages_per_client;
+  if (max && c->hold.refs.count >= max && td__ref_find(&c->hold, s->id) == 0)
+    return td__msg(msg, len, TD_EMFILE,
+                   "this client holds %zu storages, the most "
+                   "--max-storages-per-client allows",
+                   c->hold.refs.count);
+  err = td__ref_add(&c->srv->reg, &c->hold, s, ro, &had);
   if (err < 0)
     return td__msg(msg, len, err, "out of memory");
   if (had == 0 || force_fd) {
@@ -84,6 +112,9 @@ static int grant(td__conn *c, td__storage *s, int ro, int force_fd, int *fd,
       err = *fd;
       *fd = -1;
       td__ref_drop(&c->srv->reg, &c->hold, s->id, ro, 1);
+      if (err == TD_EMFILE || err == TD_ENFILE)
+        td__error("client %d: cannot open %s: %s", (int)c->hold.peer.pid,
+                  s->name, td_strerror(err));
       return td__msg(msg, len, err, "opening %s: %s", s->name,
                      td_strerror(err));
     }
@@ -101,13 +132,14 @@ static void storage_reply(const td__storage *s, int ro, int fd,
   m->fd = fd >= 0;
 }
 
+/* Acknowledges a key change, once it is durable (see state.c). */
 static int send_ok(td__conn *c, uint64_t seq) {
   Tensord__Ok ok = TENSORD__OK__INIT;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_OK;
   r.ok = &ok;
-  td__conn_send(c, &r, -1);
+  td__state_reply(c->srv->state, c, &r, -1);
   return 0;
 }
 
@@ -142,7 +174,6 @@ static void create_finish(td__create *cr) {
   td__server *srv = cr->srv;
   td__storage *s = cr->s;
   td__conn *c = cr->conn;
-  srv->reg.bytes_reserved -= s->nbytes;
   create_unlink_from_conn(cr);
 
   if (cr->fd >= 0 && (c == NULL || srv->stopping)) {
@@ -150,15 +181,18 @@ static void create_finish(td__create *cr) {
               (unsigned long long)s->id);
     close(cr->fd);
     td__shm_unlink(s->name);
+    td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
   } else if (cr->fd < 0) {
     if (c != NULL)
       td__conn_error(c, cr->seq, cr->fd, "create of %llu bytes: %s",
                      (unsigned long long)s->nbytes, cr->msg);
+    td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
   } else if (td__storage_insert(&srv->reg, s, &c->hold) < 0) {
     close(cr->fd);
     td__shm_unlink(s->name);
+    td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
     td__conn_error(c, cr->seq, TD_ENOMEM, "create: out of memory");
   } else {
@@ -178,7 +212,7 @@ static void create_work(uv_work_t *w) {
 static void create_after(uv_work_t *w, int status) {
   td__create *cr = td__container_of(w, td__create, work);
   cr->srv->pending_work--;
-  if (status < 0 && cr->fd >= 0) { /* cancelled: never ran */
+  if (status == UV_ECANCELED) { /* never ran */
     cr->fd = TD_ECANCELED;
     snprintf(cr->msg, sizeof(cr->msg), "cancelled: tensord is stopping");
   }
@@ -199,17 +233,6 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
                   "create on device %d: this tensord has CPU "
                   "storages only",
                   (int)m->device);
-  uint64_t committed = reg->bytes_used + reg->bytes_reserved;
-  if (n > reg->capacity || committed > reg->capacity - n) {
-    uint64_t freeb = committed < reg->capacity ? reg->capacity - committed : 0;
-    return reject(c, seq, TD_ENOMEM,
-                  "create of %s (%llu bytes) exceeds capacity: %s (%llu bytes) "
-                  "free of %s",
-                  td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-                  td__human_bytes(freeb, b, sizeof(b)),
-                  (unsigned long long)freeb,
-                  td__human_bytes(reg->capacity, d, sizeof(d)));
-  }
   uint64_t shm_free = 0, shm_total = 0;
   if (td__shm_space(&shm_free, &shm_total) == 0 && n > shm_free)
     return reject(
@@ -220,13 +243,31 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
         td__human_bytes(shm_free, b, sizeof(b)), (unsigned long long)shm_free,
         td__human_bytes(shm_total, d, sizeof(d)));
 
+  if (m->mode & ~0666u)
+    return reject(c, seq, TD_EINVAL,
+                  "create with mode %04o: only read and write bits (0666) "
+                  "may be set",
+                  (unsigned)m->mode);
+  if (c->srv->max_storages_per_client &&
+      c->hold.refs.count >= c->srv->max_storages_per_client)
+    return reject(c, seq, TD_EMFILE,
+                  "create: this client holds %zu storages, the most "
+                  "--max-storages-per-client allows",
+                  c->hold.refs.count);
+  char msg[256];
+  int err = td__charge(reg, c->hold.peer.uid, n, 0, msg, sizeof(msg));
+  if (err < 0)
+    return reject(c, seq, err, "create of %s", msg);
+
   td__create *cr = calloc(1, sizeof(*cr));
   td__storage *s = calloc(1, sizeof(*s));
   if (cr == NULL || s == NULL) {
     free(cr);
     free(s);
+    td__credit(reg, c->hold.peer.uid, n);
     return reject(c, seq, TD_ENOMEM, "create: out of memory");
   }
+  s->mode = m->mode ? m->mode : 0600;
   s->id = reg->next_id++;
   s->nbytes = n;
   s->device = TD_CPU;
@@ -243,14 +284,13 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (c->creates)
     c->creates->prev = cr;
   c->creates = cr;
-  reg->bytes_reserved += n;
 
   if (n <= SYNC_BYTES_MAX) {
     create_work(&cr->work);
     create_finish(cr);
     return 0;
   }
-  int err = uv_queue_work(srv->loop, &cr->work, create_work, create_after);
+  err = uv_queue_work(srv->loop, &cr->work, create_work, create_after);
   if (err < 0) {
     cr->fd = TD_ENOMEM;
     snprintf(cr->msg, sizeof(cr->msg), "cannot queue work: %s",
@@ -285,6 +325,10 @@ static void unlink_after(uv_work_t *w, int status) {
 
 void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
+  if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
+    free(s);
+    return;
+  }
   td__debug("storage %llu: last reference dropped; unlinking %s",
             (unsigned long long)s->id, s->name);
   unlink_job *j = NULL;
@@ -313,7 +357,7 @@ static int op_open(td__conn *c, uint64_t seq, const Tensord__Open *m) {
                   (unsigned long long)m->id);
   char msg[256];
   int fd;
-  int err = grant(c, s, m->readonly, m->force_fd, &fd, msg, sizeof(msg));
+  int err = grant(c, s, m->readonly, 0, m->force_fd, &fd, msg, sizeof(msg));
   if (err < 0)
     return reject(c, seq, err, "storage %llu: %s", (unsigned long long)m->id,
                   msg);
@@ -387,9 +431,10 @@ static void answer_lookup(td__conn *c, uint64_t seq, td__key *k, int ro,
   td__storage *s = k->storage;
   char msg[256];
   int fd;
-  int err = grant(c, s, ro, force_fd, &fd, msg, sizeof(msg));
+  int err = grant(c, s, ro, take, force_fd, &fd, msg, sizeof(msg));
   if (err < 0) {
-    td__conn_error(c, seq, err, "key '%s': %s", k->name, msg);
+    td__conn_error(c, seq, err, "key '%s' (storage %llu): %s", k->name,
+                   (unsigned long long)s->id, msg);
     return;
   }
   td_view view = k->view; /* outlives a take */
@@ -404,11 +449,14 @@ static void answer_lookup(td__conn *c, uint64_t seq, td__key *k, int ro,
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
-  if (take) {
-    td__debug("client %d took key '%s'", (int)c->hold.peer.pid, k->name);
-    td__key_remove(&c->srv->reg, k);
+  if (!take) {
+    td__conn_send(c, &r, fd);
+    return;
   }
-  td__conn_send(c, &r, fd);
+  td__debug("client %d took key '%s'", (int)c->hold.peer.pid, k->name);
+  td__state_del(c->srv->state, k->name, k->len);
+  td__key_remove(&c->srv->reg, k);
+  td__state_reply(c->srv->state, c, &r, fd);
 }
 
 /* Hands a newly published key to the lookups waiting for it, in arrival
@@ -544,11 +592,16 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     int64_t shape = (int64_t)s->nbytes;
     td_view_contiguous(TD_UINT8, 1, &shape, &v);
   }
-  td__key *k;
+  td__key *k = td__key_find(reg, key, m->key.len);
+  if (k != NULL && check_access(c, k->storage, TD__MAY_WRITE, "replacing it",
+                                msg, sizeof(msg)) < 0)
+    return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
+                  (unsigned long long)k->storage->id, msg);
   if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0)
     return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
+  td__state_put(c->srv->state, k);
   send_ok(c, seq);
   wake_waiters(c->srv, k);
   return 0;
@@ -564,6 +617,12 @@ static int op_unpublish(td__conn *c, uint64_t seq,
   if (k == NULL)
     return reject(c, seq, TD_ENOENT, "key '%s': not published",
                   key_str(&m->key, key, sizeof(key)));
+  char msg[256];
+  if (check_access(c, k->storage, TD__MAY_WRITE, "unpublish", msg,
+                   sizeof(msg)) < 0)
+    return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
+                  (unsigned long long)k->storage->id, msg);
+  td__state_del(c->srv->state, k->name, k->len);
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
 }
@@ -607,6 +666,8 @@ static int storage_info(arena *a, const td__storage *s, size_t max_keys,
   m->refs = s->refs;
   m->owner_pid = s->owner.pid;
   m->owner_uid = s->owner.uid;
+  m->owner_gid = s->owner.gid;
+  m->mode = s->mode;
   m->created_unix_ms = s->created_ms;
   size_t nh = 0, nk = 0;
   for (const td__ref *r = s->holders; r; r = r->snext)
@@ -761,6 +822,10 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.uptime_ms = td__now_ms() - srv->start_ms;
   st.pid = (int32_t)getpid();
   st.instance = srv->instance;
+  st.quota = srv->reg.quota;
+  st.max_clients = srv->max_clients;
+  st.max_storages_per_client = srv->max_storages_per_client;
+  st.state_dir = srv->state_dir;
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;
   r.seq = seq;

@@ -3,6 +3,7 @@
  * Nothing here does I/O; the owner releases segments in free_fn. */
 #include "daemon.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,11 +27,83 @@ static int key_eq(const td__hnode *n, const void *key) {
   return k->len == ks->len && memcmp(k->name, ks->s, ks->len) == 0;
 }
 
+typedef struct td__usage {
+  td__hnode node;
+  uid_t uid;
+  uint64_t bytes;
+} td__usage;
+
+static int usage_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__usage, node)->uid == *(const uid_t *)key;
+}
+
+static td__usage *usage_find(const td__registry *r, uid_t uid) {
+  td__hnode *n = td__htab_find(&r->usage, td__hash_u64(uid), usage_eq, &uid);
+  return n ? td__container_of(n, td__usage, node) : NULL;
+}
+
+uint64_t td__usage_of(const td__registry *r, uid_t uid) {
+  td__usage *u = usage_find(r, uid);
+  return u ? u->bytes : 0;
+}
+
+int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
+               size_t len) {
+  char a[32], b[32], c[32];
+  uint64_t committed = r->bytes_committed;
+  if (!force && (n > r->capacity || committed > r->capacity - n)) {
+    uint64_t avail = committed < r->capacity ? r->capacity - committed : 0;
+    return td__msg(msg, len, TD_ENOMEM,
+                   "%s (%llu bytes) exceeds capacity: %s (%llu bytes) free "
+                   "of %s",
+                   td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+                   td__human_bytes(avail, b, sizeof(b)),
+                   (unsigned long long)avail,
+                   td__human_bytes(r->capacity, c, sizeof(c)));
+  }
+  td__usage *u = usage_find(r, uid);
+  uint64_t used = u ? u->bytes : 0;
+  if (!force && r->quota && (n > r->quota || used > r->quota - n))
+    return td__msg(msg, len, TD_EDQUOT,
+                   "%s (%llu bytes) exceeds the quota of uid %u: it owns %s "
+                   "(%llu bytes) of %s",
+                   td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+                   (unsigned)uid, td__human_bytes(used, b, sizeof(b)),
+                   (unsigned long long)used,
+                   td__human_bytes(r->quota, c, sizeof(c)));
+  if (u == NULL) {
+    u = calloc(1, sizeof(*u));
+    if (u == NULL)
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
+    u->uid = uid;
+    if (td__htab_insert(&r->usage, &u->node, td__hash_u64(uid)) < 0) {
+      free(u);
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
+    }
+  }
+  u->bytes += n;
+  r->bytes_committed += n;
+  return 0;
+}
+
+void td__credit(td__registry *r, uid_t uid, uint64_t n) {
+  td__usage *u = usage_find(r, uid);
+  r->bytes_committed -= n;
+  if (u == NULL)
+    return;
+  u->bytes -= n;
+  if (u->bytes == 0) {
+    td__htab_remove(&r->usage, &u->node);
+    free(u);
+  }
+}
+
 void td__registry_init(td__registry *r, uint64_t capacity,
                        td__storage_free_fn fn, void *arg) {
   memset(r, 0, sizeof(*r));
   td__htab_init(&r->storages);
   td__htab_init(&r->keys);
+  td__htab_init(&r->usage);
   r->next_id = 1;
   r->capacity = capacity;
   r->free_fn = fn;
@@ -52,6 +125,7 @@ static void storage_unref(td__registry *r, td__storage *s) {
   else
     r->last = s->prev;
   r->bytes_used -= s->nbytes;
+  td__credit(r, s->owner.uid, s->nbytes);
   r->free_fn(s, r->free_arg);
 }
 
@@ -74,6 +148,14 @@ void td__registry_free(td__registry *r) {
   td__registry_drop_keys(r);
   td__htab_free(&r->storages);
   td__htab_free(&r->keys);
+  /* Creates still in flight find no entry and credit only the total. */
+  for (size_t i = 0; i < r->usage.nbuckets; i++) {
+    for (td__hnode *n = r->usage.buckets[i], *next; n != NULL; n = next) {
+      next = n->next;
+      free(td__container_of(n, td__usage, node));
+    }
+  }
+  td__htab_free(&r->usage);
 }
 
 td__storage *td__storage_find(const td__registry *r, uint64_t id) {
@@ -88,7 +170,7 @@ int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
   int err = td__htab_insert(&r->storages, &s->node, td__hash_u64(s->id));
   if (err < 0)
     return err;
-  err = td__ref_add(r, h, s, 0, NULL);
+  err = h ? td__ref_add(r, h, s, 0, NULL) : 0;
   if (err < 0) {
     td__htab_remove(&r->storages, &s->node);
     return err;
@@ -212,6 +294,27 @@ void td__holdings_clear(td__registry *r, td__holdings *h) {
     storage_unref(r, s);
   }
   td__htab_free(&h->refs);
+}
+
+int td__may(const td__storage *s, const td__holdings *h, int want) {
+  if (h->peer.uid == 0)
+    return 0;
+  unsigned bits;
+  if (h->peer.uid == s->owner.uid) {
+    bits = (s->mode >> 6) & 7;
+  } else {
+    int member = h->peer.gid == s->owner.gid;
+    for (int i = 0; i < h->ngroups && !member; i++)
+      member = h->groups[i] == s->owner.gid;
+    bits = member ? (s->mode >> 3) & 7 : s->mode & 7;
+  }
+  return (bits & (unsigned)want) == (unsigned)want ? 0 : TD_EACCES;
+}
+
+char *td__describe_access(const td__storage *s, char *buf, size_t len) {
+  snprintf(buf, len, "mode %04o, owner uid %u gid %u", (unsigned)s->mode,
+           (unsigned)s->owner.uid, (unsigned)s->owner.gid);
+  return buf;
 }
 
 td__key *td__key_find(const td__registry *r, const char *key, size_t len) {

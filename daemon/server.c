@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,6 +187,77 @@ static void on_signal(uv_signal_t *h, int signum) {
   td__server_stop(srv);
 }
 
+/* Gives the socket we bound to --socket-group with --socket-mode. */
+static int socket_access(td__server *srv, const td__options *o) {
+  gid_t gid = (gid_t)-1;
+  if (o->socket_group != NULL) {
+    struct group *g = getgrnam(o->socket_group);
+    char *end;
+    unsigned long n = strtoul(o->socket_group, &end, 10);
+    if (g != NULL)
+      gid = g->gr_gid;
+    else if (*o->socket_group != '\0' && *end == '\0')
+      gid = (gid_t)n;
+    else {
+      td__error("--socket-group %s: no such group", o->socket_group);
+      return TD_EINVAL;
+    }
+  }
+  if (gid != (gid_t)-1 && chown(srv->socket_path, (uid_t)-1, gid) < 0) {
+    td__error("--socket-group %s: chown(%s): %s", o->socket_group,
+              srv->socket_path, strerror(errno));
+    return -errno;
+  }
+  if (o->socket_mode >= 0 &&
+      chmod(srv->socket_path, (mode_t)o->socket_mode) < 0) {
+    td__error("--socket-mode %04o: chmod(%s): %s", o->socket_mode,
+              srv->socket_path, strerror(errno));
+    return -errno;
+  }
+  return 0;
+}
+
+/* A daemon that died without cleaning up (SIGKILL, a crash) leaves its
+ * segments behind; the next one on the same socket finds its instance in
+ * <socket>.instance and unlinks them (unless --state-dir serves them). */
+static void sweep_previous(td__server *srv) {
+  snprintf(srv->run_path, sizeof(srv->run_path), "%s.instance",
+           srv->socket_path);
+  FILE *f = fopen(srv->run_path, "r");
+  if (f == NULL)
+    return;
+  unsigned long long prev = 0;
+  int ok = fscanf(f, "%llx", &prev) == 1;
+  fclose(f);
+  if (!ok || prev == srv->instance)
+    return;
+  srv->prev_instance = prev;
+}
+
+static void record_instance(td__server *srv) {
+  if (srv->prev_instance != 0 && srv->state == NULL) {
+    char prefix[48];
+    snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+             (unsigned long long)srv->prev_instance);
+    int n = td__shm_unlink_prefix(prefix);
+    if (n > 0)
+      td__warn("unlinked %d segment(s) left by the previous tensord on %s "
+               "(instance %016llx)",
+               n, srv->socket_path, (unsigned long long)srv->prev_instance);
+  }
+  char tmp[sizeof(srv->run_path) + 8];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
+  FILE *f = fopen(tmp, "w");
+  if (f == NULL ||
+      fprintf(f, "%016llx\n", (unsigned long long)srv->instance) < 0 ||
+      fclose(f) != 0 || rename(tmp, srv->run_path) < 0) {
+    td__warn("cannot record this instance in %s: %s; a crash would leave "
+             "its segments for the operator to remove",
+             srv->run_path, strerror(errno));
+    unlink(tmp);
+  }
+}
+
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   memset(srv, 0, sizeof(*srv));
   srv->loop = loop;
@@ -209,6 +281,10 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
              td__human_bytes(o->capacity, a, sizeof(a)),
              td__human_bytes(shm_total, b, sizeof(b)));
   td__registry_init(&srv->reg, capacity, td__storage_gone, srv);
+  srv->reg.quota = o->quota;
+  srv->max_clients = o->max_clients;
+  srv->max_storages_per_client = o->max_storages_per_client;
+  srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
 
   int err = adopt_socket(srv);
   if (err == 0) {
@@ -223,9 +299,22 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
       p = path;
     }
     err = bind_socket(srv, p);
+    if (err == 0)
+      err = socket_access(srv, o);
+  } else if (err > 0 && (o->socket_group || o->socket_mode >= 0)) {
+    td__warn("--socket-group and --socket-mode do not apply to a socket "
+             "systemd passes: set SocketGroup= and SocketMode= in the unit");
   }
   if (err < 0)
-    return err;
+    goto fail;
+  sweep_previous(srv);
+  if (o->state_dir != NULL) {
+    snprintf(srv->state_dir, sizeof(srv->state_dir), "%s", o->state_dir);
+    err = td__state_open(srv, o->state_dir);
+    if (err < 0)
+      goto fail;
+  }
+  record_instance(srv);
 
   uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
   uv_timer_init(loop, &srv->accept_timer);
@@ -244,6 +333,15 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
            (unsigned long long)srv->instance);
   sd_notify_state("READY=1");
   return 0;
+
+fail:
+  if (srv->listen_fd >= 0) {
+    if (srv->own_socket)
+      unlink(srv->socket_path);
+    close(srv->listen_fd);
+  }
+  td__registry_free(&srv->reg);
+  return err;
 }
 
 static void on_listen_closed(uv_handle_t *h) {
@@ -267,8 +365,32 @@ void td__server_stop(td__server *srv) {
   while (srv->conns != NULL)
     td__conn_close(srv->conns, "tensord is stopping");
   uint64_t storages = srv->reg.storages.count;
+  uint64_t keys = srv->reg.keys.count;
+  if (srv->state != NULL) {
+    /* The keys' storages stay in /dev/shm for the next start. */
+    td__state_close(srv->state);
+    srv->state = NULL;
+    srv->keep_segments = 1;
+    td__info("closed %llu client(s); kept %llu key(s) on %llu storage(s) "
+             "for the next start",
+             (unsigned long long)n, (unsigned long long)keys,
+             (unsigned long long)storages);
+  } else {
+    td__info("closed %llu client(s), released %llu storage(s)",
+             (unsigned long long)n, (unsigned long long)storages);
+  }
   td__registry_free(&srv->reg);
   td__htab_free(&srv->waitqs);
-  td__info("closed %llu client(s), released %llu storage(s)",
-           (unsigned long long)n, (unsigned long long)storages);
+  if (!srv->keep_segments)
+    unlink(srv->run_path);
+}
+
+void td__server_finish(td__server *srv) {
+  /* Whatever a bug might have left behind goes too; with --state-dir the
+   * next start sweeps what no key names. */
+  if (srv->keep_segments)
+    return;
+  int n = td__shm_unlink_prefix(srv->prefix + 1);
+  if (n > 0)
+    td__warn("unlinked %d segment(s) still in /dev/shm at exit", n);
 }

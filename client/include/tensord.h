@@ -46,6 +46,7 @@ extern "C" {
   XX(EMFILE, -EMFILE, "too many open files")                                   \
   XX(ENFILE, -ENFILE, "too many open files in system")                         \
   XX(EDQUOT, -EDQUOT, "quota exceeded")                                        \
+  XX(EUSERS, -EUSERS, "too many clients")                                      \
   XX(EBUSY, -EBUSY, "resource busy")                                           \
   XX(ENODEV, -ENODEV, "no such device")                                        \
   XX(EIO, -EIO, "i/o error")                                                   \
@@ -151,8 +152,21 @@ void td_close(td_client *c);
  * c (or of td_connect when c is NULL); "" if none. */
 const char *td_last_error(const td_client *c);
 
-/* Creates a storage of nbytes bytes on the CPU, mapped read-write, zeroed. */
+/* Creates a storage of nbytes bytes on the CPU, mapped read-write, zeroed,
+ * that only its owner (this process's uid) may open: mode 0600. */
 int td_storage_create(td_client *c, size_t nbytes, td_storage **out);
+
+/* How td_storage_create_ex makes a storage. Zero-initialise, then set. */
+typedef struct td_create_opts {
+  size_t nbytes;
+  /* Who may open it, as a file's read and write bits for owner, group and
+   * other (0666 at most; execute bits are refused). 0 means 0600. The owner
+   * is the creating process's uid and gid. Root may open anything. */
+  uint32_t mode;
+  td_device device; /* TD_CPU */
+} td_create_opts;
+int td_storage_create_ex(td_client *c, const td_create_opts *o,
+                         td_storage **out);
 /* Takes a new reference to storage id; flags: TD_RDONLY maps it read-only
  * (the kernel refuses writes). */
 int td_storage_open(td_client *c, uint64_t id, unsigned flags,
@@ -199,6 +213,8 @@ typedef struct td_storage_info {
   uint32_t refs; /* every reference: holders' and keys' */
   int32_t owner_pid;
   uint32_t owner_uid;
+  uint32_t owner_gid;
+  uint32_t mode; /* rw bits for owner, group, other */
   int64_t created_unix_ms;
   size_t nholders;
   const td_holder *holders;
@@ -225,6 +241,10 @@ typedef struct td_stat {
   int64_t uptime_ms;
   int32_t pid;
   uint64_t instance; /* segments are /dev/shm/tensord.<instance, %016x>.<id> */
+  uint64_t quota;    /* bytes per uid; 0: none */
+  uint32_t max_clients;
+  uint32_t max_storages_per_client;
+  char state_dir[256]; /* "": keys do not survive a restart */
   char version[32];
   char socket[256];
 } td_stat;

@@ -1,0 +1,804 @@
+/* state.c: published keys kept in --state-dir, so that a restart (after a
+ * crash, or for an upgrade) serves every key again with the same bytes.
+ *
+ * The directory holds a snapshot (every key and the segment prefixes in
+ * use, replaced atomically by rename) and a journal per generation
+ * (journal.<N>, appended). Each key change is appended to the journal and
+ * made durable (fdatasync, on the thread pool, many changes per sync) before
+ * the client that made it is answered. */
+#include "daemon.h"
+
+#include "tensord.pb-c.h"
+#include "viewmsg.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define REC_HDR 8
+#define REC_MAX (1u << 20)
+/* Compact when the journal outgrows the snapshot this many times over. */
+#define COMPACT_RATIO 4
+#define COMPACT_MIN (4u << 20)
+
+/* A reply that acknowledges a key change, held until the change is on
+ * disk. */
+typedef struct deferred {
+  td__conn *conn; /* NULL once the connection is gone */
+  uint64_t seq;
+  uint64_t ticket;
+  uint8_t *frame;
+  size_t len;
+  int fd;
+  struct deferred *next;
+} deferred;
+
+struct td__state {
+  td__server *srv;
+  char dir[256];
+  int dirfd, lockfd, jfd;
+  uint64_t gen; /* the journal being appended is journal.<gen> */
+  uint8_t *pending;
+  size_t pending_len, pending_cap;
+  uint64_t ticket;  /* of the last record appended */
+  uint64_t durable; /* every record up to this ticket is on disk */
+  int syncing;      /* a worker is writing records up to sync_ticket */
+  uint64_t sync_ticket;
+  uv_work_t work;
+  uint8_t *wbuf;
+  size_t wlen;
+  int werr;
+  deferred *dhead, *dtail;
+  uint64_t journal_bytes, snapshot_bytes;
+  int compacting;
+  uv_work_t cwork;
+  uint8_t *cbuf;
+  size_t clen;
+  uint64_t cgen;
+  int cerr;
+};
+
+/* ---- records ---- */
+
+static uint32_t crc32c(const uint8_t *p, size_t n) {
+  static uint32_t table[256];
+  if (table[1] == 0) {
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; k++)
+        c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+      table[i] = c;
+    }
+  }
+  uint32_t c = 0xffffffffu;
+  while (n--)
+    c = table[(c ^ *p++) & 0xff] ^ (c >> 8);
+  return c ^ 0xffffffffu;
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+         (uint32_t)p[3] << 24;
+}
+
+/* Appends r, framed, to *buf. Returns 0 or TD_ENOMEM. */
+static int append(uint8_t **buf, size_t *len, size_t *cap,
+                  const Tensord__StateRecord *r) {
+  size_t n = tensord__state_record__get_packed_size(r);
+  if (*len + REC_HDR + n > *cap) {
+    size_t c = *cap ? *cap : 4096;
+    while (c < *len + REC_HDR + n)
+      c *= 2;
+    uint8_t *p = realloc(*buf, c);
+    if (p == NULL)
+      return TD_ENOMEM;
+    *buf = p;
+    *cap = c;
+  }
+  uint8_t *p = *buf + *len;
+  tensord__state_record__pack(r, p + REC_HDR);
+  put32(p, (uint32_t)n);
+  put32(p + 4, crc32c(p + REC_HDR, n));
+  *len += REC_HDR + n;
+  return 0;
+}
+
+static void key_record(const td__key *k, Tensord__StateKey *m,
+                       Tensord__View *vm) {
+  const td__storage *s = k->storage;
+  tensord__state_key__init(m);
+  m->key.data = (uint8_t *)k->name;
+  m->key.len = k->len;
+  m->segment = (char *)s->name;
+  m->nbytes = s->nbytes;
+  m->owner_uid = s->owner.uid;
+  m->owner_gid = s->owner.gid;
+  m->owner_pid = s->owner.pid;
+  m->mode = s->mode;
+  m->created_unix_ms = s->created_ms;
+  m->published_unix_ms = k->published_ms;
+  td__view_to_msg(&k->view, vm);
+  m->view = vm;
+}
+
+/* Serialises every key and the prefixes in use as a snapshot of generation
+ * gen. Returns 0 or TD_ENOMEM. */
+static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
+                          size_t *outlen) {
+  uint8_t *buf = NULL;
+  size_t len = 0, cap = 0;
+  Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
+  r.body_case = TENSORD__STATE_RECORD__BODY_GENERATION;
+  r.generation = gen;
+  int err = append(&buf, &len, &cap, &r);
+  /* This instance's prefix, then the prefixes of adopted segments. */
+  char last[64] = "";
+  r.body_case = TENSORD__STATE_RECORD__BODY_PREFIX;
+  r.prefix = srv->prefix;
+  if (err == 0)
+    err = append(&buf, &len, &cap, &r);
+  for (const td__storage *s = srv->reg.first; s && err == 0; s = s->next) {
+    const char *dot = strrchr(s->name, '.');
+    size_t plen = dot ? (size_t)(dot - s->name) + 1 : 0;
+    if (s->keys == NULL || plen == 0 || plen >= sizeof(last) ||
+        strncmp(s->name, srv->prefix, plen) == 0 ||
+        (strncmp(s->name, last, plen) == 0 && last[plen] == '\0'))
+      continue;
+    memcpy(last, s->name, plen);
+    last[plen] = '\0';
+    r.prefix = last;
+    err = append(&buf, &len, &cap, &r);
+  }
+  for (const td__storage *s = srv->reg.first; s && err == 0; s = s->next) {
+    for (const td__key *k = s->keys; k && err == 0; k = k->snext) {
+      Tensord__StateKey m;
+      Tensord__View vm;
+      key_record(k, &m, &vm);
+      r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
+      r.put = &m;
+      err = append(&buf, &len, &cap, &r);
+    }
+  }
+  if (err < 0) {
+    free(buf);
+    return err;
+  }
+  *out = buf;
+  *outlen = len;
+  return 0;
+}
+
+static int write_all(int fd, const uint8_t *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w < 0)
+      return -errno;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+/* Replaces the snapshot with buf atomically and durably, then removes the
+ * journals older than gen. Blocking. */
+static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
+                          uint64_t gen) {
+  int fd = openat(dirfd, "snapshot.tmp",
+                  O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return -errno;
+  int err = write_all(fd, buf, len);
+  if (err == 0 && fsync(fd) < 0)
+    err = -errno;
+  close(fd);
+  if (err == 0 && renameat(dirfd, "snapshot.tmp", dirfd, "snapshot") < 0)
+    err = -errno;
+  if (err == 0 && fsync(dirfd) < 0)
+    err = -errno;
+  if (err < 0)
+    return err;
+  /* Journals before gen are in the snapshot now. */
+  DIR *d = fdopendir(dup(dirfd));
+  if (d == NULL)
+    return 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    unsigned long long g;
+    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g < gen)
+      unlinkat(dirfd, e->d_name, 0);
+  }
+  closedir(d);
+  return 0;
+}
+
+static int open_journal(td__state *st, uint64_t gen) {
+  char name[48];
+  snprintf(name, sizeof(name), "journal.%llu", (unsigned long long)gen);
+  int fd =
+      openat(st->dirfd, name, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return -errno;
+  if (fsync(st->dirfd) < 0) {
+    int err = -errno;
+    close(fd);
+    return err;
+  }
+  if (st->jfd >= 0)
+    close(st->jfd);
+  st->jfd = fd;
+  st->gen = gen;
+  st->journal_bytes = 0;
+  return 0;
+}
+
+/* ---- loading ---- */
+
+/* Reads a whole file into *buf; a missing file is empty. */
+static int slurp(int dirfd, const char *name, uint8_t **buf, size_t *len) {
+  *buf = NULL;
+  *len = 0;
+  int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT ? 0 : -errno;
+  struct stat sb;
+  if (fstat(fd, &sb) < 0) {
+    close(fd);
+    return -errno;
+  }
+  uint8_t *p = malloc(sb.st_size > 0 ? (size_t)sb.st_size : 1);
+  size_t n = 0;
+  while (p != NULL && n < (size_t)sb.st_size) {
+    ssize_t r = read(fd, p + n, (size_t)sb.st_size - n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    n += (size_t)r;
+  }
+  close(fd);
+  if (p == NULL)
+    return TD_ENOMEM;
+  *buf = p;
+  *len = n;
+  return 1;
+}
+
+/* What the records say, before any segment is looked at. */
+typedef struct loaded {
+  Tensord__StateRecord **puts; /* by key: the last put of each live key */
+  size_t nputs, cap;
+  char (*prefixes)[64];
+  size_t nprefixes;
+  uint64_t gen;
+  Tensord__StateRecord **all; /* every decoded record, to free */
+  size_t nall, allcap;
+} loaded;
+
+static size_t find_put(const loaded *l, const ProtobufCBinaryData *key) {
+  for (size_t i = 0; i < l->nputs; i++) {
+    const ProtobufCBinaryData *k = &l->puts[i]->put->key;
+    if (k->len == key->len && memcmp(k->data, key->data, k->len) == 0)
+      return i;
+  }
+  return (size_t)-1;
+}
+
+static int keep(loaded *l, Tensord__StateRecord *r) {
+  if (l->nall == l->allcap) {
+    size_t cap = l->allcap ? l->allcap * 2 : 64;
+    void *p = realloc(l->all, cap * sizeof(*l->all));
+    if (p == NULL)
+      return TD_ENOMEM;
+    l->all = p;
+    l->allcap = cap;
+  }
+  l->all[l->nall++] = r;
+  return 0;
+}
+
+/* Applies the records in buf. Returns the bytes of whole, valid records: a
+ * torn or corrupt tail (a crash mid-append) ends the replay there. */
+static size_t replay(loaded *l, const uint8_t *buf, size_t len,
+                     const char *name) {
+  size_t off = 0;
+  while (off + REC_HDR <= len) {
+    uint32_t n = get32(buf + off);
+    if (n > REC_MAX || off + REC_HDR + n > len ||
+        crc32c(buf + off + REC_HDR, n) != get32(buf + off + 4))
+      break;
+    Tensord__StateRecord *r =
+        tensord__state_record__unpack(NULL, n, buf + off + REC_HDR);
+    if (r == NULL || keep(l, r) < 0) {
+      if (r)
+        tensord__state_record__free_unpacked(r, NULL);
+      break;
+    }
+    off += REC_HDR + n;
+    switch (r->body_case) {
+    case TENSORD__STATE_RECORD__BODY_GENERATION:
+      l->gen = r->generation;
+      break;
+    case TENSORD__STATE_RECORD__BODY_PREFIX:
+      if (strlen(r->prefix) < 64) {
+        void *p = realloc(l->prefixes, (l->nprefixes + 1) * 64);
+        if (p != NULL) {
+          l->prefixes = p;
+          snprintf(l->prefixes[l->nprefixes++], 64, "%s", r->prefix);
+        }
+      }
+      break;
+    case TENSORD__STATE_RECORD__BODY_PUT: {
+      size_t i = find_put(l, &r->put->key);
+      if (i != (size_t)-1) {
+        l->puts[i] = r;
+      } else {
+        if (l->nputs == l->cap) {
+          size_t cap = l->cap ? l->cap * 2 : 64;
+          void *p = realloc(l->puts, cap * sizeof(*l->puts));
+          if (p == NULL)
+            break;
+          l->puts = p;
+          l->cap = cap;
+        }
+        l->puts[l->nputs++] = r;
+      }
+      break;
+    }
+    case TENSORD__STATE_RECORD__BODY_DEL: {
+      size_t i = find_put(l, &r->del);
+      if (i != (size_t)-1)
+        l->puts[i] = l->puts[--l->nputs];
+      break;
+    }
+    default:
+      break;
+    }
+  }
+  if (off < len)
+    td__warn("state: %s: %zu byte(s) after the last whole record ignored "
+             "(a write cut short by a crash)",
+             name, len - off);
+  return off;
+}
+
+static void loaded_free(loaded *l) {
+  for (size_t i = 0; i < l->nall; i++)
+    tensord__state_record__free_unpacked(l->all[i], NULL);
+  free(l->all);
+  free(l->puts);
+  free(l->prefixes);
+}
+
+/* Serves the key recorded in r again: finds (or registers) its segment and
+ * publishes the key. Returns 0, or a negative code if the segment is gone or
+ * does not match (the key is then dropped, with a warning). */
+static int adopt(td__server *srv, const Tensord__StateKey *m) {
+  td__registry *reg = &srv->reg;
+  char key[TD_KEY_MAX + 1], msg[256];
+  size_t klen = m->key.len;
+  if (td__key_validate((const char *)m->key.data, klen, msg, sizeof(msg)) < 0 ||
+      strlen(m->segment) >= sizeof(((td__storage *)0)->name) ||
+      strncmp(m->segment, "/tensord.", 9) != 0) {
+    td__warn("state: a recorded key is malformed; dropped");
+    return TD_EINVAL;
+  }
+  memcpy(key, m->key.data, klen);
+  key[klen] = '\0';
+  td_view v;
+  if (m->view == NULL || td__view_from_msg(m->view, &v, msg, sizeof(msg)) < 0 ||
+      td__view_check_msg(&v, m->nbytes, msg, sizeof(msg)) < 0) {
+    td__warn("state: key '%s': recorded view is invalid; dropped", key);
+    return TD_EINVAL;
+  }
+  td__storage *s = NULL;
+  for (td__storage *t = reg->first; t; t = t->next)
+    if (strcmp(t->name, m->segment) == 0) {
+      s = t;
+      break;
+    }
+  if (s == NULL) {
+    int fd = td__shm_open(m->segment, 1);
+    if (fd < 0) {
+      td__warn("state: key '%s': segment %s is gone (%s); dropped", key,
+               m->segment, td_strerror(fd));
+      return fd;
+    }
+    struct stat sb;
+    int ok = fstat(fd, &sb) == 0 && (uint64_t)sb.st_size == m->nbytes;
+    close(fd);
+    if (!ok) {
+      td__warn("state: key '%s': segment %s is not %llu bytes; dropped", key,
+               m->segment, (unsigned long long)m->nbytes);
+      return TD_EINVAL;
+    }
+    s = calloc(1, sizeof(*s));
+    if (s == NULL)
+      return TD_ENOMEM;
+    s->id = reg->next_id++;
+    s->nbytes = m->nbytes;
+    s->device = TD_CPU;
+    s->mode = m->mode & 0666;
+    s->owner.pid = m->owner_pid;
+    s->owner.uid = m->owner_uid;
+    s->owner.gid = m->owner_gid;
+    s->created_ms = m->created_unix_ms;
+    snprintf(s->name, sizeof(s->name), "%s", m->segment);
+    int err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
+    if (err == 0)
+      err = td__storage_insert(reg, s, NULL);
+    if (err < 0) {
+      free(s);
+      return err;
+    }
+  }
+  td__key *k;
+  int err = td__key_publish(reg, key, klen, s, &v, &k);
+  if (err < 0)
+    return err;
+  k->published_ms = m->published_unix_ms;
+  return 0;
+}
+
+/* Whether name (without the leading '/') is the segment of a live storage. */
+static int adopted(const td__server *srv, const char *name) {
+  for (const td__storage *s = srv->reg.first; s; s = s->next)
+    if (strcmp(s->name + 1, name) == 0)
+      return 1;
+  return 0;
+}
+
+/* Unlinks every segment under the recorded prefixes that no key names. */
+static int sweep(td__server *srv, const loaded *l) {
+  DIR *d = opendir("/dev/shm");
+  if (d == NULL)
+    return 0;
+  int n = 0;
+  struct dirent *e;
+  char name[300];
+  while ((e = readdir(d)) != NULL) {
+    for (size_t i = 0; i < l->nprefixes; i++) {
+      const char *p = l->prefixes[i] + 1; /* without '/' */
+      if (strncmp(e->d_name, p, strlen(p)) != 0 || adopted(srv, e->d_name))
+        continue;
+      snprintf(name, sizeof(name), "/%s", e->d_name);
+      td__shm_unlink(name);
+      n++;
+      break;
+    }
+  }
+  closedir(d);
+  return n;
+}
+
+int td__state_open(td__server *srv, const char *dir) {
+  td__state *st = calloc(1, sizeof(*st));
+  if (st == NULL)
+    return TD_ENOMEM;
+  st->srv = srv;
+  st->dirfd = st->lockfd = st->jfd = -1;
+  snprintf(st->dir, sizeof(st->dir), "%s", dir);
+  loaded l = {0};
+  int err;
+  if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
+    err = -errno;
+    td__error("--state-dir %s: cannot create it: %s", dir, strerror(errno));
+    goto fail;
+  }
+  st->dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (st->dirfd < 0) {
+    err = -errno;
+    td__error("--state-dir %s: %s", dir, strerror(errno));
+    goto fail;
+  }
+  st->lockfd = openat(st->dirfd, "lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (st->lockfd < 0 || flock(st->lockfd, LOCK_EX | LOCK_NB) < 0) {
+    err = st->lockfd < 0 || errno != EWOULDBLOCK ? -errno : TD_EBUSY;
+    td__error("--state-dir %s: %s", dir,
+              err == TD_EBUSY ? "another tensord uses it" : strerror(-err));
+    goto fail;
+  }
+
+  /* The snapshot, then the journals from its generation on. */
+  uint8_t *buf;
+  size_t len;
+  l.gen = 1;
+  err = slurp(st->dirfd, "snapshot", &buf, &len);
+  if (err < 0) {
+    td__error("--state-dir %s: reading snapshot: %s", dir, strerror(-err));
+    goto fail;
+  }
+  if (err > 0) {
+    replay(&l, buf, len, "snapshot");
+    free(buf);
+  }
+  uint64_t gen = l.gen;
+  for (;; gen++) {
+    char name[48];
+    snprintf(name, sizeof(name), "journal.%llu", (unsigned long long)gen);
+    err = slurp(st->dirfd, name, &buf, &len);
+    if (err <= 0)
+      break;
+    replay(&l, buf, len, name);
+    free(buf);
+  }
+
+  size_t served = 0, dropped = 0;
+  for (size_t i = 0; i < l.nputs; i++) {
+    if (adopt(srv, l.puts[i]->put) == 0)
+      served++;
+    else
+      dropped++;
+  }
+  int swept = sweep(srv, &l);
+  td__info("state: %s: serving %zu key(s) on %llu storage(s) again; %zu "
+           "dropped, %d unnamed segment(s) unlinked",
+           dir, served, (unsigned long long)srv->reg.storages.count, dropped,
+           swept);
+
+  /* A fresh snapshot, and a new journal after it. */
+  uint8_t *snap;
+  size_t snaplen;
+  err = snapshot_build(srv, gen + 1, &snap, &snaplen);
+  if (err == 0)
+    err = open_journal(st, gen + 1);
+  if (err == 0) {
+    err = snapshot_write(st->dirfd, snap, snaplen, gen + 1);
+    free(snap);
+  }
+  if (err < 0) {
+    td__error("--state-dir %s: writing snapshot: %s", dir, td_strerror(err));
+    goto fail;
+  }
+  st->snapshot_bytes = snaplen;
+  loaded_free(&l);
+  srv->state = st;
+  return 0;
+
+fail:
+  loaded_free(&l);
+  if (st->jfd >= 0)
+    close(st->jfd);
+  if (st->lockfd >= 0)
+    close(st->lockfd);
+  if (st->dirfd >= 0)
+    close(st->dirfd);
+  free(st);
+  return err < 0 ? err : TD_EIO;
+}
+
+/* ---- appending ---- */
+
+static void sync_start(td__state *st);
+
+/* Sends the held replies whose changes are on disk now, or, if the write
+ * failed (err), tells their clients so. */
+static void deliver(td__state *st, int err) {
+  while (st->dhead != NULL && st->dhead->ticket <= st->durable) {
+    deferred *d = st->dhead;
+    st->dhead = d->next;
+    if (st->dhead == NULL)
+      st->dtail = NULL;
+    if (d->conn != NULL && err == 0) {
+      td__conn_send_frame(d->conn, d->frame, d->len, d->fd);
+    } else {
+      if (d->fd >= 0)
+        close(d->fd);
+      if (d->conn != NULL)
+        td__conn_error(d->conn, d->seq, TD_EIO,
+                       "the change is made but recording it in %s failed "
+                       "(%s): it will not survive a restart",
+                       st->dir, td_strerror(err));
+    }
+    free(d->frame);
+    free(d);
+  }
+}
+
+static void sync_work(uv_work_t *w) {
+  td__state *st = td__container_of(w, td__state, work);
+  st->werr = write_all(st->jfd, st->wbuf, st->wlen);
+  if (st->werr == 0 && fdatasync(st->jfd) < 0)
+    st->werr = -errno;
+}
+
+static void compact_start(td__state *st);
+
+static void sync_after(uv_work_t *w, int status) {
+  td__state *st = td__container_of(w, td__state, work);
+  td__server *srv = st->srv;
+  srv->pending_work--;
+  st->syncing = 0;
+  int err = status < 0 ? TD_ECANCELED : st->werr;
+  if (err < 0)
+    td__error("state: appending to %s/journal.%llu: %s", st->dir,
+              (unsigned long long)st->gen, td_strerror(err));
+  st->journal_bytes += st->wlen;
+  st->durable = st->sync_ticket;
+  free(st->wbuf);
+  st->wbuf = NULL;
+  deliver(st, err);
+  if (st->pending_len > 0)
+    sync_start(st);
+  else if (!srv->stopping && !st->compacting &&
+           st->journal_bytes > COMPACT_MIN &&
+           st->journal_bytes > COMPACT_RATIO * st->snapshot_bytes)
+    compact_start(st);
+}
+
+/* Hands the pending records to a worker unless one is busy. */
+static void sync_start(td__state *st) {
+  if (st->syncing || st->pending_len == 0 || st->compacting)
+    return;
+  st->wbuf = st->pending;
+  st->wlen = st->pending_len;
+  st->sync_ticket = st->ticket;
+  st->pending = NULL;
+  st->pending_len = st->pending_cap = 0;
+  if (uv_queue_work(st->srv->loop, &st->work, sync_work, sync_after) < 0) {
+    st->werr = TD_ENOMEM;
+    sync_after(&st->work, 0);
+    return;
+  }
+  st->syncing = 1;
+  st->srv->pending_work++;
+}
+
+static void log_record(td__state *st, const Tensord__StateRecord *r) {
+  if (append(&st->pending, &st->pending_len, &st->pending_cap, r) < 0) {
+    td__error("state: out of memory recording a key change");
+    return;
+  }
+  st->ticket++;
+  sync_start(st);
+}
+
+void td__state_put(td__state *st, const td__key *k) {
+  if (st == NULL)
+    return;
+  Tensord__StateKey m;
+  Tensord__View vm;
+  Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
+  key_record(k, &m, &vm);
+  r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
+  r.put = &m;
+  log_record(st, &r);
+}
+
+void td__state_del(td__state *st, const char *key, size_t len) {
+  if (st == NULL)
+    return;
+  Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
+  r.body_case = TENSORD__STATE_RECORD__BODY_DEL;
+  r.del.data = (uint8_t *)key;
+  r.del.len = len;
+  log_record(st, &r);
+}
+
+int td__state_reply(td__state *st, td__conn *c, Tensord__Response *r, int fd) {
+  if (st == NULL || st->durable == st->ticket)
+    return td__conn_send(c, r, fd);
+  deferred *d = calloc(1, sizeof(*d));
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *frame = malloc(len ? len : 1);
+  if (d == NULL || frame == NULL) {
+    free(d);
+    free(frame);
+    if (fd >= 0)
+      close(fd);
+    return td__conn_error(c, r->seq, TD_ENOMEM, "out of memory");
+  }
+  tensord__response__pack(r, frame);
+  d->conn = c;
+  d->seq = r->seq;
+  d->ticket = st->ticket;
+  d->frame = frame;
+  d->len = len;
+  d->fd = fd;
+  if (st->dtail)
+    st->dtail->next = d;
+  else
+    st->dhead = d;
+  st->dtail = d;
+  return 0;
+}
+
+void td__state_conn_gone(td__state *st, const td__conn *c) {
+  if (st == NULL)
+    return;
+  for (deferred *d = st->dhead; d; d = d->next) {
+    if (d->conn == c) {
+      d->conn = NULL;
+      if (d->fd >= 0)
+        close(d->fd);
+      d->fd = -1;
+    }
+  }
+}
+
+/* ---- compaction ---- */
+
+static void compact_work(uv_work_t *w) {
+  td__state *st = td__container_of(w, td__state, cwork);
+  st->cerr = snapshot_write(st->dirfd, st->cbuf, st->clen, st->cgen);
+}
+
+static void compact_after(uv_work_t *w, int status) {
+  td__state *st = td__container_of(w, td__state, cwork);
+  st->srv->pending_work--;
+  st->compacting = 0;
+  if (status < 0 || st->cerr < 0)
+    td__error("state: compacting into %s/snapshot: %s", st->dir,
+              td_strerror(status < 0 ? TD_ECANCELED : st->cerr));
+  else
+    st->snapshot_bytes = st->clen;
+  free(st->cbuf);
+  st->cbuf = NULL;
+  sync_start(st);
+}
+
+/* Writes a snapshot of now on the thread pool; changes from now on go to
+ * the next journal. Runs only between syncs. */
+static void compact_start(td__state *st) {
+  uint64_t gen = st->gen + 1;
+  if (snapshot_build(st->srv, gen, &st->cbuf, &st->clen) < 0)
+    return;
+  if (open_journal(st, gen) < 0) {
+    free(st->cbuf);
+    st->cbuf = NULL;
+    return;
+  }
+  st->cgen = gen;
+  if (uv_queue_work(st->srv->loop, &st->cwork, compact_work, compact_after) <
+      0) {
+    free(st->cbuf);
+    st->cbuf = NULL;
+    return;
+  }
+  st->compacting = 1;
+  st->srv->pending_work++;
+  td__debug("state: compacting %llu journal bytes into a snapshot",
+            (unsigned long long)st->journal_bytes);
+}
+
+void td__state_close(td__state *st) {
+  if (st == NULL)
+    return;
+  /* Everything in memory, in one snapshot: the next start replays nothing. */
+  uint8_t *snap;
+  size_t len;
+  uint64_t gen = st->gen + 1;
+  if (snapshot_build(st->srv, gen, &snap, &len) == 0) {
+    int err = open_journal(st, gen);
+    if (err == 0)
+      err = snapshot_write(st->dirfd, snap, len, gen);
+    if (err < 0)
+      td__error("state: final snapshot in %s: %s", st->dir, td_strerror(err));
+    free(snap);
+  }
+  for (deferred *d = st->dhead, *next; d; d = next) { /* clients are gone */
+    next = d->next;
+    if (d->fd >= 0)
+      close(d->fd);
+    free(d->frame);
+    free(d);
+  }
+  free(st->pending);
+  if (st->jfd >= 0)
+    close(st->jfd);
+  close(st->lockfd);
+  close(st->dirfd);
+  free(st);
+}

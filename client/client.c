@@ -321,7 +321,9 @@ int td_connect(const char *socket_path, td_client **out) {
   if (err == 0)
     err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
   if (err < 0) {
-    fail(NULL, err, "%s: %s", path, td_last_error(c));
+    char why[sizeof(last.msg)];
+    snprintf(why, sizeof(why), "%s", td_last_error(c));
+    fail(NULL, err, "%s: %s", path, why);
     client_unref(c);
     return err;
   }

@@ -178,7 +178,7 @@ static void create_work(uv_work_t *w) {
 static void create_after(uv_work_t *w, int status) {
   td__create *cr = td__container_of(w, td__create, work);
   cr->srv->pending_work--;
-  if (status < 0 && cr->fd >= 0) { /* cancelled: never ran */
+  if (status == UV_ECANCELED) { /* never ran */
     cr->fd = TD_ECANCELED;
     snprintf(cr->msg, sizeof(cr->msg), "cancelled: tensord is stopping");
   }

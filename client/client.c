@@ -3,6 +3,8 @@
  * the key operations. */
 #include "internal.h"
 
+#include "htab.h"
+
 #include "tensord.pb-c.h"
 #include "viewmsg.h"
 #include "wire.h"
@@ -42,6 +44,8 @@ struct td_client {
   int32_t daemon_pid;
   int why_code; /* the daemon's last word on the connection (seq 0) */
   char why[512];
+  td__htab held;     /* handles per (storage, mode), for release_handle */
+  unsigned deferred; /* releases queued, not yet sent */
   char path[108];
 };
 
@@ -54,6 +58,13 @@ struct td_storage {
   int readonly;
   td__mapping *map;
 };
+
+/* Handles this connection holds, per storage and mode. */
+typedef struct held {
+  td__hnode node;
+  uint64_t key; /* id << 1 | readonly */
+  uint32_t n;
+} held;
 
 /* ---- errors ---- */
 
@@ -86,6 +97,13 @@ static void client_unref(td_client *c) {
   if (c->wire.fd >= 0)
     close(c->wire.fd);
   td__wire_free(&c->wire);
+  for (size_t i = 0; i < c->held.nbuckets; i++) {
+    for (td__hnode *n = c->held.buckets[i], *next; n; n = next) {
+      next = n->next;
+      free(td__container_of(n, held, node));
+    }
+  }
+  td__htab_free(&c->held);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   free(c);
@@ -111,7 +129,8 @@ static int send_locked(td_client *c, Tensord__Request *r) {
   tensord__request__pack(r, p);
   int err = td__wire_commit(&c->wire, len, NULL, 0);
   if (err == 0)
-    err = td__wire_flush(&c->wire, 0);
+    err = td__wire_flush(&c->wire, 0); /* with any deferred releases */
+  c->deferred = 0;
   if (err < 0) {
     set_broken(c, TD_ECONNRESET);
     return TD_ECONNRESET;
@@ -205,8 +224,8 @@ static const char *body_name(int body) {
  * with tensord__response__free_unpacked) and *fd the fd it carried, or -1.
  * An Error reply becomes its code, with the daemon's message kept for
  * td_last_error. */
-static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
-                int *fd) {
+static int call_held(td_client *c, Tensord__Request *req,
+                     Tensord__Response **resp, int *fd) {
   pending p = {0, 0, NULL, -1, NULL};
   int err;
   pthread_mutex_lock(&c->mu);
@@ -296,6 +315,16 @@ unlock:
   return 0;
 }
 
+/* call_held, with a reference on c for its duration: a td_close from
+ * another thread wakes the call (with an error) but cannot free c under it. */
+static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
+                int *fd) {
+  atomic_fetch_add(&c->refs, 1);
+  int err = call_held(c, req, resp, fd);
+  client_unref(c);
+  return err;
+}
+
 /* Checks that the reply has the expected body. Frees it if not. */
 static int expect(td_client *c, Tensord__Response *r, int body, int fd) {
   if ((int)r->body_case == body)
@@ -349,6 +378,7 @@ int td_connect(const char *socket_path, td_client **out) {
     close(fd);
     return fail(NULL, TD_ENOMEM, "out of memory");
   }
+  td__htab_init(&c->held);
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   atomic_init(&c->refs, 1);
@@ -417,6 +447,82 @@ static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
   send_oneway(c, &req);
 }
 
+static int held_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, held, node)->key == *(const uint64_t *)key;
+}
+
+/* Counts one more handle. Locked. Returns 0 or TD_ENOMEM. */
+static int held_add(td_client *c, uint64_t id, int ro) {
+  uint64_t key = id << 1 | (uint64_t)(ro != 0);
+  td__hnode *n = td__htab_find(&c->held, td__hash_u64(key), held_eq, &key);
+  if (n != NULL) {
+    td__container_of(n, held, node)->n++;
+    return 0;
+  }
+  held *h = calloc(1, sizeof(*h));
+  if (h == NULL)
+    return TD_ENOMEM;
+  h->key = key;
+  h->n = 1;
+  if (td__htab_insert(&c->held, &h->node, td__hash_u64(key)) < 0) {
+    free(h);
+    return TD_ENOMEM;
+  }
+  return 0;
+}
+
+/* Counts one handle less; returns how many remain. Locked. */
+static uint32_t held_drop(td_client *c, uint64_t id, int ro) {
+  uint64_t key = id << 1 | (uint64_t)(ro != 0);
+  td__hnode *n = td__htab_find(&c->held, td__hash_u64(key), held_eq, &key);
+  if (n == NULL)
+    return 0;
+  held *h = td__container_of(n, held, node);
+  if (--h->n > 0)
+    return h->n;
+  td__htab_remove(&c->held, n);
+  free(h);
+  return 0;
+}
+
+/* Releases one handle's reference. While the connection holds another
+ * handle on the same storage and mode, the daemon's count cannot reach zero
+ * by this release, so it rides with the next request instead of costing a
+ * message of its own (at most DEFER_MAX wait). The release of the
+ * connection's last handle is sent at once: the storage may go, and the
+ * daemon must know the process no longer has it mapped. */
+#define DEFER_MAX 64
+static void release_handle(td_client *c, uint64_t id, int ro) {
+  Tensord__Release m = TENSORD__RELEASE__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.id = id;
+  m.readonly = ro;
+  m.count = 1;
+  req.body_case = TENSORD__REQUEST__BODY_RELEASE;
+  req.release = &m;
+  pthread_mutex_lock(&c->mu);
+  uint32_t left = held_drop(c, id, ro);
+  if (!c->broken) {
+    size_t len = tensord__request__get_packed_size(&req);
+    uint8_t *p = td__wire_reserve(&c->wire, len);
+    if (p == NULL) {
+      /* A release we cannot send would pin the storage: hang up instead, so
+       * that the daemon drops everything this client held. */
+      set_broken(c, TD_ENOMEM);
+      shutdown(c->wire.fd, SHUT_RDWR);
+    } else {
+      tensord__request__pack(&req, p);
+      td__wire_commit(&c->wire, len, NULL, 0);
+      if (left == 0 || ++c->deferred >= DEFER_MAX) {
+        c->deferred = 0;
+        if (td__wire_flush(&c->wire, 0) < 0)
+          set_broken(c, TD_ECONNRESET);
+      }
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
 static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
                      Tensord__Response **r, int *fd) {
   Tensord__Open m = TENSORD__OPEN__INIT;
@@ -472,6 +578,15 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   s->nbytes = (size_t)m->nbytes;
   s->device = (td_device)m->device;
   s->readonly = m->readonly;
+  pthread_mutex_lock(&c->mu);
+  err = held_add(c, m->id, m->readonly);
+  pthread_mutex_unlock(&c->mu);
+  if (err < 0) {
+    td__map_release(s->map);
+    free(s);
+    send_release(c, m->id, m->readonly, 1);
+    return fail(c, err, "out of memory");
+  }
   atomic_fetch_add(&c->refs, 1);
   *out = s;
   return 0;
@@ -538,7 +653,7 @@ int td_storage_release(td_storage *s) {
   if (atomic_fetch_sub(&s->refs, 1) != 1)
     return 0;
   td__map_release(s->map);
-  send_release(s->c, s->id, s->readonly, 1);
+  release_handle(s->c, s->id, s->readonly);
   client_unref(s->c);
   free(s);
   return 0;
@@ -582,7 +697,7 @@ static int check_key(td_client *c, const char *op, const char *key,
 
 int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v) {
-  size_t len;
+  size_t len = 0;
   int err = check_key(c, "publish", key, &len);
   if (err < 0)
     return err;
@@ -625,7 +740,7 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v) {
   *s = NULL;
-  size_t len;
+  size_t len = 0;
   int err = check_key(c, "lookup", key, &len);
   if (err < 0)
     return err;
@@ -672,7 +787,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
 }
 
 int td_unpublish(td_client *c, const char *key) {
-  size_t len;
+  size_t len = 0;
   int err = check_key(c, "unpublish", key, &len);
   if (err < 0)
     return err;
@@ -713,17 +828,18 @@ int td_ping(td_client *c, uint64_t *rtt_ns) {
  * (*mem, freed by the caller). */
 static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
                          void **mem) {
-  size_t size = m->n_holders * sizeof(td_holder) + m->n_keys * sizeof(char *);
+  /* Key pointers, then holders, then key bytes: each part aligned. */
+  size_t size = m->n_keys * sizeof(char *) + m->n_holders * sizeof(td_holder);
   for (size_t i = 0; i < m->n_keys; i++)
     size += m->keys[i].len + 1;
   char *p = malloc(size ? size : 1);
   if (p == NULL)
     return TD_ENOMEM;
   *mem = p;
-  td_holder *hs = (td_holder *)p;
-  p += m->n_holders * sizeof(td_holder);
   const char **ks = (const char **)p;
   p += m->n_keys * sizeof(char *);
+  td_holder *hs = (td_holder *)p;
+  p += m->n_holders * sizeof(td_holder);
   for (size_t i = 0; i < m->n_holders; i++) {
     hs[i].pid = m->holders[i]->pid;
     hs[i].uid = m->holders[i]->uid;
@@ -824,7 +940,7 @@ int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg) {
   Tensord__Info m = TENSORD__INFO__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
-  size_t len;
+  size_t len = 0;
   if ((key == NULL) == (id == 0))
     return fail(c, TD_EINVAL,
                 "info: give exactly one of a storage id and a "

@@ -26,6 +26,80 @@ static const struct {
     [TD_FLOAT8_E5M2] = {1, "float8_e5m2"},
 };
 
+/* Other names the two worlds use for the same types. Names on which PyTorch
+ * and numpy disagree ("float", "int", "cfloat") are left out on purpose. */
+static const struct {
+  const char *name;
+  td_dtype dtype;
+} aliases[] = {
+    {"bool_", TD_BOOL},       {"half", TD_FLOAT16},
+    {"double", TD_FLOAT64},   {"short", TD_INT16},
+    {"long", TD_INT64},       {"cdouble", TD_COMPLEX128},
+    {"single", TD_FLOAT32},   {"csingle", TD_COMPLEX64},
+    {"byte", TD_INT8},        {"ubyte", TD_UINT8},
+    {"ushort", TD_UINT16},    {"longlong", TD_INT64},
+    {"ulonglong", TD_UINT64}, {"intc", TD_INT32},
+    {"uintc", TD_UINT32},
+};
+
+/* numpy's one-letter type codes (np.dtype(t).char) on an LP64 Linux. */
+static td_dtype from_char(char c) {
+  switch (c) {
+  case '?':
+    return TD_BOOL;
+  case 'b':
+    return TD_INT8;
+  case 'B':
+    return TD_UINT8;
+  case 'h':
+    return TD_INT16;
+  case 'H':
+    return TD_UINT16;
+  case 'i':
+    return TD_INT32;
+  case 'I':
+    return TD_UINT32;
+  case 'l':
+  case 'q':
+    return TD_INT64;
+  case 'L':
+  case 'Q':
+    return TD_UINT64;
+  case 'e':
+    return TD_FLOAT16;
+  case 'f':
+    return TD_FLOAT32;
+  case 'd':
+    return TD_FLOAT64;
+  case 'F':
+    return TD_COMPLEX64;
+  case 'D':
+    return TD_COMPLEX128;
+  }
+  return TD_DTYPE_INVALID;
+}
+
+/* numpy's array-protocol strings without the byte order: kind letter and
+ * size in bytes ("f4", "u1", "b1", "c16"). */
+static td_dtype from_typestr(const char *s) {
+  static const struct {
+    const char *str;
+    td_dtype dtype;
+  } t[] = {
+      {"b1", TD_BOOL},      {"u1", TD_UINT8},       {"u2", TD_UINT16},
+      {"u4", TD_UINT32},    {"u8", TD_UINT64},      {"i1", TD_INT8},
+      {"i2", TD_INT16},     {"i4", TD_INT32},       {"i8", TD_INT64},
+      {"f2", TD_FLOAT16},   {"f4", TD_FLOAT32},     {"f8", TD_FLOAT64},
+      {"c8", TD_COMPLEX64}, {"c16", TD_COMPLEX128},
+  };
+  for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+    if (strcmp(s, t[i].str) == 0)
+      return t[i].dtype;
+  if (s[0] != '\0' && s[1] == '\0')
+    return from_char(s[0]);
+  return TD_DTYPE_INVALID;
+}
+
 size_t td_dtype_size(td_dtype dtype) {
   if ((int)dtype <= 0 || dtype >= TD_DTYPE_COUNT_)
     return 0;
@@ -38,11 +112,27 @@ const char *td_dtype_name(td_dtype dtype) {
   return dtypes[dtype].name;
 }
 
+/* Accepts PyTorch's names, with or without "torch." in front ("float32",
+ * "torch.bfloat16", "half"), numpy's names ("float64", "bool_"), and
+ * numpy's type strings: a code or a kind and size ("f", "f4"), optionally
+ * after a byte order of '<' (little-endian), '=' (native) or '|' (not
+ * applicable). Storages hold native little-endian bytes, so big-endian
+ * spellings ('>' and '!') are refused. */
 td_dtype td_dtype_from_name(const char *name) {
-  if (name == NULL)
+  if (name == NULL || name[0] == '\0')
     return TD_DTYPE_INVALID;
+  int torch = strncmp(name, "torch.", 6) == 0;
+  if (torch)
+    name += 6;
   for (int d = 1; d < TD_DTYPE_COUNT_; d++)
     if (strcmp(name, dtypes[d].name) == 0)
       return (td_dtype)d;
-  return TD_DTYPE_INVALID;
+  for (size_t i = 0; i < sizeof(aliases) / sizeof(aliases[0]); i++)
+    if (strcmp(name, aliases[i].name) == 0)
+      return aliases[i].dtype;
+  if (torch)
+    return TD_DTYPE_INVALID;
+  if (name[0] == '<' || name[0] == '=' || name[0] == '|')
+    name++;
+  return from_typestr(name);
 }

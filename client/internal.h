@@ -15,6 +15,34 @@ int td__msg(char *msg, size_t len, int err, const char *fmt, ...)
 /* td_view_check that also says why, naming the dimension and values. */
 int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len);
 
+/* Formats fmt as this thread's td_view_last_error() and returns err. */
+int td__view_fail(int err, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* copy.c: the kernel behind td_copy. Copies every element of sv at src to
+ * the same index of dv at dst. Both views must have passed td_view_check
+ * against their buffers. alias says that dst and src may be two mappings of
+ * the same bytes (the same storage mapped twice), so that overlap is judged
+ * by offsets rather than addresses. Overlapping views that are not the same
+ * layout are copied through a temporary buffer. Returns 0, TD_EINVAL (dtype
+ * or shape differ, or dv names an element twice through a stride 0) or
+ * TD_ENOMEM, with the reason in td_view_last_error(); dst is unchanged on
+ * failure. */
+int td__copy_raw(void *dst, const td_view *dv, const void *src,
+                 const td_view *sv, int alias);
+
+/* How td__copy_raw copies a pair of layouts (for tests and benchmarks). */
+typedef enum {
+  TD__COPY_NONE = 0,    /* no element */
+  TD__COPY_MEMCPY = 1,  /* one memcpy: both dense in the same order */
+  TD__COPY_BLOCKS = 2,  /* a memcpy per contiguous inner block */
+  TD__COPY_TILED = 3,   /* a transpose, in cache-sized 2-D tiles */
+  TD__COPY_STRIDED = 4, /* element by element */
+} td__copy_path;
+/* Returns the path td__copy_raw takes for dv and sv (same dtype and shape),
+ * before any overlap is considered. */
+td__copy_path td__copy_plan_path(const td_view *dv, const td_view *sv);
+
 /* cache.c: the process's mappings, one per (daemon, storage, mode). */
 typedef struct td__mapping td__mapping;
 /* Finds the process's mapping of the storage, or maps fd (nbytes, shared,

@@ -133,6 +133,41 @@ static const char *group_name(uint32_t gid) {
   return buf;
 }
 
+static const char *pid_at(const void *arg, size_t i, char *buf, size_t len) {
+  snprintf(buf, len, "%d", ((const td_storage_info *)arg)->holders[i].pid);
+  return buf;
+}
+
+static const char *key_at(const void *arg, size_t i, char *buf, size_t len) {
+  (void)buf;
+  (void)len;
+  return ((const td_storage_info *)arg)->keys[i];
+}
+
+/* Joins items 0..n-1 with commas into buf, whole items only; if some do not
+ * fit, or total > n, ends with " (+K more)". "-" if there are none. */
+static void join_list(char *buf, size_t len, size_t n, size_t total,
+                      const char *(*at)(const void *, size_t, char *, size_t),
+                      const void *arg) {
+  const size_t tail = 24; /* room for " (+K more)" */
+  size_t used = 0, shown = 0;
+  buf[0] = '\0';
+  for (; shown < n; shown++) {
+    char tmp[32];
+    const char *item = at(arg, shown, tmp, sizeof(tmp));
+    size_t need = strlen(item) + (shown ? 1 : 0);
+    if (used + need + tail >= len)
+      break;
+    used += (size_t)snprintf(buf + used, len - used, "%s%s", shown ? "," : "",
+                             item);
+  }
+  if (shown < total)
+    snprintf(buf + used, len - used, "%s(+%zu more)", shown ? " " : "",
+             total - shown);
+  if (buf[0] == '\0')
+    snprintf(buf, len, "-");
+}
+
 /* ---- ls ---- */
 
 typedef struct ls_state {
@@ -148,30 +183,9 @@ static int ls_row(const td_storage_info *s, void *arg) {
     st->n++;
     return 0;
   }
-  char size[32], ag[32], holders[128] = "", keys[256] = "";
-  size_t hl = 0, kl = 0;
-  for (size_t i = 0; i < s->nholders; i++) {
-    int k = snprintf(holders + hl, sizeof(holders) - hl, "%s%d", i ? "," : "",
-                     s->holders[i].pid);
-    if (k < 0 || (size_t)k >= sizeof(holders) - hl) {
-      snprintf(holders + (hl > sizeof(holders) - 5 ? sizeof(holders) - 5 : hl),
-               5, ",...");
-      break;
-    }
-    hl += (size_t)k;
-  }
-  for (size_t i = 0; i < s->nkeys; i++) {
-    int k = snprintf(keys + kl, sizeof(keys) - kl, "%s%s", i ? "," : "",
-                     s->keys[i]);
-    if (k < 0 || (size_t)k >= sizeof(keys) - kl) {
-      kl = sizeof(keys) - 1;
-      break;
-    }
-    kl += (size_t)k;
-  }
-  if (s->nkeys_total > s->nkeys || kl >= sizeof(keys) - 1)
-    snprintf(keys + (kl > sizeof(keys) - 16 ? sizeof(keys) - 16 : kl), 16,
-             " (+%zu more)", s->nkeys_total - s->nkeys);
+  char size[32], ag[32], holders[128], keys[256];
+  join_list(holders, sizeof(holders), s->nholders, s->nholders, pid_at, s);
+  join_list(keys, sizeof(keys), s->nkeys, s->nkeys_total, key_at, s);
   if (st->n++ == 0) {
     if (longfmt)
       printf("%-10s %-8s %-8s ", "MODE", "OWNER", "GROUP");
@@ -190,8 +204,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
   }
   printf("%-8" PRIu64 " %-6s %10s %5u %-20s %-24s %s\n", s->id,
          device_name(s->device), human(s->nbytes, size, sizeof(size)), s->refs,
-         holders[0] ? holders : "-", keys[0] ? keys : "-",
-         age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+         holders, keys, age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   return 0;
 }
 

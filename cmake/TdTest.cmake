@@ -14,4 +14,8 @@ function(td_add_test name)
   endif()
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}"
                        TIMEOUT ${T_TIMEOUT})
+  if(TD_SANITIZE)
+    set_tests_properties(${name} PROPERTIES ENVIRONMENT
+      "LSAN_OPTIONS=suppressions=${PROJECT_SOURCE_DIR}/tests/lsan.supp:print_suppressions=0;UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
+  endif()
 endfunction()

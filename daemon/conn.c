@@ -4,7 +4,9 @@
 
 #include "tensord.pb-c.h"
 
+#include <stdalign.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <errno.h>
 #include <stdlib.h>
@@ -211,13 +213,41 @@ static void protocol_error(td__conn *c, uint64_t seq, int code, const char *fmt,
   td__conn_close(c, "protocol error");
 }
 
+/* Requests are decoded into one reused buffer: the loop handles one request
+ * at a time, and nothing of a request outlives its handler (what must stay,
+ * a key or a view, is copied). This takes malloc off the hot path. */
+static struct {
+  _Alignas(max_align_t) uint8_t buf[64 * 1024];
+  size_t used;
+} req_arena;
+
+static void *req_alloc(void *data, size_t size) {
+  size = (size + 15) & ~(size_t)15;
+  if (size <= sizeof(req_arena.buf) - req_arena.used) {
+    void *p = req_arena.buf + req_arena.used;
+    req_arena.used += size;
+    return p;
+  }
+  return malloc(size);
+}
+
+static void req_free(void *data, void *p) {
+  uint8_t *b = p;
+  if (b < req_arena.buf || b >= req_arena.buf + sizeof(req_arena.buf))
+    free(p);
+}
+
+static ProtobufCAllocator req_allocator = {req_alloc, req_free, NULL};
+
 /* Handles every complete frame in the input. Returns -1 once the connection
  * is closing. */
 static int process_frames(td__conn *c) {
   td__frame f;
   int r;
   while ((r = td__wire_frame(&c->wire, &f)) == 1) {
-    Tensord__Request *req = tensord__request__unpack(NULL, f.len, f.data);
+    req_arena.used = 0;
+    Tensord__Request *req =
+        tensord__request__unpack(&req_allocator, f.len, f.data);
     size_t len = f.len;
     td__close_fds(f.fds, f.nfds);
     td__wire_consume(&c->wire, &f);
@@ -229,7 +259,7 @@ static int process_frames(td__conn *c) {
       return -1;
     }
     int err = td__dispatch(c, req);
-    tensord__request__free_unpacked(req, NULL);
+    tensord__request__free_unpacked(req, &req_allocator);
     if (c->closing)
       return -1;
     if (err < 0) { /* the handler has queued the Error: send it, hang up */

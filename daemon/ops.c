@@ -226,38 +226,37 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   uint64_t n = m->nbytes;
   if (n == 0)
     return reject(c, seq, TD_EINVAL,
-                  "create of 0 bytes: a storage needs at least one "
-                  "byte");
+                  "create of 0 bytes: a storage needs at least one byte");
   if (m->device != TENSORD__DEVICE__DEVICE_CPU)
     return reject(c, seq, TD_ENODEV,
-                  "create on device %d: this tensord has CPU "
-                  "storages only",
+                  "create on device %d: this tensord has CPU storages only",
                   (int)m->device);
-  uint64_t shm_free = 0, shm_total = 0;
-  if (td__shm_space(&shm_free, &shm_total) == 0 && n > shm_free)
-    return reject(
-        c, seq, TD_ENOSPC,
-        "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free "
-        "of %s",
-        td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-        td__human_bytes(shm_free, b, sizeof(b)), (unsigned long long)shm_free,
-        td__human_bytes(shm_total, d, sizeof(d)));
-
   if (m->mode & ~0666u)
     return reject(c, seq, TD_EINVAL,
                   "create with mode %04o: only read and write bits (0666) "
                   "may be set",
                   (unsigned)m->mode);
-  if (c->srv->max_storages_per_client &&
-      c->hold.refs.count >= c->srv->max_storages_per_client)
+  if (srv->max_storages_per_client &&
+      c->hold.refs.count >= srv->max_storages_per_client)
     return reject(c, seq, TD_EMFILE,
                   "create: this client holds %zu storages, the most "
                   "--max-storages-per-client allows",
                   c->hold.refs.count);
+  /* The limits tensord sets first, then what /dev/shm can hold. */
   char msg[256];
   int err = td__charge(reg, c->hold.peer.uid, n, 0, msg, sizeof(msg));
   if (err < 0)
     return reject(c, seq, err, "create of %s", msg);
+  uint64_t shm_free = 0, shm_total = 0;
+  if (td__shm_space(&shm_free, &shm_total) == 0 && n > shm_free) {
+    td__credit(reg, c->hold.peer.uid, n);
+    return reject(
+        c, seq, TD_ENOSPC,
+        "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free of %s",
+        td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+        td__human_bytes(shm_free, b, sizeof(b)), (unsigned long long)shm_free,
+        td__human_bytes(shm_total, d, sizeof(d)));
+  }
 
   td__create *cr = calloc(1, sizeof(*cr));
   td__storage *s = calloc(1, sizeof(*s));

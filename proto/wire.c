@@ -227,6 +227,7 @@ int td__wire_commit(td__wire *w, size_t len, const int *fds, unsigned nfds) {
   for (unsigned i = 0; i < nfds; i++) {
     w->out_fds[w->out_nfds].fd = fds[i];
     w->out_fds[w->out_nfds].pos = w->out_pos + w->out_len;
+    w->out_fds[w->out_nfds].end = w->out_pos + w->out_len + TD__FRAME_HDR + len;
     w->out_nfds++;
   }
   w->out_len += TD__FRAME_HDR + len;
@@ -255,19 +256,36 @@ size_t td__wire_pending(const td__wire *w) {
   return w->out_len - w->out_off;
 }
 
+/* Chooses what the next sendmsg carries: how many queued fds (*nf) and how
+ * many bytes. Fds go only with a send that starts at or before their
+ * frame's first byte and covers it, and no new fds go while the bytes of
+ * frames whose fds went earlier are still unsent: so the receiver never
+ * holds more than TD__SEND_FDS_MAX fds of frames it has not received. */
+static size_t plan_send(const td__wire *w, unsigned *nf) {
+  uint64_t cur = w->out_pos + w->out_off;
+  size_t len = w->out_len - w->out_off;
+  *nf = 0;
+  if (cur < w->fd_frontier)
+    return (size_t)(w->fd_frontier - cur) < len ? (size_t)(w->fd_frontier - cur)
+                                                : len;
+  unsigned n = 0;
+  while (n < w->out_nfds && w->out_fds[n].pos < cur + len)
+    n++;
+  if (n > TD__SEND_FDS_MAX) {
+    n = TD__SEND_FDS_MAX; /* never split one frame's fds */
+    while (n > 1 && w->out_fds[n].pos == w->out_fds[n - 1].pos)
+      n--;
+  }
+  if (n < w->out_nfds && w->out_fds[n].pos < cur + len)
+    len = (size_t)(w->out_fds[n].pos - cur); /* stop before unsent fds */
+  *nf = n;
+  return len;
+}
+
 int td__wire_flush(td__wire *w, int flags) {
   while (w->out_off < w->out_len) {
-    uint64_t cur = w->out_pos + w->out_off;
-    size_t len = w->out_len - w->out_off;
-    unsigned nf = w->out_nfds;
-    if (nf > TD__SEND_FDS_MAX) {
-      /* Never split one frame's fds; send no byte past the first frame
-       * whose fds stay behind. */
-      nf = TD__SEND_FDS_MAX;
-      while (nf > 1 && w->out_fds[nf].pos == w->out_fds[nf - 1].pos)
-        nf--;
-      len = (size_t)(w->out_fds[nf].pos - cur);
-    }
+    unsigned nf;
+    size_t len = plan_send(w, &nf);
     if (w->max_io > 0 && len > w->max_io)
       len = w->max_io;
 
@@ -301,6 +319,7 @@ int td__wire_flush(td__wire *w, int flags) {
 
     /* The fds went with the first byte; our copies are no longer needed. */
     if (nf > 0) {
+      w->fd_frontier = w->out_fds[nf - 1].end;
       for (unsigned i = 0; i < nf; i++)
         close(w->out_fds[i].fd);
       w->out_nfds -= nf;

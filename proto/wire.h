@@ -12,7 +12,8 @@
  *   byte  5    0 (reserved)
  *   bytes 6-7  magic "TD"
  * A frame's fds are sent with (or before) the frame's first byte, so they are
- * in the receiver's fd queue once the whole frame has arrived. */
+ * in the receiver's fd queue once the whole frame has arrived; and never
+ * more than TD__SEND_FDS_MAX fds ahead of their frames. */
 #define TD__FRAME_HDR 8
 #define TD__FRAME_MAX (1u << 20)
 #define TD__FRAME_MAX_FDS 4
@@ -21,7 +22,7 @@
 
 typedef struct td__wire_fd {
   int fd;
-  uint64_t pos; /* stream offset of the frame the fd travels with */
+  uint64_t pos, end; /* stream offsets of the frame the fd travels with */
 } td__wire_fd;
 
 /* One end of a connection: a byte queue and an fd queue each way. */
@@ -36,6 +37,7 @@ typedef struct td__wire {
   uint64_t out_pos;                 /* stream offset of out[0] */
   td__wire_fd *out_fds;             /* in stream order */
   unsigned out_nfds, out_fds_cap;
+  uint64_t fd_frontier; /* end of the last frame whose fds were sent */
   /* Test hooks: cap each recvmsg/sendmsg at this many bytes (0: none). */
   size_t max_io;
   int short_read; /* the last recv filled less than the room it had */

@@ -110,14 +110,14 @@ typedef struct td_view {
 } td_view;
 
 /* Fills *out with a contiguous (row-major) view of shape at offset 0.
- * Returns TD_EINVAL for a bad dtype, ndim or negative size, TD_EOVERFLOW if
- * the element count overflows int64; *out is unchanged on failure. */
+ * Returns TD_EINVAL for a bad dtype, ndim or negative size, or an element
+ * count that overflows int64; *out is unchanged on failure. */
 int td_view_contiguous(td_dtype dtype, int32_t ndim, const int64_t *shape,
                        td_view *out);
 /* Returns 0 if every element of v lies inside a storage of nbytes bytes,
- * TD_ERANGE if some element does not, TD_EINVAL if v is malformed
- * (bad dtype or ndim, negative size, stride or offset) and TD_EOVERFLOW if
- * its arithmetic overflows. */
+ * TD_ERANGE if some element does not, and TD_EINVAL if v is malformed (bad
+ * dtype or ndim, negative size, stride or offset) or its arithmetic
+ * overflows int64. */
 int td_view_check(const td_view *v, size_t nbytes);
 /* Returns the number of elements of v (1 for a 0-d view), or a negative
  * code if v is malformed or the count overflows. */
@@ -126,6 +126,123 @@ int64_t td_view_numel(const td_view *v);
 char *td_view_format(const td_view *v, char *buf, size_t len);
 
 /* ---- view algebra (docs/views.md) ---- */
+/* Every operation below is pure metadata over one td_view, with PyTorch's
+ * rules and names. Each returns 0 or a negative TD_E* code and leaves *v
+ * unchanged on failure: TD_EINVAL for a malformed view, a dim out of range,
+ * a negative size, a step below 1, a reshape or expand PyTorch would refuse
+ * and arithmetic that overflows int64; TD_ERANGE for an index or range that
+ * falls outside its dimension. A dim may be negative, counting from the end
+ * (-1 is the last). Ops never widen what a view reaches: applied to a view
+ * that passes td_view_check(v, n), every op but td_view_as_strided gives one
+ * that passes it too. */
+
+struct td_client;
+struct td_storage;
+
+/* Returns the message of this thread's last failed call among the functions
+ * of this section (and td_view_contiguous, td_view_check, td_view_numel),
+ * naming the operation, the dimension and the values; "" if none failed yet.
+ * A later success does not clear it. */
+const char *td_view_last_error(void);
+
+/* Returns 1 if v is contiguous in PyTorch's sense (row-major; the strides of
+ * size-1 dims and of empty views do not matter; the offset does not count),
+ * 0 if not, TD_EINVAL if v is malformed. */
+int td_view_is_contiguous(const td_view *v);
+/* Swaps dims d0 and d1. A 0-d view accepts dims 0 and -1 and stays as is. */
+int td_view_transpose(td_view *v, int32_t d0, int32_t d1);
+/* Reorders the dims: dim i of the result is dim dims[i] of v. dims has
+ * v->ndim entries, each dim exactly once (NULL ok for a 0-d view). */
+int td_view_permute(td_view *v, const int32_t *dims);
+/* Keeps [start, start + len) of dim. start may be negative (counted from the
+ * end, as in PyTorch); start + len must not pass the size. */
+int td_view_narrow(td_view *v, int32_t dim, int64_t start, int64_t len);
+/* Keeps index (negative: from the end) of dim and drops the dim. */
+int td_view_select(td_view *v, int32_t dim, int64_t index);
+/* Python's v[start:stop:step] on dim, step >= 1. As in PyTorch, negative
+ * start and stop count from the end and both are then clamped to
+ * [0, size], so no range is out of bounds: pass 0 and INT64_MAX for the
+ * whole dim. */
+int td_view_slice(td_view *v, int32_t dim, int64_t start, int64_t stop,
+                  int64_t step);
+/* Inserts a size-1 dim at position dim (-ndim-1 .. ndim). */
+int td_view_unsqueeze(td_view *v, int32_t dim);
+/* Drops dim if its size is 1; leaves v as is (and returns 0) if it is not,
+ * as PyTorch does. A 0-d view accepts dims 0 and -1. */
+int td_view_squeeze(td_view *v, int32_t dim);
+/* Drops every size-1 dim. */
+int td_view_squeeze_all(td_view *v);
+/* Broadcasts v to shape (ndim >= v->ndim; new dims are added in front): a
+ * size-1 dim may take any size and gets stride 0; -1 keeps an existing
+ * dim's size; any other size must equal the dim's own. */
+int td_view_expand(td_view *v, int32_t ndim, const int64_t *shape);
+/* Gives v the shape (one entry may be -1, inferred) without moving a byte:
+ * succeeds exactly when PyTorch's Tensor.view(shape) would, with the same
+ * strides, and fails with TD_EINVAL where a copy would be needed. */
+int td_view_reshape(td_view *v, int32_t ndim, const int64_t *shape);
+/* Replaces shape, strides and offset, keeping the dtype. Checks only that
+ * they are well formed (non-negative, no int64 overflow in the extent): it
+ * cannot know the storage, so whatever reads or writes through the result
+ * (td_publish, td_copy, td_to_dlpack) checks it against the storage. */
+int td_view_as_strided(td_view *v, int32_t ndim, const int64_t *shape,
+                       const int64_t *stride, int64_t offset);
+/* Looks at the same bytes as dtype, as Tensor.view(dtype): with an element
+ * of the same size only the dtype changes; otherwise v must have a dim, its
+ * last dim stride 1, and (when the element grows) the last size, the offset
+ * and the other strides divisible by the size ratio. */
+int td_view_reinterpret(td_view *v, td_dtype dtype);
+/* Sets *offset to the element offset (in elements of v's dtype, from the
+ * start of the storage) of the element at index[0..ndim) (negative: from
+ * the end; NULL ok for a 0-d view). *offset is unchanged on failure. */
+int td_view_offset_of(const td_view *v, const int64_t *index, int64_t *offset);
+
+/* Copies every element of src_view in src to the same index of dst_view in
+ * dst: same dtype and shape, both checked against their storages (TD_ERANGE).
+ * Refuses a read-only dst (TD_EACCES) and a dst view that names one element
+ * twice (a stride-0 dim, TD_EINVAL). Views of the same storage that overlap
+ * are copied through a temporary buffer, so the result is as if src had been
+ * read whole first. Contiguous runs are copied with memcpy, a transpose in
+ * cache-sized tiles. Both storages must be on the CPU (TD_ENODEV). Every
+ * check comes before the first write, so dst is unchanged on failure; the
+ * reason is in td_view_last_error(). */
+int td_copy(struct td_storage *dst, const td_view *dst_view,
+            const struct td_storage *src, const td_view *src_view);
+
+/* DLPack (DLPack 0.6 ABI). Include <dlpack/dlpack.h> to use the result;
+ * tensord.h itself needs only this declaration. */
+struct DLManagedTensor;
+
+/* Exports view v of s (v NULL: the whole storage as uint8[nbytes]) as a new
+ * DLManagedTensor without copying: data is the storage's mapping (page
+ * aligned), byte_offset the view's offset in bytes, strides explicit in
+ * elements, device kDLCPU. The tensor holds its own reference to s (taken
+ * with td_storage_retain), so it outlives td_storage_release of the caller's
+ * handle; its deleter drops that reference and frees the tensor, and must be
+ * called exactly once by whoever consumes it. bool travels as kDLUInt of 8
+ * bits (DLPack 0.6 has no bool); float8 dtypes have no DLPack 0.6 code and
+ * get TD_EINVAL (reinterpret them as uint8 first). A read-only storage is
+ * exported too; writing through the tensor then faults. Returns TD_ERANGE
+ * if v does not fit s, TD_ENOMEM; *out is NULL on failure. */
+int td_to_dlpack(struct td_storage *s, const td_view *v,
+                 struct DLManagedTensor **out);
+
+/* td_from_dlpack: call src's deleter once the copy is made (also on
+ * failure, as if ownership passed to td_from_dlpack). */
+#define TD_DLPACK_CONSUME 0x100u
+
+/* Copies the CPU tensor src (any non-negative strides; NULL strides:
+ * row-major) into a new storage of c, one copy, as a contiguous view, and
+ * publishes it under key if key is not NULL. *out (if not NULL) gets the
+ * new storage handle; with out NULL only the key keeps the storage alive.
+ * src is only read: the caller keeps it and calls its deleter when done,
+ * unless flags has TD_DLPACK_CONSUME. kDLUInt/kDLInt/kDLFloat/kDLBfloat/
+ * kDLComplex of the sizes tensord has, and code 6 (kDLBool of later DLPack)
+ * of 8 bits, with lanes 1; others are TD_EINVAL. Devices other than kDLCPU
+ * (and the host-memory kDLCUDAHost, kDLROCMHost) get TD_ENODEV. The reason
+ * of a failure is in td_view_last_error(); where the daemon refused, it is
+ * also in td_last_error(c). Nothing is left behind on failure. */
+int td_from_dlpack(struct td_client *c, struct DLManagedTensor *src,
+                   const char *key, unsigned flags, struct td_storage **out);
 /* ---- end of view algebra ---- */
 
 /* Clients and storages. */
@@ -218,8 +335,8 @@ typedef struct td_storage_info {
   int64_t created_unix_ms;
   size_t nholders;
   const td_holder *holders;
-  size_t nkeys;             /* keys listed in keys[] */
-  size_t nkeys_total;       /* keys naming the storage (LIST shows 32 at most) */
+  size_t nkeys;       /* keys listed in keys[] */
+  size_t nkeys_total; /* keys naming the storage (LIST shows 32 at most) */
   const char *const *keys;
 } td_storage_info;
 

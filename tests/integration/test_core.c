@@ -9,8 +9,12 @@
 
 static tdt_daemon d;
 
-static void setup(void) { tdt_start(&d, NULL); }
-static void teardown(void) { tdt_stop(&d); }
+static void setup(void) {
+  tdt_start(&d, NULL);
+}
+static void teardown(void) {
+  tdt_stop(&d);
+}
 
 TestSuite(core, .init = setup, .fini = teardown, .timeout = 30);
 
@@ -93,14 +97,13 @@ Test(core, readonly_open_cannot_write) {
   td_client *c = tdt_connect(&d);
   td_storage *rw, *ro;
   cr_assert_eq(td_storage_create(c, 8192, &rw), 0);
-  cr_assert_eq(td_storage_open(c, td_storage_id(rw), TD_RDONLY, &ro), 0,
-               "%s", td_last_error(c));
+  cr_assert_eq(td_storage_open(c, td_storage_id(rw), TD_RDONLY, &ro), 0, "%s",
+               td_last_error(c));
   cr_assert(td_storage_is_readonly(ro));
   ((char *)td_storage_data(rw))[100] = 42;
   cr_assert_eq(((char *)td_storage_data(ro))[100], 42);
   /* The reader's pages are mapped read-only, and changing that fails. */
-  cr_assert_eq(mprotect(td_storage_data(ro), 4096, PROT_READ | PROT_WRITE),
-               -1);
+  cr_assert_eq(mprotect(td_storage_data(ro), 4096, PROT_READ | PROT_WRITE), -1);
   cr_assert_eq(errno, EACCES);
   td_storage_release(ro);
   td_storage_release(rw);

@@ -17,6 +17,7 @@ typedef struct tdt_daemon {
   char log[128];  /* dir/tensord.log: the daemon's stderr */
   uint64_t instance;
   int fds_before; /* the test process's open fds before the daemon */
+  int inherited;  /* started with a socket passed as systemd does */
 } tdt_daemon;
 
 /* Starts tensord on a fresh socket with extra arguments (NULL-terminated, may

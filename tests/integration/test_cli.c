@@ -1,0 +1,940 @@
+/* test_cli.c: tensorctl against a real tensord: ls, stat, info, rm, ping,
+ * their --json documents, exit statuses and messages. */
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <ctype.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+
+static tdt_daemon d;
+
+static void setup(void) {
+  tdt_start(&d, NULL);
+}
+static void teardown(void) {
+  tdt_stop(&d);
+}
+
+TestSuite(cli, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- running tensorctl ---- */
+
+typedef struct run_result {
+  int status; /* exit status, or 128 + signal */
+  char *out;  /* NUL-terminated, malloc'd */
+  size_t out_len;
+  char err[8192];
+} run_result;
+
+static void run_argv(const char *const *argv, run_result *r) {
+  int po[2], pe[2];
+  cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
+  cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(po[1], STDOUT_FILENO);
+    dup2(pe[1], STDERR_FILENO);
+    unsetenv("TENSORD_SOCKET");
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  close(po[1]);
+  close(pe[1]);
+  memset(r, 0, sizeof(*r));
+  size_t cap = 1 << 16, ne = 0;
+  r->out = malloc(cap);
+  cr_assert_not_null(r->out);
+  struct pollfd p[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
+  int open_ends = 2, waited = 0;
+  while (open_ends > 0) {
+    int n = poll(p, 2, 100);
+    if (n == 0 && (waited += 100) >= 30000) {
+      kill(pid, SIGKILL);
+      break;
+    }
+    for (int i = 0; i < 2; i++) {
+      if (p[i].fd < 0 || !(p[i].revents & (POLLIN | POLLHUP)))
+        continue;
+      char tmp[8192];
+      ssize_t k = read(p[i].fd, tmp, sizeof(tmp));
+      if (k <= 0) {
+        close(p[i].fd);
+        p[i].fd = -1;
+        open_ends--;
+        continue;
+      }
+      if (i == 0) {
+        if (r->out_len + (size_t)k + 1 > cap) {
+          while (r->out_len + (size_t)k + 1 > cap)
+            cap *= 2;
+          r->out = realloc(r->out, cap);
+          cr_assert_not_null(r->out);
+        }
+        memcpy(r->out + r->out_len, tmp, (size_t)k);
+        r->out_len += (size_t)k;
+      } else {
+        size_t take = sizeof(r->err) - 1 - ne;
+        if ((size_t)k < take)
+          take = (size_t)k;
+        memcpy(r->err + ne, tmp, take);
+        ne += take;
+      }
+    }
+  }
+  for (int i = 0; i < 2; i++)
+    if (p[i].fd >= 0)
+      close(p[i].fd);
+  r->out[r->out_len] = '\0';
+  r->status = tdt_wait(pid);
+}
+
+/* Runs tensorctl --socket SOCK args... (NULL-terminated). */
+#define ctl(r, ...)                                                            \
+  run_argv((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,            \
+                                 __VA_ARGS__, NULL},                           \
+           r)
+
+static void run_free(run_result *r) {
+  free(r->out);
+  r->out = NULL;
+}
+
+static void expect_ok(const run_result *r, const char *what) {
+  cr_assert_eq(r->status, 0, "tensorctl %s: exit %d; stderr: %s", what,
+               r->status, r->err);
+  cr_assert_eq(r->err[0], '\0', "tensorctl %s wrote to stderr: %s", what,
+               r->err);
+}
+
+/* ---- a small JSON checker ---- */
+
+static const char *json_ws(const char *p) {
+  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+    p++;
+  return p;
+}
+
+static const char *json_value(const char *p, int depth);
+
+static const char *json_string(const char *p) {
+  if (*p++ != '"')
+    return NULL;
+  while (*p != '"') {
+    if ((unsigned char)*p < 0x20)
+      return NULL; /* raw control characters must be escaped */
+    if (*p == '\\') {
+      p++;
+      if (*p == 'u') {
+        for (int i = 1; i <= 4; i++)
+          if (!isxdigit((unsigned char)p[i]))
+            return NULL;
+        p += 5;
+        continue;
+      }
+      if (strchr("\"\\/bfnrt", *p) == NULL || *p == '\0')
+        return NULL;
+    }
+    p++;
+  }
+  return p + 1;
+}
+
+static const char *json_number(const char *p) {
+  if (*p == '-')
+    p++;
+  if (!isdigit((unsigned char)*p))
+    return NULL;
+  if (*p == '0' && isdigit((unsigned char)p[1]))
+    return NULL;
+  while (isdigit((unsigned char)*p))
+    p++;
+  if (*p == '.') {
+    p++;
+    if (!isdigit((unsigned char)*p))
+      return NULL;
+    while (isdigit((unsigned char)*p))
+      p++;
+  }
+  if (*p == 'e' || *p == 'E') {
+    p++;
+    if (*p == '+' || *p == '-')
+      p++;
+    if (!isdigit((unsigned char)*p))
+      return NULL;
+    while (isdigit((unsigned char)*p))
+      p++;
+  }
+  return p;
+}
+
+static const char *json_value(const char *p, int depth) {
+  if (depth > 64)
+    return NULL;
+  p = json_ws(p);
+  if (*p == '{' || *p == '[') {
+    char close = *p == '{' ? '}' : ']';
+    int object = *p == '{';
+    p = json_ws(p + 1);
+    if (*p == close)
+      return p + 1;
+    for (;;) {
+      if (object) {
+        p = json_string(json_ws(p));
+        if (p == NULL)
+          return NULL;
+        p = json_ws(p);
+        if (*p++ != ':')
+          return NULL;
+      }
+      p = json_value(p, depth + 1);
+      if (p == NULL)
+        return NULL;
+      p = json_ws(p);
+      if (*p == close)
+        return p + 1;
+      if (*p++ != ',')
+        return NULL;
+    }
+  }
+  if (*p == '"')
+    return json_string(p);
+  if (strncmp(p, "true", 4) == 0)
+    return p + 4;
+  if (strncmp(p, "false", 5) == 0)
+    return p + 5;
+  if (strncmp(p, "null", 4) == 0)
+    return p + 4;
+  return json_number(p);
+}
+
+/* Asserts s is exactly one JSON object and a newline. */
+static void expect_json_object(const char *s) {
+  cr_assert_eq(s[0], '{', "not an object: %.200s", s);
+  const char *end = json_value(s, 0);
+  cr_assert_not_null(end, "invalid JSON: %.500s", s);
+  cr_assert_str_eq(end, "\n", "one document and a newline: %.200s", end);
+}
+
+/* The number after needle (e.g. "\"count\":"), or asserts. */
+static uint64_t json_u64(const char *s, const char *needle) {
+  const char *p = strstr(s, needle);
+  cr_assert_not_null(p, "'%s' not in %.300s", needle, s);
+  return strtoull(p + strlen(needle), NULL, 10);
+}
+
+static size_t count_of(const char *s, const char *needle) {
+  size_t n = 0;
+  for (const char *p = strstr(s, needle); p; p = strstr(p + 1, needle))
+    n++;
+  return n;
+}
+
+/* ---- fixtures ---- */
+
+typedef struct holder_arg {
+  const char *sock;
+  uint64_t id;
+  int ready; /* write end: one byte once holding */
+  int done;  /* read end: EOF when the child may go */
+} holder_arg;
+
+/* Holds storage id read-only until told to go. */
+static int holder(void *p) {
+  holder_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
+  CHECK(write(a->ready, "x", 1) == 1);
+  char ch;
+  while (read(a->done, &ch, 1) > 0)
+    ;
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+typedef struct scene {
+  td_client *c;
+  td_storage *s[3];
+  uint64_t id[3];
+  pid_t child;
+  int done_w; /* closing it lets the child go */
+} scene;
+
+/* Three storages: 4 KiB; 1 MiB with keys cli/a and cli/b, held by a child
+ * too; 10 bytes. */
+static void scene_make(scene *sc) {
+  sc->c = tdt_connect(&d);
+  static const size_t sizes[3] = {4096, 1 << 20, 10};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(td_storage_create(sc->c, sizes[i], &sc->s[i]), 0);
+    sc->id[i] = td_storage_id(sc->s[i]);
+  }
+  cr_assert_eq(td_publish(sc->c, "cli/a", sc->s[1], NULL), 0);
+  cr_assert_eq(td_publish(sc->c, "cli/b", sc->s[1], NULL), 0);
+  int ready[2], done[2];
+  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
+  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
+  holder_arg a = {d.sock, sc->id[1], ready[1], done[0]};
+  fflush(NULL);
+  sc->child = fork();
+  cr_assert_geq(sc->child, 0);
+  if (sc->child == 0) {
+    close(done[1]);
+    close(ready[0]);
+    _exit(holder(&a));
+  }
+  close(ready[1]);
+  close(done[0]);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "the child holds the storage");
+  close(ready[0]);
+  sc->done_w = done[1];
+}
+
+static void scene_free(scene *sc) {
+  close(sc->done_w);
+  cr_assert_eq(tdt_wait(sc->child), 0);
+  cr_assert_eq(td_unpublish(sc->c, "cli/a"), 0);
+  cr_assert_eq(td_unpublish(sc->c, "cli/b"), 0);
+  for (int i = 0; i < 3; i++)
+    td_storage_release(sc->s[i]);
+  td_close(sc->c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+}
+
+/* Splits line into whitespace-separated tokens; returns their count. */
+static int tokens(char *line, char **tok, int max) {
+  int n = 0;
+  for (char *t = strtok(line, " \t"); t && n < max; t = strtok(NULL, " \t"))
+    tok[n++] = t;
+  return n;
+}
+
+/* ---- ls ---- */
+
+Test(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
+  scene sc;
+  scene_make(&sc);
+  run_result r;
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  char *lines[16];
+  int n = 0;
+  for (char *l = strtok(r.out, "\n"); l && n < 16; l = strtok(NULL, "\n"))
+    lines[n++] = l;
+  cr_assert_eq(n, 4, "a header and 3 rows, got %d lines", n);
+  char *hdr = strdup(lines[0]);
+  char *tok[16];
+  int nt = tokens(hdr, tok, 16);
+  static const char *const cols[] = {"ID",      "DEVICE", "SIZE", "REFS",
+                                     "HOLDERS", "KEYS",   "AGE"};
+  cr_assert_eq(nt, 7, "header: %s", lines[0]);
+  for (int i = 0; i < 7; i++)
+    cr_assert_str_eq(tok[i], cols[i], "header column %d", i);
+  free(hdr);
+  char parent[16], child[16];
+  snprintf(parent, sizeof(parent), "%d", (int)getpid());
+  snprintf(child, sizeof(child), "%d", (int)sc.child);
+  for (int i = 0; i < 3; i++) {
+    char *row = lines[i + 1];
+    int nr = tokens(row, tok, 16);
+    cr_assert_geq(nr, 7, "row %d", i);
+    cr_assert_eq(strtoull(tok[0], NULL, 10), sc.id[i], "rows sorted by id");
+    cr_assert_str_eq(tok[1], "cpu");
+    if (i == 1) {
+      /* ID cpu 1.0 MiB REFS HOLDERS KEYS AGE */
+      cr_assert_str_eq(tok[2], "1.0");
+      cr_assert_str_eq(tok[3], "MiB");
+      cr_assert_str_eq(tok[4], "4", "rw + ro holder + 2 keys");
+      cr_assert(strstr(tok[5], parent) && strstr(tok[5], child),
+                "holders '%s' name both pids (%s, %s)", tok[5], parent, child);
+      cr_assert(strstr(tok[6], "cli/a") && strstr(tok[6], "cli/b"), "keys '%s'",
+                tok[6]);
+    } else {
+      cr_assert_str_eq(tok[4], "1", "refs of row %d", i);
+      cr_assert_str_eq(tok[5], parent, "holder of row %d", i);
+      cr_assert_str_eq(tok[6], "-", "no keys on row %d", i);
+    }
+  }
+  run_free(&r);
+  scene_free(&sc);
+}
+
+Test(cli, ls_sizes_are_human_readable) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s[3];
+  cr_assert_eq(td_storage_create(c, 10, &s[0]), 0);
+  cr_assert_eq(td_storage_create(c, 4096, &s[1]), 0);
+  cr_assert_eq(td_storage_create(c, 3 << 19, &s[2]), 0);
+  run_result r;
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  cr_assert(strstr(r.out, " 10 B ") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, " 4.0 KiB ") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, " 1.5 MiB ") != NULL, "%s", r.out);
+  run_free(&r);
+  for (int i = 0; i < 3; i++)
+    td_storage_release(s[i]);
+  td_close(c);
+}
+
+Test(cli, ls_of_nothing_says_so) {
+  run_result r;
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  cr_assert_str_eq(r.out, "no storages\n");
+  run_free(&r);
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  expect_json_object(r.out);
+  cr_assert_eq(json_u64(r.out, "\"count\":"), 0);
+  cr_assert(strstr(r.out, "\"storages\":[]") != NULL, "%s", r.out);
+  run_free(&r);
+}
+
+Test(cli, ls_json_is_one_object_with_a_storages_array) {
+  scene sc;
+  scene_make(&sc);
+  run_result r;
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  expect_json_object(r.out);
+  cr_assert_eq(count_of(r.out, "\n"), 1, "one line");
+  cr_assert(strncmp(r.out, "{\"storages\":[", 13) == 0, "%.100s", r.out);
+  cr_assert_eq(json_u64(r.out, "\"count\":"), 3);
+  cr_assert_eq(count_of(r.out, "\"id\":"), 3);
+  /* In id order. */
+  const char *p = r.out;
+  for (int i = 0; i < 3; i++) {
+    char want[48];
+    snprintf(want, sizeof(want), "{\"id\":%" PRIu64 ",", sc.id[i]);
+    const char *q = strstr(p, want);
+    cr_assert_not_null(q, "storage %" PRIu64 " listed after the previous",
+                       sc.id[i]);
+    p = q + 1;
+  }
+  /* The 1 MiB storage: its fields, holders and keys. */
+  char want[128];
+  snprintf(want, sizeof(want),
+           "{\"id\":%" PRIu64 ",\"device\":\"cpu\","
+           "\"nbytes\":1048576,\"refs\":4,",
+           sc.id[1]);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in %s", want, r.out);
+  snprintf(want, sizeof(want), "\"owner_pid\":%d,", (int)getpid());
+  cr_assert_eq(count_of(r.out, want), 3, "the test created all three");
+  snprintf(want, sizeof(want), "{\"pid\":%d,\"uid\":%u,\"refs\":1}",
+           (int)sc.child, (unsigned)getuid());
+  cr_assert(strstr(r.out, want) != NULL, "the child holder: %s", r.out);
+  cr_assert(strstr(r.out, "\"keys\":[\"cli/b\",\"cli/a\"]") ||
+                strstr(r.out, "\"keys\":[\"cli/a\",\"cli/b\"]"),
+            "%s", r.out);
+  cr_assert_eq(count_of(r.out, "\"nkeys\":2"), 1);
+  cr_assert_eq(count_of(r.out, "\"nkeys\":0"), 2);
+  cr_assert_eq(count_of(r.out, "\"created_unix_ms\":"), 3);
+  cr_assert_eq(count_of(r.out, "\"age_ms\":"), 3);
+  run_free(&r);
+  /* --json may come before the command too. */
+  run_argv((const char *const[]){TENSORCTL_BIN, "--json", "--socket", d.sock,
+                                 "ls", NULL},
+           &r);
+  expect_ok(&r, "--json ls");
+  expect_json_object(r.out);
+  run_free(&r);
+  scene_free(&sc);
+}
+
+Test(cli, json_escapes_keys) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 8, &s), 0);
+  const char *key = "we\"ird\\key\twith\x01"
+                    "ctl";
+  cr_assert_eq(td_publish(c, key, s, NULL), 0, "%s", td_last_error(c));
+  run_result r;
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  expect_json_object(r.out);
+  cr_assert(strstr(r.out, "\"we\\\"ird\\\\key\\u0009with\\u0001ctl\"") ||
+                strstr(r.out, "\"we\\\"ird\\\\key\\twith\\u0001ctl\""),
+            "%s", r.out);
+  run_free(&r);
+  ctl(&r, "info", key, "--json");
+  expect_ok(&r, "info --json");
+  expect_json_object(r.out);
+  run_free(&r);
+  cr_assert_eq(td_unpublish(c, key), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- stat ---- */
+
+Test(cli, stat_shows_totals) {
+  scene sc;
+  scene_make(&sc);
+  run_result r;
+  ctl(&r, "stat");
+  expect_ok(&r, "stat");
+  cr_assert(strstr(r.out, "storages  3\n") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "keys      2\n") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "waiters   0\n") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "clients   3\n") != NULL,
+            "the test, the child and tensorctl: %s", r.out);
+  char want[160];
+  snprintf(want, sizeof(want), "socket    %s\n", d.sock);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "version   " TD_VERSION_STRING) != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "used      ") != NULL, "%s", r.out);
+  run_free(&r);
+  scene_free(&sc);
+}
+
+Test(cli, stat_json_is_one_object) {
+  scene sc;
+  scene_make(&sc);
+  run_result r;
+  ctl(&r, "stat", "--json");
+  expect_ok(&r, "stat --json");
+  expect_json_object(r.out);
+  cr_assert_eq(json_u64(r.out, "\"storages\":"), 3);
+  cr_assert_eq(json_u64(r.out, "\"bytes_used\":"), 4096 + (1 << 20) + 10);
+  cr_assert_eq(json_u64(r.out, "\"keys\":"), 2);
+  cr_assert_eq(json_u64(r.out, "\"waiters\":"), 0);
+  cr_assert_eq(json_u64(r.out, "\"clients\":"), 3);
+  cr_assert_gt(json_u64(r.out, "\"capacity\":"), 0);
+  cr_assert_gt(json_u64(r.out, "\"shm_free\":"), 0);
+  cr_assert_gt(json_u64(r.out, "\"pid\":"), 0);
+  cr_assert(strstr(r.out, "\"version\":\"" TD_VERSION_STRING "\"") != NULL,
+            "%s", r.out);
+  char want[160];
+  snprintf(want, sizeof(want), "\"socket\":\"%s\"", d.sock);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  run_free(&r);
+  scene_free(&sc);
+}
+
+/* ---- info ---- */
+
+Test(cli, info_key_shows_the_view) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 1024, &s), 0);
+  int64_t shape[2] = {4, 3};
+  td_view v;
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, shape, &v), 0);
+  cr_assert_eq(td_publish(c, "weights", s, &v), 0);
+  v.stride[0] = 1;
+  v.stride[1] = 4;
+  v.offset = 5;
+  cr_assert_eq(td_publish(c, "weights.T", s, &v), 0);
+  run_result r;
+  ctl(&r, "info", "weights");
+  expect_ok(&r, "info weights");
+  char want[128];
+  snprintf(want, sizeof(want), "storage   %" PRIu64 "\n", td_storage_id(s));
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "size      1.0 KiB (1024 bytes)\n") != NULL, "%s",
+            r.out);
+  cr_assert(strstr(r.out, "refs      3\n") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "keys      2\n") != NULL, "%s", r.out);
+  const char *w = strstr(r.out, "  weights: float32[4, 3] stride (3, 1) "
+                                "offset 0\n");
+  const char *t = strstr(r.out, "  weights.T: float32[4, 3] stride (1, 4) "
+                                "offset 5\n");
+  cr_assert(w && t, "both views: %s", r.out);
+  cr_assert_lt(w, t, "the asked-for key first");
+  run_free(&r);
+
+  ctl(&r, "info", "weights.T", "--json");
+  expect_ok(&r, "info --json");
+  expect_json_object(r.out);
+  cr_assert(strncmp(r.out, "{\"storage\":{", 12) == 0, "%.80s", r.out);
+  cr_assert(strstr(r.out, "\"views\":[{\"key\":\"weights.T\",\"view\":{\"dtype"
+                          "\":\"float32\",\"shape\":[4,3],\"stride\":[1,4],"
+                          "\"offset\":5}") != NULL,
+            "%s", r.out);
+  cr_assert(strstr(r.out,
+                   "{\"key\":\"weights\",\"view\":{\"dtype\":\"float32"
+                   "\",\"shape\":[4,3],\"stride\":[3,1],\"offset\":0}") != NULL,
+            "%s", r.out);
+  run_free(&r);
+  cr_assert_eq(td_unpublish(c, "weights"), 0);
+  cr_assert_eq(td_unpublish(c, "weights.T"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+Test(cli, info_id_shows_the_storage_and_its_holders) {
+  scene sc;
+  scene_make(&sc);
+  char id[32];
+  snprintf(id, sizeof(id), "%" PRIu64, sc.id[1]);
+  run_result r;
+  ctl(&r, "info", id);
+  expect_ok(&r, "info ID");
+  char want[128];
+  snprintf(want, sizeof(want), "storage   %s\n", id);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "device    cpu\n") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "size      1.0 MiB (1048576 bytes)\n") != NULL, "%s",
+            r.out);
+  snprintf(want, sizeof(want), "owner     pid %d, uid %u (", (int)getpid(),
+           (unsigned)getuid());
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  snprintf(want, sizeof(want), " %d (uid %u, 1 ref)", (int)sc.child,
+           (unsigned)getuid());
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "  cli/a: uint8[1048576] stride (1) offset 0\n"),
+            "%s", r.out);
+  cr_assert(strstr(r.out, "  cli/b: uint8[1048576] stride (1) offset 0\n"),
+            "%s", r.out);
+  run_free(&r);
+  ctl(&r, "info", id, "--json");
+  expect_ok(&r, "info ID --json");
+  expect_json_object(r.out);
+  cr_assert_eq(count_of(r.out, "{\"key\":"), 2);
+  run_free(&r);
+  /* An id nobody has. */
+  ctl(&r, "info", "999999");
+  cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+  cr_assert(strstr(r.err, "999999") != NULL, "%s", r.err);
+  cr_assert_eq(r.out_len, 0);
+  run_free(&r);
+  scene_free(&sc);
+}
+
+Test(cli, info_of_a_key_made_of_digits_falls_back_to_the_key) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 16, &s), 0);
+  cr_assert_eq(td_publish(c, "31337", s, NULL), 0);
+  run_result r;
+  ctl(&r, "info", "31337");
+  expect_ok(&r, "info 31337");
+  cr_assert(strstr(r.out, "  31337: uint8[16]") != NULL, "%s", r.out);
+  run_free(&r);
+  cr_assert_eq(td_unpublish(c, "31337"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- rm ---- */
+
+Test(cli, rm_unpublishes_then_info_fails) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 16, &s), 0);
+  cr_assert_eq(td_publish(c, "batch/7", s, NULL), 0);
+  td_storage_release(s);
+  run_result r;
+  ctl(&r, "rm", "batch/7");
+  expect_ok(&r, "rm");
+  cr_assert_str_eq(r.out, "removed 'batch/7'\n");
+  run_free(&r);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000),
+            "the key held the last reference");
+  ctl(&r, "info", "batch/7");
+  cr_assert_eq(r.status, 1, "exit %d", r.status);
+  cr_assert_eq(r.out_len, 0, "nothing on stdout: %s", r.out);
+  cr_assert(strstr(r.err, "key 'batch/7': not published") != NULL, "stderr: %s",
+            r.err);
+  cr_assert_eq(count_of(r.err, "\n"), 1, "one line: %s", r.err);
+  run_free(&r);
+  ctl(&r, "rm", "batch/7");
+  cr_assert_eq(r.status, 1);
+  cr_assert(strstr(r.err, "tensorctl rm: key 'batch/7': not published"),
+            "stderr: %s", r.err);
+  run_free(&r);
+  /* --json. */
+  cr_assert_eq(td_storage_create(c, 16, &s), 0);
+  cr_assert_eq(td_publish(c, "j", s, NULL), 0);
+  td_storage_release(s);
+  ctl(&r, "rm", "j", "--json");
+  expect_ok(&r, "rm --json");
+  cr_assert_str_eq(r.out, "{\"removed\":\"j\"}\n");
+  run_free(&r);
+  td_close(c);
+}
+
+/* ---- ping, usage, connection errors ---- */
+
+Test(cli, ping_answers) {
+  run_result r;
+  ctl(&r, "ping");
+  expect_ok(&r, "ping");
+  cr_assert(strncmp(r.out, "tensord answered in ", 20) == 0, "%s", r.out);
+  run_free(&r);
+  ctl(&r, "ping", "--json");
+  expect_ok(&r, "ping --json");
+  expect_json_object(r.out);
+  cr_assert(strstr(r.out, "\"rtt_us\":") != NULL, "%s", r.out);
+  run_free(&r);
+}
+
+Test(cli, usage_errors_exit_2) {
+  static const char *const cases[][3] = {
+      {"frobnicate", NULL}, {"info", NULL},    {"rm", NULL},
+      {"ls", "extra"},      {"ping", "extra"}, {"--bogus", "ls"},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    const char *argv[8] = {TENSORCTL_BIN, "--socket", d.sock};
+    int n = 3;
+    for (int j = 0; j < 2 && cases[i][j]; j++)
+      argv[n++] = cases[i][j];
+    run_result r;
+    run_argv(argv, &r);
+    cr_assert_eq(r.status, 2, "tensorctl %s %s: exit %d", cases[i][0],
+                 cases[i][1] ? cases[i][1] : "", r.status);
+    cr_assert_gt(strlen(r.err), 0, "says why");
+    cr_assert_eq(r.out_len, 0);
+    if (i == 0)
+      cr_assert(strstr(r.err, "unknown command 'frobnicate'"), "%s", r.err);
+    run_free(&r);
+  }
+  run_result r;
+  run_argv((const char *const[]){TENSORCTL_BIN, NULL}, &r);
+  cr_assert_eq(r.status, 2, "no command");
+  run_free(&r);
+  run_argv((const char *const[]){TENSORCTL_BIN, "--help", NULL}, &r);
+  cr_assert_eq(r.status, 0);
+  cr_assert(strstr(r.out, "usage: tensorctl") != NULL, "%s", r.out);
+  run_free(&r);
+}
+
+Test(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
+  char path[160];
+  snprintf(path, sizeof(path), "%s/nobody-here.sock", d.dir);
+  static const char *const cmds[] = {"ls", "stat", "ping"};
+  for (int i = 0; i < 3; i++) {
+    run_result r;
+    run_argv(
+        (const char *const[]){TENSORCTL_BIN, "--socket", path, cmds[i], NULL},
+        &r);
+    cr_assert_eq(r.status, 1, "%s: exit %d", cmds[i], r.status);
+    char want[200];
+    snprintf(want, sizeof(want), "cannot connect to %s", path);
+    cr_assert(strstr(r.err, want) != NULL, "stderr: %s", r.err);
+    cr_assert(strstr(r.err, "(is tensord running?)") != NULL, "stderr: %s",
+              r.err);
+    cr_assert_eq(r.out_len, 0, "nothing on stdout: %s", r.out);
+    run_free(&r);
+  }
+}
+
+/* ---- many storages: paging ---- */
+
+Test(cli, ls_lists_1500_storages_across_pages, .timeout = 120) {
+  enum { N = 1500 };
+  td_client *c = tdt_connect(&d);
+  td_storage **s = calloc(N, sizeof(*s));
+  for (int i = 0; i < N; i++)
+    cr_assert_eq(td_storage_create(c, 1, &s[i]), 0, "create %d: %s", i,
+                 td_last_error(c));
+  run_result r;
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  expect_json_object(r.out);
+  cr_assert_eq(json_u64(r.out, "\"count\":"), N);
+  cr_assert_eq(count_of(r.out, "{\"id\":"), N);
+  /* Every id, in order, once. */
+  const char *p = r.out;
+  for (int i = 0; i < N; i++) {
+    char want[48];
+    snprintf(want, sizeof(want), "{\"id\":%" PRIu64 ",", td_storage_id(s[i]));
+    const char *q = strstr(p, want);
+    cr_assert_not_null(q, "storage %" PRIu64 " missing or out of order",
+                       td_storage_id(s[i]));
+    p = q + 1;
+  }
+  run_free(&r);
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  cr_assert_eq(count_of(r.out, "\n"), N + 1, "a header and a row each");
+  run_free(&r);
+  /* With holes. */
+  for (int i = 0; i < N; i += 3) {
+    td_storage_release(s[i]);
+    s[i] = NULL;
+  }
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  cr_assert_eq(json_u64(r.out, "\"count\":"), N - (N + 2) / 3);
+  run_free(&r);
+  for (int i = 0; i < N; i++)
+    td_storage_release(s[i]);
+  free(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 10000));
+}
+
+typedef struct page_walk {
+  td_storage **s;
+  uint64_t first;
+  int n;
+  uint64_t last;
+  int ok;
+} page_walk;
+
+/* Releases each storage as it is listed, on the listing connection, so
+ * that every page after the first starts after an id that is gone. */
+static int release_as_listed(const td_storage_info *info, void *arg) {
+  page_walk *w = arg;
+  if (info->id <= w->last)
+    w->ok = 0;
+  w->last = info->id;
+  uint64_t i = info->id - w->first;
+  td_storage_release(w->s[i]);
+  w->s[i] = NULL;
+  w->n++;
+  return 0;
+}
+
+Test(cli, list_pages_continue_after_a_freed_cursor, .timeout = 120) {
+  enum { N = 1100 };
+  td_client *c = tdt_connect(&d);
+  td_storage **s = calloc(N, sizeof(*s));
+  for (int i = 0; i < N; i++)
+    cr_assert_eq(td_storage_create(c, 1, &s[i]), 0);
+  page_walk w = {s, td_storage_id(s[0]), 0, 0, 1};
+  cr_assert_eq(td_storage_id(s[N - 1]) - w.first, N - 1, "consecutive ids");
+  cr_assert_eq(td_list(c, release_as_listed, &w), 0, "%s", td_last_error(c));
+  cr_assert(w.ok, "in id order");
+  cr_assert_eq(w.n, N, "every storage listed once");
+  free(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 10000));
+}
+
+/* ---- the library's introspection structures ---- */
+
+static int check_aligned(const td_storage_info *s, void *arg) {
+  int *bad = arg;
+  if (s->nkeys > 0 && (uintptr_t)s->keys % _Alignof(const char *) != 0) {
+    fprintf(stderr, "storage %" PRIu64 ": keys[] at %p\n", s->id,
+            (const void *)s->keys);
+    (*bad)++;
+  }
+  if (s->nholders > 0 && (uintptr_t)s->holders % _Alignof(td_holder) != 0)
+    (*bad)++;
+  for (size_t i = 0; i < s->nkeys; i++)
+    if (s->keys[i] == NULL)
+      (*bad)++;
+  return 0;
+}
+
+/* Lists and describes storages from a child, so that a sanitizer's abort
+ * takes only the child. Exits with the count of misaligned arrays. */
+static int list_aligned(void *p) {
+  td_client *c;
+  CHECK(td_connect(p, &c) == 0);
+  int bad = 0;
+  CHECK(td_list(c, check_aligned, &bad) == 0);
+  CHECK(td_info(c, 0, "one", check_aligned, NULL, &bad) == 0);
+  td_close(c);
+  return bad > 100 ? 100 : bad;
+}
+
+/* td_storage_info's holders[] and keys[] are arrays a caller may index:
+ * each must be aligned for its type, whatever the count of holders. */
+Test(cli, storage_info_arrays_are_aligned) {
+  scene sc; /* storage 2: two holders, two keys */
+  scene_make(&sc);
+  td_storage *one;
+  cr_assert_eq(td_storage_create(sc.c, 8, &one), 0); /* one holder */
+  cr_assert_eq(td_publish(sc.c, "one", one, NULL), 0);
+  int st = tdt_wait(tdt_fork(list_aligned, d.sock));
+  cr_assert_eq(td_unpublish(sc.c, "one"), 0);
+  td_storage_release(one);
+  scene_free(&sc);
+  cr_assert_eq(st, 0,
+               "td_list/td_info gave %d misaligned array(s) (one holder of 12 "
+               "bytes, then the key pointers); > 100: killed by signal %d",
+               st, st - 128);
+}
+
+Test(cli, ls_says_how_many_keys_it_does_not_show) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 8, &s), 0);
+  char key[128];
+  for (int i = 0; i < 5; i++) {
+    snprintf(key, sizeof(key), "%d-%0100d", i, 0); /* 102 bytes */
+    cr_assert_eq(td_publish(c, key, s, NULL), 0);
+  }
+  run_result r;
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  int shown = 0;
+  for (int i = 0; i < 5; i++) {
+    snprintf(key, sizeof(key), "%d-%0100d", i, 0);
+    shown += strstr(r.out, key) != NULL;
+  }
+  const char *more = strstr(r.out, "(+");
+  int hidden = more ? atoi(more + 2) : -1;
+  char row[1024];
+  snprintf(row, sizeof(row), "%s", r.out);
+  run_free(&r);
+  for (int i = 0; i < 5; i++) {
+    snprintf(key, sizeof(key), "%d-%0100d", i, 0);
+    cr_assert_eq(td_unpublish(c, key), 0);
+  }
+  td_storage_release(s);
+  td_close(c);
+  cr_assert_geq(hidden, 0, "the row says keys are missing: %s", row);
+  cr_assert_eq(shown + hidden, 5,
+               "%d keys shown whole and '(+%d more)', of 5: %s", shown, hidden,
+               row);
+}
+
+Test(cli, info_of_a_storage_with_many_long_keys_fits_one_reply) {
+  enum { NKEYS = 1100 };
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 8, &s), 0);
+  char key[256];
+  memset(key, 'q', 250);
+  key[250] = '\0';
+  for (int i = 0; i < NKEYS; i++) {
+    snprintf(key, 12, "%010d", i);
+    key[10] = '/';
+    cr_assert_eq(td_publish(c, key, s, NULL), 0, "%s", td_last_error(c));
+  }
+  snprintf(key, 12, "%010d", NKEYS - 1);
+  key[10] = '/';
+  run_result r;
+  ctl(&r, "info", key);
+  expect_ok(&r, "info");
+  char want[32];
+  snprintf(want, sizeof(want), "keys      %d\n", NKEYS);
+  cr_assert(strstr(r.out, want) != NULL, "%.300s", r.out);
+  size_t lines = count_of(r.out, ": uint8[8] stride (1) offset 0\n");
+  cr_assert_gt(lines, 0);
+  cr_assert_leq(lines, NKEYS);
+  char first[300];
+  snprintf(first, sizeof(first), "keys      %d\n  %s: ", NKEYS, key);
+  cr_assert(strstr(r.out, first) != NULL, "the asked-for key first");
+  run_free(&r);
+  ctl(&r, "ls", "--json");
+  expect_ok(&r, "ls --json");
+  expect_json_object(r.out);
+  snprintf(want, sizeof(want), "\"nkeys\":%d", NKEYS);
+  cr_assert(strstr(r.out, want) != NULL, "%.300s", r.out);
+  run_free(&r);
+  td_storage_release(s);
+  td_close(c);
+  c = tdt_connect(&d);
+  for (int i = 0; i < NKEYS; i++) {
+    snprintf(key, 12, "%010d", i);
+    key[10] = '/';
+    cr_assert_eq(td_unpublish(c, key), 0);
+  }
+  td_close(c);
+}

@@ -235,6 +235,7 @@ struct td__server {
   uint64_t pending_work; /* thread-pool jobs in flight */
   td__state *state;      /* NULL without --state-dir */
   int keep_segments;     /* stopping with --state-dir: keep keyed segments */
+  int listening;         /* the socket, timer and signal handles are set up */
   uint32_t max_clients;  /* 0: no limit */
   uint32_t max_storages_per_client;
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
@@ -252,7 +253,11 @@ typedef struct td__options {
   const char *state_dir;
 } td__options;
 
-/* Sets srv up and starts listening (or adopts LISTEN_FDS). */
+/* Sets srv up without a socket: for tests and the fuzz target, which hand
+ * it connections with td__conn_accept. */
+void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
+ * and signals readiness. */
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
 /* After the loop has ended: the final snapshot, or a last sweep of
  * segments. */

@@ -258,7 +258,7 @@ static void record_instance(td__server *srv) {
   }
 }
 
-int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
+void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   memset(srv, 0, sizeof(*srv));
   srv->loop = loop;
   srv->listen_fd = -1;
@@ -285,7 +285,11 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->max_clients = o->max_clients;
   srv->max_storages_per_client = o->max_storages_per_client;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
+}
 
+int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
+  char a[32];
+  td__server_init(srv, loop, o);
   int err = adopt_socket(srv);
   if (err == 0) {
     char path[sizeof(srv->socket_path)];
@@ -316,6 +320,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   }
   record_instance(srv);
 
+  srv->listening = 1;
   uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
   uv_timer_init(loop, &srv->accept_timer);
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
@@ -329,7 +334,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
            "%016llx)",
            TD_VERSION_STRING, srv->socket_path,
            srv->own_socket ? "" : " (inherited)",
-           td__human_bytes(capacity, a, sizeof(a)), (int)getpid(),
+           td__human_bytes(srv->reg.capacity, a, sizeof(a)), (int)getpid(),
            (unsigned long long)srv->instance);
   sd_notify_state("READY=1");
   return 0;
@@ -354,13 +359,15 @@ void td__server_stop(td__server *srv) {
   if (srv->stopping)
     return;
   srv->stopping = 1;
-  sd_notify_state("STOPPING=1");
-  uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
-  uv_close((uv_handle_t *)&srv->accept_timer, NULL);
-  uv_close((uv_handle_t *)&srv->sigint, NULL);
-  uv_close((uv_handle_t *)&srv->sigterm, NULL);
-  if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
-    td__warn("unlink(%s): %s", srv->socket_path, strerror(errno));
+  if (srv->listening) {
+    sd_notify_state("STOPPING=1");
+    uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
+    uv_close((uv_handle_t *)&srv->accept_timer, NULL);
+    uv_close((uv_handle_t *)&srv->sigint, NULL);
+    uv_close((uv_handle_t *)&srv->sigterm, NULL);
+    if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
+      td__warn("unlink(%s): %s", srv->socket_path, strerror(errno));
+  }
   uint64_t n = srv->nconns;
   while (srv->conns != NULL)
     td__conn_close(srv->conns, "tensord is stopping");
@@ -381,7 +388,7 @@ void td__server_stop(td__server *srv) {
   }
   td__registry_free(&srv->reg);
   td__htab_free(&srv->waitqs);
-  if (!srv->keep_segments)
+  if (!srv->keep_segments && srv->run_path[0])
     unlink(srv->run_path);
 }
 

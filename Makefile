@@ -5,10 +5,10 @@ BUILD    ?= build
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
-            protobuf-c-compiler libcriterion-dev libdlpack-dev
+            protobuf-c-compiler libcriterion-dev libdlpack-dev valgrind
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps build run test bench asan clean
+.PHONY: all deps build run test bench asan valgrind clean
 
 all: build
 
@@ -44,5 +44,13 @@ bench: build
 asan:
 	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DTD_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug"
 
+# The integration tests with every tensord under valgrind: it must exit with
+# no error and no leak.
+valgrind: deps
+	cmake -S . -B build-valgrind -DTD_VALGRIND=ON
+	cmake --build build-valgrind -j $(JOBS)
+	ctest --test-dir build-valgrind --output-on-failure -L valgrind -j $(JOBS)
+	@tests/check-clean.sh
+
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-valgrind

@@ -14,6 +14,14 @@ function(td_add_test name)
   endif()
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}"
                        TIMEOUT ${T_TIMEOUT})
+  # The same integration tests with every tensord under valgrind (ctest -L
+  # valgrind): the daemon must exit 0 with no error and no leak.
+  if(TD_VALGRIND AND "integration" IN_LIST T_LABELS)
+    add_test(NAME ${name}_valgrind COMMAND ${name} --jobs 1 --timeout 600)
+    set_tests_properties(${name}_valgrind PROPERTIES LABELS "valgrind"
+      TIMEOUT 1800 ENVIRONMENT
+      "TDT_DAEMON_WRAPPER=valgrind --quiet --leak-check=full --show-leak-kinds=definite,indirect --errors-for-leak-kinds=definite,indirect --error-exitcode=99 --trace-children=no")
+  endif()
   if(TD_SANITIZE)
     set_tests_properties(${name} PROPERTIES ENVIRONMENT
       "LSAN_OPTIONS=suppressions=${PROJECT_SOURCE_DIR}/tests/lsan.supp:print_suppressions=0;UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")

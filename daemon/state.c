@@ -276,10 +276,24 @@ static int slurp(int dirfd, const char *name, uint8_t **buf, size_t *len) {
   return 1;
 }
 
+/* The last put of one live key, in the order keys were first put. */
+typedef struct putent {
+  td__hnode node;
+  Tensord__StateRecord *r;
+  struct putent *prev, *next;
+} putent;
+
+/* A segment adopted during the load, by name. */
+typedef struct nameent {
+  td__hnode node;
+  td__storage *s;
+} nameent;
+
 /* What the records say, before any segment is looked at. */
 typedef struct loaded {
-  Tensord__StateRecord **puts; /* by key: the last put of each live key */
-  size_t nputs, cap;
+  td__htab puts; /* putent by key */
+  putent *first, *last;
+  td__htab names; /* nameent by segment name */
   char (*prefixes)[64];
   size_t nprefixes;
   uint64_t gen;
@@ -287,13 +301,27 @@ typedef struct loaded {
   size_t nall, allcap;
 } loaded;
 
-static size_t find_put(const loaded *l, const ProtobufCBinaryData *key) {
-  for (size_t i = 0; i < l->nputs; i++) {
-    const ProtobufCBinaryData *k = &l->puts[i]->put->key;
-    if (k->len == key->len && memcmp(k->data, key->data, k->len) == 0)
-      return i;
-  }
-  return (size_t)-1;
+static int put_eq(const td__hnode *n, const void *key) {
+  const ProtobufCBinaryData *a =
+      &td__container_of(n, putent, node)->r->put->key;
+  const ProtobufCBinaryData *b = key;
+  return a->len == b->len && memcmp(a->data, b->data, a->len) == 0;
+}
+
+static putent *find_put(const loaded *l, const ProtobufCBinaryData *key) {
+  td__hnode *n =
+      td__htab_find(&l->puts, td__hash_bytes(key->data, key->len), put_eq, key);
+  return n ? td__container_of(n, putent, node) : NULL;
+}
+
+static int name_eq(const td__hnode *n, const void *key) {
+  return strcmp(td__container_of(n, nameent, node)->s->name, key) == 0;
+}
+
+static td__storage *find_name(const loaded *l, const char *name) {
+  td__hnode *n = td__htab_find(&l->names, td__hash_bytes(name, strlen(name)),
+                               name_eq, name);
+  return n ? td__container_of(n, nameent, node)->s : NULL;
 }
 
 static int keep(loaded *l, Tensord__StateRecord *r) {
@@ -341,26 +369,41 @@ static size_t replay(loaded *l, const uint8_t *buf, size_t len,
       }
       break;
     case TENSORD__STATE_RECORD__BODY_PUT: {
-      size_t i = find_put(l, &r->put->key);
-      if (i != (size_t)-1) {
-        l->puts[i] = r;
-      } else {
-        if (l->nputs == l->cap) {
-          size_t cap = l->cap ? l->cap * 2 : 64;
-          void *p = realloc(l->puts, cap * sizeof(*l->puts));
-          if (p == NULL)
-            break;
-          l->puts = p;
-          l->cap = cap;
-        }
-        l->puts[l->nputs++] = r;
+      putent *e = find_put(l, &r->put->key);
+      if (e != NULL) {
+        e->r = r;
+        break;
       }
+      e = calloc(1, sizeof(*e));
+      const ProtobufCBinaryData *k = &r->put->key;
+      if (e == NULL || td__htab_insert(&l->puts, &e->node,
+                                       td__hash_bytes(k->data, k->len)) < 0) {
+        free(e);
+        break;
+      }
+      e->r = r;
+      e->prev = l->last;
+      if (l->last)
+        l->last->next = e;
+      else
+        l->first = e;
+      l->last = e;
       break;
     }
     case TENSORD__STATE_RECORD__BODY_DEL: {
-      size_t i = find_put(l, &r->del);
-      if (i != (size_t)-1)
-        l->puts[i] = l->puts[--l->nputs];
+      putent *e = find_put(l, &r->del);
+      if (e == NULL)
+        break;
+      td__htab_remove(&l->puts, &e->node);
+      if (e->prev)
+        e->prev->next = e->next;
+      else
+        l->first = e->next;
+      if (e->next)
+        e->next->prev = e->prev;
+      else
+        l->last = e->prev;
+      free(e);
       break;
     }
     default:
@@ -375,17 +418,28 @@ static size_t replay(loaded *l, const uint8_t *buf, size_t len,
 }
 
 static void loaded_free(loaded *l) {
+  for (putent *e = l->first, *next; e; e = next) {
+    next = e->next;
+    free(e);
+  }
+  td__htab_free(&l->puts);
+  for (size_t i = 0; i < l->names.nbuckets; i++) {
+    for (td__hnode *n = l->names.buckets[i], *next; n; n = next) {
+      next = n->next;
+      free(td__container_of(n, nameent, node));
+    }
+  }
+  td__htab_free(&l->names);
   for (size_t i = 0; i < l->nall; i++)
     tensord__state_record__free_unpacked(l->all[i], NULL);
   free(l->all);
-  free(l->puts);
   free(l->prefixes);
 }
 
 /* Serves the key recorded in r again: finds (or registers) its segment and
  * publishes the key. Returns 0, or a negative code if the segment is gone or
  * does not match (the key is then dropped, with a warning). */
-static int adopt(td__server *srv, const Tensord__StateKey *m) {
+static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   td__registry *reg = &srv->reg;
   char key[TD_KEY_MAX + 1], msg[256];
   size_t klen = m->key.len;
@@ -403,12 +457,7 @@ static int adopt(td__server *srv, const Tensord__StateKey *m) {
     td__warn("state: key '%s': recorded view is invalid; dropped", key);
     return TD_EINVAL;
   }
-  td__storage *s = NULL;
-  for (td__storage *t = reg->first; t; t = t->next)
-    if (strcmp(t->name, m->segment) == 0) {
-      s = t;
-      break;
-    }
+  td__storage *s = find_name(l, m->segment);
   if (s == NULL) {
     int fd = td__shm_open(m->segment, 1);
     if (fd < 0) {
@@ -437,9 +486,21 @@ static int adopt(td__server *srv, const Tensord__StateKey *m) {
     s->created_ms = m->created_unix_ms;
     snprintf(s->name, sizeof(s->name), "%s", m->segment);
     int err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
+    nameent *ne = calloc(1, sizeof(*ne));
+    if (err == 0 && ne == NULL)
+      err = TD_ENOMEM;
     if (err == 0)
       err = td__storage_insert(reg, s, NULL);
+    if (err == 0) {
+      ne->s = s;
+      err = td__htab_insert(&l->names, &ne->node,
+                            td__hash_bytes(s->name, strlen(s->name)));
+      if (err < 0) /* the key still gets published: only the index failed */
+        free(ne);
+      err = 0;
+    }
     if (err < 0) {
+      free(ne);
       free(s);
       return err;
     }
@@ -452,16 +513,8 @@ static int adopt(td__server *srv, const Tensord__StateKey *m) {
   return 0;
 }
 
-/* Whether name (without the leading '/') is the segment of a live storage. */
-static int adopted(const td__server *srv, const char *name) {
-  for (const td__storage *s = srv->reg.first; s; s = s->next)
-    if (strcmp(s->name + 1, name) == 0)
-      return 1;
-  return 0;
-}
-
 /* Unlinks every segment under the recorded prefixes that no key names. */
-static int sweep(td__server *srv, const loaded *l) {
+static int sweep(const loaded *l) {
   DIR *d = opendir("/dev/shm");
   if (d == NULL)
     return 0;
@@ -471,9 +524,11 @@ static int sweep(td__server *srv, const loaded *l) {
   while ((e = readdir(d)) != NULL) {
     for (size_t i = 0; i < l->nprefixes; i++) {
       const char *p = l->prefixes[i] + 1; /* without '/' */
-      if (strncmp(e->d_name, p, strlen(p)) != 0 || adopted(srv, e->d_name))
+      if (strncmp(e->d_name, p, strlen(p)) != 0)
         continue;
       snprintf(name, sizeof(name), "/%s", e->d_name);
+      if (find_name(l, name) != NULL)
+        break; /* adopted */
       td__shm_unlink(name);
       n++;
       break;
@@ -536,13 +591,13 @@ int td__state_open(td__server *srv, const char *dir) {
   }
 
   size_t served = 0, dropped = 0;
-  for (size_t i = 0; i < l.nputs; i++) {
-    if (adopt(srv, l.puts[i]->put) == 0)
+  for (putent *e = l.first; e; e = e->next) {
+    if (adopt(srv, &l, e->r->put) == 0)
       served++;
     else
       dropped++;
   }
-  int swept = sweep(srv, &l);
+  int swept = sweep(&l);
   td__info("state: %s: serving %zu key(s) on %llu storage(s) again; %zu "
            "dropped, %d unnamed segment(s) unlinked",
            dir, served, (unsigned long long)srv->reg.storages.count, dropped,

@@ -58,14 +58,16 @@ static void on_stall(uv_timer_t *t) {
     uv_timer_start(t, on_stall, c->srv->io_timeout_ms - idle, 0);
     return;
   }
+  /* Unread replies first: a client we stopped reading has part of a
+   * request waiting too, through no fault of its own. */
   char why[128];
-  if (c->wire.in_len > c->wire.in_off)
+  if (td__wire_pending(&c->wire) > 0)
+    snprintf(why, sizeof(why), "left %zu bytes of replies unread for %llu ms",
+             td__wire_pending(&c->wire), (unsigned long long)idle);
+  else
     snprintf(why, sizeof(why),
              "sent %zu bytes of a request and nothing for %llu ms",
              c->wire.in_len - c->wire.in_off, (unsigned long long)idle);
-  else
-    snprintf(why, sizeof(why), "left %zu bytes of replies unread for %llu ms",
-             td__wire_pending(&c->wire), (unsigned long long)idle);
   td__warn("client %d: %s; disconnecting it", (int)c->hold.peer.pid, why);
   td__conn_close(c, why);
 }

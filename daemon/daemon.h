@@ -183,6 +183,10 @@ void td__shm_unlink(const char *name);
 int td__shm_space(uint64_t *free_bytes, uint64_t *total_bytes);
 /* Unlinks every object named prefix* (leftovers of this instance). */
 int td__shm_unlink_prefix(const char *prefix);
+/* Segment names are "/tensord.<instance>.<id>"; the prefix is the name up to
+ * and including the last '.'. Returns 0, or TD_EINVAL for another name. */
+#define TD__PREFIX_MAX 48
+int td__shm_prefix(const char *name, char out[TD__PREFIX_MAX]);
 
 /* ---- server.c and conn.c ---- */
 typedef struct td__server td__server;
@@ -221,9 +225,10 @@ struct td__server {
   uv_signal_t sigint, sigterm;
   char socket_path[108];
   char state_dir[256]; /* "" without --state-dir */
-  char run_path[120];  /* <socket>.instance: who made the segments */
-  uint64_t prev_instance;
-  char prefix[48]; /* shm name prefix of this instance */
+  char run_path[120];  /* <socket>.instance: the prefixes of our segments */
+  char (*prev)[TD__PREFIX_MAX]; /* prefixes the previous daemon recorded */
+  size_t nprev;
+  char prefix[TD__PREFIX_MAX]; /* shm name prefix of this instance */
   uint64_t instance;
   int64_t start_ms;
   int stopping;

@@ -226,31 +226,50 @@ static void sweep_previous(td__server *srv) {
   FILE *f = fopen(srv->run_path, "r");
   if (f == NULL)
     return;
-  unsigned long long prev = 0;
-  int ok = fscanf(f, "%llx", &prev) == 1;
+  char line[128];
+  while (fgets(line, sizeof(line), f) != NULL) {
+    line[strcspn(line, "\n")] = '\0';
+    if (strncmp(line, "/tensord.", 9) != 0 || strlen(line) >= TD__PREFIX_MAX ||
+        strcmp(line, srv->prefix) == 0)
+      continue;
+    char(*p)[TD__PREFIX_MAX] =
+        realloc(srv->prev, (srv->nprev + 1) * sizeof(*srv->prev));
+    if (p == NULL)
+      break;
+    srv->prev = p;
+    snprintf(srv->prev[srv->nprev++], TD__PREFIX_MAX, "%s", line);
+  }
   fclose(f);
-  if (!ok || prev == srv->instance)
-    return;
-  srv->prev_instance = prev;
 }
 
+/* Without --state-dir, unlinks what the previous daemon on this socket left
+ * (with it, td__state_open sweeps them, keeping what keys name). Then
+ * records the prefixes this daemon's segments have: its own and those of
+ * segments it adopted. */
 static void record_instance(td__server *srv) {
-  if (srv->prev_instance != 0 && srv->state == NULL) {
-    char prefix[48];
-    snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-             (unsigned long long)srv->prev_instance);
-    int n = td__shm_unlink_prefix(prefix);
+  for (size_t i = 0; i < srv->nprev && srv->state == NULL; i++) {
+    int n = td__shm_unlink_prefix(srv->prev[i] + 1);
     if (n > 0)
       td__warn("unlinked %d segment(s) left by the previous tensord on %s "
-               "(instance %016llx)",
-               n, srv->socket_path, (unsigned long long)srv->prev_instance);
+               "(%s*)",
+               n, srv->socket_path, srv->prev[i]);
   }
   char tmp[sizeof(srv->run_path) + 8];
   snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
   FILE *f = fopen(tmp, "w");
-  if (f == NULL ||
-      fprintf(f, "%016llx\n", (unsigned long long)srv->instance) < 0 ||
-      fclose(f) != 0 || rename(tmp, srv->run_path) < 0) {
+  int ok = f != NULL && fprintf(f, "%s\n", srv->prefix) > 0;
+  char last[TD__PREFIX_MAX] = "";
+  for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
+    char p[TD__PREFIX_MAX];
+    if (td__shm_prefix(s->name, p) == 0 && strcmp(p, srv->prefix) != 0 &&
+        strcmp(p, last) != 0) {
+      ok = fprintf(f, "%s\n", p) > 0;
+      memcpy(last, p, sizeof(last));
+    }
+  }
+  if (f != NULL && fclose(f) != 0)
+    ok = 0;
+  if (!ok || rename(tmp, srv->run_path) < 0) {
     td__warn("cannot record this instance in %s: %s; a crash would leave "
              "its segments for the operator to remove",
              srv->run_path, strerror(errno));
@@ -390,6 +409,9 @@ void td__server_stop(td__server *srv) {
   td__htab_free(&srv->waitqs);
   if (!srv->keep_segments && srv->run_path[0])
     unlink(srv->run_path);
+  free(srv->prev);
+  srv->prev = NULL;
+  srv->nprev = 0;
 }
 
 void td__server_finish(td__server *srv) {

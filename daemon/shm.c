@@ -77,3 +77,13 @@ int td__shm_unlink_prefix(const char *prefix) {
   closedir(d);
   return n;
 }
+
+int td__shm_prefix(const char *name, char out[TD__PREFIX_MAX]) {
+  const char *dot = strrchr(name, '.');
+  size_t n = dot ? (size_t)(dot - name) + 1 : 0;
+  if (n == 0 || n >= TD__PREFIX_MAX || strncmp(name, "/tensord.", 9) != 0)
+    return TD_EINVAL;
+  memcpy(out, name, n);
+  out[n] = '\0';
+  return 0;
+}

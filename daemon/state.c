@@ -143,20 +143,17 @@ static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
   r.generation = gen;
   int err = append(&buf, &len, &cap, &r);
   /* This instance's prefix, then the prefixes of adopted segments. */
-  char last[64] = "";
+  char last[TD__PREFIX_MAX] = "";
   r.body_case = TENSORD__STATE_RECORD__BODY_PREFIX;
   r.prefix = srv->prefix;
   if (err == 0)
     err = append(&buf, &len, &cap, &r);
   for (const td__storage *s = srv->reg.first; s && err == 0; s = s->next) {
-    const char *dot = strrchr(s->name, '.');
-    size_t plen = dot ? (size_t)(dot - s->name) + 1 : 0;
-    if (s->keys == NULL || plen == 0 || plen >= sizeof(last) ||
-        strncmp(s->name, srv->prefix, plen) == 0 ||
-        (strncmp(s->name, last, plen) == 0 && last[plen] == '\0'))
+    char p[TD__PREFIX_MAX];
+    if (s->keys == NULL || td__shm_prefix(s->name, p) < 0 ||
+        strcmp(p, srv->prefix) == 0 || strcmp(p, last) == 0)
       continue;
-    memcpy(last, s->name, plen);
-    last[plen] = '\0';
+    memcpy(last, p, sizeof(last));
     r.prefix = last;
     err = append(&buf, &len, &cap, &r);
   }
@@ -590,6 +587,15 @@ int td__state_open(td__server *srv, const char *dir) {
     free(buf);
   }
 
+  /* What the previous daemon on this socket recorded, in case it ran
+   * without this state directory. */
+  for (size_t i = 0; i < srv->nprev; i++) {
+    void *p = realloc(l.prefixes, (l.nprefixes + 1) * 64);
+    if (p == NULL)
+      break;
+    l.prefixes = p;
+    snprintf(l.prefixes[l.nprefixes++], 64, "%s", srv->prev[i]);
+  }
   size_t served = 0, dropped = 0;
   for (putent *e = l.first; e; e = e->next) {
     if (adopt(srv, &l, e->r->put) == 0)

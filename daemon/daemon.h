@@ -287,14 +287,21 @@ int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd);
 /* Loads DIR (creating it), serves its keys again, unlinks unnamed segments
  * of the instances it records, and sets srv->state. */
 int td__state_open(td__server *srv, const char *dir);
-/* Records a key change; replies that acknowledge it go through
- * td__state_reply, which holds them until the change is on disk. st may be
- * NULL (no --state-dir): then nothing is recorded or held. */
-void td__state_put(td__state *st, const td__key *k);
+/* Records a key change, before the registry makes it (so that a segment
+ * the change frees is held until the record is on disk); replies that
+ * acknowledge it go through td__state_reply, which holds them until the
+ * change is on disk. st may be NULL (no --state-dir): then nothing is
+ * recorded or held. */
+void td__state_put(td__state *st, const char *key, size_t len,
+                   const td__storage *s, const td_view *view);
 void td__state_del(td__state *st, const char *key, size_t len);
 int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
                     int fd);
 void td__state_conn_gone(td__state *st, const td__conn *c);
+/* Holds the unlink of a freed segment until every key change recorded so
+ * far is on disk. Returns 1 if it did, 0 if the caller may unlink now (no
+ * change pending, or st NULL). */
+int td__state_hold_unlink(td__state *st, const char *name, uint64_t nbytes);
 /* Writes a final snapshot and closes. NULL ok. */
 void td__state_close(td__state *st);
 
@@ -307,5 +314,7 @@ int td__dispatch(td__conn *c, struct Tensord__Request *req);
 void td__ops_conn_gone(td__conn *c);
 /* Releases a storage whose last reference went (the registry's free_fn). */
 void td__storage_gone(td__storage *s, void *arg);
+/* Unlinks a segment, on the thread pool if it is large. */
+void td__segment_unlink(td__server *srv, const char *name, uint64_t nbytes);
 
 #endif /* TD_DAEMON_H */

@@ -322,6 +322,22 @@ static void unlink_after(uv_work_t *w, int status) {
   free(j);
 }
 
+void td__segment_unlink(td__server *srv, const char *name, uint64_t nbytes) {
+  /* Unlinking frees the pages when no client maps them any more: a cost that
+   * grows with bytes, so large segments go to the thread pool. */
+  unlink_job *j = NULL;
+  if (nbytes > SYNC_BYTES_MAX && (j = malloc(sizeof(*j))) != NULL) {
+    j->srv = srv;
+    snprintf(j->name, sizeof(j->name), "%s", name);
+    if (uv_queue_work(srv->loop, &j->work, unlink_work, unlink_after) == 0) {
+      srv->pending_work++;
+      return;
+    }
+    free(j);
+  }
+  td__shm_unlink(name);
+}
+
 void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
   if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
@@ -330,20 +346,11 @@ void td__storage_gone(td__storage *s, void *arg) {
   }
   td__debug("storage %llu: last reference dropped; unlinking %s",
             (unsigned long long)s->id, s->name);
-  unlink_job *j = NULL;
-  /* Unlinking frees the pages when no client maps them any more: a cost that
-   * grows with bytes, so large segments go to the thread pool. */
-  if (s->nbytes > SYNC_BYTES_MAX && (j = malloc(sizeof(*j))) != NULL) {
-    j->srv = srv;
-    memcpy(j->name, s->name, sizeof(j->name));
-    if (uv_queue_work(srv->loop, &j->work, unlink_work, unlink_after) == 0) {
-      srv->pending_work++;
-      free(s);
-      return;
-    }
-    free(j);
-  }
-  td__shm_unlink(s->name);
+  /* A key change not yet on disk may be what freed s, and the journal on
+   * disk may still name it: the segment stays until the change is durable,
+   * so that a crash now finds every segment the journal names. */
+  if (td__state_hold_unlink(srv->state, s->name, s->nbytes) == 0)
+    td__segment_unlink(srv, s->name, s->nbytes);
   free(s);
 }
 
@@ -596,11 +603,16 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
-  if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0)
+  td__state_put(c->srv->state, key, m->key.len, s, &v);
+  if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0) {
+    if (k == NULL) /* it was not there: take the record back */
+      td__state_del(c->srv->state, key, m->key.len);
+    else /* the old value stays */
+      td__state_put(c->srv->state, key, m->key.len, k->storage, &k->view);
     return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
+  }
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
-  td__state_put(c->srv->state, k);
   send_ok(c, seq);
   wake_waiters(c->srv, k);
   return 0;

@@ -14,6 +14,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,8 +40,17 @@ typedef struct deferred {
   struct deferred *next;
 } deferred;
 
+/* A freed segment whose unlink waits for the journal. */
+typedef struct held_unlink {
+  uint64_t ticket;
+  uint64_t nbytes;
+  char name[64];
+  struct held_unlink *next;
+} held_unlink;
+
 struct td__state {
   td__server *srv;
+  held_unlink *uhead, *utail;
   char dir[256];
   int dirfd, lockfd, jfd;
   uint64_t gen; /* the journal being appended is journal.<gen> */
@@ -114,12 +124,13 @@ static int append(uint8_t **buf, size_t *len, size_t *cap,
   return 0;
 }
 
-static void key_record(const td__key *k, Tensord__StateKey *m,
-                       Tensord__View *vm) {
-  const td__storage *s = k->storage;
+/* Fills m (and vm) with what brings key back: its storage, owner, view. */
+static void key_record(const char *key, size_t len, const td__storage *s,
+                       const td_view *view, int64_t published_ms,
+                       Tensord__StateKey *m, Tensord__View *vm) {
   tensord__state_key__init(m);
-  m->key.data = (uint8_t *)k->name;
-  m->key.len = k->len;
+  m->key.data = (uint8_t *)key;
+  m->key.len = len;
   m->segment = (char *)s->name;
   m->nbytes = s->nbytes;
   m->owner_uid = s->owner.uid;
@@ -127,8 +138,8 @@ static void key_record(const td__key *k, Tensord__StateKey *m,
   m->owner_pid = s->owner.pid;
   m->mode = s->mode;
   m->created_unix_ms = s->created_ms;
-  m->published_unix_ms = k->published_ms;
-  td__view_to_msg(&k->view, vm);
+  m->published_unix_ms = published_ms;
+  td__view_to_msg(view, vm);
   m->view = vm;
 }
 
@@ -161,7 +172,7 @@ static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
     for (const td__key *k = s->keys; k && err == 0; k = k->snext) {
       Tensord__StateKey m;
       Tensord__View vm;
-      key_record(k, &m, &vm);
+      key_record(k->name, k->len, s, &k->view, k->published_ms, &m, &vm);
       r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
       r.put = &m;
       err = append(&buf, &len, &cap, &r);
@@ -625,6 +636,9 @@ int td__state_open(td__server *srv, const char *dir) {
   }
   st->snapshot_bytes = snaplen;
   loaded_free(&l);
+  /* The replayed records were freed under the storages adopted after them:
+   * give that memory back rather than keep it for the daemon's life. */
+  malloc_trim(0);
   srv->state = st;
   return 0;
 
@@ -643,6 +657,35 @@ fail:
 /* ---- appending ---- */
 
 static void sync_start(td__state *st);
+
+int td__state_hold_unlink(td__state *st, const char *name, uint64_t nbytes) {
+  if (st == NULL || st->durable == st->ticket)
+    return 0;
+  held_unlink *u = calloc(1, sizeof(*u));
+  if (u == NULL)
+    return 0; /* unlink now: a crash before the sync drops the key */
+  u->ticket = st->ticket;
+  u->nbytes = nbytes;
+  snprintf(u->name, sizeof(u->name), "%s", name);
+  if (st->utail)
+    st->utail->next = u;
+  else
+    st->uhead = u;
+  st->utail = u;
+  return 1;
+}
+
+/* Unlinks the held segments whose key changes are on disk (all if all). */
+static void release_unlinks(td__state *st, int all) {
+  while (st->uhead != NULL && (all || st->uhead->ticket <= st->durable)) {
+    held_unlink *u = st->uhead;
+    st->uhead = u->next;
+    if (st->uhead == NULL)
+      st->utail = NULL;
+    td__segment_unlink(st->srv, u->name, u->nbytes);
+    free(u);
+  }
+}
 
 /* Sends the held replies whose changes are on disk now, or, if the write
  * failed (err), tells their clients so. */
@@ -691,6 +734,7 @@ static void sync_after(uv_work_t *w, int status) {
   free(st->wbuf);
   st->wbuf = NULL;
   deliver(st, err);
+  release_unlinks(st, 0);
   if (st->pending_len > 0)
     sync_start(st);
   else if (!srv->stopping && !st->compacting &&
@@ -726,13 +770,14 @@ static void log_record(td__state *st, const Tensord__StateRecord *r) {
   sync_start(st);
 }
 
-void td__state_put(td__state *st, const td__key *k) {
+void td__state_put(td__state *st, const char *key, size_t len,
+                   const td__storage *s, const td_view *view) {
   if (st == NULL)
     return;
   Tensord__StateKey m;
   Tensord__View vm;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  key_record(k, &m, &vm);
+  key_record(key, len, s, view, td__now_ms(), &m, &vm);
   r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
   r.put = &m;
   log_record(st, &r);
@@ -849,6 +894,8 @@ void td__state_close(td__state *st) {
       td__error("state: final snapshot in %s: %s", st->dir, td_strerror(err));
     free(snap);
   }
+  /* The snapshot names none of the held segments. */
+  release_unlinks(st, 1);
   for (deferred *d = st->dhead, *next; d; d = next) { /* clients are gone */
     next = d->next;
     if (d->fd >= 0)

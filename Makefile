@@ -5,10 +5,14 @@ BUILD    ?= build
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
-            protobuf-c-compiler libcriterion-dev libdlpack-dev valgrind
+            protobuf-c-compiler libcriterion-dev libdlpack-dev \
+            clang-14 libclang-rt-14-dev valgrind
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps build run test bench asan valgrind clean
+FUZZ_SECONDS ?= 60
+FUZZ_ARGS ?=
+
+.PHONY: all deps build run test bench soak asan valgrind fuzz clean
 
 all: build
 
@@ -40,6 +44,13 @@ test: build
 bench: build
 	@tests/bench/run.sh $(BUILD)
 
+# The soak test: 256 clients for SOAK_SECONDS against a private tensord, as
+# root. SOAK_ARGS=--restart also SIGKILLs and restarts the daemon every ~15 s.
+SOAK_SECONDS ?= 300
+SOAK_ARGS    ?=
+soak: build
+	@tests/soak/run.sh $(BUILD) $(SOAK_SECONDS) $(SOAK_ARGS)
+
 # The whole suite under AddressSanitizer and UndefinedBehaviorSanitizer.
 asan:
 	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DTD_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug"
@@ -52,5 +63,12 @@ valgrind: deps
 	ctest --test-dir build-valgrind --output-on-failure -L valgrind -j $(JOBS)
 	@tests/check-clean.sh
 
+# The libFuzzer target over the request path, for FUZZ_SECONDS (CI: 60).
+fuzz: deps
+	[ -f build-fuzz/CMakeCache.txt ] || CC=clang-14 cmake -S . -B build-fuzz \
+	  -DTD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_request
+	tests/fuzz/run.sh build-fuzz/tests/fuzz/fuzz_request $(FUZZ_SECONDS) $(FUZZ_ARGS)
+
 clean:
-	rm -rf $(BUILD) build-asan build-valgrind
+	rm -rf $(BUILD) build-asan build-fuzz build-valgrind

@@ -237,7 +237,7 @@ static void sweep_previous(td__server *srv) {
     if (p == NULL)
       break;
     srv->prev = p;
-    snprintf(srv->prev[srv->nprev++], TD__PREFIX_MAX, "%s", line);
+    memcpy(srv->prev[srv->nprev++], line, strlen(line) + 1); /* fits */
   }
   fclose(f);
 }

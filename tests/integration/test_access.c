@@ -97,28 +97,6 @@ static pid_t spawn_as(who w, int (*fn)(void *), void *arg) {
 
 /* ---- checks inside a child ---- */
 
-/* The call returns code; on failure say what came instead. */
-#define CHECK_ERR(c, call, code)                                               \
-  do {                                                                         \
-    int e_ = (call);                                                           \
-    if (e_ != (code)) {                                                        \
-      fprintf(stderr, "%s:%d: %s: expected %s, got %s (%d): %s\n", __FILE__,   \
-              __LINE__, #call, (code) ? td_err_name(code) : "0",               \
-              e_ ? td_err_name(e_) : "0", e_, td_last_error(c));               \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
-
-/* The last error of c names needle. */
-#define CHECK_MSG(c, needle)                                                   \
-  do {                                                                         \
-    if (strstr(td_last_error(c), (needle)) == NULL) {                          \
-      fprintf(stderr, "%s:%d: message '%s' does not name '%s'\n", __FILE__,    \
-              __LINE__, td_last_error(c), (needle));                           \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
-
 static int child_connect(td_client **c) {
   int err = td_connect(d.sock, c);
   if (err != 0)

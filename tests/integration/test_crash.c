@@ -52,22 +52,6 @@ static int seg_exists(uint64_t instance, uint64_t id) {
   return stat(path, &sb) == 0;
 }
 
-static void seg_unlink_all(uint64_t instance) {
-  char prefix[48], path[320];
-  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)instance);
-  DIR *dir = opendir("/dev/shm");
-  struct dirent *e;
-  while (dir && (e = readdir(dir)) != NULL) {
-    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) {
-      snprintf(path, sizeof(path), "/dev/shm/%s", e->d_name);
-      unlink(path);
-    }
-  }
-  if (dir)
-    closedir(dir);
-}
-
 static void remember(uint64_t instance) {
   if (ninstances < 8)
     instances[ninstances++] = instance;
@@ -108,7 +92,7 @@ static void teardown(void) {
     d.pid = 0;
   }
   for (int i = 0; i < ninstances; i++)
-    seg_unlink_all(instances[i]);
+    tdt_unlink_segments(instances[i]);
   rm_state_dir();
   if (d.dir[0] != '\0')
     tdt_kill(&d);
@@ -216,7 +200,7 @@ static void finish(void) {
   if (d.pid > 0)
     term();
   for (int i = 0; i < ninstances; i++)
-    seg_unlink_all(instances[i]);
+    tdt_unlink_segments(instances[i]);
   rm_state_dir();
   int fds = tdt_open_fds();
   int fds_before = d.fds_before;

@@ -34,26 +34,6 @@ TestSuite(quota, .init = setup, .fini = teardown);
 
 /* ---- helpers ---- */
 
-#define CHECK_ERR(c, call, code)                                               \
-  do {                                                                         \
-    int e_ = (call);                                                           \
-    if (e_ != (code)) {                                                        \
-      fprintf(stderr, "%s:%d: %s: expected %s, got %s (%d): %s\n", __FILE__,   \
-              __LINE__, #call, (code) ? td_err_name(code) : "0",               \
-              e_ ? td_err_name(e_) : "0", e_, td_last_error(c));               \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
-
-#define CHECK_MSG(c, needle)                                                   \
-  do {                                                                         \
-    if (strstr(td_last_error(c), (needle)) == NULL) {                          \
-      fprintf(stderr, "%s:%d: message '%s' does not name '%s'\n", __FILE__,    \
-              __LINE__, td_last_error(c), (needle));                           \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
-
 #define cr_assert_msg_has(c, needle)                                           \
   cr_assert(strstr(td_last_error(c), (needle)) != NULL,                        \
             "message '%s' does not name '%s'", td_last_error(c), (needle))

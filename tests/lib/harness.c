@@ -241,9 +241,14 @@ void tdt_kill(tdt_daemon *d) {
     tdt_wait(d->pid);
     d->pid = 0;
   }
+  tdt_unlink_segments(d->instance);
+  remove_dir(d);
+}
+
+void tdt_unlink_segments(uint64_t instance) {
   char prefix[64], path[320];
   snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)d->instance);
+           (unsigned long long)instance);
   DIR *dir = opendir("/dev/shm");
   struct dirent *e;
   while (dir && (e = readdir(dir)) != NULL) {
@@ -254,7 +259,6 @@ void tdt_kill(tdt_daemon *d) {
   }
   if (dir)
     closedir(dir);
-  remove_dir(d);
 }
 
 td_client *tdt_connect(const tdt_daemon *d) {

@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -31,6 +32,8 @@ void tdt_start_inherited(tdt_daemon *d);
 void tdt_stop(tdt_daemon *d);
 /* Kills tensord with SIGKILL (no checks); removes what it leaves. */
 void tdt_kill(tdt_daemon *d);
+/* Unlinks every segment of a daemon instance left in /dev/shm. */
+void tdt_unlink_segments(uint64_t instance);
 
 /* Connects to d; asserts. */
 td_client *tdt_connect(const tdt_daemon *d);
@@ -59,6 +62,29 @@ int tdt_wait(pid_t pid);
     if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: child check failed: %s\n", __FILE__, __LINE__,   \
               #cond);                                                          \
+      return 1;                                                                \
+    }                                                                          \
+  } while (0)
+
+/* Inside a forked child: the call returns code; on failure say what came
+ * instead, with td_last_error(c), and return 1. */
+#define CHECK_ERR(c, call, code)                                               \
+  do {                                                                         \
+    int e_ = (call);                                                           \
+    if (e_ != (code)) {                                                        \
+      fprintf(stderr, "%s:%d: %s: expected %s, got %s (%d): %s\n", __FILE__,   \
+              __LINE__, #call, (code) ? td_err_name(code) : "0",               \
+              e_ ? td_err_name(e_) : "0", e_, td_last_error(c));               \
+      return 1;                                                                \
+    }                                                                          \
+  } while (0)
+
+/* Inside a forked child: the last error of c names needle. */
+#define CHECK_MSG(c, needle)                                                   \
+  do {                                                                         \
+    if (strstr(td_last_error(c), (needle)) == NULL) {                          \
+      fprintf(stderr, "%s:%d: message '%s' does not name '%s'\n", __FILE__,    \
+              __LINE__, td_last_error(c), (needle));                           \
       return 1;                                                                \
     }                                                                          \
   } while (0)

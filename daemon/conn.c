@@ -94,7 +94,12 @@ static void update_events(td__conn *c) {
     td__debug("client %d: %zu bytes unread by the client, pausing its input",
               (int)c->hold.peer.pid, pending);
   }
-  int ev = (c->paused ? 0 : UV_READABLE) | (pending ? UV_WRITABLE : 0);
+  if (c->eof && pending == 0) {
+    td__conn_close(c, "disconnected");
+    return;
+  }
+  int ev =
+      (c->paused || c->eof ? 0 : UV_READABLE) | (pending ? UV_WRITABLE : 0);
   if (ev == c->events)
     return;
   c->events = ev;
@@ -305,8 +310,15 @@ static void read_batch(td__conn *c) {
     if (n == TD_EAGAIN)
       break;
     if (n == 0) {
-      td__conn_close(c, "disconnected");
-      return;
+      /* End of stream is goodbye; but a client that only shut its write
+       * side still gets the replies already due (bounded by the stall
+       * timer). */
+      if (td__wire_pending(&c->wire) == 0) {
+        td__conn_close(c, "disconnected");
+        return;
+      }
+      c->eof = 1;
+      break;
     }
     if (n < 0) {
       char why[96];

@@ -209,6 +209,7 @@ struct td__conn {
   int closing;  /* uv_close called */
   int in_batch; /* processing a read batch: flush once at its end */
   int paused;   /* not reading: output over the high-water mark */
+  int eof;      /* the client shut its side: send what is due, then close */
   int events;   /* what poll watches now */
   td__waiter *waiters;
   td__create *creates;

@@ -34,6 +34,7 @@ extern "C" {
   XX(EACCES, -EACCES, "permission denied")                                     \
   XX(EPERM, -EPERM, "operation not permitted")                                 \
   XX(ECONNRESET, -ECONNRESET, "connection reset by tensord")                   \
+  XX(EPIPE, -EPIPE, "the peer closed the connection")                          \
   XX(ECONNREFUSED, -ECONNREFUSED, "connection refused")                        \
   XX(ENOTCONN, -ENOTCONN, "client is closed")                                  \
   XX(EPROTO, -EPROTO, "protocol error")                                        \

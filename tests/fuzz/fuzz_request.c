@@ -329,9 +329,9 @@ static td__conn *conn_of(const end *e) {
   return NULL;
 }
 
-/* Whether the daemon is done with what e sent: it read every byte, or (once
- * we shut our side) it closed the connection; for a muted client, also when
- * the daemon stopped reading it (its replies pile up). Deaf and muted
+/* Whether the daemon is done with what e sent: it read every byte and sent
+ * every reply, or (once we shut our side) it closed the connection; for a
+ * muted client, it read every byte or stopped reading. Deaf and muted
  * clients do not see the daemon's close as end of stream; settle() judges
  * them by its count of connections. */
 static int settled(const end *e) {
@@ -342,12 +342,12 @@ static int settled(const end *e) {
   int unread = 0;
   if (ioctl(e->fd, SIOCOUTQ, &unread) < 0)
     die("ioctl(SIOCOUTQ): %s", strerror(errno));
-  if (unread == 0)
-    return 1;
-  if (!e->muted)
-    return 0;
   const td__conn *c = conn_of(e);
-  return c == NULL || c->paused;
+  if (e->muted)
+    return unread == 0 || c == NULL || c->paused;
+  /* Its replies sent too: the daemon drops what is unsent when it sees
+   * end of stream. */
+  return unread == 0 && (c == NULL || td__wire_pending(&c->wire) == 0);
 }
 
 /* Whether the daemon should still have e's connection, as far as e can
@@ -505,11 +505,31 @@ static void close_ends(void) {
 /* With every client gone, the only references left are keys'. */
 static void check_registry(void) {
   const td__registry *r = &srv.reg;
-  uint64_t n = 0, nkeys = 0, bytes = 0;
+  uint64_t n = 0, nkeys = 0, bytes = 0, nuids = 0;
   for (const td__storage *s = r->first; s != NULL; s = s->next) {
     uint32_t k = 0;
-    for (const td__key *key = s->keys; key != NULL; key = key->snext)
-      k++;
+    for (const td__key *key = s->keys; key != NULL; key = key->snext, k++) {
+      if (key->storage != s || td__key_find(r, key->name, key->len) != key)
+        die("key '%s': not where the registry says", key->name);
+      if (td__view_check_msg(&key->view, s->nbytes, NULL, 0) < 0)
+        die("key '%s': its view reaches outside storage %llu", key->name,
+            (unsigned long long)s->id);
+    }
+    /* What each uid owns, counted once per uid. */
+    const td__storage *first = r->first;
+    while (first->owner.uid != s->owner.uid)
+      first = first->next;
+    if (first == s) {
+      uint64_t owned = 0;
+      for (const td__storage *t = s; t != NULL; t = t->next)
+        if (t->owner.uid == s->owner.uid)
+          owned += t->nbytes;
+      if (td__usage_of(r, s->owner.uid) != owned)
+        die("uid %u owns %llu bytes of storages; its usage says %llu",
+            (unsigned)s->owner.uid, (unsigned long long)owned,
+            (unsigned long long)td__usage_of(r, s->owner.uid));
+      nuids++;
+    }
     if (s->holders != NULL)
       die("storage %llu: still has holders after every client left",
           (unsigned long long)s->id);
@@ -530,6 +550,9 @@ static void check_registry(void) {
   if (n != r->storages.count)
     die("%zu storage(s) in the table, %llu in the list", r->storages.count,
         (unsigned long long)n);
+  if (nuids != r->usage.count)
+    die("%zu uid(s) in the usage table, %llu own storages", r->usage.count,
+        (unsigned long long)nuids);
   if (nkeys != r->keys.count)
     die("%zu key(s) in the table, %llu on storages", r->keys.count,
         (unsigned long long)nkeys);
@@ -658,6 +681,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   for (int i = 0; i < nends; i++)
     ends[i].muted = 0;
+  settle(); /* every reply arrives */
   for (int i = 0; i < nends; i++)
     shut(&ends[i]);
   settle();

@@ -1151,3 +1151,37 @@ Test(badinput, stop_with_a_create_in_flight_leaves_nothing) {
   /* The fixture's tdt_stop sends SIGTERM now and checks that tensord exits
    * 0 with no segment left. */
 }
+
+/* ---- end of stream ---- */
+
+/* A client that shuts its write side after its requests still gets every
+ * reply already due, then the daemon hangs up. */
+Test(badinput, half_close_still_gets_the_replies_due) {
+  raw *r = raw_open(1);
+  static uint8_t payload[60 * 1024];
+  memset(payload, 0x5a, sizeof(payload));
+  enum { N = 40 }; /* 2.4 MB of replies: more than the socket holds */
+  for (uint64_t seq = 1; seq <= N; seq++) {
+    Tensord__Ping p = TENSORD__PING__INIT;
+    Tensord__Request req = TENSORD__REQUEST__INIT;
+    p.payload.data = payload;
+    p.payload.len = sizeof(payload);
+    req.seq = seq;
+    req.body_case = TENSORD__REQUEST__BODY_PING;
+    req.ping = &p;
+    raw_send(r, &req);
+  }
+  cr_assert_eq(shutdown(r->fd, SHUT_WR), 0);
+  for (uint64_t seq = 1; seq <= N; seq++) {
+    Tensord__Response *resp = raw_recv(r, NULL);
+    cr_assert_not_null(resp, "reply %llu of %d lost at end of stream",
+                       (unsigned long long)seq, (int)N);
+    cr_assert_eq(resp->seq, seq);
+    cr_assert_eq(resp->body_case, TENSORD__RESPONSE__BODY_PONG);
+    cr_assert_eq(resp->pong->payload.len, sizeof(payload));
+    tensord__response__free_unpacked(resp, NULL);
+  }
+  expect_closed(r);
+  raw_close(r);
+  expect_daemon_fine();
+}

@@ -1356,10 +1356,10 @@ Test(dtype, names_sizes_and_numpy_spellings) {
   for (int d = 1; d < TD_DTYPE_COUNT_; d++) {
     const char *n = td_dtype_name((td_dtype)d);
     cr_assert_not_null(n);
-    cr_assert_eq(td_dtype_from_name(n), d, "%s", n);
+    cr_assert_eq((int)td_dtype_from_name(n), d, "%s", n);
     char torch[64];
     snprintf(torch, sizeof(torch), "torch.%s", n);
-    cr_assert_eq(td_dtype_from_name(torch), d, "%s", torch);
+    cr_assert_eq((int)td_dtype_from_name(torch), d, "%s", torch);
   }
   struct {
     const char *name;

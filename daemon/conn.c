@@ -366,7 +366,6 @@ int td__conn_accept(td__server *srv, int fd) {
   }
   td__peer peer = {cred.pid, cred.uid, cred.gid};
   c->srv = srv;
-  c->cid = ++srv->next_cid;
   td__wire_init(&c->wire, fd);
   td__holdings_init(&c->hold, &peer);
   /* Supplementary groups, for the group bits of storages' modes. */

@@ -203,7 +203,6 @@ struct td__conn {
   td__server *srv;
   td__wire wire;
   td__holdings hold;
-  uint64_t cid;
   char name[64];
   int hello;    /* Hello done */
   int closing;  /* uv_close called */
@@ -235,7 +234,6 @@ struct td__server {
   int stopping;
   td__conn *conns;
   uint64_t nconns;
-  uint64_t next_cid;
   td__htab waitqs; /* key -> lookups waiting for it */
   uint64_t nwaiters;
   uint64_t pending_work; /* thread-pool jobs in flight */

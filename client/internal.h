@@ -1,23 +1,11 @@
-/* internal.h: libtensord's private declarations, shared with the daemon where
- * both need the same rule. */
+/* internal.h: libtensord's private declarations. */
 #ifndef TD_CLIENT_INTERNAL_H
 #define TD_CLIENT_INTERNAL_H
 
-#include "tensord.h"
+#include "common.h"
 
 #include <stddef.h>
 #include <stdint.h>
-
-/* Formats fmt into msg (if not NULL and len > 0) and returns err. */
-int td__msg(char *msg, size_t len, int err, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-/* td_view_check that also says why, naming the dimension and values. */
-int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len);
-
-/* Formats fmt as this thread's td_view_last_error() and returns err. */
-int td__view_fail(int err, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
 
 /* copy.c: the kernel behind td_copy. Copies every element of sv at src to
  * the same index of dv at dst. Both views must have passed td_view_check

@@ -3,7 +3,7 @@
 #define TD_DAEMON_H
 
 #include "htab.h"
-#include "internal.h"
+#include "common.h"
 #include "tensord.h"
 #include "wire.h"
 

@@ -1,7 +1,7 @@
 /* viewmsg.c: td_view to and from its wire message. */
 #include "viewmsg.h"
 
-#include "internal.h"
+#include "common.h"
 
 #include <string.h>
 

@@ -1,8 +1,6 @@
 /* view.c: views (dtype, shape, strides, offset) over storages, checked so
  * that no view reaches a byte outside its storage, and the view algebra. */
-#include "tensord.h"
-
-#include "internal.h"
+#include "common.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -33,16 +31,6 @@ static int view_valid(const td_view *v, char *msg, size_t len) {
                      (int)i, (long long)v->stride[i]);
   }
   return 0;
-}
-
-int td__msg(char *msg, size_t len, int err, const char *fmt, ...) {
-  if (msg != NULL && len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, len, fmt, ap);
-    va_end(ap);
-  }
-  return err;
 }
 
 const char *td_view_last_error(void) {

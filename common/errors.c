@@ -1,5 +1,8 @@
-/* errors.c: names and descriptions of the TD_E* codes. */
-#include "tensord.h"
+/* errors.c: names and descriptions of the TD_E* codes, and messages. */
+#include "common.h"
+
+#include <stdarg.h>
+#include <stdio.h>
 
 const char *td_strerror(int err) {
   switch (err) {
@@ -25,4 +28,14 @@ const char *td_err_name(int err) {
 #undef XX
   }
   return "EUNKNOWN";
+}
+
+int td__msg(char *msg, size_t len, int err, const char *fmt, ...) {
+  if (msg != NULL && len > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, len, fmt, ap);
+    va_end(ap);
+  }
+  return err;
 }

@@ -1,6 +1,12 @@
 /* conn.c: one client connection: reading frames, queueing replies with their
  * fds, back-pressure, and teardown. */
-#include "daemon.h"
+#include "conn.h"
+
+#include "common.h"
+#include "log.h"
+#include "ops.h"
+#include "server.h"
+#include "state.h"
 
 #include "tensord.pb-c.h"
 

@@ -1,6 +1,8 @@
 /* log.c: one line per event on stderr, and the small formatting helpers the
  * daemon's messages share. */
-#include "daemon.h"
+#include "log.h"
+
+#include "tensord.h"
 
 #include <ctype.h>
 #include <math.h>

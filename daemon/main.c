@@ -1,5 +1,6 @@
 /* main.c: tensord's command line. */
-#include "daemon.h"
+#include "log.h"
+#include "server.h"
 
 #include <errno.h>
 #include <getopt.h>

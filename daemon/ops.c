@@ -1,9 +1,15 @@
 /* ops.c: what each request does: create, open, release, publish, lookup
  * (with waiting and take), unpublish, and the introspection requests. */
-#include "daemon.h"
+#include "ops.h"
 
+#include "common.h"
+#include "log.h"
+#include "segment.h"
+#include "server.h"
+#include "state.h"
 #include "tensord.pb-c.h"
 #include "viewmsg.h"
+#include "waitq.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -11,44 +17,18 @@
 #include <string.h>
 #include <unistd.h>
 
-/* Storages up to this size are created on the loop thread: reserving their
- * pages costs about as much as a hop to the thread pool. Larger ones, whose
- * cost grows with bytes, are created and unlinked off the loop. */
-#define SYNC_BYTES_MAX (256u * 1024)
 #define LIST_LIMIT_DEFAULT 256
 #define LIST_LIMIT_MAX 1024
 #define LIST_KEYS_MAX 32   /* keys per storage in a LIST page */
 #define INFO_KEYS_MAX 1024 /* keys in an INFO reply: fits a frame */
 #define PAGE_BYTES_MAX (512u * 1024)
 
+/* A create waiting for its segment. */
 struct td__create {
-  uv_work_t work;
-  td__server *srv;
+  td__segment_req seg;
   td__conn *conn; /* NULL once the connection is gone */
   uint64_t seq;
-  td__storage *s;
-  int fd;
-  char msg[256];
   td__create *prev, *next; /* in conn->creates */
-};
-
-typedef struct waitq {
-  td__hnode node;
-  td__waiter *head, *tail;
-  int busy; /* being walked by wake_waiters: do not free */
-  size_t len;
-  char key[];
-} waitq;
-
-struct td__waiter {
-  uv_timer_t timer;
-  td__conn *conn;
-  waitq *q;
-  uint64_t seq;
-  int32_t wait_ms;
-  int readonly, take, force_fd;
-  td__waiter *qprev, *qnext; /* in q */
-  td__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
 /* Answers seq with an argument error; the connection stays. Returns 0, so
@@ -107,7 +87,7 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
   if (err < 0)
     return td__msg(msg, len, err, "out of memory");
   if (had == 0 || force_fd) {
-    *fd = td__shm_open(s->name, ro);
+    *fd = td__segment_open(s, ro);
     if (*fd < 0) {
       err = *fd;
       *fd = -1;
@@ -170,28 +150,30 @@ static void create_unlink_from_conn(td__create *cr) {
 }
 
 /* Registers the new segment and answers; or cleans up if nobody waits. */
-static void create_finish(td__create *cr) {
-  td__server *srv = cr->srv;
-  td__storage *s = cr->s;
+static void create_finish(td__segment_req *req) {
+  td__create *cr = td__container_of(req, td__create, seg);
+  td__server *srv = req->srv;
+  td__storage *s = req->s;
   td__conn *c = cr->conn;
+  int fd = req->fd;
   create_unlink_from_conn(cr);
 
-  if (cr->fd >= 0 && (c == NULL || srv->stopping)) {
+  if (fd >= 0 && (c == NULL || srv->stopping)) {
     td__debug("storage %llu: creator left before it was ready; unlinking",
               (unsigned long long)s->id);
-    close(cr->fd);
-    td__shm_unlink(s->name);
+    close(fd);
+    td__segment_unlink(srv, s->device, s->name, s->nbytes);
     td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
-  } else if (cr->fd < 0) {
+  } else if (fd < 0) {
     if (c != NULL)
-      td__conn_error(c, cr->seq, cr->fd, "create of %llu bytes: %s",
-                     (unsigned long long)s->nbytes, cr->msg);
+      td__conn_error(c, cr->seq, fd, "create of %llu bytes: %s",
+                     (unsigned long long)s->nbytes, req->msg);
     td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
   } else if (td__storage_insert(&srv->reg, s, &c->hold) < 0) {
-    close(cr->fd);
-    td__shm_unlink(s->name);
+    close(fd);
+    td__segment_unlink(srv, s->device, s->name, s->nbytes);
     td__credit(&srv->reg, s->owner.uid, s->nbytes);
     free(s);
     td__conn_error(c, cr->seq, TD_ENOMEM, "create: out of memory");
@@ -199,24 +181,9 @@ static void create_finish(td__create *cr) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    send_storage(c, cr->seq, s, 0, cr->fd);
+    send_storage(c, cr->seq, s, 0, fd);
   }
   free(cr);
-}
-
-static void create_work(uv_work_t *w) {
-  td__create *cr = td__container_of(w, td__create, work);
-  cr->fd = td__shm_create(cr->s->name, cr->s->nbytes, cr->msg, sizeof(cr->msg));
-}
-
-static void create_after(uv_work_t *w, int status) {
-  td__create *cr = td__container_of(w, td__create, work);
-  cr->srv->pending_work--;
-  if (status == UV_ECANCELED) { /* never ran */
-    cr->fd = TD_ECANCELED;
-    snprintf(cr->msg, sizeof(cr->msg), "cancelled: tensord is stopping");
-  }
-  create_finish(cr);
 }
 
 static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
@@ -248,7 +215,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (err < 0)
     return reject(c, seq, err, "create of %s", msg);
   uint64_t shm_free = 0, shm_total = 0;
-  if (td__shm_space(&shm_free, &shm_total) == 0 && n > shm_free) {
+  if (td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0 &&
+      n > shm_free) {
     td__credit(reg, c->hold.peer.uid, n);
     return reject(
         c, seq, TD_ENOSPC,
@@ -274,84 +242,14 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   s->created_ms = td__now_ms();
   snprintf(s->name, sizeof(s->name), "%s%llu", srv->prefix,
            (unsigned long long)s->id);
-  cr->srv = srv;
   cr->conn = c;
   cr->seq = seq;
-  cr->s = s;
-  cr->fd = -1;
   cr->next = c->creates;
   if (c->creates)
     c->creates->prev = cr;
   c->creates = cr;
-
-  if (n <= SYNC_BYTES_MAX) {
-    create_work(&cr->work);
-    create_finish(cr);
-    return 0;
-  }
-  err = uv_queue_work(srv->loop, &cr->work, create_work, create_after);
-  if (err < 0) {
-    cr->fd = TD_ENOMEM;
-    snprintf(cr->msg, sizeof(cr->msg), "cannot queue work: %s",
-             uv_strerror(err));
-    create_finish(cr);
-    return 0;
-  }
-  srv->pending_work++;
+  td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
-}
-
-/* ---- storage release ---- */
-
-typedef struct unlink_job {
-  uv_work_t work;
-  td__server *srv;
-  char name[64];
-} unlink_job;
-
-static void unlink_work(uv_work_t *w) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  td__shm_unlink(j->name);
-}
-
-static void unlink_after(uv_work_t *w, int status) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  if (status < 0) /* cancelled: unlink here rather than leak */
-    td__shm_unlink(j->name);
-  j->srv->pending_work--;
-  free(j);
-}
-
-void td__segment_unlink(td__server *srv, const char *name, uint64_t nbytes) {
-  /* Unlinking frees the pages when no client maps them any more: a cost that
-   * grows with bytes, so large segments go to the thread pool. */
-  unlink_job *j = NULL;
-  if (nbytes > SYNC_BYTES_MAX && (j = malloc(sizeof(*j))) != NULL) {
-    j->srv = srv;
-    snprintf(j->name, sizeof(j->name), "%s", name);
-    if (uv_queue_work(srv->loop, &j->work, unlink_work, unlink_after) == 0) {
-      srv->pending_work++;
-      return;
-    }
-    free(j);
-  }
-  td__shm_unlink(name);
-}
-
-void td__storage_gone(td__storage *s, void *arg) {
-  td__server *srv = arg;
-  if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
-    free(s);
-    return;
-  }
-  td__debug("storage %llu: last reference dropped; unlinking %s",
-            (unsigned long long)s->id, s->name);
-  /* A key change not yet on disk may be what freed s, and the journal on
-   * disk may still name it: the segment stays until the change is durable,
-   * so that a crash now finds every segment the journal names. */
-  if (td__state_hold_unlink(srv->state, s->name, s->nbytes) == 0)
-    td__segment_unlink(srv, s->name, s->nbytes);
-  free(s);
 }
 
 /* ---- open, release ---- */
@@ -382,48 +280,6 @@ static int op_release(td__conn *c, const Tensord__Release *m) {
 
 /* ---- keys: publish, lookup with waiting, unpublish ---- */
 
-static int key_eq(const td__hnode *n, const void *key) {
-  const waitq *q = td__container_of(n, waitq, node);
-  const ProtobufCBinaryData *k = key;
-  return q->len == k->len && memcmp(q->key, k->data, k->len) == 0;
-}
-
-static waitq *waitq_find(td__server *srv, const ProtobufCBinaryData *key) {
-  td__hnode *n = td__htab_find(
-      &srv->waitqs, td__hash_bytes(key->data, key->len), key_eq, key);
-  return n ? td__container_of(n, waitq, node) : NULL;
-}
-
-static void waiter_closed(uv_handle_t *h) {
-  free(td__container_of((uv_timer_t *)h, td__waiter, timer));
-}
-
-/* Unlinks w from its queue and its connection and frees it. */
-static void waiter_free(td__server *srv, td__waiter *w) {
-  waitq *q = w->q;
-  if (w->qprev)
-    w->qprev->qnext = w->qnext;
-  else
-    q->head = w->qnext;
-  if (w->qnext)
-    w->qnext->qprev = w->qprev;
-  else
-    q->tail = w->qprev;
-  if (w->cprev)
-    w->cprev->cnext = w->cnext;
-  else
-    w->conn->waiters = w->cnext;
-  if (w->cnext)
-    w->cnext->cprev = w->cprev;
-  if (q->head == NULL && !q->busy) {
-    td__htab_remove(&srv->waitqs, &q->node);
-    free(q);
-  }
-  srv->nwaiters--;
-  uv_timer_stop(&w->timer);
-  uv_close((uv_handle_t *)&w->timer, waiter_closed);
-}
-
 static char *key_str(const ProtobufCBinaryData *k, char *buf, size_t len) {
   size_t n = k->len < len - 1 ? k->len : len - 1;
   memcpy(buf, k->data, n);
@@ -432,12 +288,13 @@ static char *key_str(const ProtobufCBinaryData *k, char *buf, size_t len) {
 }
 
 /* Answers a lookup of k for c, taking the key if asked. */
-static void answer_lookup(td__conn *c, uint64_t seq, td__key *k, int ro,
-                          int take, int force_fd) {
+static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
+  uint64_t seq = a->seq;
+  int ro = a->readonly, take = a->take;
   td__storage *s = k->storage;
   char msg[256];
   int fd;
-  int err = grant(c, s, ro, take, force_fd, &fd, msg, sizeof(msg));
+  int err = grant(c, s, ro, take, a->force_fd, &fd, msg, sizeof(msg));
   if (err < 0) {
     td__conn_error(c, seq, err, "key '%s' (storage %llu): %s", k->name,
                    (unsigned long long)s->id, msg);
@@ -465,45 +322,6 @@ static void answer_lookup(td__conn *c, uint64_t seq, td__key *k, int ro,
   td__state_reply(c->srv->state, c, &r, fd);
 }
 
-/* Hands a newly published key to the lookups waiting for it, in arrival
- * order, until one of them takes it. */
-static void wake_waiters(td__server *srv, td__key *k) {
-  ProtobufCBinaryData name = {k->len, (uint8_t *)k->name};
-  waitq *q = waitq_find(srv, &name);
-  if (q == NULL)
-    return;
-  q->busy = 1;
-  while (q->head != NULL) {
-    k = td__key_find(&srv->reg, q->key, q->len);
-    if (k == NULL)
-      break; /* taken */
-    td__waiter *w = q->head;
-    td__conn *c = w->conn;
-    uint64_t seq = w->seq;
-    int ro = w->readonly, take = w->take, force = w->force_fd;
-    waiter_free(srv, w);
-    answer_lookup(c, seq, k, ro, take, force);
-  }
-  q->busy = 0;
-  if (q->head == NULL) {
-    td__htab_remove(&srv->waitqs, &q->node);
-    free(q);
-  }
-}
-
-static void on_wait_timeout(uv_timer_t *t) {
-  td__waiter *w = td__container_of(t, td__waiter, timer);
-  td__conn *c = w->conn;
-  char key[TD_KEY_MAX + 1];
-  ProtobufCBinaryData name = {w->q->len, (uint8_t *)w->q->key};
-  uint64_t seq = w->seq;
-  int32_t ms = w->wait_ms;
-  key_str(&name, key, sizeof(key));
-  waiter_free(c->srv, w);
-  td__conn_error(c, seq, TD_ETIMEDOUT, "key '%s': not published (waited %d ms)",
-                 key, (int)ms);
-}
-
 static int check_key(td__conn *c, uint64_t seq, const ProtobufCBinaryData *k) {
   char msg[128];
   int err = td__key_validate((const char *)k->data, k->len, msg, sizeof(msg));
@@ -516,9 +334,10 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
   td__server *srv = c->srv;
   if (check_key(c, seq, &m->key) < 0)
     return 0;
+  td__lookup_args a = {seq, m->readonly, m->take, m->force_fd};
   td__key *k = td__key_find(&srv->reg, (const char *)m->key.data, m->key.len);
   if (k != NULL) {
-    answer_lookup(c, seq, k, m->readonly, m->take, m->force_fd);
+    answer_lookup(c, &a, k);
     return 0;
   }
   char key[TD_KEY_MAX + 1];
@@ -529,44 +348,9 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
     return reject(c, seq, TD_EINVAL,
                   "key '%s': wait of %d ms (use -1 to wait forever)", key,
                   (int)m->wait_ms);
-
-  waitq *q = waitq_find(srv, &m->key);
-  td__waiter *w = calloc(1, sizeof(*w));
-  if (w == NULL)
+  if (td__wait_add(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms) <
+      0)
     return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
-  if (q == NULL) {
-    q = calloc(1, sizeof(*q) + m->key.len + 1);
-    if (q == NULL ||
-        td__htab_insert(&srv->waitqs, &q->node,
-                        td__hash_bytes(m->key.data, m->key.len)) < 0) {
-      free(q);
-      free(w);
-      return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
-    }
-    memcpy(q->key, m->key.data, m->key.len);
-    q->len = m->key.len;
-  }
-  uv_timer_init(srv->loop, &w->timer);
-  w->conn = c;
-  w->q = q;
-  w->seq = seq;
-  w->wait_ms = m->wait_ms;
-  w->readonly = m->readonly;
-  w->take = m->take;
-  w->force_fd = m->force_fd;
-  w->qprev = q->tail;
-  if (q->tail)
-    q->tail->qnext = w;
-  else
-    q->head = w;
-  q->tail = w;
-  w->cnext = c->waiters;
-  if (c->waiters)
-    c->waiters->cprev = w;
-  c->waiters = w;
-  srv->nwaiters++;
-  if (m->wait_ms > 0)
-    uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)m->wait_ms, 0);
   td__debug("client %d waits for key '%s' (%d ms)", (int)c->hold.peer.pid, key,
             (int)m->wait_ms);
   return 0;
@@ -614,7 +398,7 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);
-  wake_waiters(c->srv, k);
+  td__wait_wake(c->srv, k, answer_lookup);
   return 0;
 }
 
@@ -826,10 +610,10 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.storages = srv->reg.storages.count;
   st.bytes_used = srv->reg.bytes_used;
   st.capacity = srv->reg.capacity;
-  td__shm_space(&st.shm_free, &total);
+  td__shm_backend.space(&st.shm_free, &total);
   st.clients = srv->nconns;
   st.keys = srv->reg.keys.count;
-  st.waiters = srv->nwaiters;
+  st.waiters = srv->waits.count;
   st.uptime_ms = td__now_ms() - srv->start_ms;
   st.pid = (int32_t)getpid();
   st.instance = srv->instance;
@@ -932,8 +716,7 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
 }
 
 void td__ops_conn_gone(td__conn *c) {
-  while (c->waiters != NULL)
-    waiter_free(c->srv, c->waiters);
+  td__wait_conn_gone(c);
   while (c->creates != NULL)
     create_unlink_from_conn(c->creates);
 }

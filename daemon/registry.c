@@ -1,7 +1,10 @@
 /* registry.c: the bookkeeping of storages, per-connection references and
  * keys. A storage lives exactly while its count of references is non-zero.
  * Nothing here does I/O; the owner releases segments in free_fn. */
-#include "daemon.h"
+#include "registry.h"
+
+#include "common.h"
+#include "log.h"
 
 #include <stdio.h>
 #include <stdlib.h>

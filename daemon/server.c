@@ -1,6 +1,11 @@
 /* server.c: the listening socket (bound or inherited from systemd), accepting
  * clients, readiness notification, and orderly shutdown. */
-#include "daemon.h"
+#include "server.h"
+
+#include "common.h"
+#include "log.h"
+#include "segment.h"
+#include "state.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -248,7 +253,7 @@ static void sweep_previous(td__server *srv) {
  * segments it adopted. */
 static void record_instance(td__server *srv) {
   for (size_t i = 0; i < srv->nprev && srv->state == NULL; i++) {
-    int n = td__shm_unlink_prefix(srv->prev[i] + 1);
+    int n = td__segments_unlink_prefix(srv->prev[i] + 1, NULL, NULL);
     if (n > 0)
       td__warn("unlinked %d segment(s) left by the previous tensord on %s "
                "(%s*)",
@@ -261,7 +266,7 @@ static void record_instance(td__server *srv) {
   char last[TD__PREFIX_MAX] = "";
   for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
     char p[TD__PREFIX_MAX];
-    if (td__shm_prefix(s->name, p) == 0 && strcmp(p, srv->prefix) != 0 &&
+    if (td__segment_prefix(s->name, p) == 0 && strcmp(p, srv->prefix) != 0 &&
         strcmp(p, last) != 0) {
       ok = fprintf(f, "%s\n", p) > 0;
       memcpy(last, p, sizeof(last));
@@ -282,7 +287,7 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->loop = loop;
   srv->listen_fd = -1;
   srv->start_ms = td__now_ms();
-  td__htab_init(&srv->waitqs);
+  td__waits_init(&srv->waits);
   if (getrandom(&srv->instance, sizeof(srv->instance), 0) !=
       sizeof(srv->instance))
     srv->instance = (uint64_t)getpid() << 32 ^ (uint64_t)srv->start_ms;
@@ -291,7 +296,7 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
            (unsigned long long)srv->instance);
 
   uint64_t shm_free = 0, shm_total = 0;
-  td__shm_space(&shm_free, &shm_total);
+  td__backend_for(TD_CPU)->space(&shm_free, &shm_total);
   uint64_t capacity = o->capacity ? o->capacity : shm_total / 2;
   char a[32], b[32];
   if (o->capacity && o->capacity > shm_total)
@@ -406,7 +411,7 @@ void td__server_stop(td__server *srv) {
              (unsigned long long)n, (unsigned long long)storages);
   }
   td__registry_free(&srv->reg);
-  td__htab_free(&srv->waitqs);
+  td__waits_free(&srv->waits);
   if (!srv->keep_segments && srv->run_path[0])
     unlink(srv->run_path);
   free(srv->prev);
@@ -419,7 +424,7 @@ void td__server_finish(td__server *srv) {
    * next start sweeps what no key names. */
   if (srv->keep_segments)
     return;
-  int n = td__shm_unlink_prefix(srv->prefix + 1);
+  int n = td__segments_unlink_prefix(srv->prefix + 1, NULL, NULL);
   if (n > 0)
     td__warn("unlinked %d segment(s) still in /dev/shm at exit", n);
 }

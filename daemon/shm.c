@@ -1,7 +1,10 @@
 /* shm.c: the CPU storage backend, POSIX shared memory objects in /dev/shm. */
-#include "daemon.h"
+#include "backend.h"
+#include "common.h"
+#include "log.h"
 
 #include <dirent.h>
+#include <stdio.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -10,7 +13,10 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-int td__shm_create(const char *name, uint64_t nbytes, char *msg, size_t len) {
+static int shm_space(uint64_t *free_bytes, uint64_t *total_bytes);
+
+static int shm_create(const char *name, uint64_t nbytes, char *msg,
+                      size_t len) {
   char hb[32];
   if (nbytes > (uint64_t)INT64_MAX)
     return td__msg(msg, len, TD_EINVAL, "size of %llu bytes is too large",
@@ -25,7 +31,7 @@ int td__shm_create(const char *name, uint64_t nbytes, char *msg, size_t len) {
     close(fd);
     shm_unlink(name);
     uint64_t avail = 0, total = 0;
-    td__shm_space(&avail, &total);
+    shm_space(&avail, &total);
     char fb[32], tb[32];
     if (err == ENOSPC)
       return td__msg(msg, len, TD_ENOSPC,
@@ -40,17 +46,17 @@ int td__shm_create(const char *name, uint64_t nbytes, char *msg, size_t len) {
   return fd;
 }
 
-int td__shm_open(const char *name, int readonly) {
+static int shm_open_export(const char *name, int readonly) {
   int fd = shm_open(name, (readonly ? O_RDONLY : O_RDWR) | O_CLOEXEC, 0);
   return fd < 0 ? -errno : fd;
 }
 
-void td__shm_unlink(const char *name) {
+static void shm_unlink_name(const char *name) {
   if (shm_unlink(name) < 0 && errno != ENOENT)
     td__warn("shm_unlink(%s): %s", name, strerror(errno));
 }
 
-int td__shm_space(uint64_t *free_bytes, uint64_t *total_bytes) {
+static int shm_space(uint64_t *free_bytes, uint64_t *total_bytes) {
   struct statvfs st;
   if (statvfs("/dev/shm", &st) < 0)
     return -errno;
@@ -59,7 +65,7 @@ int td__shm_space(uint64_t *free_bytes, uint64_t *total_bytes) {
   return 0;
 }
 
-int td__shm_unlink_prefix(const char *prefix) {
+static int shm_unlink_prefix(const char *prefix, td__keep_fn keep, void *arg) {
   DIR *d = opendir("/dev/shm");
   if (d == NULL)
     return -errno;
@@ -71,19 +77,36 @@ int td__shm_unlink_prefix(const char *prefix) {
     if (strncmp(e->d_name, prefix, plen) != 0)
       continue;
     snprintf(name, sizeof(name), "/%s", e->d_name);
-    td__shm_unlink(name);
+    if (keep != NULL && keep(name, arg))
+      continue;
+    shm_unlink_name(name);
     n++;
   }
   closedir(d);
   return n;
 }
 
-int td__shm_prefix(const char *name, char out[TD__PREFIX_MAX]) {
-  const char *dot = strrchr(name, '.');
-  size_t n = dot ? (size_t)(dot - name) + 1 : 0;
-  if (n == 0 || n >= TD__PREFIX_MAX || strncmp(name, "/tensord.", 9) != 0)
-    return TD_EINVAL;
-  memcpy(out, name, n);
-  out[n] = '\0';
+static int shm_describe(const char *name, td__segment_desc *out) {
+  int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  struct stat sb;
+  int err = fstat(fd, &sb) < 0 ? -errno : 0;
+  close(fd);
+  if (err < 0)
+    return err;
+  out->nbytes = (uint64_t)sb.st_size;
+  snprintf(out->where, sizeof(out->where), "/dev/shm%s", name);
   return 0;
 }
+
+const td__backend td__shm_backend = {
+    .name = "shm",
+    .device = TD_CPU,
+    .create = shm_create,
+    .open = shm_open_export,
+    .unlink = shm_unlink_name,
+    .unlink_prefix = shm_unlink_prefix,
+    .space = shm_space,
+    .describe = shm_describe,
+};

@@ -6,8 +6,11 @@
  * (journal.<N>, appended). Each key change is appended to the journal and
  * made durable (fdatasync, on the thread pool, many changes per sync) before
  * the client that made it is answered. */
-#include "daemon.h"
+#include "state.h"
 
+#include "common.h"
+#include "log.h"
+#include "segment.h"
 #include "tensord.pb-c.h"
 #include "viewmsg.h"
 
@@ -44,7 +47,8 @@ typedef struct deferred {
 typedef struct held_unlink {
   uint64_t ticket;
   uint64_t nbytes;
-  char name[64];
+  td_device device;
+  char name[TD__SEGMENT_NAME_MAX];
   struct held_unlink *next;
 } held_unlink;
 
@@ -161,7 +165,7 @@ static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
     err = append(&buf, &len, &cap, &r);
   for (const td__storage *s = srv->reg.first; s && err == 0; s = s->next) {
     char p[TD__PREFIX_MAX];
-    if (s->keys == NULL || td__shm_prefix(s->name, p) < 0 ||
+    if (s->keys == NULL || td__segment_prefix(s->name, p) < 0 ||
         strcmp(p, srv->prefix) == 0 || strcmp(p, last) == 0)
       continue;
     memcpy(last, p, sizeof(last));
@@ -467,16 +471,14 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   }
   td__storage *s = find_name(l, m->segment);
   if (s == NULL) {
-    int fd = td__shm_open(m->segment, 1);
-    if (fd < 0) {
+    td__segment_desc d;
+    int err = td__backend_for(TD_CPU)->describe(m->segment, &d);
+    if (err < 0) {
       td__warn("state: key '%s': segment %s is gone (%s); dropped", key,
-               m->segment, td_strerror(fd));
-      return fd;
+               m->segment, td_strerror(err));
+      return err;
     }
-    struct stat sb;
-    int ok = fstat(fd, &sb) == 0 && (uint64_t)sb.st_size == m->nbytes;
-    close(fd);
-    if (!ok) {
+    if (d.nbytes != m->nbytes) {
       td__warn("state: key '%s': segment %s is not %llu bytes; dropped", key,
                m->segment, (unsigned long long)m->nbytes);
       return TD_EINVAL;
@@ -493,7 +495,7 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     s->owner.gid = m->owner_gid;
     s->created_ms = m->created_unix_ms;
     snprintf(s->name, sizeof(s->name), "%s", m->segment);
-    int err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
+    err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
     nameent *ne = calloc(1, sizeof(*ne));
     if (err == 0 && ne == NULL)
       err = TD_ENOMEM;
@@ -521,28 +523,18 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   return 0;
 }
 
+static int adopted(const char *name, void *arg) {
+  return find_name(arg, name) != NULL;
+}
+
 /* Unlinks every segment under the recorded prefixes that no key names. */
 static int sweep(const loaded *l) {
-  DIR *d = opendir("/dev/shm");
-  if (d == NULL)
-    return 0;
   int n = 0;
-  struct dirent *e;
-  char name[300];
-  while ((e = readdir(d)) != NULL) {
-    for (size_t i = 0; i < l->nprefixes; i++) {
-      const char *p = l->prefixes[i] + 1; /* without '/' */
-      if (strncmp(e->d_name, p, strlen(p)) != 0)
-        continue;
-      snprintf(name, sizeof(name), "/%s", e->d_name);
-      if (find_name(l, name) != NULL)
-        break; /* adopted */
-      td__shm_unlink(name);
-      n++;
-      break;
-    }
+  for (size_t i = 0; i < l->nprefixes; i++) {
+    int k = td__segments_unlink_prefix(l->prefixes[i] + 1, adopted, (void *)l);
+    if (k > 0)
+      n += k;
   }
-  closedir(d);
   return n;
 }
 
@@ -658,15 +650,16 @@ fail:
 
 static void sync_start(td__state *st);
 
-int td__state_hold_unlink(td__state *st, const char *name, uint64_t nbytes) {
+int td__state_hold_unlink(td__state *st, const td__storage *s) {
   if (st == NULL || st->durable == st->ticket)
     return 0;
   held_unlink *u = calloc(1, sizeof(*u));
   if (u == NULL)
     return 0; /* unlink now: a crash before the sync drops the key */
   u->ticket = st->ticket;
-  u->nbytes = nbytes;
-  snprintf(u->name, sizeof(u->name), "%s", name);
+  u->nbytes = s->nbytes;
+  u->device = s->device;
+  snprintf(u->name, sizeof(u->name), "%s", s->name);
   if (st->utail)
     st->utail->next = u;
   else
@@ -682,7 +675,7 @@ static void release_unlinks(td__state *st, int all) {
     st->uhead = u->next;
     if (st->uhead == NULL)
       st->utail = NULL;
-    td__segment_unlink(st->srv, u->name, u->nbytes);
+    td__segment_unlink(st->srv, u->device, u->name, u->nbytes);
     free(u);
   }
 }

@@ -14,7 +14,10 @@
  * was leaked. A failed check aborts with a message, so libFuzzer reports it
  * as a crash. Linked with replay.c it is also a plain program (fuzz_replay)
  * that ctest runs over the seed corpus and the regressions. */
-#include "daemon.h"
+#include "common.h"
+#include "log.h"
+#include "segment.h"
+#include "server.h"
 #include "fuzz_input.h"
 
 #include "tensord.pb-c.h"
@@ -83,7 +86,7 @@ static void die(const char *fmt, ...) {
   va_end(ap);
   fputc('\n', stderr);
   if (srv.prefix[0] == '/')
-    td__shm_unlink_prefix(srv.prefix + 1);
+    td__segments_unlink_prefix(srv.prefix + 1, NULL, NULL);
   abort();
 }
 
@@ -566,9 +569,9 @@ static void check_registry(void) {
   if (srv.conns != NULL || srv.nconns != 0)
     die("%llu connection(s) left after every client hung up",
         (unsigned long long)srv.nconns);
-  if (srv.nwaiters != 0 || srv.waitqs.count != 0)
+  if (srv.waits.count != 0 || srv.waits.queues.count != 0)
     die("%llu waiter(s) in %zu queue(s) left with no client",
-        (unsigned long long)srv.nwaiters, srv.waitqs.count);
+        (unsigned long long)srv.waits.count, srv.waits.queues.count);
 }
 
 static void print_handle(uv_handle_t *h, void *arg) {

@@ -1,8 +1,9 @@
 /* test_registry.c: reference bookkeeping of daemon/registry.c, without any
  * I/O: storages live exactly while holders' and keys' references last. */
-#include "daemon.h"
+#include "registry.h"
 
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

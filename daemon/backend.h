@@ -1,0 +1,66 @@
+/* backend.h: the storage backend seam. A backend makes, exports and frees
+ * the bytes of storages on one device; the registry, references, keys and
+ * access control know nothing of it. POSIX shared memory (shm.c) is the CPU
+ * backend; a CUDA backend plugs in beside it.
+ *
+ * Every backend call may block (its cost can grow with bytes): the daemon
+ * runs the ones that do on the thread pool (segment.c), never on its loop
+ * for large storages. */
+#ifndef TD_DAEMON_BACKEND_H
+#define TD_DAEMON_BACKEND_H
+
+#include "tensord.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Segment names are "/tensord.<instance>.<id>" on every backend, so that one
+ * prefix names everything an instance made. */
+#define TD__SEGMENT_NAME_MAX 64
+#define TD__PREFIX_MAX 48
+
+/* What a backend knows of one segment. */
+typedef struct td__segment_desc {
+  uint64_t nbytes;
+  char where[96]; /* for people: "/dev/shm/tensord.1a2b.7" */
+} td__segment_desc;
+
+/* Decides, for td__backend.unlink_prefix, whether segment name stays. */
+typedef int (*td__keep_fn)(const char *name, void *arg);
+
+typedef struct td__backend {
+  const char *name; /* "shm" */
+  td_device device;
+  /* Makes segment name of nbytes, readable and writable by the daemon's user
+   * only, with every page reserved. Returns a read-write fd (>= 0) the
+   * caller owns, or a negative code with msg filled; nothing is left behind
+   * on failure. */
+  int (*create)(const char *name, uint64_t nbytes, char *msg, size_t len);
+  /* Opens a new fd on an existing segment for export to a client: read-only
+   * (the kernel refuses writable mappings) if readonly. Returns the fd or a
+   * negative code. */
+  int (*open)(const char *name, int readonly);
+  /* Frees the segment's name; its bytes go when no process maps them. A
+   * segment already gone is not an error. */
+  void (*unlink)(const char *name);
+  /* Unlinks every segment whose name (without the leading '/') starts with
+   * prefix, except those keep (if not NULL) says to keep. Returns how many
+   * it unlinked, or a negative code. */
+  int (*unlink_prefix)(const char *prefix, td__keep_fn keep, void *arg);
+  /* Free and total bytes the backend can still hold. */
+  int (*space)(uint64_t *free_bytes, uint64_t *total_bytes);
+  /* Describes an existing segment. Returns 0, or a negative code
+   * (TD_ENOENT if there is none of that name). */
+  int (*describe)(const char *name, td__segment_desc *out);
+} td__backend;
+
+extern const td__backend td__shm_backend;
+
+/* Returns the backend of device, or NULL if this tensord has none for it. */
+const td__backend *td__backend_for(td_device device);
+
+/* Sets out to name's prefix: the name up to and including its last '.'.
+ * Returns 0, or TD_EINVAL for a name that is not a segment's. */
+int td__segment_prefix(const char *name, char out[TD__PREFIX_MAX]);
+
+#endif /* TD_DAEMON_BACKEND_H */

@@ -1,0 +1,51 @@
+/* conn.h: one client connection: its socket and wire queues, what it holds,
+ * and the requests it has in flight. */
+#ifndef TD_DAEMON_CONN_H
+#define TD_DAEMON_CONN_H
+
+#include "registry.h"
+#include "wire.h"
+
+#include <stdint.h>
+#include <uv.h>
+
+typedef struct td__server td__server;
+typedef struct td__conn td__conn;
+typedef struct td__waiter td__waiter; /* waitq.c */
+typedef struct td__create td__create; /* ops.c */
+struct Tensord__Response;
+
+struct td__conn {
+  uv_poll_t poll;
+  uv_timer_t stall; /* runs while a request is half-read or replies unsent */
+  int nhandles;     /* handles not yet closed; the last close frees c */
+  uint64_t progress_ms; /* loop time bytes last moved either way */
+  td__server *srv;
+  td__wire wire;
+  td__holdings hold;
+  char name[64];
+  int hello;    /* Hello done */
+  int closing;  /* uv_close called */
+  int in_batch; /* processing a read batch: flush once at its end */
+  int paused;   /* not reading: output over the high-water mark */
+  int eof;      /* the client shut its side: send what is due, then close */
+  int events;   /* what poll watches now */
+  td__waiter *waiters;
+  td__create *creates;
+  td__conn *prev, *next;
+};
+
+/* Takes ownership of fd (a connected socket). */
+int td__conn_accept(td__server *srv, int fd);
+void td__conn_close(td__conn *c, const char *why);
+/* Queues r (with fd >= 0 attached, ownership taken) and flushes unless a
+ * read batch is in progress. Returns 0 or a negative code (the connection is
+ * then closing). */
+int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
+/* Sends an Error reply for seq. */
+int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Queues an already packed Response (and fd >= 0, ownership taken). */
+int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd);
+
+#endif /* TD_DAEMON_CONN_H */

@@ -1,0 +1,150 @@
+/* registry.h: storages, the references connections hold to them, and the
+ * keys that name them. Pure bookkeeping: no I/O, no event loop, no backend;
+ * the registry's owner is told (free_fn) when a storage's last reference
+ * goes. */
+#ifndef TD_DAEMON_REGISTRY_H
+#define TD_DAEMON_REGISTRY_H
+
+#include "htab.h"
+#include "tensord.h"
+
+#include <stdint.h>
+#include <sys/types.h>
+
+/* Who holds references: one per connection. */
+typedef struct td__peer {
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+} td__peer;
+
+typedef struct td__storage td__storage;
+typedef struct td__key td__key;
+
+/* A connection's references to one storage, by mode. */
+typedef struct td__ref {
+  td__hnode node; /* in td__holdings.refs, by storage id */
+  td__storage *storage;
+  const td__peer *peer;
+  struct td__ref *sprev, *snext; /* in storage->holders */
+  uint32_t rw, ro;
+} td__ref;
+
+#define TD__GROUPS_MAX 64
+
+/* Everything one connection holds, and who it is. */
+typedef struct td__holdings {
+  td__htab refs;
+  td__peer peer;
+  uint64_t nrefs; /* sum of rw + ro over refs */
+  int ngroups;    /* supplementary groups (SO_PEERGROUPS), at most 64 */
+  gid_t groups[TD__GROUPS_MAX];
+} td__holdings;
+
+/* What an operation needs of a storage. */
+#define TD__MAY_READ 04
+#define TD__MAY_WRITE 02
+
+struct td__storage {
+  td__hnode node;           /* in registry.storages, by id */
+  td__storage *prev, *next; /* registry list, in id order */
+  uint64_t id;
+  uint64_t nbytes;
+  td_device device;
+  uint32_t refs;  /* holders' references plus one per key */
+  uint32_t mode;  /* rw bits for owner, group, other: 0600 by default */
+  td__peer owner; /* the creator: pid, and the uid and gid that own it */
+  int64_t created_ms;
+  td__ref *holders;
+  td__key *keys;
+  /* The backend's name for the bytes (for shm, the object's name,
+   * "/tensord.<instance>.<id>"); the registry only carries it. */
+  char name[64];
+};
+
+struct td__key {
+  td__hnode node; /* in registry.keys */
+  td__storage *storage;
+  td__key *sprev, *snext; /* in storage->keys */
+  td_view view;
+  int64_t published_ms;
+  size_t len;
+  char name[]; /* len bytes, NUL-terminated */
+};
+
+/* Called when a storage's last reference goes: the owner of the registry
+ * releases the segment and frees s (the registry no longer knows it). */
+typedef void (*td__storage_free_fn)(td__storage *s, void *arg);
+
+typedef struct td__registry {
+  td__htab storages;
+  td__storage *first, *last;
+  td__htab keys;
+  td__htab usage; /* td__usage by uid */
+  uint64_t next_id;
+  uint64_t bytes_used;      /* live storages */
+  uint64_t bytes_committed; /* live storages and creates in flight */
+  uint64_t capacity;
+  uint64_t quota;     /* most bytes one uid may own; 0: no quota */
+  uint64_t nholdings; /* holdings with at least one reference */
+  td__storage_free_fn free_fn;
+  void *free_arg;
+} td__registry;
+
+void td__registry_init(td__registry *r, uint64_t capacity,
+                       td__storage_free_fn fn, void *arg);
+/* Charges a create of n bytes owned by uid against the capacity and uid's
+ * quota. Returns 0, TD_ENOMEM (capacity) or TD_EDQUOT (quota), with the
+ * figures in msg; nothing is charged on failure. force charges past the
+ * limits (storages adopted at a restart). A storage inserted later
+ * keeps the charge until it is freed; a create that fails gives it back
+ * with td__credit. */
+int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
+               size_t len);
+void td__credit(td__registry *r, uid_t uid, uint64_t n);
+/* Bytes uid owns now, creates in flight included. */
+uint64_t td__usage_of(const td__registry *r, uid_t uid);
+/* Frees every key; storages then left unreferenced go to free_fn. */
+void td__registry_drop_keys(td__registry *r);
+void td__registry_free(td__registry *r);
+td__storage *td__storage_find(const td__registry *r, uint64_t id);
+/* Registers s (id, nbytes, name set by the caller) with one read-write
+ * reference held by h, or with none if h is NULL (the caller then publishes
+ * a key on it at once). Returns 0 or TD_ENOMEM (nothing changed). */
+int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h);
+/* First storage with id > after_id, in id order; NULL if none. */
+td__storage *td__storage_after(const td__registry *r, uint64_t after_id);
+
+void td__holdings_init(td__holdings *h, const td__peer *peer);
+/* Drops every reference h holds (connection gone). */
+void td__holdings_clear(td__registry *r, td__holdings *h);
+td__ref *td__ref_find(const td__holdings *h, uint64_t id);
+/* Adds one reference of mode ro to s for h. *had gets the references of that
+ * mode h held before (so 0 means the process has no such mapping yet).
+ * Returns 0 or TD_ENOMEM (nothing changed). */
+int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
+                uint32_t *had);
+/* Drops count references of mode ro. Returns 0, or TD_ENOENT if h holds
+ * fewer (nothing changed). May free the storage. */
+int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
+                 uint32_t count);
+
+/* Returns 0 if h may do what want asks (TD__MAY_READ, TD__MAY_WRITE) to s,
+ * judged like a file: root may do anything; then the owner's bits if h is
+ * the owner, the group's if h is in the owning group, else the others'.
+ * Returns TD_EACCES otherwise. */
+int td__may(const td__storage *s, const td__holdings *h, int want);
+/* Formats who owns s and how ("mode 0640, owner uid 1000 gid 100"). */
+char *td__describe_access(const td__storage *s, char *buf, size_t len);
+
+td__key *td__key_find(const td__registry *r, const char *key, size_t len);
+/* Names view of s key, replacing an existing key. Returns 0 or TD_ENOMEM. */
+int td__key_publish(td__registry *r, const char *key, size_t len,
+                    td__storage *s, const td_view *view, td__key **out);
+/* Unnames k; drops its reference (which may free the storage). */
+void td__key_remove(td__registry *r, td__key *k);
+/* Checks a key: 1-255 bytes of UTF-8 without NUL. Returns 0 or TD_EINVAL
+ * with the reason in msg. */
+int td__key_validate(const char *key, size_t len, char *msg, size_t msglen);
+
+#endif /* TD_DAEMON_REGISTRY_H */

@@ -1,0 +1,49 @@
+/* segment.h: a storage's bytes from creation to unlink, through its device's
+ * backend: small segments on the loop, large ones on the thread pool, and
+ * unlinks held back while the journal still names them. */
+#ifndef TD_DAEMON_SEGMENT_H
+#define TD_DAEMON_SEGMENT_H
+
+#include "backend.h"
+#include "registry.h"
+
+#include <stdint.h>
+#include <uv.h>
+
+typedef struct td__server td__server;
+typedef struct td__segment_req td__segment_req;
+
+/* Called once a create has finished, with req->fd the new segment's fd (the
+ * callee owns it) or a negative code and req->msg saying why. */
+typedef void (*td__segment_cb)(td__segment_req *req);
+
+struct td__segment_req {
+  uv_work_t work;
+  td__server *srv;
+  td__storage *s;
+  int fd;
+  char msg[256];
+  td__segment_cb cb;
+};
+
+/* Makes the segment of s (its name, nbytes and device set) and calls cb
+ * exactly once: before returning for a small segment or on failure to
+ * queue, from the loop later for a large one (TD_ECANCELED if tensord stops
+ * first). req must stay valid until cb. */
+void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
+                        td__segment_cb cb);
+/* Opens a new fd on s's segment for a client, read-only if readonly.
+ * Returns the fd or a negative code. */
+int td__segment_open(const td__storage *s, int readonly);
+/* Unlinks segment name of nbytes on device, on the thread pool if large. */
+void td__segment_unlink(td__server *srv, td_device device, const char *name,
+                        uint64_t nbytes);
+/* The registry's free_fn (arg is the server): s's last reference went, so
+ * its segment is unlinked (once the journal allows) and s freed. */
+void td__storage_gone(td__storage *s, void *arg);
+/* Unlinks every segment of every backend under prefix (no leading '/'),
+ * except those keep (if not NULL) keeps. Returns how many, or a negative
+ * code. */
+int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep, void *arg);
+
+#endif /* TD_DAEMON_SEGMENT_H */

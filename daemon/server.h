@@ -1,0 +1,69 @@
+/* server.h: the daemon as a whole: its loop, listening socket, registry,
+ * connections, options, and how it starts and stops. */
+#ifndef TD_DAEMON_SERVER_H
+#define TD_DAEMON_SERVER_H
+
+#include "backend.h"
+#include "conn.h"
+#include "registry.h"
+#include "waitq.h"
+
+#include <stdint.h>
+#include <uv.h>
+
+typedef struct td__state td__state; /* state.c */
+
+struct td__server {
+  uv_loop_t *loop;
+  td__registry reg;
+  int listen_fd;
+  int own_socket; /* we bound it: unlink at exit */
+  uv_poll_t listen_poll;
+  uv_timer_t accept_timer; /* retry after EMFILE */
+  uv_signal_t sigint, sigterm;
+  char socket_path[108];
+  char state_dir[256]; /* "" without --state-dir */
+  char run_path[120];  /* <socket>.instance: the prefixes of our segments */
+  char (*prev)[TD__PREFIX_MAX]; /* prefixes the previous daemon recorded */
+  size_t nprev;
+  char prefix[TD__PREFIX_MAX]; /* shm name prefix of this instance */
+  uint64_t instance;
+  int64_t start_ms;
+  int stopping;
+  td__conn *conns;
+  uint64_t nconns;
+  td__waits waits;       /* lookups waiting for keys */
+  uint64_t pending_work; /* thread-pool jobs in flight */
+  td__state *state;      /* NULL without --state-dir */
+  int keep_segments;     /* stopping with --state-dir: keep keyed segments */
+  int listening;         /* the socket, timer and signal handles are set up */
+  uint32_t max_clients;  /* 0: no limit */
+  uint32_t max_storages_per_client;
+  uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
+};
+
+typedef struct td__options {
+  const char *socket_path;
+  uint64_t capacity; /* 0: half of /dev/shm */
+  uint64_t quota;    /* per uid; 0: none */
+  uint32_t max_clients;
+  uint32_t max_storages_per_client;
+  uint64_t io_timeout_ms;   /* 0: the default, 30 s */
+  const char *socket_group; /* chown the socket to this group */
+  int socket_mode;          /* chmod the socket; -1: leave it */
+  const char *state_dir;
+} td__options;
+
+/* Sets srv up without a socket: for tests and the fuzz target, which hand
+ * it connections with td__conn_accept. */
+void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
+ * and signals readiness. */
+int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* After the loop has ended: the final snapshot, or a last sweep of
+ * segments. */
+void td__server_finish(td__server *srv);
+/* Stops accepting, closes every client and frees every storage. */
+void td__server_stop(td__server *srv);
+
+#endif /* TD_DAEMON_SERVER_H */

@@ -1,0 +1,35 @@
+/* state.h: --state-dir: published keys journalled to disk, so that a restart
+ * serves them again with the same bytes. */
+#ifndef TD_DAEMON_STATE_H
+#define TD_DAEMON_STATE_H
+
+#include "conn.h"
+#include "registry.h"
+#include "server.h"
+
+#include <stddef.h>
+
+struct Tensord__Response;
+
+/* Loads DIR (creating it), serves its keys again, unlinks unnamed segments
+ * of the instances it records, and sets srv->state. */
+int td__state_open(td__server *srv, const char *dir);
+/* Records a key change, before the registry makes it (so that a segment
+ * the change frees is held until the record is on disk); replies that
+ * acknowledge it go through td__state_reply, which holds them until the
+ * change is on disk. st may be NULL (no --state-dir): then nothing is
+ * recorded or held. */
+void td__state_put(td__state *st, const char *key, size_t len,
+                   const td__storage *s, const td_view *view);
+void td__state_del(td__state *st, const char *key, size_t len);
+int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
+                    int fd);
+void td__state_conn_gone(td__state *st, const td__conn *c);
+/* Holds the unlink of freed storage s's segment until every key change
+ * recorded so far is on disk. Returns 1 if it did, 0 if the caller may
+ * unlink now (no change pending, or st NULL). */
+int td__state_hold_unlink(td__state *st, const td__storage *s);
+/* Writes a final snapshot and closes. NULL ok. */
+void td__state_close(td__state *st);
+
+#endif /* TD_DAEMON_STATE_H */

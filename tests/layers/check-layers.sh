@@ -1,0 +1,70 @@
+#!/bin/sh
+# check-layers.sh: the include graph follows the layers of docs/design.md.
+#   include/ (public API)  <- common/ <- proto/ <- client/, daemon/
+# client/ and daemon/ never see each other, and the daemon's bookkeeping
+# (registry, storage backends) never sees libuv. Exits 1, naming each
+# include that crosses a layer, otherwise 0.
+top=${1:-$(dirname "$0")/../..}
+cd "$top" || exit 2
+status=0
+
+allowed() { # layer -> the layers its files may include from
+  case $1 in
+  include) echo "include" ;;
+  common) echo "include common" ;;
+  proto) echo "include common proto" ;;
+  client) echo "include common proto client" ;;
+  daemon) echo "include common proto daemon" ;;
+  esac
+}
+
+owner() { # header name -> the layer that has it
+  [ "$1" = tensord.pb-c.h ] && { echo proto; return; }
+  for l in include common proto client daemon; do
+    [ -f "$l/$1" ] && { echo "$l"; return; }
+  done
+  echo unknown
+}
+
+for layer in include common proto client daemon; do
+  ok=$(allowed $layer)
+  for f in "$layer"/*.[ch]; do
+    [ -f "$f" ] || continue
+    for h in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$f"); do
+      o=$(owner "$h")
+      case " $ok " in
+      *" $o "*) ;;
+      *) echo "check-layers: $f includes \"$h\" from $o/, outside its layers ($ok)" >&2
+         status=1 ;;
+      esac
+    done
+  done
+done
+
+# The registry and the backends: no libuv, even through another header.
+closure() { # file -> every header of ours it includes, transitively
+  todo=$1 seen=""
+  while [ -n "$todo" ]; do
+    set -- $todo; f=$1; shift; todo=$*
+    case " $seen " in *" $f "*) continue ;; esac
+    seen="$seen $f"
+    for h in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$f"); do
+      o=$(owner "$h")
+      [ -f "$o/$h" ] && todo="$todo $o/$h"
+    done
+  done
+  echo "$seen"
+}
+for f in daemon/registry.h daemon/registry.c daemon/backend.h daemon/backend.c \
+         daemon/shm.c; do
+  [ -f "$f" ] || { echo "check-layers: $f is missing" >&2; status=1; continue; }
+  for g in $(closure "$f"); do
+    if grep -q '^[[:space:]]*#[[:space:]]*include[[:space:]]*<uv\.h>' "$g"; then
+      echo "check-layers: $f reaches libuv through $g" >&2
+      status=1
+    fi
+  done
+done
+
+[ $status = 0 ] && echo "check-layers: every include stays within its layers"
+exit $status

@@ -111,17 +111,21 @@ typedef struct td_view {
 } td_view;
 
 /* Fills *out with a contiguous (row-major) view of shape at offset 0.
- * Returns TD_EINVAL for a bad dtype, ndim or negative size, or an element
- * count that overflows int64; *out is unchanged on failure. */
+ * Returns TD_EINVAL for a bad dtype, ndim or negative size, or a stride, an
+ * element count or a byte count (elements times their size) past INT64_MAX;
+ * *out is unchanged on failure. */
 int td_view_contiguous(td_dtype dtype, int32_t ndim, const int64_t *shape,
                        td_view *out);
 /* Returns 0 if every element of v lies inside a storage of nbytes bytes,
  * TD_ERANGE if some element does not, and TD_EINVAL if v is malformed (bad
- * dtype or ndim, negative size, stride or offset) or its arithmetic
- * overflows int64. */
+ * dtype or ndim, negative size, stride or offset, more than INT64_MAX
+ * elements, which stride-0 dims allow in a few bytes) or its extent
+ * overflows int64. A view that passes has a td_view_numel that fits int64
+ * and a byte extent that fits size_t. */
 int td_view_check(const td_view *v, size_t nbytes);
-/* Returns the number of elements of v (1 for a 0-d view), or a negative
- * code if v is malformed or the count overflows. */
+/* Returns the number of elements of v (1 for a 0-d view, 0 if any size is
+ * 0, whatever the others), or TD_EINVAL if v is malformed, which includes a
+ * count past INT64_MAX. */
 int64_t td_view_numel(const td_view *v);
 /* Formats v as "float32[4, 3] stride (3, 1) offset 0" into buf; returns buf. */
 char *td_view_format(const td_view *v, char *buf, size_t len);
@@ -135,7 +139,9 @@ char *td_view_format(const td_view *v, char *buf, size_t len);
  * falls outside its dimension. A dim may be negative, counting from the end
  * (-1 is the last). Ops never widen what a view reaches: applied to a view
  * that passes td_view_check(v, n), every op but td_view_as_strided gives one
- * that passes it too. */
+ * that passes it too. No op makes a view of more than INT64_MAX elements
+ * (expand, reinterpret and as_strided refuse one with TD_EINVAL), and every
+ * op refuses such a view as malformed. */
 
 struct td_client;
 struct td_storage;
@@ -182,9 +188,10 @@ int td_view_expand(td_view *v, int32_t ndim, const int64_t *shape);
  * strides, and fails with TD_EINVAL where a copy would be needed. */
 int td_view_reshape(td_view *v, int32_t ndim, const int64_t *shape);
 /* Replaces shape, strides and offset, keeping the dtype. Checks only that
- * they are well formed (non-negative, no int64 overflow in the extent): it
- * cannot know the storage, so whatever reads or writes through the result
- * (td_publish, td_copy, td_to_dlpack) checks it against the storage. */
+ * they are well formed (non-negative, at most INT64_MAX elements, no int64
+ * overflow in the extent): it cannot know the storage, so whatever reads or
+ * writes through the result (td_publish, td_copy, td_to_dlpack) checks it
+ * against the storage. */
 int td_view_as_strided(td_view *v, int32_t ndim, const int64_t *shape,
                        const int64_t *stride, int64_t offset);
 /* Looks at the same bytes as dtype, as Tensor.view(dtype): with an element

@@ -290,6 +290,35 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));
 }
 
+Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h = NULL;
+  cr_assert_eq(td_storage_create(c, 1, &s), 0);
+  /* One byte seen 2^64 + 2^34 times through zero strides. */
+  td_view v;
+  memset(&v, 0, sizeof(v));
+  v.dtype = TD_UINT8;
+  v.ndim = 2;
+  v.shape[0] = 1LL << 32;
+  v.shape[1] = (1LL << 32) + 4;
+  cr_assert_eq(td_publish(c, "huge", s, &v), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "[4294967296, 4294967300]") != NULL &&
+                strstr(td_last_error(c), "INT64_MAX") != NULL,
+            "'%s'", td_last_error(c));
+  cr_assert_eq(td_lookup(c, "huge", 0, 0, &h, NULL), TD_ENOENT);
+  /* As many as fit are fine. */
+  v.shape[0] = 2;
+  v.shape[1] = INT64_MAX / 2;
+  cr_assert_eq(td_publish(c, "huge", s, &v), 0, "%s", td_last_error(c));
+  td_view got;
+  cr_assert_eq(td_lookup(c, "huge", TD_TAKE, 0, &h, &got), 0);
+  cr_assert_eq(td_view_numel(&got), INT64_MAX - 1);
+  td_storage_release(h);
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
 /* An external tensor, as numpy or torch would hand one over. */
 typedef struct ext {
   DLManagedTensor m;

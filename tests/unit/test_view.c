@@ -1718,3 +1718,29 @@ Test(dtype, names_sizes_and_numpy_spellings) {
   cr_expect_eq(td_dtype_size(TD_DTYPE_COUNT_), 0);
   cr_expect_null(td_dtype_name((td_dtype)-1));
 }
+
+/* With "torch." in front a name means what PyTorch means by it, even where
+ * numpy means something else; without, such names are refused. */
+Test(dtype, torch_names_mean_what_torch_means) {
+  struct {
+    const char *name;
+    td_dtype want;
+  } t[] = {
+      {"torch.byte", TD_UINT8},
+      {"torch.char", TD_INT8},
+      {"torch.float", TD_FLOAT32},
+      {"torch.int", TD_INT32},
+      {"torch.cfloat", TD_COMPLEX64},
+      {"torch.half", TD_FLOAT16},
+      {"torch.long", TD_INT64},
+      {"torch.short", TD_INT16},
+      {"torch.double", TD_FLOAT64},
+      {"torch.cdouble", TD_COMPLEX128},
+      {"ubyte", TD_UINT8},
+      {"byte", TD_DTYPE_INVALID},
+      {"char", TD_DTYPE_INVALID},
+  };
+  for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+    cr_expect_eq(td_dtype_from_name(t[i].name), t[i].want, "%s: %d, not %d",
+                 t[i].name, (int)td_dtype_from_name(t[i].name), (int)t[i].want);
+}

@@ -122,14 +122,18 @@ int td_to_dlpack(td_storage *s, const td_view *v, DLManagedTensor **out) {
   memcpy(x->strides, v->stride, (size_t)v->ndim * sizeof(int64_t));
   x->s = td_storage_retain(s);
   DLTensor *t = &x->m.dl_tensor;
-  t->data = td_storage_data(s);
+  /* data at the first element, byte_offset 0: PyTorch (1.13 at least)
+   * ignores byte_offset on import, and every consumer reads this right. The
+   * product fits: the view passed td_view_check against nbytes. */
+  t->data =
+      (char *)td_storage_data(s) + (size_t)v->offset * td_dtype_size(v->dtype);
   t->device.device_type = kDLCPU;
   t->device.device_id = 0;
   t->ndim = v->ndim;
   t->dtype = dt;
   t->shape = x->shape;
   t->strides = x->strides;
-  t->byte_offset = (uint64_t)v->offset * td_dtype_size(v->dtype);
+  t->byte_offset = 0;
   x->m.manager_ctx = x;
   x->m.deleter = export_deleter;
   *out = &x->m;

@@ -221,8 +221,10 @@ int td_copy(struct td_storage *dst, const td_view *dst_view,
 struct DLManagedTensor;
 
 /* Exports view v of s (v NULL: the whole storage as uint8[nbytes]) as a new
- * DLManagedTensor without copying: data is the storage's mapping (page
- * aligned), byte_offset the view's offset in bytes, strides explicit in
+ * DLManagedTensor without copying: data points at the view's first element
+ * (the storage's mapping plus offset times the element size, so page
+ * aligned only at offset 0) and byte_offset is 0, as PyTorch exports
+ * (PyTorch 1.13 ignores byte_offset on import); strides explicit in
  * elements, device kDLCPU. The tensor holds its own reference to s (taken
  * with td_storage_retain), so it outlives td_storage_release of the caller's
  * handle; its deleter drops that reference and frees the tensor, and must be

@@ -238,8 +238,9 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   DLManagedTensor *m;
   cr_assert_eq(td_to_dlpack(s, &v, &m), 0, "%s", td_view_last_error());
   DLTensor *t = &m->dl_tensor;
-  cr_assert_eq(t->data, td_storage_data(s), "no copy: the mapping itself");
-  cr_assert_eq(t->byte_offset, 4);
+  cr_assert_eq(t->data, (char *)td_storage_data(s) + 4,
+               "no copy: the mapping itself, at the first element");
+  cr_assert_eq(t->byte_offset, 0);
   cr_assert_eq(t->device.device_type, kDLCPU);
   cr_assert_eq(t->ndim, 2);
   cr_assert_eq(t->shape[0], 3);
@@ -253,7 +254,7 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   /* The tensor's reference keeps the storage after the caller's goes. */
   cr_assert_eq(td_storage_release(s), 0);
   cr_assert_eq(tdt_storages(&d), 1);
-  const char *base = (const char *)t->data + t->byte_offset;
+  const char *base = t->data;
   for (int i = 0; i < 3; i++)
     for (int j = 0; j < 4; j++) {
       int32_t x;
@@ -314,6 +315,71 @@ Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
   cr_assert_eq(td_lookup(c, "huge", TD_TAKE, 0, &h, &got), 0);
   cr_assert_eq(td_view_numel(&got), INT64_MAX - 1);
   td_storage_release(h);
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
+/* A consumer that reads data and ignores byte_offset, as PyTorch 1.13 does
+ * on import, still sees the view's own elements. */
+Test(views, dlpack_export_points_data_at_the_first_element) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, ROWS * COLS * sizeof(float), &s), 0);
+  float *f = td_storage_data(s);
+  for (int i = 0; i < ROWS * COLS; i++)
+    f[i] = (float)i;
+  td_view v, row, empty;
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, (int64_t[]){ROWS, COLS}, &v),
+               0);
+  cr_assert_eq(td_view_narrow(&v, 0, 2, 3), 0); /* rows 2..4 */
+  cr_assert_eq(td_view_narrow(&v, 1, 1, 6), 0); /* columns 1..6 */
+  row = v;
+  cr_assert_eq(td_view_select(&row, 0, 2), 0); /* row 4, columns 1..6 */
+  empty = v;
+  cr_assert_eq(td_view_narrow(&empty, 0, 3, 0), 0);
+  DLManagedTensor *m;
+  cr_assert_eq(td_to_dlpack(s, &v, &m), 0, "%s", td_view_last_error());
+  DLTensor *t = &m->dl_tensor;
+  cr_assert_eq(t->byte_offset, 0);
+  cr_assert_eq(t->data, (char *)f + (2 * COLS + 1) * sizeof(float));
+  cr_assert_eq(t->strides[0], COLS);
+  cr_assert_eq(t->strides[1], 1);
+  const float *p = t->data;
+  for (int64_t i = 0; i < t->shape[0]; i++)
+    for (int64_t j = 0; j < t->shape[1]; j++)
+      cr_assert_eq(p[i * t->strides[0] + j * t->strides[1]],
+                   (float)((2 + i) * COLS + 1 + j), "element (%lld, %lld)",
+                   (long long)i, (long long)j);
+  m->deleter(m);
+  cr_assert_eq(td_to_dlpack(s, &row, &m), 0, "%s", td_view_last_error());
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  cr_assert_eq(*(const float *)m->dl_tensor.data, (float)(4 * COLS + 1));
+  m->deleter(m);
+  /* Uint8 bytes of the whole storage start at the mapping. */
+  cr_assert_eq(td_to_dlpack(s, NULL, &m), 0);
+  cr_assert_eq(m->dl_tensor.data, (void *)f);
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  m->deleter(m);
+  /* An empty view still gets a pointer inside (or just past) the mapping. */
+  cr_assert_eq(td_to_dlpack(s, &empty, &m), 0, "%s", td_view_last_error());
+  cr_assert_eq(m->dl_tensor.shape[0], 0);
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  cr_assert_eq(m->dl_tensor.data,
+               (char *)f + (size_t)empty.offset * sizeof(float));
+  m->deleter(m);
+  /* Imported back, data and byte_offset both count: both are honoured. */
+  cr_assert_eq(td_to_dlpack(s, &v, &m), 0);
+  m->dl_tensor.data = (char *)m->dl_tensor.data - 8;
+  m->dl_tensor.byte_offset = 8;
+  td_storage *copy;
+  cr_assert_eq(td_from_dlpack(c, m, NULL, TD_DLPACK_CONSUME, &copy), 0, "%s",
+               td_view_last_error());
+  const float *q = td_storage_data(copy);
+  for (int i = 0; i < 3; i++)
+    for (int j = 0; j < 6; j++)
+      cr_assert_eq(q[i * 6 + j], (float)((2 + i) * COLS + 1 + j));
+  td_storage_release(copy);
   td_storage_release(s);
   td_close(c);
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));

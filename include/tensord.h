@@ -147,9 +147,9 @@ struct td_client;
 struct td_storage;
 
 /* Returns the message of this thread's last failed call among the functions
- * of this section (and td_view_contiguous, td_view_check, td_view_numel),
- * naming the operation, the dimension and the values; "" if none failed yet.
- * A later success does not clear it. */
+ * of this section, td_view_contiguous, td_view_check, td_view_numel and the
+ * copies and DLPack calls below, naming the operation, the dimension and the
+ * values; "" if none failed yet. A later success does not clear it. */
 const char *td_view_last_error(void);
 
 /* Returns 1 if v is contiguous in PyTorch's sense (row-major; the strides of
@@ -203,6 +203,15 @@ int td_view_reinterpret(td_view *v, td_dtype dtype);
  * start of the storage) of the element at index[0..ndim) (negative: from
  * the end; NULL ok for a 0-d view). *offset is unchanged on failure. */
 int td_view_offset_of(const td_view *v, const int64_t *index, int64_t *offset);
+/* ---- end of view algebra ---- */
+
+/* ---- copies and DLPack (docs/views.md) ---- */
+/* Unlike the view algebra, these reach storage bytes: td_copy reads and
+ * writes them, td_to_dlpack hands out a pointer into a storage's mapping
+ * together with a reference to the storage, and td_from_dlpack asks the
+ * daemon for a new storage, copies into it and may publish it. Each checks
+ * every view against its storage before it touches a byte, and leaves the
+ * reason of a failure in td_view_last_error(). */
 
 /* Copies every element of src_view in src to the same index of dst_view in
  * dst: same dtype and shape, both checked against their storages (TD_ERANGE).
@@ -240,20 +249,25 @@ int td_to_dlpack(struct td_storage *s, const td_view *v,
  * failure, as if ownership passed to td_from_dlpack). */
 #define TD_DLPACK_CONSUME 0x100u
 
-/* Copies the CPU tensor src (any non-negative strides; NULL strides:
- * row-major) into a new storage of c, one copy, as a contiguous view, and
- * publishes it under key if key is not NULL. *out (if not NULL) gets the
- * new storage handle; with out NULL only the key keeps the storage alive.
+/* Copies the CPU tensor src, whose first element is at data + byte_offset
+ * (both are honoured; any non-negative strides; NULL strides: row-major),
+ * into a new storage that c asks the daemon for, one copy, as a contiguous
+ * view, and publishes it under key if key is not NULL. *out (if not NULL) gets
+ * the new storage handle; with out NULL only the key keeps the storage alive.
  * src is only read: the caller keeps it and calls its deleter when done,
  * unless flags has TD_DLPACK_CONSUME. kDLUInt/kDLInt/kDLFloat/kDLBfloat/
  * kDLComplex of the sizes tensord has, and code 6 (kDLBool of later DLPack)
  * of 8 bits, with lanes 1; others are TD_EINVAL. Devices other than kDLCPU
- * (and the host-memory kDLCUDAHost, kDLROCMHost) get TD_ENODEV. The reason
- * of a failure is in td_view_last_error(); where the daemon refused, it is
- * also in td_last_error(c). Nothing is left behind on failure. */
+ * (and the host-memory kDLCUDAHost, kDLROCMHost) get TD_ENODEV. A tensor of
+ * more than INT64_MAX elements, one whose contiguous copy needs more than
+ * INT64_MAX bytes (a stride-0 source may be tiny) and one whose bytes would
+ * run past the end of the address space are TD_EINVAL, before any storage
+ * is made. The reason of a failure is in td_view_last_error(); where the
+ * daemon refused, it is also in td_last_error(c). Nothing is left behind on
+ * failure. */
 int td_from_dlpack(struct td_client *c, struct DLManagedTensor *src,
                    const char *key, unsigned flags, struct td_storage **out);
-/* ---- end of view algebra ---- */
+/* ---- end of copies and DLPack ---- */
 
 /* Clients and storages. */
 typedef struct td_client td_client;

@@ -520,6 +520,34 @@ Test(views, dlpack_import_refuses_what_it_cannot_copy) {
     cr_expect(strstr(td_view_last_error(), cases[i].needle) != NULL, "%s: '%s'",
               cases[i].what, td_view_last_error());
   }
+  /* One double seen 2^61 times: 2^64 bytes once copied. It used to become a
+   * 1-byte storage that the copy then ran past. */
+  double one = 1.0;
+  ext_init(&e, &one, 1LL << 31, 1LL << 30, (int64_t[]){0, 0},
+           (DLDataType){kDLFloat, 64, 1});
+  s = (td_storage *)&e;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, &s), TD_EINVAL);
+  cr_assert_null(s);
+  cr_assert(strstr(td_view_last_error(), "2305843009213693952 elements") &&
+                strstr(td_view_last_error(), "8 bytes"),
+            "'%s'", td_view_last_error());
+  /* 2^60 of them: 2^63 bytes, one past INT64_MAX. */
+  e.shape[0] = 1LL << 30;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "1152921504606846976") != NULL, "'%s'",
+            td_view_last_error());
+  /* More elements than int64 holds. */
+  e.shape[0] = 1LL << 40;
+  e.shape[1] = 1LL << 40;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "INT64_MAX") != NULL, "'%s'",
+            td_view_last_error());
+  /* A byte_offset that wraps the address space round to valid memory. */
+  ext_init(&e, &data[2], 2, 2, NULL, (DLDataType){kDLFloat, 32, 1});
+  e.m.dl_tensor.byte_offset = UINT64_MAX - 7; /* data - 8 */
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "byte_offset") != NULL, "'%s'",
+            td_view_last_error());
   ext_init(&e, data, 4, 4, NULL, (DLDataType){kDLFloat, 32, 1});
   cr_assert_eq(td_from_dlpack(c, &e.m, NULL, 0, NULL), TD_EINVAL,
                "nothing would hold the storage");

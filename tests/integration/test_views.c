@@ -320,6 +320,52 @@ Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));
 }
 
+/* Views whose elements overlap (strides that are not 0 but collide) can
+ * name far more elements than their bytes: the temporary buffer an
+ * overlapping copy needs must be sized without wrapping. */
+Test(views, copy_refuses_what_no_buffer_can_hold) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 16 * 1024;
+  cr_assert_eq(td_storage_create(c, n, &s), 0);
+  unsigned char *bytes = td_storage_data(s);
+  for (size_t i = 0; i < n; i++)
+    bytes[i] = (unsigned char)i;
+  /* complex128 [64]^10 with every stride 1: 2^60 elements of 16 bytes, over
+   * 10 KiB. The source is the same shape one element on, so the two
+   * overlap and take the path through a temporary of 2^64 bytes. */
+  td_view dv, sv;
+  memset(&dv, 0, sizeof(dv));
+  dv.dtype = TD_COMPLEX128;
+  dv.ndim = 10;
+  for (int i = 0; i < 10; i++) {
+    dv.shape[i] = 64;
+    dv.stride[i] = 1;
+  }
+  sv = dv;
+  sv.offset = 1;
+  cr_assert_eq(td_view_check(&dv, n), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_view_check(&sv, n), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_copy(s, &dv, s, &sv), TD_ENOMEM);
+  cr_assert(strstr(td_view_last_error(), "1152921504606846976") != NULL, "'%s'",
+            td_view_last_error());
+  for (size_t i = 0; i < n; i++)
+    cr_assert_eq(bytes[i], (unsigned char)i, "byte %zu changed", i);
+  /* A source of more than INT64_MAX elements is refused as such. */
+  memset(&sv, 0, sizeof(sv));
+  sv.dtype = TD_UINT8;
+  sv.ndim = 2;
+  sv.shape[0] = 1LL << 32;
+  sv.shape[1] = (1LL << 32) + 4;
+  dv = sv;
+  cr_assert_eq(td_copy(s, &dv, s, &sv), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "INT64_MAX") != NULL, "'%s'",
+            td_view_last_error());
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
 /* A consumer that reads data and ignores byte_offset, as PyTorch 1.13 does
  * on import, still sees the view's own elements. */
 Test(views, dlpack_export_points_data_at_the_first_element) {

@@ -217,8 +217,9 @@ int td_view_offset_of(const td_view *v, const int64_t *index, int64_t *offset);
  * dst: same dtype and shape, both checked against their storages (TD_ERANGE).
  * Refuses a read-only dst (TD_EACCES) and a dst view that names one element
  * twice (a stride-0 dim, TD_EINVAL). Views of the same storage that overlap
- * are copied through a temporary buffer, so the result is as if src had been
- * read whole first. Contiguous runs are copied with memcpy, a transpose in
+ * are copied through a temporary buffer of numel * itemsize bytes (TD_ENOMEM
+ * if it cannot be had), so the result is as if src had been read whole
+ * first. Contiguous runs are copied with memcpy, a transpose in
  * cache-sized tiles. Both storages must be on the CPU (TD_ENODEV). Every
  * check comes before the first write, so dst is unchanged on failure; the
  * reason is in td_view_last_error(). */

@@ -1571,8 +1571,8 @@ Test(view, ops_on_huge_views_keep_counts_in_int64, .timeout = 60) {
     do {
       huge_view(&v, 6);
       if (kind == 2 && v.ndim > 0 && rr(0, 1)) {
-        /* Counts near INT64_MAX in a view reinterpret may take apart: the
-         * last dim dense, the others stride 0. */
+        /* A view reinterpret accepts (the last dim dense) whose other
+         * dims, stride 0, may hold any count up to INT64_MAX. */
         v.dtype = rr(0, 1) ? TD_COMPLEX128 : TD_INT64;
         for (int32_t i = 0; i + 1 < v.ndim; i++)
           v.stride[i] = 0;

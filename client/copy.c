@@ -56,11 +56,15 @@ static void make_plan(const td_view *dv, const td_view *sv, plan *p) {
     p->ds[j] = d;
     p->ss[j] = s;
   }
-  /* Merge each dim into the one outside it where both views allow. */
+  /* Merge each dim into the one outside it where both views allow. A
+   * source checked only for overflow (DLPack's) may have strides whose
+   * size * stride passes int64: those dims do not merge. */
   int m = 0;
   for (int i = 0; i < n; i++) {
-    if (m > 0 && p->ds[m - 1] == p->size[i] * p->ds[i] &&
-        p->ss[m - 1] == p->size[i] * p->ss[i]) {
+    int64_t dspan, sspan;
+    if (m > 0 && !__builtin_mul_overflow(p->size[i], p->ds[i], &dspan) &&
+        !__builtin_mul_overflow(p->size[i], p->ss[i], &sspan) &&
+        p->ds[m - 1] == dspan && p->ss[m - 1] == sspan) {
       p->size[m - 1] *= p->size[i];
       p->ds[m - 1] = p->ds[i];
       p->ss[m - 1] = p->ss[i];
@@ -270,16 +274,16 @@ int td__copy_raw(void *dst, const td_view *dv, const void *src,
                          "copy: destination has %d dims, source "
                          "%d",
                          (int)dv->ndim, (int)sv->ndim);
-  int64_t numel = 1;
-  for (int32_t i = 0; i < dv->ndim; i++) {
+  for (int32_t i = 0; i < dv->ndim; i++)
     if (dv->shape[i] != sv->shape[i])
       return td__view_fail(TD_EINVAL,
                            "copy: dim %d: destination size %lld, "
                            "source size %lld",
                            (int)i, (long long)dv->shape[i],
                            (long long)sv->shape[i]);
-    numel *= dv->shape[i]; /* checked views: cannot overflow */
-  }
+  int64_t numel = td_view_numel(dv); /* checked views: at most INT64_MAX */
+  if (numel < 0)
+    return (int)numel;
   if (numel == 0)
     return 0;
   for (int32_t i = 0; i < dv->ndim; i++)
@@ -307,15 +311,19 @@ int td__copy_raw(void *dst, const td_view *dv, const void *src,
     run(&p, dv, dst, sv, src);
     return 0;
   }
-  /* Read the source whole first, then write. */
-  size_t es = td_dtype_size(dv->dtype);
-  char *tmp = malloc((size_t)numel * es);
-  if (tmp == NULL)
+  /* Read the source whole first, then write. Views whose elements collide
+   * (strides (1, 1)) may name far more elements than they span, so the
+   * size of the buffer is checked. */
+  size_t es = td_dtype_size(dv->dtype), bytes;
+  char *tmp = NULL;
+  if (__builtin_mul_overflow((size_t)numel, es, &bytes) ||
+      (tmp = malloc(bytes)) == NULL)
     return td__view_fail(TD_ENOMEM,
                          "copy: no memory for a temporary buffer "
-                         "of %lld bytes for overlapping views",
-                         (long long)((size_t)numel * es));
-  td_view tv;
+                         "of %lld elements of %zu bytes for overlapping "
+                         "views",
+                         (long long)numel, es);
+  td_view tv; /* cannot fail: numel * es bytes were allocated */
   td_view_contiguous(dv->dtype, dv->ndim, dv->shape, &tv);
   make_plan(&tv, sv, &p);
   run(&p, &tv, tmp, sv, src);

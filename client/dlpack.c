@@ -3,6 +3,7 @@
 #include "internal.h"
 
 #include <dlpack/dlpack.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -122,22 +123,28 @@ int td_to_dlpack(td_storage *s, const td_view *v, DLManagedTensor **out) {
   memcpy(x->strides, v->stride, (size_t)v->ndim * sizeof(int64_t));
   x->s = td_storage_retain(s);
   DLTensor *t = &x->m.dl_tensor;
-  t->data = td_storage_data(s);
+  /* data at the first element, byte_offset 0: PyTorch (1.13 at least)
+   * ignores byte_offset on import, and every consumer reads this right. The
+   * product fits: the view passed td_view_check against nbytes. */
+  t->data =
+      (char *)td_storage_data(s) + (size_t)v->offset * td_dtype_size(v->dtype);
   t->device.device_type = kDLCPU;
   t->device.device_id = 0;
   t->ndim = v->ndim;
   t->dtype = dt;
   t->shape = x->shape;
   t->strides = x->strides;
-  t->byte_offset = (uint64_t)v->offset * td_dtype_size(v->dtype);
+  t->byte_offset = 0;
   x->m.manager_ctx = x;
   x->m.deleter = export_deleter;
   *out = &x->m;
   return 0;
 }
 
-/* Builds the view of t over t->data + t->byte_offset, checked for
- * overflow. Returns 0 or a code with td_view_last_error() set. */
+/* Builds the view of t over t->data + t->byte_offset and checks it as
+ * td_view_check does (at most INT64_MAX elements, an extent within int64),
+ * and that the extent past byte_offset stays inside the address space.
+ * Returns 0 or a code with td_view_last_error() set. */
 static int source_view(const DLTensor *t, td_view *sv) {
   int dev = t->device.device_type;
   if (dev != kDLCPU && dev != kDLCUDAHost && dev != kDLROCMHost)
@@ -169,22 +176,45 @@ static int source_view(const DLTensor *t, td_view *sv) {
                            "from_dlpack: dim %d: negative size "
                            "%lld",
                            i, (long long)t->shape[i]);
-  int err = td_view_contiguous(sv->dtype, t->ndim, t->shape, sv);
-  if (err < 0) /* the sizes are non-negative: only overflow is left */
-    return td__view_fail(TD_EINVAL, "from_dlpack: the element count "
-                                    "overflows int64");
-  for (int i = 0; t->strides != NULL && i < t->ndim; i++) {
-    if (t->strides[i] < 0 && t->shape[i] > 1)
-      return td__view_fail(TD_EINVAL,
-                           "from_dlpack: dim %d: negative stride "
-                           "%lld is not supported (make the tensor "
-                           "contiguous first)",
-                           i, (long long)t->strides[i]);
-    sv->stride[i] = t->strides[i] < 0 ? 0 : t->strides[i];
-  }
   char why[600];
+  int err;
+  sv->ndim = t->ndim;
+  if (t->strides == NULL) { /* row-major */
+    if ((err = td_view_contiguous(sv->dtype, t->ndim, t->shape, sv)) < 0) {
+      snprintf(why, sizeof(why), "%s", td_view_last_error());
+      return td__view_fail(err, "from_dlpack: %s", why);
+    }
+  } else {
+    for (int i = 0; i < t->ndim; i++) {
+      if (t->strides[i] < 0 && t->shape[i] > 1)
+        return td__view_fail(TD_EINVAL,
+                             "from_dlpack: dim %d: negative stride "
+                             "%lld is not supported (make the tensor "
+                             "contiguous first)",
+                             i, (long long)t->strides[i]);
+      sv->shape[i] = t->shape[i];
+      sv->stride[i] = t->strides[i] < 0 ? 0 : t->strides[i];
+    }
+  }
   if ((err = td__view_check_msg(sv, SIZE_MAX, why, sizeof(why))) < 0)
     return td__view_fail(TD_EINVAL, "from_dlpack: %s", why);
+  /* The last byte read, from data: byte_offset plus the extent. The extent
+   * fits int64 (checked above); the sum must not wrap the address space. */
+  int64_t end = 0, es = (int64_t)td_dtype_size(sv->dtype);
+  if (td_view_numel(sv) > 0) {
+    end = sv->offset + 1;
+    for (int i = 0; i < sv->ndim; i++)
+      end += (sv->shape[i] - 1) * sv->stride[i];
+    end *= es;
+  }
+  uintptr_t room = UINTPTR_MAX - (uintptr_t)t->data;
+  if (t->byte_offset > room || (uint64_t)end > room - t->byte_offset)
+    return td__view_fail(TD_EINVAL,
+                         "from_dlpack: data %p + byte_offset %llu + "
+                         "%lld bytes of elements passes the end of the "
+                         "address space",
+                         t->data, (unsigned long long)t->byte_offset,
+                         (long long)end);
   return 0;
 }
 
@@ -212,11 +242,21 @@ static int import(td_client *c, const DLManagedTensor *src, const char *key,
   int err = source_view(t, &sv);
   if (err < 0)
     return err;
-  int64_t numel = td_view_numel(&sv);
+  int64_t numel = td_view_numel(&sv); /* source_view: fits int64 */
   if (numel > 0 && t->data == NULL)
     return td__view_fail(TD_EINVAL, "from_dlpack: data is NULL");
-  td_view_contiguous(sv.dtype, sv.ndim, sv.shape, &dv);
-  size_t nbytes = (size_t)numel * td_dtype_size(sv.dtype);
+  /* The copy is contiguous: a stride-0 source may be far smaller. */
+  char why[600];
+  size_t es = td_dtype_size(sv.dtype), nbytes;
+  if ((err = td_view_contiguous(sv.dtype, sv.ndim, sv.shape, &dv)) < 0) {
+    snprintf(why, sizeof(why), "%s", td_view_last_error());
+    return td__view_fail(err, "from_dlpack: no storage holds a copy: %s", why);
+  }
+  if (__builtin_mul_overflow((size_t)numel, es, &nbytes)) /* 32-bit size_t */
+    return td__view_fail(TD_EINVAL,
+                         "from_dlpack: a copy of %lld elements of %zu "
+                         "bytes does not fit in size_t",
+                         (long long)numel, es);
   td_storage *s = NULL;
   if ((err = td_storage_create(c, nbytes > 0 ? nbytes : 1, &s)) < 0)
     return td__view_fail(err, "from_dlpack: %s", td_last_error(c));

@@ -26,21 +26,38 @@ static const struct {
     [TD_FLOAT8_E5M2] = {1, "float8_e5m2"},
 };
 
-/* Other names the two worlds use for the same types. Names on which PyTorch
- * and numpy disagree ("float", "int", "cfloat") are left out on purpose. */
-static const struct {
+typedef struct alias {
   const char *name;
   td_dtype dtype;
-} aliases[] = {
-    {"bool_", TD_BOOL},       {"half", TD_FLOAT16},
-    {"double", TD_FLOAT64},   {"short", TD_INT16},
-    {"long", TD_INT64},       {"cdouble", TD_COMPLEX128},
-    {"single", TD_FLOAT32},   {"csingle", TD_COMPLEX64},
-    {"byte", TD_INT8},        {"ubyte", TD_UINT8},
-    {"ushort", TD_UINT16},    {"longlong", TD_INT64},
-    {"ulonglong", TD_UINT64}, {"intc", TD_INT32},
-    {"uintc", TD_UINT32},
+} alias;
+
+/* Other names the two worlds use for the same types. Names on which PyTorch
+ * and numpy disagree ("float", "int", "cfloat", "byte") are left out on
+ * purpose: they are accepted only after "torch." (torch_aliases). */
+static const alias aliases[] = {
+    {"bool_", TD_BOOL},     {"half", TD_FLOAT16},
+    {"double", TD_FLOAT64}, {"short", TD_INT16},
+    {"long", TD_INT64},     {"cdouble", TD_COMPLEX128},
+    {"single", TD_FLOAT32}, {"csingle", TD_COMPLEX64},
+    {"ubyte", TD_UINT8},    {"ushort", TD_UINT16},
+    {"longlong", TD_INT64}, {"ulonglong", TD_UINT64},
+    {"intc", TD_INT32},     {"uintc", TD_UINT32},
 };
+
+/* PyTorch's names for what numpy calls otherwise (torch.byte is uint8,
+ * np.byte int8), taken only with "torch." in front. */
+static const alias torch_aliases[] = {
+    {"float", TD_FLOAT32}, {"int", TD_INT32}, {"cfloat", TD_COMPLEX64},
+    {"byte", TD_UINT8},    {"char", TD_INT8},
+};
+
+/* Returns the dtype name has in table t of n entries, or TD_DTYPE_INVALID. */
+static td_dtype find_alias(const alias *t, size_t n, const char *name) {
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(name, t[i].name) == 0)
+      return t[i].dtype;
+  return TD_DTYPE_INVALID;
+}
 
 /* numpy's one-letter type codes (np.dtype(t).char) on an LP64 Linux. */
 static td_dtype from_char(char c) {
@@ -113,11 +130,12 @@ const char *td_dtype_name(td_dtype dtype) {
 }
 
 /* Accepts PyTorch's names, with or without "torch." in front ("float32",
- * "torch.bfloat16", "half"), numpy's names ("float64", "bool_"), and
- * numpy's type strings: a code or a kind and size ("f", "f4"), optionally
- * after a byte order of '<' (little-endian), '=' (native) or '|' (not
- * applicable). Storages hold native little-endian bytes, so big-endian
- * spellings ('>' and '!') are refused. */
+ * "torch.bfloat16", "half"; "torch.float", "torch.int", "torch.cfloat",
+ * "torch.byte" and "torch.char" only with it), numpy's names ("float64",
+ * "bool_"), and numpy's type strings: a code or a kind and size ("f",
+ * "f4"), optionally after a byte order of '<' (little-endian), '=' (native)
+ * or '|' (not applicable). Storages hold native little-endian bytes, so
+ * big-endian spellings ('>' and '!') are refused. */
 td_dtype td_dtype_from_name(const char *name) {
   if (name == NULL || name[0] == '\0')
     return TD_DTYPE_INVALID;
@@ -127,11 +145,12 @@ td_dtype td_dtype_from_name(const char *name) {
   for (int d = 1; d < TD_DTYPE_COUNT_; d++)
     if (strcmp(name, dtypes[d].name) == 0)
       return (td_dtype)d;
-  for (size_t i = 0; i < sizeof(aliases) / sizeof(aliases[0]); i++)
-    if (strcmp(name, aliases[i].name) == 0)
-      return aliases[i].dtype;
+  td_dtype d = find_alias(aliases, sizeof(aliases) / sizeof(aliases[0]), name);
+  if (d != TD_DTYPE_INVALID)
+    return d;
   if (torch)
-    return TD_DTYPE_INVALID;
+    return find_alias(torch_aliases,
+                      sizeof(torch_aliases) / sizeof(torch_aliases[0]), name);
   if (name[0] == '<' || name[0] == '=' || name[0] == '|')
     name++;
   return from_typestr(name);

@@ -11,8 +11,54 @@ static __thread char errbuf[640];
 
 #define FAIL(...) td__msg(errbuf, sizeof(errbuf), __VA_ARGS__)
 
-/* Returns 0 if v's fields are each in range, else TD_EINVAL with the reason
- * in msg (if not NULL). */
+/* Formats shape as "[2, 3]" into buf; returns buf. */
+static char *fmt_shape(char *buf, size_t len, int32_t ndim,
+                       const int64_t *shape) {
+  size_t n = 0;
+  buf[0] = '\0';
+  for (int32_t i = 0; i <= ndim && n < len; i++) {
+    int k = i == ndim ? snprintf(buf + n, len - n, "]")
+                      : snprintf(buf + n, len - n, "%s%lld", i ? ", " : "[",
+                                 (long long)shape[i]);
+    n += k > 0 ? (size_t)k : 0;
+  }
+  return buf;
+}
+
+/* Sets *n to the number of elements of ndim sizes, each >= 0: 0 if any size
+ * is 0, whatever the others, else their product. Returns 0, or -1 if that
+ * product passes INT64_MAX; *n is then unchanged. */
+static int count_elements(int32_t ndim, const int64_t *shape, int64_t *n) {
+  int64_t all = 1;
+  int over = 0;
+  for (int32_t i = 0; i < ndim; i++) {
+    if (shape[i] == 0) {
+      *n = 0;
+      return 0;
+    }
+    over |= __builtin_mul_overflow(all, shape[i], &all);
+  }
+  if (over)
+    return -1;
+  *n = all;
+  return 0;
+}
+
+/* Returns 0 if a view of ndim sizes (each >= 0) has at most INT64_MAX
+ * elements, else TD_EINVAL with the sizes in msg (if not NULL). */
+static int count_fits(int32_t ndim, const int64_t *shape, char *msg,
+                      size_t len) {
+  int64_t n;
+  if (count_elements(ndim, shape, &n) == 0)
+    return 0;
+  char sb[360];
+  return td__msg(msg, len, TD_EINVAL,
+                 "shape %s has more than INT64_MAX elements",
+                 fmt_shape(sb, sizeof(sb), ndim, shape));
+}
+
+/* Returns 0 if v's fields are each in range and its element count fits
+ * int64, else TD_EINVAL with the reason in msg (if not NULL). */
 static int view_valid(const td_view *v, char *msg, size_t len) {
   if (td_dtype_size(v->dtype) == 0)
     return td__msg(msg, len, TD_EINVAL, "unknown dtype %d", (int)v->dtype);
@@ -30,7 +76,7 @@ static int view_valid(const td_view *v, char *msg, size_t len) {
       return td__msg(msg, len, TD_EINVAL, "dim %d: negative stride %lld",
                      (int)i, (long long)v->stride[i]);
   }
-  return 0;
+  return count_fits(v->ndim, v->shape, msg, len);
 }
 
 const char *td_view_last_error(void) {
@@ -71,35 +117,37 @@ int td_view_contiguous(td_dtype dtype, int32_t ndim, const int64_t *shape,
                 TD_MAX_DIMS);
   if (ndim > 0 && shape == NULL)
     return FAIL(TD_EINVAL, "contiguous: shape is NULL for %d dims", (int)ndim);
-  int64_t all = 1;
+  /* The product of the sizes, each 0 counted as 1: the outermost stride
+   * and at least the element count. */
+  int64_t all = 1, numel = 0, bytes;
   for (int32_t i = 0; i < ndim; i++) {
     if (shape[i] < 0)
       return FAIL(TD_EINVAL, "contiguous: dim %d: negative size %lld", (int)i,
                   (long long)shape[i]);
     if (__builtin_mul_overflow(all, shape[i] > 0 ? shape[i] : 1, &all))
       return FAIL(TD_EINVAL,
-                  "contiguous: element count overflows int64 "
+                  "contiguous: element count or stride overflows int64 "
                   "at dim %d of size %lld",
                   (int)i, (long long)shape[i]);
     v.shape[i] = shape[i];
   }
+  count_elements(ndim, shape, &numel); /* <= all: fits */
+  if (__builtin_mul_overflow(numel, (int64_t)td_dtype_size(dtype), &bytes))
+    return FAIL(TD_EINVAL,
+                "contiguous: %lld elements of %zu bytes pass INT64_MAX bytes",
+                (long long)numel, td_dtype_size(dtype));
   dense_strides(ndim, shape, v.stride); /* cannot overflow: all fits */
   *out = v;
   return 0;
 }
 
 int64_t td_view_numel(const td_view *v) {
-  char why[160];
+  char why[512];
   int err = view_valid(v, why, sizeof(why));
   if (err < 0)
     return FAIL(err, "numel: malformed view: %s", why);
-  int64_t n = 1;
-  for (int32_t i = 0; i < v->ndim; i++)
-    if (__builtin_mul_overflow(n, v->shape[i], &n))
-      return FAIL(TD_EINVAL,
-                  "numel: element count overflows int64 at "
-                  "dim %d of size %lld",
-                  (int)i, (long long)v->shape[i]);
+  int64_t n = 0;
+  count_elements(v->ndim, v->shape, &n); /* view_valid: fits */
   return n;
 }
 
@@ -132,6 +180,12 @@ int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len) {
     return td__msg(msg, len, TD_EINVAL,
                    "extent of %lld elements of %lld bytes overflows int64",
                    (long long)last, (long long)itemsize);
+#if SIZE_MAX < INT64_MAX
+  if ((uint64_t)end > SIZE_MAX)
+    return td__msg(msg, len, TD_EINVAL,
+                   "extent of %lld bytes does not fit in size_t",
+                   (long long)end);
+#endif
   if ((uint64_t)end > (uint64_t)nbytes) {
     char vb[512];
     return td__msg(msg, len, TD_ERANGE,
@@ -172,7 +226,7 @@ char *td_view_format(const td_view *v, char *buf, size_t len) {
 static int check_in(const td_view *v, const char *op) {
   if (v == NULL)
     return FAIL(TD_EINVAL, "%s: view is NULL", op);
-  char why[160];
+  char why[512];
   int err = view_valid(v, why, sizeof(why));
   if (err < 0)
     return FAIL(err, "%s: malformed view: %s", op, why);
@@ -200,20 +254,6 @@ static int has_zero(const int64_t *shape, int32_t ndim, int32_t skip) {
     if (i != skip && shape[i] == 0)
       return 1;
   return 0;
-}
-
-/* Formats shape as "[2, 3]" into buf; returns buf. */
-static char *fmt_shape(char *buf, size_t len, int32_t ndim,
-                       const int64_t *shape) {
-  size_t n = 0;
-  buf[0] = '\0';
-  for (int32_t i = 0; i <= ndim && n < len; i++) {
-    int k = i == ndim ? snprintf(buf + n, len - n, "]")
-                      : snprintf(buf + n, len - n, "%s%lld", i ? ", " : "[",
-                                 (long long)shape[i]);
-    n += k > 0 ? (size_t)k : 0;
-  }
-  return buf;
 }
 
 /* Removes dim d of v, zeroing the slot it frees. */
@@ -488,6 +528,9 @@ int td_view_expand(td_view *v, int32_t ndim, const int64_t *shape) {
     es[i] = size;
     est[i] = stride;
   }
+  char why[512];
+  if (count_fits(ndim, es, why, sizeof(why)) < 0)
+    return FAIL(TD_EINVAL, "expand: %s", why);
   memcpy(v->shape, es, (size_t)ndim * sizeof(int64_t));
   memcpy(v->stride, est, (size_t)ndim * sizeof(int64_t));
   v->ndim = ndim;
@@ -544,15 +587,14 @@ int td_view_reshape(td_view *v, int32_t ndim, const int64_t *shape) {
   if (ndim > 0 && shape == NULL)
     return FAIL(TD_EINVAL, "reshape: shape is NULL for %d dims", (int)ndim);
   char sb[360];
-  int64_t numel = 1;
-  for (int32_t i = 0; i < v->ndim; i++)
-    if (__builtin_mul_overflow(numel, v->shape[i], &numel))
-      return FAIL(TD_EINVAL, "reshape: the view's element count overflows "
-                             "int64");
-  /* infer_size: at most one -1, the others non-negative. */
+  int64_t numel = 0;
+  count_elements(v->ndim, v->shape, &numel); /* check_in: fits */
+  /* infer_size: at most one -1, the others non-negative. newsize is the
+   * product of the others: 0 if one is 0, whatever the rest. */
   int64_t ns[TD_MAX_DIMS], st[TD_MAX_DIMS];
   int32_t infer = -1;
   int64_t newsize = 1;
+  int over = 0, zero = 0;
   for (int32_t i = 0; i < ndim; i++) {
     ns[i] = shape[i];
     if (shape[i] == -1) {
@@ -565,13 +607,18 @@ int td_view_reshape(td_view *v, int32_t ndim, const int64_t *shape) {
     } else if (shape[i] < 0) {
       return FAIL(TD_EINVAL, "reshape: dim %d: invalid size %lld", (int)i,
                   (long long)shape[i]);
-    } else if (__builtin_mul_overflow(newsize, shape[i], &newsize)) {
-      return FAIL(TD_EINVAL,
-                  "reshape: the element count of shape %s "
-                  "overflows int64",
-                  fmt_shape(sb, sizeof(sb), ndim, shape));
+    } else {
+      zero |= shape[i] == 0;
+      over |= __builtin_mul_overflow(newsize, shape[i], &newsize);
     }
   }
+  if (zero)
+    newsize = 0;
+  else if (over)
+    return FAIL(TD_EINVAL,
+                "reshape: the element count of shape %s "
+                "overflows int64",
+                fmt_shape(sb, sizeof(sb), ndim, shape));
   if (numel == newsize || (infer >= 0 && newsize > 0 && numel % newsize == 0)) {
     if (infer >= 0) {
       if (newsize == 0)
@@ -709,6 +756,13 @@ int td_view_reinterpret(td_view *v, td_dtype dtype) {
     size = v->shape[last] / r;
     off = v->offset / r;
   }
+  /* A smaller element multiplies the count: it must still fit. */
+  int64_t ns[TD_MAX_DIMS];
+  char why[512];
+  memcpy(ns, v->shape, (size_t)last * sizeof(int64_t));
+  ns[last] = size;
+  if (count_fits(v->ndim, ns, why, sizeof(why)) < 0)
+    return FAIL(TD_EINVAL, "reinterpret: as %s: %s", tn, why);
   memcpy(v->stride, st, (size_t)last * sizeof(int64_t));
   v->shape[last] = size;
   v->offset = off;

@@ -111,17 +111,21 @@ typedef struct td_view {
 } td_view;
 
 /* Fills *out with a contiguous (row-major) view of shape at offset 0.
- * Returns TD_EINVAL for a bad dtype, ndim or negative size, or an element
- * count that overflows int64; *out is unchanged on failure. */
+ * Returns TD_EINVAL for a bad dtype, ndim or negative size, or a stride, an
+ * element count or a byte count (elements times their size) past INT64_MAX;
+ * *out is unchanged on failure. */
 int td_view_contiguous(td_dtype dtype, int32_t ndim, const int64_t *shape,
                        td_view *out);
 /* Returns 0 if every element of v lies inside a storage of nbytes bytes,
  * TD_ERANGE if some element does not, and TD_EINVAL if v is malformed (bad
- * dtype or ndim, negative size, stride or offset) or its arithmetic
- * overflows int64. */
+ * dtype or ndim, negative size, stride or offset, more than INT64_MAX
+ * elements, which stride-0 dims allow in a few bytes) or its extent
+ * overflows int64. A view that passes has a td_view_numel that fits int64
+ * and a byte extent that fits size_t. */
 int td_view_check(const td_view *v, size_t nbytes);
-/* Returns the number of elements of v (1 for a 0-d view), or a negative
- * code if v is malformed or the count overflows. */
+/* Returns the number of elements of v (1 for a 0-d view, 0 if any size is
+ * 0, whatever the others), or TD_EINVAL if v is malformed, which includes a
+ * count past INT64_MAX. */
 int64_t td_view_numel(const td_view *v);
 /* Formats v as "float32[4, 3] stride (3, 1) offset 0" into buf; returns buf. */
 char *td_view_format(const td_view *v, char *buf, size_t len);
@@ -135,15 +139,17 @@ char *td_view_format(const td_view *v, char *buf, size_t len);
  * falls outside its dimension. A dim may be negative, counting from the end
  * (-1 is the last). Ops never widen what a view reaches: applied to a view
  * that passes td_view_check(v, n), every op but td_view_as_strided gives one
- * that passes it too. */
+ * that passes it too. No op makes a view of more than INT64_MAX elements
+ * (expand, reinterpret and as_strided refuse one with TD_EINVAL), and every
+ * op refuses such a view as malformed. */
 
 struct td_client;
 struct td_storage;
 
 /* Returns the message of this thread's last failed call among the functions
- * of this section (and td_view_contiguous, td_view_check, td_view_numel),
- * naming the operation, the dimension and the values; "" if none failed yet.
- * A later success does not clear it. */
+ * of this section, td_view_contiguous, td_view_check, td_view_numel and the
+ * copies and DLPack calls below, naming the operation, the dimension and the
+ * values; "" if none failed yet. A later success does not clear it. */
 const char *td_view_last_error(void);
 
 /* Returns 1 if v is contiguous in PyTorch's sense (row-major; the strides of
@@ -182,9 +188,10 @@ int td_view_expand(td_view *v, int32_t ndim, const int64_t *shape);
  * strides, and fails with TD_EINVAL where a copy would be needed. */
 int td_view_reshape(td_view *v, int32_t ndim, const int64_t *shape);
 /* Replaces shape, strides and offset, keeping the dtype. Checks only that
- * they are well formed (non-negative, no int64 overflow in the extent): it
- * cannot know the storage, so whatever reads or writes through the result
- * (td_publish, td_copy, td_to_dlpack) checks it against the storage. */
+ * they are well formed (non-negative, at most INT64_MAX elements, no int64
+ * overflow in the extent): it cannot know the storage, so whatever reads or
+ * writes through the result (td_publish, td_copy, td_to_dlpack) checks it
+ * against the storage. */
 int td_view_as_strided(td_view *v, int32_t ndim, const int64_t *shape,
                        const int64_t *stride, int64_t offset);
 /* Looks at the same bytes as dtype, as Tensor.view(dtype): with an element
@@ -196,13 +203,23 @@ int td_view_reinterpret(td_view *v, td_dtype dtype);
  * start of the storage) of the element at index[0..ndim) (negative: from
  * the end; NULL ok for a 0-d view). *offset is unchanged on failure. */
 int td_view_offset_of(const td_view *v, const int64_t *index, int64_t *offset);
+/* ---- end of view algebra ---- */
+
+/* ---- copies and DLPack (docs/views.md) ---- */
+/* Unlike the view algebra, these reach storage bytes: td_copy reads and
+ * writes them, td_to_dlpack hands out a pointer into a storage's mapping
+ * together with a reference to the storage, and td_from_dlpack asks the
+ * daemon for a new storage, copies into it and may publish it. Each checks
+ * every view against its storage before it touches a byte, and leaves the
+ * reason of a failure in td_view_last_error(). */
 
 /* Copies every element of src_view in src to the same index of dst_view in
  * dst: same dtype and shape, both checked against their storages (TD_ERANGE).
  * Refuses a read-only dst (TD_EACCES) and a dst view that names one element
  * twice (a stride-0 dim, TD_EINVAL). Views of the same storage that overlap
- * are copied through a temporary buffer, so the result is as if src had been
- * read whole first. Contiguous runs are copied with memcpy, a transpose in
+ * are copied through a temporary buffer of numel * itemsize bytes (TD_ENOMEM
+ * if it cannot be had), so the result is as if src had been read whole
+ * first. Contiguous runs are copied with memcpy, a transpose in
  * cache-sized tiles. Both storages must be on the CPU (TD_ENODEV). Every
  * check comes before the first write, so dst is unchanged on failure; the
  * reason is in td_view_last_error(). */
@@ -214,8 +231,10 @@ int td_copy(struct td_storage *dst, const td_view *dst_view,
 struct DLManagedTensor;
 
 /* Exports view v of s (v NULL: the whole storage as uint8[nbytes]) as a new
- * DLManagedTensor without copying: data is the storage's mapping (page
- * aligned), byte_offset the view's offset in bytes, strides explicit in
+ * DLManagedTensor without copying: data points at the view's first element
+ * (the storage's mapping plus offset times the element size, so page
+ * aligned only at offset 0) and byte_offset is 0, as PyTorch exports
+ * (PyTorch 1.13 ignores byte_offset on import); strides explicit in
  * elements, device kDLCPU. The tensor holds its own reference to s (taken
  * with td_storage_retain), so it outlives td_storage_release of the caller's
  * handle; its deleter drops that reference and frees the tensor, and must be
@@ -231,20 +250,25 @@ int td_to_dlpack(struct td_storage *s, const td_view *v,
  * failure, as if ownership passed to td_from_dlpack). */
 #define TD_DLPACK_CONSUME 0x100u
 
-/* Copies the CPU tensor src (any non-negative strides; NULL strides:
- * row-major) into a new storage of c, one copy, as a contiguous view, and
- * publishes it under key if key is not NULL. *out (if not NULL) gets the
- * new storage handle; with out NULL only the key keeps the storage alive.
+/* Copies the CPU tensor src, whose first element is at data + byte_offset
+ * (both are honoured; any non-negative strides; NULL strides: row-major),
+ * into a new storage that c asks the daemon for, one copy, as a contiguous
+ * view, and publishes it under key if key is not NULL. *out (if not NULL) gets
+ * the new storage handle; with out NULL only the key keeps the storage alive.
  * src is only read: the caller keeps it and calls its deleter when done,
  * unless flags has TD_DLPACK_CONSUME. kDLUInt/kDLInt/kDLFloat/kDLBfloat/
  * kDLComplex of the sizes tensord has, and code 6 (kDLBool of later DLPack)
  * of 8 bits, with lanes 1; others are TD_EINVAL. Devices other than kDLCPU
- * (and the host-memory kDLCUDAHost, kDLROCMHost) get TD_ENODEV. The reason
- * of a failure is in td_view_last_error(); where the daemon refused, it is
- * also in td_last_error(c). Nothing is left behind on failure. */
+ * (and the host-memory kDLCUDAHost, kDLROCMHost) get TD_ENODEV. A tensor of
+ * more than INT64_MAX elements, one whose contiguous copy needs more than
+ * INT64_MAX bytes (a stride-0 source may be tiny) and one whose bytes would
+ * run past the end of the address space are TD_EINVAL, before any storage
+ * is made. The reason of a failure is in td_view_last_error(); where the
+ * daemon refused, it is also in td_last_error(c). Nothing is left behind on
+ * failure. */
 int td_from_dlpack(struct td_client *c, struct DLManagedTensor *src,
                    const char *key, unsigned flags, struct td_storage **out);
-/* ---- end of view algebra ---- */
+/* ---- end of copies and DLPack ---- */
 
 /* Clients and storages. */
 typedef struct td_client td_client;

@@ -787,7 +787,12 @@ Test(badinput, publish_of_view_whose_arithmetic_overflows_is_refused) {
   view_msg(&m, TD_FLOAT64, 0, NULL, NULL, INT64_MAX);
   raw_publish(r, 5, "ovf", 3, id, &m);
   expect_error(r, TD_EINVAL, "overflow");
-  expect_usable(r, 6);
+  /* Stride-0 dims: one byte, but more than INT64_MAX elements. */
+  int64_t sh2[2] = {1LL << 32, (1LL << 32) + 4}, st2[2] = {0, 0};
+  view_msg(&m, TD_UINT8, 2, sh2, st2, 0);
+  raw_publish(r, 6, "ovf", 3, id, &m);
+  expect_error(r, TD_EINVAL, "[4294967296, 4294967300]", "INT64_MAX");
+  expect_usable(r, 7);
   raw_close(r);
   expect_daemon_fine();
 }

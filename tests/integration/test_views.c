@@ -238,8 +238,9 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   DLManagedTensor *m;
   cr_assert_eq(td_to_dlpack(s, &v, &m), 0, "%s", td_view_last_error());
   DLTensor *t = &m->dl_tensor;
-  cr_assert_eq(t->data, td_storage_data(s), "no copy: the mapping itself");
-  cr_assert_eq(t->byte_offset, 4);
+  cr_assert_eq(t->data, (char *)td_storage_data(s) + 4,
+               "no copy: the mapping itself, at the first element");
+  cr_assert_eq(t->byte_offset, 0);
   cr_assert_eq(t->device.device_type, kDLCPU);
   cr_assert_eq(t->ndim, 2);
   cr_assert_eq(t->shape[0], 3);
@@ -253,7 +254,7 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   /* The tensor's reference keeps the storage after the caller's goes. */
   cr_assert_eq(td_storage_release(s), 0);
   cr_assert_eq(tdt_storages(&d), 1);
-  const char *base = (const char *)t->data + t->byte_offset;
+  const char *base = t->data;
   for (int i = 0; i < 3; i++)
     for (int j = 0; j < 4; j++) {
       int32_t x;
@@ -286,6 +287,146 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   cr_assert_eq(tdt_storages(&d), 1);
   cr_assert_eq(td_unpublish(c, "dl/copy"), 0);
   td_storage_release(copy);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
+Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h = NULL;
+  cr_assert_eq(td_storage_create(c, 1, &s), 0);
+  /* One byte seen 2^64 + 2^34 times through zero strides. */
+  td_view v;
+  memset(&v, 0, sizeof(v));
+  v.dtype = TD_UINT8;
+  v.ndim = 2;
+  v.shape[0] = 1LL << 32;
+  v.shape[1] = (1LL << 32) + 4;
+  cr_assert_eq(td_publish(c, "huge", s, &v), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "[4294967296, 4294967300]") != NULL &&
+                strstr(td_last_error(c), "INT64_MAX") != NULL,
+            "'%s'", td_last_error(c));
+  cr_assert_eq(td_lookup(c, "huge", 0, 0, &h, NULL), TD_ENOENT);
+  /* As many as fit are fine. */
+  v.shape[0] = 2;
+  v.shape[1] = INT64_MAX / 2;
+  cr_assert_eq(td_publish(c, "huge", s, &v), 0, "%s", td_last_error(c));
+  td_view got;
+  cr_assert_eq(td_lookup(c, "huge", TD_TAKE, 0, &h, &got), 0);
+  cr_assert_eq(td_view_numel(&got), INT64_MAX - 1);
+  td_storage_release(h);
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
+/* Views whose elements overlap (strides that are not 0 but collide) can
+ * name far more elements than their bytes: the temporary buffer an
+ * overlapping copy needs must be sized without wrapping. */
+Test(views, copy_refuses_what_no_buffer_can_hold) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 16 * 1024;
+  cr_assert_eq(td_storage_create(c, n, &s), 0);
+  unsigned char *bytes = td_storage_data(s);
+  for (size_t i = 0; i < n; i++)
+    bytes[i] = (unsigned char)i;
+  /* complex128 [64]^10 with every stride 1: 2^60 elements of 16 bytes, over
+   * 10 KiB. The source is the same shape one element on, so the two
+   * overlap and take the path through a temporary of 2^64 bytes. */
+  td_view dv, sv;
+  memset(&dv, 0, sizeof(dv));
+  dv.dtype = TD_COMPLEX128;
+  dv.ndim = 10;
+  for (int i = 0; i < 10; i++) {
+    dv.shape[i] = 64;
+    dv.stride[i] = 1;
+  }
+  sv = dv;
+  sv.offset = 1;
+  cr_assert_eq(td_view_check(&dv, n), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_view_check(&sv, n), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_copy(s, &dv, s, &sv), TD_ENOMEM);
+  cr_assert(strstr(td_view_last_error(), "1152921504606846976") != NULL, "'%s'",
+            td_view_last_error());
+  for (size_t i = 0; i < n; i++)
+    cr_assert_eq(bytes[i], (unsigned char)i, "byte %zu changed", i);
+  /* A source of more than INT64_MAX elements is refused as such. */
+  memset(&sv, 0, sizeof(sv));
+  sv.dtype = TD_UINT8;
+  sv.ndim = 2;
+  sv.shape[0] = 1LL << 32;
+  sv.shape[1] = (1LL << 32) + 4;
+  dv = sv;
+  cr_assert_eq(td_copy(s, &dv, s, &sv), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "INT64_MAX") != NULL, "'%s'",
+            td_view_last_error());
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+}
+
+/* A consumer that reads data and ignores byte_offset, as PyTorch 1.13 does
+ * on import, still sees the view's own elements. */
+Test(views, dlpack_export_points_data_at_the_first_element) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, ROWS * COLS * sizeof(float), &s), 0);
+  float *f = td_storage_data(s);
+  for (int i = 0; i < ROWS * COLS; i++)
+    f[i] = (float)i;
+  td_view v, row, empty;
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, (int64_t[]){ROWS, COLS}, &v),
+               0);
+  cr_assert_eq(td_view_narrow(&v, 0, 2, 3), 0); /* rows 2..4 */
+  cr_assert_eq(td_view_narrow(&v, 1, 1, 6), 0); /* columns 1..6 */
+  row = v;
+  cr_assert_eq(td_view_select(&row, 0, 2), 0); /* row 4, columns 1..6 */
+  empty = v;
+  cr_assert_eq(td_view_narrow(&empty, 0, 3, 0), 0);
+  DLManagedTensor *m;
+  cr_assert_eq(td_to_dlpack(s, &v, &m), 0, "%s", td_view_last_error());
+  DLTensor *t = &m->dl_tensor;
+  cr_assert_eq(t->byte_offset, 0);
+  cr_assert_eq(t->data, (char *)f + (2 * COLS + 1) * sizeof(float));
+  cr_assert_eq(t->strides[0], COLS);
+  cr_assert_eq(t->strides[1], 1);
+  const float *p = t->data;
+  for (int64_t i = 0; i < t->shape[0]; i++)
+    for (int64_t j = 0; j < t->shape[1]; j++)
+      cr_assert_eq(p[i * t->strides[0] + j * t->strides[1]],
+                   (float)((2 + i) * COLS + 1 + j), "element (%lld, %lld)",
+                   (long long)i, (long long)j);
+  m->deleter(m);
+  cr_assert_eq(td_to_dlpack(s, &row, &m), 0, "%s", td_view_last_error());
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  cr_assert_eq(*(const float *)m->dl_tensor.data, (float)(4 * COLS + 1));
+  m->deleter(m);
+  /* Uint8 bytes of the whole storage start at the mapping. */
+  cr_assert_eq(td_to_dlpack(s, NULL, &m), 0);
+  cr_assert_eq(m->dl_tensor.data, (void *)f);
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  m->deleter(m);
+  /* An empty view still gets a pointer inside (or just past) the mapping. */
+  cr_assert_eq(td_to_dlpack(s, &empty, &m), 0, "%s", td_view_last_error());
+  cr_assert_eq(m->dl_tensor.shape[0], 0);
+  cr_assert_eq(m->dl_tensor.byte_offset, 0);
+  cr_assert_eq(m->dl_tensor.data,
+               (char *)f + (size_t)empty.offset * sizeof(float));
+  m->deleter(m);
+  /* Imported back, data and byte_offset both count: both are honoured. */
+  cr_assert_eq(td_to_dlpack(s, &v, &m), 0);
+  m->dl_tensor.data = (char *)m->dl_tensor.data - 8;
+  m->dl_tensor.byte_offset = 8;
+  td_storage *copy;
+  cr_assert_eq(td_from_dlpack(c, m, NULL, TD_DLPACK_CONSUME, &copy), 0, "%s",
+               td_view_last_error());
+  const float *q = td_storage_data(copy);
+  for (int i = 0; i < 3; i++)
+    for (int j = 0; j < 6; j++)
+      cr_assert_eq(q[i * 6 + j], (float)((2 + i) * COLS + 1 + j));
+  td_storage_release(copy);
+  td_storage_release(s);
   td_close(c);
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));
 }
@@ -425,6 +566,34 @@ Test(views, dlpack_import_refuses_what_it_cannot_copy) {
     cr_expect(strstr(td_view_last_error(), cases[i].needle) != NULL, "%s: '%s'",
               cases[i].what, td_view_last_error());
   }
+  /* One double seen 2^61 times: 2^64 bytes once copied. It used to become a
+   * 1-byte storage that the copy then ran past. */
+  double one = 1.0;
+  ext_init(&e, &one, 1LL << 31, 1LL << 30, (int64_t[]){0, 0},
+           (DLDataType){kDLFloat, 64, 1});
+  s = (td_storage *)&e;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, &s), TD_EINVAL);
+  cr_assert_null(s);
+  cr_assert(strstr(td_view_last_error(), "2305843009213693952 elements") &&
+                strstr(td_view_last_error(), "8 bytes"),
+            "'%s'", td_view_last_error());
+  /* 2^60 of them: 2^63 bytes, one past INT64_MAX. */
+  e.shape[0] = 1LL << 30;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "1152921504606846976") != NULL, "'%s'",
+            td_view_last_error());
+  /* More elements than int64 holds. */
+  e.shape[0] = 1LL << 40;
+  e.shape[1] = 1LL << 40;
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "INT64_MAX") != NULL, "'%s'",
+            td_view_last_error());
+  /* A byte_offset that wraps the address space round to valid memory. */
+  ext_init(&e, &data[2], 2, 2, NULL, (DLDataType){kDLFloat, 32, 1});
+  e.m.dl_tensor.byte_offset = UINT64_MAX - 7; /* data - 8 */
+  cr_assert_eq(td_from_dlpack(c, &e.m, "dl/bad", 0, NULL), TD_EINVAL);
+  cr_assert(strstr(td_view_last_error(), "byte_offset") != NULL, "'%s'",
+            td_view_last_error());
   ext_init(&e, data, 4, 4, NULL, (DLDataType){kDLFloat, 32, 1});
   cr_assert_eq(td_from_dlpack(c, &e.m, NULL, 0, NULL), TD_EINVAL,
                "nothing would hold the storage");

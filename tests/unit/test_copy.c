@@ -321,3 +321,20 @@ Test(copy, bad_input_leaves_the_destination) {
   cr_assert_eq(td__copy_raw(d, &dv, s, &sv, 0), 0);
   cr_assert_eq(d[0], 1);
 }
+
+/* Plans are made for views checked only for overflow (a DLPack source is
+ * checked against SIZE_MAX): merging two dims must not overflow int64 in
+ * size * stride (under UBSan this aborted). */
+Test(copy, plans_for_huge_strides_do_not_overflow) {
+  td_view d, s;
+  /* Source dim 1 steps 2^62 bytes: merging it into dim 0 would compare
+   * against 2 * 2^62. */
+  view2(&d, TD_FLOAT64, 2, 2, 2, 1, 0);
+  view2(&s, TD_FLOAT64, 2, 2, 1, 1LL << 59, 0);
+  cr_assert_eq(td_view_check(&s, SIZE_MAX), 0, "%s", td_view_last_error());
+  cr_assert_eq(td__copy_plan_path(&d, &s), TD__COPY_TILED);
+  view2(&d, TD_FLOAT64, 2, 2, 1, 1LL << 59, 0);
+  view2(&s, TD_FLOAT64, 2, 2, 2, 1, 0);
+  cr_assert_eq(td_view_check(&d, SIZE_MAX), 0, "%s", td_view_last_error());
+  cr_assert_neq(td__copy_plan_path(&d, &s), TD__COPY_MEMCPY);
+}

@@ -1350,6 +1350,314 @@ Test(view, is_contiguous_as_pytorch) {
   cr_assert_eq(td_view_is_contiguous(&v), 0);
 }
 
+/* ---- element counts past INT64_MAX ---- */
+
+/* A view of dtype with the given sizes and strides, offset 0. */
+static td_view raw_view(td_dtype dtype, int32_t nd, const int64_t *shape,
+                        const int64_t *stride) {
+  td_view v;
+  memset(&v, 0, sizeof(v));
+  v.dtype = dtype;
+  v.ndim = nd;
+  memcpy(v.shape, shape, (size_t)nd * sizeof(int64_t));
+  memcpy(v.stride, stride, (size_t)nd * sizeof(int64_t));
+  return v;
+}
+
+Test(view, element_counts_past_int64_are_refused) {
+  /* expand of [1, 1, 1] to [2^62, 2^31, 5]: 5 * 2^93 elements over one
+   * float32, as PyTorch refuses ("numel: integer multiplication overflow"). */
+  td_view v, before;
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 3, (int64_t[]){1, 1, 1}, &v), 0);
+  before = v;
+  BAD(td_view_expand(&v, 3, (int64_t[]){1LL << 62, 1LL << 31, 5}), TD_EINVAL,
+      "[4611686018427387904, 2147483648, 5]");
+  cr_expect(strstr(td_view_last_error(), "expand") != NULL, "%s",
+            td_view_last_error());
+  /* The last count that fits, and one more. */
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 1, (int64_t[]){1}, &v), 0);
+  before = v;
+  td_view w = v;
+  cr_assert_eq(td_view_expand(&w, 2, (int64_t[]){3, 3074457345618258602}), 0,
+               "%s", td_view_last_error());
+  cr_assert_eq(td_view_numel(&w), INT64_MAX - 1);
+  cr_assert_eq(td_view_check(&w, 4), 0, "%s", td_view_last_error());
+  BAD(td_view_expand(&v, 2, (int64_t[]){3, 3074457345618258603}), TD_EINVAL,
+      "3074457345618258603");
+
+  /* [2^32, 2^32 + 4] with zero strides: one byte, 2^64 + 2^34 elements. */
+  v = raw_view(TD_UINT8, 2, (int64_t[]){1LL << 32, (1LL << 32) + 4},
+               (int64_t[]){0, 0});
+  before = v;
+  BAD(td_view_check(&v, 1), TD_EINVAL, "[4294967296, 4294967300]");
+  BAD(td_view_check(&v, SIZE_MAX), TD_EINVAL, "INT64_MAX");
+  BAD((int)td_view_numel(&v), TD_EINVAL, "numel");
+  /* Such a view is malformed to every op, as a negative size is. */
+  BAD(td_view_transpose(&v, 0, 1), TD_EINVAL, "transpose");
+  BAD(td_view_narrow(&v, 0, 0, 1), TD_EINVAL, "[4294967296, 4294967300]");
+  td_view t;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, (int64_t[]){1}, &t), 0);
+  before = v = t;
+  BAD(td_view_as_strided(&v, 2, (int64_t[]){1LL << 32, (1LL << 32) + 4},
+                         (int64_t[]){0, 0}, 0),
+      TD_EINVAL, "as_strided");
+
+  /* reinterpret to a smaller element multiplies the count: complex128
+   * [2^59, 2] stride (0, 1) is 2^60 elements, as uint8 [2^59, 32] 2^64. */
+  v = raw_view(TD_COMPLEX128, 2, (int64_t[]){1LL << 59, 2}, (int64_t[]){0, 1});
+  cr_assert_eq(td_view_check(&v, 32), 0, "%s", td_view_last_error());
+  before = v;
+  BAD(td_view_reinterpret(&v, TD_UINT8), TD_EINVAL, "[576460752303423488, 32]");
+  cr_assert_eq(td_view_reinterpret(&v, TD_FLOAT64), 0, "%s",
+               td_view_last_error());
+  cr_assert_eq(td_view_numel(&v), 1LL << 61);
+
+  /* A contiguous view whose bytes pass INT64_MAX can never be checked. */
+  before = v;
+  BAD(td_view_contiguous(TD_FLOAT64, 1, (int64_t[]){1LL << 60}, &v), TD_EINVAL,
+      "1152921504606846976 elements of 8 bytes");
+  cr_assert_eq(
+      td_view_contiguous(TD_FLOAT64, 1, (int64_t[]){(1LL << 60) - 1}, &v), 0);
+
+  /* An empty view has 0 elements, whatever its other sizes and their order. */
+  v = raw_view(TD_UINT8, 3, (int64_t[]){1LL << 62, 2, 0}, (int64_t[]){0, 0, 0});
+  cr_assert_eq(td_view_numel(&v), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_view_check(&v, 0), 0, "%s", td_view_last_error());
+  v = raw_view(TD_UINT8, 3, (int64_t[]){0, 1LL << 62, 4}, (int64_t[]){0, 0, 0});
+  cr_assert_eq(td_view_numel(&v), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_view_check(&v, 0), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_view_reshape(&v, 3, (int64_t[]){1LL << 62, 2, 0}), 0, "%s",
+               td_view_last_error());
+  cr_assert_eq(td_view_reshape(&v, 1, (int64_t[]){0}), 0, "%s",
+               td_view_last_error());
+  cr_assert_eq(td_view_numel(&v), 0);
+}
+
+/* 128-bit arithmetic, saturating far above int64, as an independent judge
+ * of counts and extents. */
+typedef __int128 wide;
+#define WIDE_CAP ((wide)1 << 100)
+
+static wide wmul(wide a, wide b) {
+  if (a == 0 || b == 0)
+    return 0;
+  return a > WIDE_CAP / b ? WIDE_CAP : a * b;
+}
+
+static wide wide_numel(const td_view *v) {
+  wide n = 1;
+  for (int32_t i = 0; i < v->ndim; i++)
+    n = wmul(n, v->shape[i]);
+  return n;
+}
+
+/* The byte a view must not pass: its last element's end, or for an empty
+ * view its start. */
+static wide wide_end(const td_view *v) {
+  wide last = v->offset;
+  if (wide_numel(v) == 0)
+    return wmul(last, (wide)td_dtype_size(v->dtype));
+  for (int32_t i = 0; i < v->ndim; i++)
+    last += wmul(v->shape[i] - 1, v->stride[i]);
+  return wmul(last + 1, (wide)td_dtype_size(v->dtype));
+}
+
+/* Roughly log-uniform in [0, INT64_MAX]. */
+static int64_t big(void) {
+  int b = (int)rr(0, 63);
+  return b == 63 ? (int64_t)(rnd() >> 1) : rr(0, (int64_t)1 << b);
+}
+
+/* A well-formed view whose sizes, strides and offset are anything from 0 to
+ * INT64_MAX, zero strides common: counts and extents of any magnitude. */
+static void huge_view(td_view *v, int32_t maxnd) {
+  memset(v, 0, sizeof(*v));
+  v->dtype = random_dtype();
+  v->ndim = (int32_t)rr(0, maxnd);
+  for (int32_t i = 0; i < v->ndim; i++) {
+    int k = (int)rr(0, 9);
+    v->shape[i] = k == 0 ? 0 : k < 3 ? rr(1, 4) : big();
+    v->stride[i] = rr(0, 1) ? 0 : rr(0, 3) ? rr(1, 64) : big();
+  }
+  v->offset = rr(0, 3) ? 0 : rr(0, 1) ? rr(0, 64) : big();
+}
+
+/* What td_view_check(v, nbytes) must return, by wide arithmetic. */
+static int wide_check(const td_view *v, wide nbytes) {
+  if (wide_numel(v) > INT64_MAX || wide_end(v) > INT64_MAX)
+    return TD_EINVAL;
+  return wide_end(v) > nbytes ? TD_ERANGE : 0;
+}
+
+Test(view, counts_and_extents_agree_with_wide_arithmetic, .timeout = 60) {
+  seed_rng();
+  int seen[4] = {0}; /* passes; count over; extent over; out of storage */
+  for (int k = 0; k < 200000; k++) {
+    td_view v;
+    huge_view(&v, k % 8 == 0 ? TD_MAX_DIMS : 4);
+    char vb[512];
+    td_view_format(&v, vb, sizeof(vb));
+    wide n = wide_numel(&v), end = wide_end(&v);
+    int64_t got = td_view_numel(&v);
+    if (n > INT64_MAX)
+      cr_assert_eq(got, TD_EINVAL,
+                   "seed %u: %s: numel %lld of an overflowing "
+                   "count",
+                   seed, vb, (long long)got);
+    else
+      cr_assert_eq(got, (int64_t)n, "seed %u: %s: numel %lld, expected %lld",
+                   seed, vb, (long long)got, (long long)n);
+    wide tries[4] = {(wide)SIZE_MAX, end - 1, end, end + (wide)rr(1, 64)};
+    for (int i = 0; i < 4; i++) {
+      if (tries[i] < 0 || tries[i] > (wide)SIZE_MAX)
+        continue;
+      int want = wide_check(&v, tries[i]);
+      int err = td_view_check(&v, (size_t)tries[i]);
+      cr_assert_eq(err, want,
+                   "seed %u: %s against %llu bytes: %d, expected "
+                   "%d: %s",
+                   seed, vb, (unsigned long long)tries[i], err, want,
+                   td_view_last_error());
+      /* The invariant: what passes has a count in int64 and an extent in
+       * size_t, within the storage. */
+      if (err == 0)
+        cr_assert(n <= INT64_MAX && end <= tries[i] && end <= (wide)SIZE_MAX,
+                  "seed %u: %s passed", seed, vb);
+    }
+    seen[n > INT64_MAX          ? 1
+         : end > INT64_MAX      ? 2
+         : wide_check(&v, 1024) ? 3
+                                : 0]++;
+  }
+  for (int i = 0; i < 4; i++)
+    cr_expect(seen[i] > 100, "seed %u: case %d seen %d times", seed, i,
+              seen[i]);
+}
+
+/* Expected result of td_view_expand(v, nd, shape) by wide arithmetic: 0 and
+ * *out, or TD_EINVAL. Only for shapes that PyTorch's rules accept. */
+static int wide_expand(const td_view *v, int32_t nd, const int64_t *shape,
+                       td_view *out) {
+  *out = *v;
+  out->ndim = nd;
+  for (int32_t i = nd - 1; i >= 0; i--) {
+    int32_t d = v->ndim - nd + i;
+    int64_t size = d >= 0 ? v->shape[d] : 1, target = shape[i];
+    wide stride = d >= 0       ? v->stride[d]
+                  : i + 1 < nd ? wmul(out->shape[i + 1], out->stride[i + 1])
+                               : 0;
+    if (target == -1)
+      target = size;
+    if (size != target)
+      stride = 0;
+    if (stride > INT64_MAX)
+      return TD_EINVAL;
+    out->shape[i] = target;
+    out->stride[i] = (int64_t)stride;
+  }
+  return wide_numel(out) > INT64_MAX ? TD_EINVAL : 0;
+}
+
+/* Every op, applied to a view that passes td_view_check, gives a view that
+ * passes it too (against the same bytes, but for as_strided), so its count
+ * fits int64: expand, reinterpret and as_strided refuse counts past it. */
+Test(view, ops_on_huge_views_keep_counts_in_int64, .timeout = 60) {
+  seed_rng();
+  int expand_ok = 0, expand_refused = 0, reinterpret_refused = 0,
+      as_strided_refused = 0, others = 0;
+  for (int k = 0; k < 100000; k++) {
+    td_view v;
+    int kind = (int)rr(0, 5), err, want = 0;
+    do {
+      huge_view(&v, 6);
+      if (kind == 2 && v.ndim > 0 && rr(0, 1)) {
+        /* A view reinterpret accepts (the last dim dense) whose other
+         * dims, stride 0, may hold any count up to INT64_MAX. */
+        v.dtype = rr(0, 1) ? TD_COMPLEX128 : TD_INT64;
+        for (int32_t i = 0; i + 1 < v.ndim; i++)
+          v.stride[i] = 0;
+        v.stride[v.ndim - 1] = 1;
+        v.shape[v.ndim - 1] = rr(1, 4);
+      }
+    } while (td_view_check(&v, SIZE_MAX) != 0);
+    wide limit = wide_end(&v);
+    td_view before = v, want_v;
+    char vb[512];
+    td_view_format(&v, vb, sizeof(vb));
+    const char *name;
+    if (kind <= 1) { /* expand each size-1 dim, maybe add leading dims */
+      int32_t nd = (int32_t)rr(v.ndim, v.ndim + 2 > 16 ? 16 : v.ndim + 2);
+      int64_t shape[TD_MAX_DIMS];
+      for (int32_t i = 0; i < nd; i++) {
+        int32_t d = v.ndim - nd + i;
+        if (d >= 0 && v.shape[d] != 1)
+          shape[i] = rr(0, 1) ? -1 : v.shape[d];
+        else
+          shape[i] = rr(0, 2) == 0 ? 1 : rr(0, 1) ? rr(2, 8) : big();
+      }
+      name = "expand";
+      want = wide_expand(&v, nd, shape, &want_v);
+      err = td_view_expand(&v, nd, shape);
+      if (err == 0 && want == 0)
+        cr_assert_eq(memcmp(&v, &want_v, sizeof(v)), 0,
+                     "seed %u: %s: expand to the wrong view", seed, vb);
+      expand_ok += err == 0;
+      expand_refused += err != 0;
+    } else if (kind == 2) {
+      name = "reinterpret";
+      err = td_view_reinterpret(&v, random_dtype());
+      want = err; /* the rules are tested elsewhere; here the invariant */
+      reinterpret_refused +=
+          err != 0 && strstr(td_view_last_error(), "INT64_MAX") != NULL;
+    } else if (kind == 3) {
+      td_view n;
+      huge_view(&n, 6);
+      n.dtype = v.dtype; /* as_strided keeps it */
+      name = "as_strided";
+      want = wide_check(&n, (wide)SIZE_MAX) == 0 ? 0 : TD_EINVAL;
+      err = td_view_as_strided(&v, n.ndim, n.shape, n.stride, n.offset);
+      as_strided_refused += err != 0 && wide_numel(&n) > INT64_MAX;
+    } else {
+      int32_t d = v.ndim > 0 ? (int32_t)rr(0, v.ndim - 1) : 0;
+      name = "others";
+      switch (kind) {
+      case 4:
+        err = td_view_unsqueeze(&v, d);
+        break;
+      default:
+        err = v.ndim > 0 ? td_view_slice(&v, d, big(), big(), rr(1, 3))
+                         : td_view_squeeze_all(&v);
+      }
+      want = err;
+      others++;
+    }
+    cr_assert_eq(err, want, "seed %u: %s on %s: %d, expected %d: %s", seed,
+                 name, vb, err, want, td_view_last_error());
+    if (err != 0) {
+      cr_assert_eq(memcmp(&v, &before, sizeof(v)), 0,
+                   "seed %u: %s on %s "
+                   "failed and changed the view",
+                   seed, name, vb);
+      continue;
+    }
+    char ab[512];
+    td_view_format(&v, ab, sizeof(ab));
+    cr_assert(wide_numel(&v) <= INT64_MAX && td_view_numel(&v) >= 0,
+              "seed %u: %s made %s from %s: count past int64", seed, name, ab,
+              vb);
+    cr_assert_eq(td_view_check(&v, kind == 3 ? SIZE_MAX : (size_t)limit), 0,
+                 "seed %u: %s made %s from %s: %s", seed, name, ab, vb,
+                 td_view_last_error());
+  }
+  cr_expect(expand_ok > 100 && expand_refused > 100 &&
+                reinterpret_refused > 20 && as_strided_refused > 100 &&
+                others > 100,
+            "seed %u: expand %d ok, %d refused; reinterpret %d and "
+            "as_strided %d refused for the count; %d others",
+            seed, expand_ok, expand_refused, reinterpret_refused,
+            as_strided_refused, others);
+}
+
 /* ---- dtypes ---- */
 
 Test(dtype, names_sizes_and_numpy_spellings) {
@@ -1409,4 +1717,30 @@ Test(dtype, names_sizes_and_numpy_spellings) {
   cr_expect_eq(td_dtype_from_name(NULL), TD_DTYPE_INVALID);
   cr_expect_eq(td_dtype_size(TD_DTYPE_COUNT_), 0);
   cr_expect_null(td_dtype_name((td_dtype)-1));
+}
+
+/* With "torch." in front a name means what PyTorch means by it, even where
+ * numpy means something else; without, such names are refused. */
+Test(dtype, torch_names_mean_what_torch_means) {
+  struct {
+    const char *name;
+    td_dtype want;
+  } t[] = {
+      {"torch.byte", TD_UINT8},
+      {"torch.char", TD_INT8},
+      {"torch.float", TD_FLOAT32},
+      {"torch.int", TD_INT32},
+      {"torch.cfloat", TD_COMPLEX64},
+      {"torch.half", TD_FLOAT16},
+      {"torch.long", TD_INT64},
+      {"torch.short", TD_INT16},
+      {"torch.double", TD_FLOAT64},
+      {"torch.cdouble", TD_COMPLEX128},
+      {"ubyte", TD_UINT8},
+      {"byte", TD_DTYPE_INVALID},
+      {"char", TD_DTYPE_INVALID},
+  };
+  for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+    cr_expect_eq(td_dtype_from_name(t[i].name), t[i].want, "%s: %d, not %d",
+                 t[i].name, (int)td_dtype_from_name(t[i].name), (int)t[i].want);
 }

@@ -10,6 +10,10 @@
 extern "C" {
 #endif
 
+/* Everything declared here, and only that, is exported from libtensord.so:
+ * the library is built with -fvisibility=hidden. */
+#pragma GCC visibility push(default)
+
 #define TD_VERSION_MAJOR 0
 #define TD_VERSION_MINOR 1
 #define TD_VERSION_PATCH 0
@@ -378,6 +382,8 @@ int td_stat_get(td_client *c, td_stat *out);
 typedef int (*td_key_cb)(const td_key_info *info, void *arg);
 int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -14,10 +14,27 @@ extern "C" {
  * the library is built with -fvisibility=hidden. */
 #pragma GCC visibility push(default)
 
+/* The version of this header. These three lines are the one place the
+ * version is written: CMake reads them for the project, the library's file
+ * name, tensord.pc and the CMake package. */
 #define TD_VERSION_MAJOR 0
 #define TD_VERSION_MINOR 1
 #define TD_VERSION_PATCH 0
-#define TD_VERSION_STRING "0.1.0"
+/* 0xMMmmpp: one byte each for major, minor and patch, as libuv's. */
+#define TD_VERSION_HEX                                                         \
+  ((TD_VERSION_MAJOR << 16) | (TD_VERSION_MINOR << 8) | TD_VERSION_PATCH)
+#define TD__STRINGIFY(v) #v
+#define TD_STRINGIFY(v) TD__STRINGIFY(v)
+#define TD_VERSION_STRING                                                      \
+  TD_STRINGIFY(TD_VERSION_MAJOR)                                               \
+  "." TD_STRINGIFY(TD_VERSION_MINOR) "." TD_STRINGIFY(TD_VERSION_PATCH)
+
+/* Returns the version of the libtensord a program runs with, as
+ * TD_VERSION_HEX; compare it with the TD_VERSION_HEX the program was built
+ * against. */
+unsigned int td_version(void);
+/* Returns the same as "major.minor.patch" (TD_VERSION_STRING); static. */
+const char *td_version_string(void);
 
 /* Wire protocol version spoken by this library; the daemon refuses others. */
 #define TD_PROTOCOL_VERSION 1

@@ -1,13 +1,15 @@
 #!/bin/sh
 # test_install.sh: `cmake --install` into a temporary prefix, then build and
 # run a small program against the installed copy three ways: pkg-config
-# (shared), pkg-config --static (libtensord.a alone), find_package(tensord).
+# (shared), pkg-config --static (libtensord.a alone), find_package(tensord);
+# and against the build tree with README.md's one-line compile.
 # Usage: test_install.sh BUILD_DIR LIBDIR CC [CFLAGS]
 #   LIBDIR: CMAKE_INSTALL_LIBDIR (lib, or lib/<multiarch>)
 #   CFLAGS: extra flags for compiling and linking (the sanitizers of the build)
 set -eu
 build=$1 libdir_rel=$2 cc=$3 cflags=${4:-}
 here=$(cd "$(dirname "$0")" && pwd)
+src=$(cd "$here/../.." && pwd)
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/td-install.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
@@ -78,4 +80,11 @@ readelf -d "$tmp/consumer/prog_static" | grep -q 'NEEDED.*libtensord' &&
   fail "the CMake prog_static needs libtensord.so"
 "$tmp/consumer/prog_shared" "$nosock" || fail "CMake prog_shared ran"
 "$tmp/consumer/prog_static" "$nosock" || fail "CMake prog_static ran"
-echo "ok: installed $version; built and ran with pkg-config, pkg-config --static, find_package"
+
+step "build tree: cc -I include prog.c build/client/libtensord.a -lprotobuf-c"
+# shellcheck disable=SC2086
+(cd "$src" && "$cc" $warn $cflags -I include "$here/prog.c" \
+  "$build/client/libtensord.a" -lprotobuf-c -o "$tmp/prog_tree") ||
+  fail "README's one-line compile against the build tree"
+"$tmp/prog_tree" "$nosock" || fail "prog_tree ran"
+echo "ok: installed $version; built and ran with pkg-config, pkg-config --static, find_package, the build tree"

@@ -1,9 +1,11 @@
 /* test_api.c: libtensord as a program built against tensord.h sees it: the
- * reserved words of the ABI structs. */
+ * reserved words of the ABI structs, and README.md's C example. */
 #include "harness.h"
 
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
 
 static tdt_daemon d;
 
@@ -116,6 +118,30 @@ Test(api, results_have_zero_reserved_words) {
   }
   td_close(c2);
   td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  tdt_stop(&d);
+}
+
+/* ---- README.md ---- */
+
+/* The README's C example, built from README.md as written, runs against a
+ * daemon (found through $TENSORD_SOCKET, as td_connect(NULL) does), prints
+ * the element it promises and leaves no storage behind. */
+Test(api, readme_c_example_runs) {
+  tdt_start(&d, NULL);
+  cr_assert_eq(setenv("TENSORD_SOCKET", d.sock, 1), 0);
+  FILE *p = popen(README_EXAMPLE " 2>&1", "r");
+  cr_assert_not_null(p, "popen %s", README_EXAMPLE);
+  char out[1024];
+  size_t n = fread(out, 1, sizeof(out) - 1, p);
+  out[n] = '\0';
+  int status = pclose(p);
+  unsetenv("TENSORD_SOCKET");
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+            "the README example failed (status 0x%x): %s", status, out);
+  cr_assert_str_eq(out, "float32[1024, 1024] stride (1024, 1) offset 0: "
+                        "[2][3] = 1025.5\n");
+  cr_assert_eq(tdt_storages(&d), 0, "the example's storage is gone");
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
   tdt_stop(&d);
 }

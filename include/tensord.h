@@ -23,11 +23,11 @@ extern "C" {
 /* 0xMMmmpp: one byte each for major, minor and patch, as libuv's. */
 #define TD_VERSION_HEX                                                         \
   ((TD_VERSION_MAJOR << 16) | (TD_VERSION_MINOR << 8) | TD_VERSION_PATCH)
-#define TD__STRINGIFY(v) #v
-#define TD_STRINGIFY(v) TD__STRINGIFY(v)
+#define TD__STR(v) #v
+#define TD__XSTR(v) TD__STR(v)
 #define TD_VERSION_STRING                                                      \
-  TD_STRINGIFY(TD_VERSION_MAJOR)                                               \
-  "." TD_STRINGIFY(TD_VERSION_MINOR) "." TD_STRINGIFY(TD_VERSION_PATCH)
+  TD__XSTR(TD_VERSION_MAJOR)                                                   \
+  "." TD__XSTR(TD_VERSION_MINOR) "." TD__XSTR(TD_VERSION_PATCH)
 
 /* Returns the version of the libtensord a program runs with, as
  * TD_VERSION_HEX; compare it with the TD_VERSION_HEX the program was built
@@ -39,7 +39,8 @@ const char *td_version_string(void);
 /* ABI. A program built against this header runs with any later libtensord
  * of the same major version (the major version is the SONAME's: .so.0).
  * To keep that promise:
- * - functions are added, never changed or removed;
+ * - functions are only added; one that changes or goes takes a new major
+ *   version, and with it a new SONAME;
  * - enums (td_errno, td_dtype, td_device) and flags only ever get new
  *   values, and existing values never change: expect codes you do not know
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.

@@ -1,7 +1,9 @@
 # The two set-up commands: `make run` starts tensord, `make test` runs the
 # suite. Both install the Debian 12 packages they need (as root) and build
-# into build/.
+# into build/. `make install` copies the build under PREFIX.
 BUILD    ?= build
+PREFIX   ?= /usr/local
+DESTDIR  ?=
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
@@ -12,7 +14,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FUZZ_SECONDS ?= 60
 FUZZ_ARGS ?=
 
-.PHONY: all deps build run test bench soak asan valgrind fuzz clean
+.PHONY: all deps build install run test bench soak asan valgrind fuzz clean
 
 all: build
 
@@ -33,6 +35,13 @@ $(BUILD)/CMakeCache.txt: | deps
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
+
+# tensord, tensorctl, libtensord (.so and .a), tensord.h, tensord.pc and the
+# CMake package under $(DESTDIR)$(PREFIX); refreshes the loader's cache when
+# root installs into the system itself.
+install: build
+	DESTDIR="$(DESTDIR)" cmake --install $(BUILD) --prefix "$(PREFIX)"
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
 
 run: build
 	exec $(BUILD)/daemon/tensord $(ARGS)

@@ -593,7 +593,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
 }
 
 int td_storage_create(td_client *c, size_t nbytes, td_storage **out) {
-  td_create_opts o = {nbytes, 0, TD_CPU};
+  td_create_opts o = {.nbytes = nbytes}; /* mode 0600, TD_CPU */
   return td_storage_create_ex(c, &o, out);
 }
 
@@ -608,6 +608,12 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
                 "create with mode %04o: only read and write bits (0666) may "
                 "be set",
                 (unsigned)o->mode);
+  for (size_t i = 0; i < sizeof(o->reserved) / sizeof(o->reserved[0]); i++)
+    if (o->reserved[i] != 0)
+      return fail(c, TD_EINVAL,
+                  "create with reserved[%zu] = 0x%llx: libtensord %s knows no "
+                  "option there (zero-initialise td_create_opts)",
+                  i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.nbytes = o->nbytes;
@@ -841,6 +847,7 @@ static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
   td_holder *hs = (td_holder *)p;
   p += m->n_holders * sizeof(td_holder);
   for (size_t i = 0; i < m->n_holders; i++) {
+    memset(&hs[i], 0, sizeof(hs[i]));
     hs[i].pid = m->holders[i]->pid;
     hs[i].uid = m->holders[i]->uid;
     hs[i].refs = m->holders[i]->refs;
@@ -982,7 +989,8 @@ int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
     size_t n = k->key.len < TD_KEY_MAX ? k->key.len : TD_KEY_MAX;
     memcpy(name, k->key.data, n);
     name[n] = '\0';
-    td_key_info ki = {name, k->id, {0}, k->published_unix_ms};
+    td_key_info ki = {
+        .key = name, .id = k->id, .published_unix_ms = k->published_unix_ms};
     char msg[128];
     if (k->view != NULL)
       td__view_from_msg(k->view, &ki.view, msg, sizeof(msg));

@@ -10,10 +10,49 @@
 extern "C" {
 #endif
 
+/* Everything declared here, and only that, is exported from libtensord.so:
+ * the library is built with -fvisibility=hidden. */
+#pragma GCC visibility push(default)
+
+/* The version of this header. These three lines are the one place the
+ * version is written: CMake reads them for the project, the library's file
+ * name, tensord.pc and the CMake package. */
 #define TD_VERSION_MAJOR 0
 #define TD_VERSION_MINOR 1
 #define TD_VERSION_PATCH 0
-#define TD_VERSION_STRING "0.1.0"
+/* 0xMMmmpp: one byte each for major, minor and patch, as libuv's. */
+#define TD_VERSION_HEX                                                         \
+  ((TD_VERSION_MAJOR << 16) | (TD_VERSION_MINOR << 8) | TD_VERSION_PATCH)
+#define TD__STR(v) #v
+#define TD__XSTR(v) TD__STR(v)
+#define TD_VERSION_STRING                                                      \
+  TD__XSTR(TD_VERSION_MAJOR)                                                   \
+  "." TD__XSTR(TD_VERSION_MINOR) "." TD__XSTR(TD_VERSION_PATCH)
+
+/* Returns the version of the libtensord a program runs with, as
+ * TD_VERSION_HEX; compare it with the TD_VERSION_HEX the program was built
+ * against. */
+unsigned int td_version(void);
+/* Returns the same as "major.minor.patch" (TD_VERSION_STRING); static. */
+const char *td_version_string(void);
+
+/* ABI. A program built against this header runs with any later libtensord
+ * of the same major version (the major version is the SONAME's: .so.0).
+ * To keep that promise:
+ * - functions are only added; one that changes or goes takes a new major
+ *   version, and with it a new SONAME;
+ * - enums (td_errno, td_dtype, td_device) and flags only ever get new
+ *   values, and existing values never change: expect codes you do not know
+ *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
+ * - the structs below that end in reserved[] keep their size and layout:
+ *   td_create_opts, td_holder, td_storage_info, td_key_info and td_stat. A
+ *   new field takes the place of reserved words. In what you pass in
+ *   (td_create_opts) zero keeps the old behaviour, so "zero-initialise,
+ *   then set" keeps working, and a library that does not know a field
+ *   refuses it non-zero with TD_EINVAL rather than ignore it; in what the
+ *   library fills in, reserved words are zero.
+ * - td_view is fixed: its layout never changes.
+ * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
 /* Wire protocol version spoken by this library; the daemon refuses others. */
 #define TD_PROTOCOL_VERSION 1
@@ -305,7 +344,8 @@ typedef struct td_create_opts {
    * other (0666 at most; execute bits are refused). 0 means 0600. The owner
    * is the creating process's uid and gid. Root may open anything. */
   uint32_t mode;
-  td_device device; /* TD_CPU */
+  td_device device;     /* TD_CPU */
+  uint64_t reserved[6]; /* zero (see ABI above); non-zero is TD_EINVAL */
 } td_create_opts;
 int td_storage_create_ex(td_client *c, const td_create_opts *o,
                          td_storage **out);
@@ -345,7 +385,8 @@ int td_ping(td_client *c, uint64_t *rtt_ns);
 typedef struct td_holder {
   int32_t pid;
   uint32_t uid;
-  uint32_t refs; /* references this process's connection holds */
+  uint32_t refs;        /* references this process's connection holds */
+  uint64_t reserved[2]; /* zero (see ABI above) */
 } td_holder;
 
 typedef struct td_storage_info {
@@ -363,6 +404,7 @@ typedef struct td_storage_info {
   size_t nkeys;       /* keys listed in keys[] */
   size_t nkeys_total; /* keys naming the storage (LIST shows 32 at most) */
   const char *const *keys;
+  uint64_t reserved[8]; /* zero (see ABI above) */
 } td_storage_info;
 
 typedef struct td_key_info {
@@ -370,6 +412,7 @@ typedef struct td_key_info {
   uint64_t id;
   td_view view;
   int64_t published_unix_ms;
+  uint64_t reserved[4]; /* zero (see ABI above) */
 } td_key_info;
 
 typedef struct td_stat {
@@ -389,6 +432,7 @@ typedef struct td_stat {
   char state_dir[256]; /* "": keys do not survive a restart */
   char version[32];
   char socket[256];
+  uint64_t reserved[8]; /* zero (see ABI above) */
 } td_stat;
 
 /* Called once per live storage, in id order; a non-zero return stops the
@@ -402,6 +446,8 @@ int td_stat_get(td_client *c, td_stat *out);
 typedef int (*td_key_cb)(const td_key_info *info, void *arg);
 int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,22 @@
+# readme_example.cmake: writes README.md's C example (the first ```c block
+# after "## In C") to OUT, as written, for the build to compile.
+# Usage: cmake -DREADME=README.md -DOUT=file.c -P readme_example.cmake
+file(READ "${README}" text)
+string(FIND "${text}" "\n## In C\n" at)
+if(at LESS 0)
+  message(FATAL_ERROR "${README} has no '## In C' section")
+endif()
+string(SUBSTRING "${text}" ${at} -1 text)
+string(FIND "${text}" "\n```c\n" at)
+if(at LESS 0)
+  message(FATAL_ERROR "${README}: no ```c block after '## In C'")
+endif()
+math(EXPR at "${at} + 6")
+string(SUBSTRING "${text}" ${at} -1 text)
+string(FIND "${text}" "\n```\n" end)
+if(end LESS 0)
+  message(FATAL_ERROR "${README}: the C example's block does not end")
+endif()
+math(EXPR end "${end} + 1")
+string(SUBSTRING "${text}" 0 ${end} code)
+file(WRITE "${OUT}" "${code}")

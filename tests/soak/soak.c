@@ -37,6 +37,7 @@
  * (run.sh, as systemd would with Restart=on-failure) to start it again on
  * the same socket and --state-dir. */
 #include "bench.h"
+#include "seed.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -1725,7 +1726,8 @@ static void usage(FILE *f) {
              "  --restart           SIGKILL the daemon every ~15 s; something\n"
              "                      must start it again (run.sh does)\n"
              "  --restart-every S   seconds between daemon kills (default 15)\n"
-             "  --seed N            random seed (default: from the time)\n"
+             "  --seed N            random seed (default: $TDT_SEED, else from\n"
+             "                      the time)\n"
              "  --instances-file F  append each daemon instance seen to F\n");
 }
 
@@ -1768,8 +1770,7 @@ int main(int argc, char **argv) {
   };
   bench_init("soak");
   coordinator = getpid();
-  cfg.seed = bench_now_ns();
-  int ch;
+  int ch, seed_given = 0;
   while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (ch) {
     case O_SECONDS:
@@ -1803,6 +1804,7 @@ int main(int argc, char **argv) {
       break;
     case O_SEED:
       cfg.seed = strtoull(optarg, NULL, 0);
+      seed_given = 1;
       break;
     case O_INSTANCES:
       cfg.instances_file = optarg;
@@ -1820,6 +1822,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   cfg.sock = argv[optind];
+  if (!seed_given)
+    cfg.seed = tdt_seed("soak");
   signal(SIGPIPE, SIG_IGN);
 
   sh = bench_shared(sizeof(*sh));

@@ -39,7 +39,7 @@ run: build
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
-	@tests/check-clean.sh
+	@tests/check-clean.sh $(BUILD)
 
 bench: build
 	@tests/bench/run.sh $(BUILD)
@@ -61,7 +61,7 @@ valgrind: deps
 	cmake -S . -B build-valgrind -DTD_VALGRIND=ON
 	cmake --build build-valgrind -j $(JOBS)
 	ctest --test-dir build-valgrind --output-on-failure -L valgrind -j $(JOBS)
-	@tests/check-clean.sh
+	@tests/check-clean.sh build-valgrind
 
 # The libFuzzer target over the request path, for FUZZ_SECONDS (CI: 60).
 fuzz: deps

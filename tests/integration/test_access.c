@@ -924,8 +924,8 @@ Test(access, socket_group_by_name_and_mode_0600, .timeout = 30) {
 
 Test(access, unknown_socket_group_fails_to_start, .timeout = 30) {
   /* The group cannot exist: ':' is not allowed in group names. */
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+  char dir[64];
+  tdt_mkdtemp(dir);
   char sock[108], log[128];
   snprintf(sock, sizeof(sock), "%s/s.sock", dir);
   snprintf(log, sizeof(log), "%s/log", dir);

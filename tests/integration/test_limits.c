@@ -275,8 +275,8 @@ static pid_t spawn_tensord(const char *path, const char *log) {
 
 Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
   int fds_before = tdt_open_fds();
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+  char dir[64];
+  tdt_mkdtemp(dir);
   char path[108], log[128];
   snprintf(path, sizeof(path), "%s/stale.sock", dir);
   snprintf(log, sizeof(log), "%s/tensord.log", dir);
@@ -298,6 +298,9 @@ Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
     kill(pid, SIGKILL);
   cr_assert(up, "tensord did not start on a stale socket path");
   cr_assert_eq(td_connect(path, &c), 0);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  tdt_note_instance(st.instance); /* for tests/check-clean.sh */
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   cr_assert_eq(td_ping(c, NULL), 0);
@@ -312,8 +315,8 @@ Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
 }
 
 Test(limits, a_file_that_is_not_a_socket_is_left_alone, .timeout = 30) {
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+  char dir[64];
+  tdt_mkdtemp(dir);
   char path[108];
   snprintf(path, sizeof(path), "%s/precious", dir);
   FILE *f = fopen(path, "w");

@@ -31,11 +31,28 @@ int tdt_open_fds(void) {
   return n - 1; /* the directory's own fd */
 }
 
+void tdt_mkdtemp(char *dir) {
+  snprintf(dir, 64, "/tmp/tensord-test.%s.XXXXXX", TDT_TAG);
+  cr_assert_not_null(mkdtemp(dir), "mkdtemp(%s): %s", dir, strerror(errno));
+}
+
+void tdt_note_instance(uint64_t instance) {
+  char path[64], line[20];
+  snprintf(path, sizeof(path), "/tmp/tensord-test.%s.instances", TDT_TAG);
+  int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return;
+  int n =
+      snprintf(line, sizeof(line), "%016llx\n", (unsigned long long)instance);
+  if (write(fd, line, (size_t)n) != n)
+    fprintf(stderr, "harness: %s: %s\n", path, strerror(errno));
+  close(fd);
+}
+
 static void make_dir(tdt_daemon *d) {
   memset(d, 0, sizeof(*d));
   d->fds_before = tdt_open_fds();
-  snprintf(d->dir, sizeof(d->dir), "/tmp/tensord-test.XXXXXX");
-  cr_assert_not_null(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+  tdt_mkdtemp(d->dir);
   snprintf(d->sock, sizeof(d->sock), "%.60s/tensord.sock", d->dir);
   snprintf(d->log, sizeof(d->log), "%s/tensord.log", d->dir);
 }
@@ -87,6 +104,7 @@ static void wait_ready(tdt_daemon *d, int nfd) {
   td_stat st;
   cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
   d->instance = st.instance;
+  tdt_note_instance(st.instance);
   td_close(c);
 }
 

@@ -13,7 +13,7 @@
 
 typedef struct tdt_daemon {
   pid_t pid;
-  char dir[64];   /* /tmp/tensord-test.XXXXXX */
+  char dir[64];   /* /tmp/tensord-test.<TDT_TAG>.XXXXXX */
   char sock[108]; /* dir/tensord.sock */
   char log[128];  /* dir/tensord.log: the daemon's stderr */
   uint64_t instance;
@@ -34,6 +34,14 @@ void tdt_stop(tdt_daemon *d);
 void tdt_kill(tdt_daemon *d);
 /* Unlinks every segment of a daemon instance left in /dev/shm. */
 void tdt_unlink_segments(uint64_t instance);
+
+/* Makes a temporary directory /tmp/tensord-test.<TDT_TAG>.XXXXXX in dir (64
+ * bytes), which tests/check-clean.sh knows as this build's; asserts. */
+void tdt_mkdtemp(char *dir);
+/* Records that a tensord of this build's tests ran as instance, for
+ * tests/check-clean.sh, which looks for its segments after the suite. The
+ * harness records those it starts; a test that starts one itself calls it. */
+void tdt_note_instance(uint64_t instance);
 
 /* Connects to d; asserts. */
 td_client *tdt_connect(const tdt_daemon *d);

@@ -414,7 +414,7 @@ static int create_forever(void *arg) {
   }
 }
 
-Test(crash, client_killed_between_create_and_publish_leaks_nothing) {
+TDT_TEST(crash, client_killed_between_create_and_publish_leaks_nothing) {
   start(0);
   int p[2];
   cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
@@ -502,7 +502,7 @@ static int waiters_are(const tdt_daemon *dd) {
   return ok;
 }
 
-Test(crash, waiter_killed_while_waiting_is_forgotten) {
+TDT_TEST(crash, waiter_killed_while_waiting_is_forgotten) {
   start(0);
   static const unsigned take = TD_TAKE, ro = TD_RDONLY;
   pid_t a = tdt_fork(wait_forever, (void *)&take);
@@ -542,7 +542,7 @@ Test(crash, waiter_killed_while_waiting_is_forgotten) {
 
 /* ---- c) SIGKILL and a restart with the same --state-dir ---- */
 
-Test(crash, sigkill_and_restart_serve_every_key_again) {
+TDT_TEST(crash, sigkill_and_restart_serve_every_key_again) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -618,7 +618,7 @@ Test(crash, sigkill_and_restart_serve_every_key_again) {
 
 /* ---- d) clean shutdown with and without --state-dir ---- */
 
-Test(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
+TDT_TEST(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -656,7 +656,7 @@ Test(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   finish();
 }
 
-Test(crash, clean_shutdown_without_state_dir_unlinks_everything) {
+TDT_TEST(crash, clean_shutdown_without_state_dir_unlinks_everything) {
   start(0);
   publish_all();
   td_client *c = tdt_connect(&d);
@@ -684,7 +684,7 @@ Test(crash, clean_shutdown_without_state_dir_unlinks_everything) {
 
 /* ---- e) SIGKILL and restart without --state-dir ---- */
 
-Test(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
+TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   start(0);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -727,7 +727,7 @@ Test(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
 
 /* ---- f) what was acknowledged before the kill stays done ---- */
 
-Test(crash, acknowledged_publish_take_and_unpublish_survive_sigkill) {
+TDT_TEST(crash, acknowledged_publish_take_and_unpublish_survive_sigkill) {
   start(1);
   uint64_t inst1 = d.instance;
   td_client *c = tdt_connect(&d);
@@ -825,7 +825,7 @@ static void append_bytes(const char *path, const void *buf, size_t len) {
   close(fd);
 }
 
-Test(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
+TDT_TEST(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
   start(1);
   publish_all();
   kill9();
@@ -860,7 +860,7 @@ Test(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
   finish();
 }
 
-Test(crash, torn_last_journal_record_loses_only_that_record) {
+TDT_TEST(crash, torn_last_journal_record_loses_only_that_record) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -897,7 +897,7 @@ Test(crash, torn_last_journal_record_loses_only_that_record) {
 
 /* ---- more than one crash, and switching --state-dir on or off ---- */
 
-Test(crash, two_sigkills_in_a_row_keep_every_key) {
+TDT_TEST(crash, two_sigkills_in_a_row_keep_every_key) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -936,7 +936,7 @@ Test(crash, two_sigkills_in_a_row_keep_every_key) {
   finish();
 }
 
-Test(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
+TDT_TEST(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -972,7 +972,7 @@ Test(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
   finish();
 }
 
-Test(crash, second_tensord_on_the_same_state_dir_is_refused) {
+TDT_TEST(crash, second_tensord_on_the_same_state_dir_is_refused) {
   start(1);
   char sock[108], log[128];
   snprintf(sock, sizeof(sock), "%.60s/other.sock", d.dir);
@@ -1008,7 +1008,7 @@ Test(crash, second_tensord_on_the_same_state_dir_is_refused) {
   finish();
 }
 
-Test(crash,
+TDT_TEST(crash,
      restart_with_state_dir_after_a_crash_without_one_unlinks_leftovers) {
   start(0);
   publish_all();
@@ -1031,7 +1031,7 @@ Test(crash,
   finish();
 }
 
-Test(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
+TDT_TEST(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;

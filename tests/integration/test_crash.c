@@ -195,21 +195,40 @@ static void restart(int with_state) {
   cr_assert_fail("the restarted tensord does not answer on %s", d.sock);
 }
 
-/* Ends a test: stops the daemon, removes what --state-dir kept, and checks
- * that nothing of any instance is left in /dev/shm and no fd leaked. */
+static int count_named(const td_storage_info *info, void *arg) {
+  *(uint64_t *)arg += info->nkeys_total > 0;
+  return 0;
+}
+
+/* Ends a test: stops the daemon with SIGTERM and asserts what a clean stop
+ * leaves: with --state-dir exactly the segments that keys name (the next
+ * start serves them), without it none, whichever instance made them; no
+ * socket; no fd leaked. What is left goes only after that (teardown). */
 static void finish(void) {
-  if (d.pid > 0)
-    term();
+  cr_assert_gt(d.pid, 0, "finish: the test's tensord is not running");
+  uint64_t named = 0;
+  if (state_dir[0] != '\0') {
+    td_client *c = tdt_connect(&d);
+    cr_assert_eq(td_list(c, count_named, &named), 0, "%s", td_last_error(c));
+    td_close(c);
+  }
+  term();
+  int left = 0;
   for (int i = 0; i < ninstances; i++)
-    tdt_unlink_segments(instances[i]);
-  rm_state_dir();
+    left += seg_count(instances[i]);
+  struct stat sb;
+  int sock_left = stat(d.sock, &sb) == 0;
   int fds = tdt_open_fds();
-  int fds_before = d.fds_before;
-  tdt_kill(&d);
+  cr_assert_eq((uint64_t)left, named,
+               "a clean stop left %d segment(s) in /dev/shm; keys name %llu "
+               "storage(s)%s",
+               left, (unsigned long long)named,
+               state_dir[0] ? "" : " (no --state-dir: nothing may stay)");
+  cr_assert_not(sock_left, "tensord left its socket %s", d.sock);
+  cr_assert_eq(fds, d.fds_before, "the test leaked %d fd(s)",
+               fds - d.fds_before);
+  teardown();
   memset(&d, 0, sizeof(d));
-  for (int i = 0; i < ninstances; i++)
-    cr_assert_eq(seg_count(instances[i]), 0);
-  cr_assert_eq(fds, fds_before, "the test leaked %d fd(s)", fds - fds_before);
 }
 
 /* ---- storages and keys with known bytes and views ---- */

@@ -46,6 +46,12 @@ int td__shm_open(const char *name, int readonly) {
 }
 
 void td__shm_unlink(const char *name) {
+#ifdef TD_TEST_LEAK
+  /* make leakcheck only (-DTD_TEST_LEAK=ON): a daemon that leaves every
+   * freed segment in /dev/shm, which the integration tests must catch. */
+  (void)name;
+  return;
+#endif
   if (shm_unlink(name) < 0 && errno != ENOENT)
     td__warn("shm_unlink(%s): %s", name, strerror(errno));
 }

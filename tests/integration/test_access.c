@@ -19,17 +19,12 @@
 
 static tdt_daemon d;
 
-/* A test that fails midway leaves no daemon, segment or directory. */
 static void setup(void) {
   memset(&d, 0, sizeof(d));
 }
 
-static void teardown(void) {
-  if (d.pid > 0)
-    tdt_kill(&d);
-}
-
-TestSuite(access, .init = setup, .fini = teardown);
+/* A test that fails midway leaves no daemon, segment or directory. */
+TestSuite(access, .init = setup, .fini = tdt_cleanup);
 
 /* ---- identities ---- */
 
@@ -229,7 +224,7 @@ static int owner_opens_its_own(void *arg) {
   return 0;
 }
 
-Test(access, default_mode_lets_only_the_owner_in, .timeout = 30) {
+TDT_TEST(access, default_mode_lets_only_the_owner_in, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -385,7 +380,7 @@ static int owner_writes(void *arg) {
   return 0;
 }
 
-Test(access, mode_0640_group_members_read_but_may_not_write, .timeout = 30) {
+TDT_TEST(access, mode_0640_group_members_read_but_may_not_write, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -441,7 +436,7 @@ static int stranger_writes(void *arg) {
   return 0;
 }
 
-Test(access, mode_0666_lets_anyone_write, .timeout = 30) {
+TDT_TEST(access, mode_0666_lets_anyone_write, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -481,7 +476,7 @@ static int owner_publishes_two(void *arg) {
   return 0;
 }
 
-Test(access, root_may_do_anything_whatever_the_mode, .timeout = 30) {
+TDT_TEST(access, root_may_do_anything_whatever_the_mode, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -553,7 +548,7 @@ static int waiters_are(const tdt_daemon *dd) {
   return ok;
 }
 
-Test(access, refused_waiter_is_answered_and_the_next_one_served,
+TDT_TEST(access, refused_waiter_is_answered_and_the_next_one_served,
      .timeout = 30) {
   need_root();
   start_shared(NULL);
@@ -622,7 +617,7 @@ static int raw_open_fd(int sock, uint64_t id, int readonly) {
   return fd;
 }
 
-Test(access, read_only_handles_cannot_be_made_writable, .timeout = 30) {
+TDT_TEST(access, read_only_handles_cannot_be_made_writable, .timeout = 30) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   enum { N = 3 * 4096 };
@@ -698,7 +693,7 @@ static int reader_cannot_write(void *arg) {
   return 0;
 }
 
-Test(access, read_only_reader_of_another_user_cannot_write, .timeout = 30) {
+TDT_TEST(access, read_only_reader_of_another_user_cannot_write, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -726,7 +721,7 @@ Test(access, read_only_reader_of_another_user_cannot_write, .timeout = 30) {
 
 /* ---- modes at create ---- */
 
-Test(access, create_with_bits_beyond_0666_is_einval, .timeout = 30) {
+TDT_TEST(access, create_with_bits_beyond_0666_is_einval, .timeout = 30) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   static const uint32_t bad[] = {0777, 0700, 0601, 0610, 01600, 04600, 0100000};
@@ -818,7 +813,7 @@ static int ls_row(const char *out, uint64_t id, char *mode, char *owner,
   return 0;
 }
 
-Test(access, tensorctl_ls_l_shows_mode_owner_and_group, .timeout = 30) {
+TDT_TEST(access, tensorctl_ls_l_shows_mode_owner_and_group, .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -885,7 +880,7 @@ static int cannot_connect(void *arg) {
   return 0;
 }
 
-Test(access, socket_group_and_mode_are_applied, .timeout = 30) {
+TDT_TEST(access, socket_group_and_mode_are_applied, .timeout = 30) {
   need_root();
   tdt_start(&d, (const char *const[]){"--socket-mode", "0660", "--socket-group",
                                       "4243", NULL});
@@ -904,7 +899,7 @@ Test(access, socket_group_and_mode_are_applied, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(access, socket_group_by_name_and_mode_0600, .timeout = 30) {
+TDT_TEST(access, socket_group_by_name_and_mode_0600, .timeout = 30) {
   need_root();
   struct group *g = getgrgid(0);
   if (g == NULL)
@@ -922,10 +917,10 @@ Test(access, socket_group_by_name_and_mode_0600, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(access, unknown_socket_group_fails_to_start, .timeout = 30) {
+TDT_TEST(access, unknown_socket_group_fails_to_start, .timeout = 30) {
   /* The group cannot exist: ':' is not allowed in group names. */
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+  char dir[64];
+  tdt_mkdtemp(dir);
   char sock[108], log[128];
   snprintf(sock, sizeof(sock), "%s/s.sock", dir);
   snprintf(log, sizeof(log), "%s/log", dir);

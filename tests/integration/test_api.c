@@ -14,12 +14,7 @@ static void setup(void) {
   memset(&d, 0, sizeof(d));
 }
 
-static void teardown(void) {
-  if (d.pid > 0)
-    tdt_kill(&d);
-}
-
-TestSuite(api, .init = setup, .fini = teardown, .timeout = 30);
+TestSuite(api, .init = setup, .fini = tdt_cleanup, .timeout = 30);
 
 #define NRESERVED(s) (sizeof((s).reserved) / sizeof((s).reserved[0]))
 
@@ -27,7 +22,7 @@ TestSuite(api, .init = setup, .fini = teardown, .timeout = 30);
 
 /* A program built against a later tensord.h may set a field this library
  * does not know: it is refused, not ignored, and nothing is created. */
-Test(api, create_opts_with_a_reserved_word_set_is_einval) {
+TDT_TEST(api, create_opts_with_a_reserved_word_set_is_einval) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_create_opts o = {0};
@@ -84,7 +79,7 @@ static int key_cb(const td_key_info *info, void *arg) {
 
 /* What the library fills in has its reserved words zero, so a program can
  * later tell a field a newer library sets from one an older leaves out. */
-Test(api, results_have_zero_reserved_words) {
+TDT_TEST(api, results_have_zero_reserved_words) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_client *c2 = tdt_connect(&d);
@@ -127,7 +122,7 @@ Test(api, results_have_zero_reserved_words) {
 /* The README's C example, built from README.md as written, runs against a
  * daemon (found through $TENSORD_SOCKET, as td_connect(NULL) does), prints
  * the element it promises and leaves no storage behind. */
-Test(api, readme_c_example_runs) {
+TDT_TEST(api, readme_c_example_runs) {
   tdt_start(&d, NULL);
   cr_assert_eq(setenv("TENSORD_SOCKET", d.sock, 1), 0);
   FILE *p = popen(README_EXAMPLE " 2>&1", "r");

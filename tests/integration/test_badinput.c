@@ -10,6 +10,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -23,7 +25,8 @@ typedef struct raw {
 } raw;
 
 /* Raw connections live here, so that the fixture can close those a failed
- * test left open (and the leak check reports only real leaks). */
+ * test left open. A test that passes closes its own: the leak check at its
+ * end counts them. */
 static raw raws[8];
 
 /* Connects (and says Hello if asked); returns a slot of raws. */
@@ -54,11 +57,12 @@ static void setup(void) {
   tdt_start(&d, NULL);
 }
 
+/* After a failed assertion: what the test left goes. */
 static void teardown(void) {
   for (int i = 0; i < 8; i++)
     if (raws[i].fd >= 0)
       raw_close(&raws[i]);
-  tdt_stop(&d);
+  tdt_cleanup();
 }
 
 TestSuite(badinput, .init = setup, .fini = teardown, .timeout = 30);
@@ -278,7 +282,7 @@ static void raw_lookup(raw *r, uint64_t seq, const void *key, size_t klen,
 
 /* ---- framing ---- */
 
-Test(badinput, oversize_frame_closes_connection) {
+TDT_TEST(badinput, oversize_frame_closes_connection) {
   raw *r = raw_open(1);
   uint8_t h[8];
   frame_header(h, 2u << 20, 0);
@@ -290,7 +294,7 @@ Test(badinput, oversize_frame_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, oversize_frame_before_hello_closes_connection) {
+TDT_TEST(badinput, oversize_frame_before_hello_closes_connection) {
   raw *r = raw_open(0);
   uint8_t h[8];
   frame_header(h, 0xffffffffu, 0);
@@ -301,7 +305,7 @@ Test(badinput, oversize_frame_before_hello_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, garbled_header_closes_connection) {
+TDT_TEST(badinput, garbled_header_closes_connection) {
   raw *r = raw_open(1);
   uint8_t h[12] = {4, 0, 0, 0, 0, 0, 'X', 'Y', 1, 2, 3, 4};
   raw_write(r, h, sizeof(h));
@@ -311,7 +315,7 @@ Test(badinput, garbled_header_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, nonzero_reserved_byte_closes_connection) {
+TDT_TEST(badinput, nonzero_reserved_byte_closes_connection) {
   raw *r = raw_open(1);
   uint8_t h[8];
   frame_header(h, 0, 0);
@@ -323,7 +327,7 @@ Test(badinput, nonzero_reserved_byte_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, frame_declaring_fds_it_did_not_send_closes_connection) {
+TDT_TEST(badinput, frame_declaring_fds_it_did_not_send_closes_connection) {
   raw *r = raw_open(1);
   Tensord__Ping p = TENSORD__PING__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -340,7 +344,7 @@ Test(badinput, frame_declaring_fds_it_did_not_send_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, truncated_frame_then_disconnect_leaks_nothing) {
+TDT_TEST(badinput, truncated_frame_then_disconnect_leaks_nothing) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
@@ -362,7 +366,7 @@ Test(badinput, truncated_frame_then_disconnect_leaks_nothing) {
   expect_daemon_fine();
 }
 
-Test(badinput, payload_that_is_not_protobuf_closes_connection) {
+TDT_TEST(badinput, payload_that_is_not_protobuf_closes_connection) {
   raw *r = raw_open(1);
   /* Field 10 (hello), length 127, but only two bytes follow. */
   static const uint8_t junk[] = {0x52, 0x7f, 0x01, 0x02};
@@ -373,7 +377,7 @@ Test(badinput, payload_that_is_not_protobuf_closes_connection) {
   expect_daemon_fine();
 }
 
-Test(badinput, payload_of_varint_garbage_closes_connection) {
+TDT_TEST(badinput, payload_of_varint_garbage_closes_connection) {
   raw *r = raw_open(1);
   uint8_t junk[16];
   memset(junk, 0xff, sizeof(junk));
@@ -395,7 +399,7 @@ static void send_ping(raw *r, uint64_t seq) {
   raw_send(r, &req);
 }
 
-Test(badinput, request_before_hello_is_eproto) {
+TDT_TEST(badinput, request_before_hello_is_eproto) {
   raw *r = raw_open(0);
   send_ping(r, 5);
   uint64_t seq = expect_error(r, TD_EPROTO, "Hello");
@@ -405,7 +409,7 @@ Test(badinput, request_before_hello_is_eproto) {
   expect_daemon_fine();
 }
 
-Test(badinput, second_hello_is_eproto) {
+TDT_TEST(badinput, second_hello_is_eproto) {
   raw *r = raw_open(1);
   Tensord__Hello h = TENSORD__HELLO__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -420,7 +424,7 @@ Test(badinput, second_hello_is_eproto) {
   expect_daemon_fine();
 }
 
-Test(badinput, wrong_protocol_version_closes_connection) {
+TDT_TEST(badinput, wrong_protocol_version_closes_connection) {
   raw *r = raw_open(0);
   Tensord__Hello h = TENSORD__HELLO__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -440,7 +444,7 @@ Test(badinput, wrong_protocol_version_closes_connection) {
 
 /* ---- unknown operations ---- */
 
-Test(badinput, request_without_body_is_enosys_and_connection_stays) {
+TDT_TEST(badinput, request_without_body_is_enosys_and_connection_stays) {
   raw *r = raw_open(1);
   Tensord__Request req = TENSORD__REQUEST__INIT;
   req.seq = 77;
@@ -452,7 +456,7 @@ Test(badinput, request_without_body_is_enosys_and_connection_stays) {
   expect_daemon_fine();
 }
 
-Test(badinput, request_from_a_newer_client_is_enosys_and_connection_stays) {
+TDT_TEST(badinput, request_from_a_newer_client_is_enosys_and_connection_stays) {
   raw *r = raw_open(1);
   /* seq 7, then field 30 (an operation this daemon does not know), empty. */
   static const uint8_t future[] = {0x08, 0x07, 0xf2, 0x01, 0x00};
@@ -466,7 +470,7 @@ Test(badinput, request_from_a_newer_client_is_enosys_and_connection_stays) {
 
 /* ---- fds from the client ---- */
 
-Test(badinput, fds_from_client_are_refused_and_closed) {
+TDT_TEST(badinput, fds_from_client_are_refused_and_closed) {
   raw *r = raw_open(1);
   int pfd[2];
   cr_assert_eq(pipe2(pfd, O_CLOEXEC), 0);
@@ -511,7 +515,7 @@ Test(badinput, fds_from_client_are_refused_and_closed) {
 
 /* ---- storages ---- */
 
-Test(badinput, open_of_unknown_storage_is_enoent_naming_the_id) {
+TDT_TEST(badinput, open_of_unknown_storage_is_enoent_naming_the_id) {
   td_client *c = tdt_connect(&d);
   td_storage *s = (td_storage *)1;
   cr_assert_eq(td_storage_open(c, 987654321, 0, &s), TD_ENOENT);
@@ -524,7 +528,7 @@ Test(badinput, open_of_unknown_storage_is_enoent_naming_the_id) {
   expect_daemon_fine();
 }
 
-Test(badinput, create_of_zero_bytes_is_einval) {
+TDT_TEST(badinput, create_of_zero_bytes_is_einval) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 0, &s), TD_EINVAL);
@@ -546,7 +550,7 @@ Test(badinput, create_of_zero_bytes_is_einval) {
   expect_daemon_fine();
 }
 
-Test(badinput, create_on_cuda_is_enodev) {
+TDT_TEST(badinput, create_on_cuda_is_enodev) {
   raw *r = raw_open(1);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -562,7 +566,7 @@ Test(badinput, create_on_cuda_is_enodev) {
   expect_daemon_fine();
 }
 
-Test(badinput, release_of_what_is_not_held_is_ignored) {
+TDT_TEST(badinput, release_of_what_is_not_held_is_ignored) {
   raw *r = raw_open(1);
   Tensord__Release m = TENSORD__RELEASE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -590,7 +594,7 @@ Test(badinput, release_of_what_is_not_held_is_ignored) {
 
 /* ---- keys ---- */
 
-Test(badinput, bad_keys_are_refused_by_the_library) {
+TDT_TEST(badinput, bad_keys_are_refused_by_the_library) {
   td_client *c = tdt_connect(&d);
   td_storage *s, *got;
   cr_assert_eq(td_storage_create(c, 64, &s), 0);
@@ -625,7 +629,7 @@ Test(badinput, bad_keys_are_refused_by_the_library) {
   expect_daemon_fine();
 }
 
-Test(badinput, bad_keys_sent_raw_are_einval_and_connection_stays) {
+TDT_TEST(badinput, bad_keys_sent_raw_are_einval_and_connection_stays) {
   raw *r = raw_open(1);
   uint64_t id = raw_create(r, 64, 2);
   static const struct {
@@ -688,7 +692,7 @@ Test(badinput, bad_keys_sent_raw_are_einval_and_connection_stays) {
   expect_daemon_fine();
 }
 
-Test(badinput, key_with_nul_cannot_alias_a_shorter_key) {
+TDT_TEST(badinput, key_with_nul_cannot_alias_a_shorter_key) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 64, &s), 0);
@@ -703,7 +707,7 @@ Test(badinput, key_with_nul_cannot_alias_a_shorter_key) {
   expect_daemon_fine();
 }
 
-Test(badinput, lookup_with_negative_wait_is_einval) {
+TDT_TEST(badinput, lookup_with_negative_wait_is_einval) {
   raw *r = raw_open(1);
   raw_lookup(r, 2, "k", 1, -5);
   expect_error(r, TD_EINVAL, "-5");
@@ -729,7 +733,7 @@ static void view_msg(Tensord__View *m, int32_t dtype, size_t n, int64_t *shape,
   m->offset = offset;
 }
 
-Test(badinput, publish_of_view_past_storage_is_erange) {
+TDT_TEST(badinput, publish_of_view_past_storage_is_erange) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 64, &s), 0);
@@ -772,7 +776,7 @@ Test(badinput, publish_of_view_past_storage_is_erange) {
   expect_daemon_fine();
 }
 
-Test(badinput, publish_of_view_whose_arithmetic_overflows_is_refused) {
+TDT_TEST(badinput, publish_of_view_whose_arithmetic_overflows_is_refused) {
   raw *r = raw_open(1);
   uint64_t id = raw_create(r, 64, 2);
   Tensord__View m;
@@ -797,7 +801,7 @@ Test(badinput, publish_of_view_whose_arithmetic_overflows_is_refused) {
   expect_daemon_fine();
 }
 
-Test(badinput, publish_of_malformed_view_is_einval) {
+TDT_TEST(badinput, publish_of_malformed_view_is_einval) {
   raw *r = raw_open(1);
   uint64_t id = raw_create(r, 1024, 2);
   Tensord__View m;
@@ -833,7 +837,7 @@ Test(badinput, publish_of_malformed_view_is_einval) {
   expect_daemon_fine();
 }
 
-Test(badinput, publish_of_storage_not_held_read_write_is_refused) {
+TDT_TEST(badinput, publish_of_storage_not_held_read_write_is_refused) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 64, &s), 0);
@@ -873,7 +877,7 @@ Test(badinput, publish_of_storage_not_held_read_write_is_refused) {
 
 /* ---- clients that leave mid-request ---- */
 
-Test(badinput, client_leaving_while_waiting_in_lookup_leaves_no_waiter) {
+TDT_TEST(badinput, client_leaving_while_waiting_in_lookup_leaves_no_waiter) {
   for (int i = 0; i < 2; i++) {
     raw *r = raw_open(1);
     /* Wait forever, then wait with a timer. */
@@ -900,7 +904,7 @@ static int create_left(const tdt_daemon *dd) {
          tdt_log_has(dd, "last reference dropped");
 }
 
-Test(badinput, client_leaving_mid_create_leaves_no_segment) {
+TDT_TEST(badinput, client_leaving_mid_create_leaves_no_segment) {
   raw *r = raw_open(1);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -928,7 +932,7 @@ Test(badinput, client_leaving_mid_create_leaves_no_segment) {
   expect_daemon_fine();
 }
 
-Test(badinput, many_clients_leaving_mid_create_leave_no_segment,
+TDT_TEST(badinput, many_clients_leaving_mid_create_leave_no_segment,
      .timeout = 60) {
   for (int i = 0; i < 8; i++) {
     raw *r = raw_open(1);
@@ -1015,7 +1019,7 @@ static int exchange(raw *r, uint64_t first_seq, int nreplies) {
   return got;
 }
 
-Test(badinput, flow_big_replies_between_fd_replies_all_arrive_with_their_fds) {
+TDT_TEST(badinput, flow_big_replies_between_fd_replies_all_arrive_with_their_fds) {
   raw *r = raw_open(1);
   uint64_t id = raw_create(r, 64, 2);
   enum { RUNS = 6, OPENS = 28, PAYLOAD = 900 * 1024 };
@@ -1051,7 +1055,7 @@ Test(badinput, flow_big_replies_between_fd_replies_all_arrive_with_their_fds) {
  * keys), each followed by OPENs whose replies carry fds: the daemon queues
  * them all at once and sends them through a socket that takes only part of
  * each sendmsg. */
-Test(badinput,
+TDT_TEST(badinput,
      flow_large_info_replies_between_fd_replies_all_arrive_with_their_fds) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
@@ -1105,7 +1109,7 @@ Test(badinput,
   expect_daemon_fine();
 }
 
-Test(badinput, flow_client_that_does_not_read_stalls_only_itself) {
+TDT_TEST(badinput, flow_client_that_does_not_read_stalls_only_itself) {
   raw *r = raw_open(1);
   enum { N = 200, PAYLOAD = 60 * 1024 };
   uint8_t *payload = calloc(1, PAYLOAD);
@@ -1143,25 +1147,55 @@ Test(badinput, flow_client_that_does_not_read_stalls_only_itself) {
   expect_daemon_fine();
 }
 
-Test(badinput, stop_with_a_create_in_flight_leaves_nothing) {
+static uint64_t want_used;
+
+static int create_charged(const tdt_daemon *dd) {
+  (void)dd;
+  return stat_field(offsetof(td_stat, bytes_used)) >= want_used;
+}
+
+TDT_TEST(badinput, stop_with_a_create_in_flight_leaves_nothing) {
   raw *r = raw_open(1);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
-  m.nbytes = 32u << 20;
+  m.nbytes = 128u << 20; /* long enough to be in flight, most times */
   req.seq = 2;
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
   req.create = &m;
   raw_send(r, &req);
+  /* tensord has the create in hand once it has charged its bytes. */
+  want_used = m.nbytes;
+  cr_assert(tdt_until(create_charged, &d, 10000),
+            "tensord did not take the create of %llu bytes",
+            (unsigned long long)m.nbytes);
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  /* The client is hung up on; before that it gets its storage if the
+   * create finished first, and nothing else. */
+  int fd = -1;
+  Tensord__Response *resp = raw_recv(r, &fd);
+  if (resp != NULL) {
+    cr_assert_eq(resp->seq, 2);
+    cr_assert_eq(resp->body_case, TENSORD__RESPONSE__BODY_STORAGE,
+                 "body %d: %s", (int)resp->body_case,
+                 resp->body_case == TENSORD__RESPONSE__BODY_ERROR
+                     ? resp->error->message
+                     : "");
+    cr_assert_geq(fd, 0, "the storage came without its fd");
+    close(fd);
+    tensord__response__free_unpacked(resp, NULL);
+    expect_closed(r);
+  }
   raw_close(r);
-  /* The fixture's tdt_stop sends SIGTERM now and checks that tensord exits
-   * 0 with no segment left. */
+  /* tensord exits 0, with no segment left, its socket removed, and the
+   * test leaked no fd. */
+  tdt_stopped(&d);
 }
 
 /* ---- end of stream ---- */
 
 /* A client that shuts its write side after its requests still gets every
  * reply already due, then the daemon hangs up. */
-Test(badinput, half_close_still_gets_the_replies_due) {
+TDT_TEST(badinput, half_close_still_gets_the_replies_due) {
   raw *r = raw_open(1);
   static uint8_t payload[60 * 1024];
   memset(payload, 0x5a, sizeof(payload));

@@ -15,11 +15,8 @@ static tdt_daemon d;
 static void setup(void) {
   tdt_start(&d, NULL);
 }
-static void teardown(void) {
-  tdt_stop(&d);
-}
 
-TestSuite(cli, .init = setup, .fini = teardown, .timeout = 60);
+TestSuite(cli, .init = setup, .fini = tdt_cleanup, .timeout = 60);
 
 /* ---- running tensorctl ---- */
 
@@ -320,7 +317,7 @@ static int tokens(char *line, char **tok, int max) {
 
 /* ---- ls ---- */
 
-Test(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
+TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   scene sc;
   scene_make(&sc);
   run_result r;
@@ -368,7 +365,7 @@ Test(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   scene_free(&sc);
 }
 
-Test(cli, ls_sizes_are_human_readable) {
+TDT_TEST(cli, ls_sizes_are_human_readable) {
   td_client *c = tdt_connect(&d);
   td_storage *s[3];
   cr_assert_eq(td_storage_create(c, 10, &s[0]), 0);
@@ -386,7 +383,7 @@ Test(cli, ls_sizes_are_human_readable) {
   td_close(c);
 }
 
-Test(cli, ls_of_nothing_says_so) {
+TDT_TEST(cli, ls_of_nothing_says_so) {
   run_result r;
   ctl(&r, "ls");
   expect_ok(&r, "ls");
@@ -400,7 +397,7 @@ Test(cli, ls_of_nothing_says_so) {
   run_free(&r);
 }
 
-Test(cli, ls_json_is_one_object_with_a_storages_array) {
+TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   scene sc;
   scene_make(&sc);
   run_result r;
@@ -451,7 +448,7 @@ Test(cli, ls_json_is_one_object_with_a_storages_array) {
   scene_free(&sc);
 }
 
-Test(cli, json_escapes_keys) {
+TDT_TEST(cli, json_escapes_keys) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 8, &s), 0);
@@ -477,7 +474,7 @@ Test(cli, json_escapes_keys) {
 
 /* ---- stat ---- */
 
-Test(cli, stat_shows_totals) {
+TDT_TEST(cli, stat_shows_totals) {
   scene sc;
   scene_make(&sc);
   run_result r;
@@ -497,7 +494,7 @@ Test(cli, stat_shows_totals) {
   scene_free(&sc);
 }
 
-Test(cli, stat_json_is_one_object) {
+TDT_TEST(cli, stat_json_is_one_object) {
   scene sc;
   scene_make(&sc);
   run_result r;
@@ -523,7 +520,7 @@ Test(cli, stat_json_is_one_object) {
 
 /* ---- info ---- */
 
-Test(cli, info_key_shows_the_view) {
+TDT_TEST(cli, info_key_shows_the_view) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 1024, &s), 0);
@@ -572,7 +569,7 @@ Test(cli, info_key_shows_the_view) {
   td_close(c);
 }
 
-Test(cli, info_id_shows_the_storage_and_its_holders) {
+TDT_TEST(cli, info_id_shows_the_storage_and_its_holders) {
   scene sc;
   scene_make(&sc);
   char id[32];
@@ -611,7 +608,7 @@ Test(cli, info_id_shows_the_storage_and_its_holders) {
   scene_free(&sc);
 }
 
-Test(cli, info_of_a_key_made_of_digits_falls_back_to_the_key) {
+TDT_TEST(cli, info_of_a_key_made_of_digits_falls_back_to_the_key) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 16, &s), 0);
@@ -628,7 +625,7 @@ Test(cli, info_of_a_key_made_of_digits_falls_back_to_the_key) {
 
 /* ---- rm ---- */
 
-Test(cli, rm_unpublishes_then_info_fails) {
+TDT_TEST(cli, rm_unpublishes_then_info_fails) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 16, &s), 0);
@@ -666,7 +663,7 @@ Test(cli, rm_unpublishes_then_info_fails) {
 
 /* ---- ping, usage, connection errors ---- */
 
-Test(cli, ping_answers) {
+TDT_TEST(cli, ping_answers) {
   run_result r;
   ctl(&r, "ping");
   expect_ok(&r, "ping");
@@ -679,7 +676,7 @@ Test(cli, ping_answers) {
   run_free(&r);
 }
 
-Test(cli, usage_errors_exit_2) {
+TDT_TEST(cli, usage_errors_exit_2) {
   static const char *const cases[][3] = {
       {"frobnicate", NULL}, {"info", NULL},    {"rm", NULL},
       {"ls", "extra"},      {"ping", "extra"}, {"--bogus", "ls"},
@@ -709,7 +706,7 @@ Test(cli, usage_errors_exit_2) {
   run_free(&r);
 }
 
-Test(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
+TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
   char path[160];
   snprintf(path, sizeof(path), "%s/nobody-here.sock", d.dir);
   static const char *const cmds[] = {"ls", "stat", "ping"};
@@ -731,7 +728,7 @@ Test(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
 
 /* ---- many storages: paging ---- */
 
-Test(cli, ls_lists_1500_storages_across_pages, .timeout = 120) {
+TDT_TEST(cli, ls_lists_1500_storages_across_pages, .timeout = 120) {
   enum { N = 1500 };
   td_client *c = tdt_connect(&d);
   td_storage **s = calloc(N, sizeof(*s));
@@ -797,7 +794,7 @@ static int release_as_listed(const td_storage_info *info, void *arg) {
   return 0;
 }
 
-Test(cli, list_pages_continue_after_a_freed_cursor, .timeout = 120) {
+TDT_TEST(cli, list_pages_continue_after_a_freed_cursor, .timeout = 120) {
   enum { N = 1100 };
   td_client *c = tdt_connect(&d);
   td_storage **s = calloc(N, sizeof(*s));
@@ -844,7 +841,7 @@ static int list_aligned(void *p) {
 
 /* td_storage_info's holders[] and keys[] are arrays a caller may index:
  * each must be aligned for its type, whatever the count of holders. */
-Test(cli, storage_info_arrays_are_aligned) {
+TDT_TEST(cli, storage_info_arrays_are_aligned) {
   scene sc; /* storage 2: two holders, two keys */
   scene_make(&sc);
   td_storage *one;
@@ -860,7 +857,7 @@ Test(cli, storage_info_arrays_are_aligned) {
                st, st - 128);
 }
 
-Test(cli, ls_says_how_many_keys_it_does_not_show) {
+TDT_TEST(cli, ls_says_how_many_keys_it_does_not_show) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 8, &s), 0);
@@ -894,7 +891,7 @@ Test(cli, ls_says_how_many_keys_it_does_not_show) {
                row);
 }
 
-Test(cli, info_of_a_storage_with_many_long_keys_fits_one_reply) {
+TDT_TEST(cli, info_of_a_storage_with_many_long_keys_fits_one_reply) {
   enum { NKEYS = 1100 };
   td_client *c = tdt_connect(&d);
   td_storage *s;

@@ -12,11 +12,8 @@ static tdt_daemon d;
 static void setup(void) {
   tdt_start(&d, NULL);
 }
-static void teardown(void) {
-  tdt_stop(&d);
-}
 
-TestSuite(core, .init = setup, .fini = teardown, .timeout = 30);
+TestSuite(core, .init = setup, .fini = tdt_cleanup, .timeout = 30);
 
 typedef struct {
   const char *sock;
@@ -41,7 +38,7 @@ static int consumer(void *p) {
   return 0;
 }
 
-Test(core, two_processes_see_each_others_writes) {
+TDT_TEST(core, two_processes_see_each_others_writes) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0, "%s", td_last_error(c));
@@ -73,7 +70,7 @@ static int sleeper(void *p) {
   return 0;
 }
 
-Test(core, sigkill_of_holder_frees_its_segment) {
+TDT_TEST(core, sigkill_of_holder_frees_its_segment) {
   child_arg a = {d.sock, "doomed"};
   pid_t pid = tdt_fork(sleeper, &a);
   td_client *c = tdt_connect(&d);
@@ -93,7 +90,7 @@ Test(core, sigkill_of_holder_frees_its_segment) {
   td_close(c);
 }
 
-Test(core, readonly_open_cannot_write) {
+TDT_TEST(core, readonly_open_cannot_write) {
   td_client *c = tdt_connect(&d);
   td_storage *rw, *ro;
   cr_assert_eq(td_storage_create(c, 8192, &rw), 0);
@@ -110,7 +107,7 @@ Test(core, readonly_open_cannot_write) {
   td_close(c);
 }
 
-Test(core, close_drops_every_reference) {
+TDT_TEST(core, close_drops_every_reference) {
   td_client *c = tdt_connect(&d);
   td_storage *s[5];
   for (int i = 0; i < 5; i++)
@@ -124,7 +121,7 @@ Test(core, close_drops_every_reference) {
     cr_assert_eq(td_storage_release(s[i]), 0);
 }
 
-Test(core, a_key_keeps_its_storage_alive) {
+TDT_TEST(core, a_key_keeps_its_storage_alive) {
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
   int64_t shape[2] = {8, 4};

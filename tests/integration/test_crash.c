@@ -55,6 +55,7 @@ static int seg_exists(uint64_t instance, uint64_t id) {
 static void remember(uint64_t instance) {
   if (ninstances < 8)
     instances[ninstances++] = instance;
+  tdt_note_instance(instance); /* for tests/check-clean.sh */
 }
 
 /* ---- the daemon: start, kill, restart ---- */
@@ -194,21 +195,40 @@ static void restart(int with_state) {
   cr_assert_fail("the restarted tensord does not answer on %s", d.sock);
 }
 
-/* Ends a test: stops the daemon, removes what --state-dir kept, and checks
- * that nothing of any instance is left in /dev/shm and no fd leaked. */
+static int count_named(const td_storage_info *info, void *arg) {
+  *(uint64_t *)arg += info->nkeys_total > 0;
+  return 0;
+}
+
+/* Ends a test: stops the daemon with SIGTERM and asserts what a clean stop
+ * leaves: with --state-dir exactly the segments that keys name (the next
+ * start serves them), without it none, whichever instance made them; no
+ * socket; no fd leaked. What is left goes only after that (teardown). */
 static void finish(void) {
-  if (d.pid > 0)
-    term();
+  cr_assert_gt(d.pid, 0, "finish: the test's tensord is not running");
+  uint64_t named = 0;
+  if (state_dir[0] != '\0') {
+    td_client *c = tdt_connect(&d);
+    cr_assert_eq(td_list(c, count_named, &named), 0, "%s", td_last_error(c));
+    td_close(c);
+  }
+  term();
+  int left = 0;
   for (int i = 0; i < ninstances; i++)
-    tdt_unlink_segments(instances[i]);
-  rm_state_dir();
+    left += seg_count(instances[i]);
+  struct stat sb;
+  int sock_left = stat(d.sock, &sb) == 0;
   int fds = tdt_open_fds();
-  int fds_before = d.fds_before;
-  tdt_kill(&d);
+  cr_assert_eq((uint64_t)left, named,
+               "a clean stop left %d segment(s) in /dev/shm; keys name %llu "
+               "storage(s)%s",
+               left, (unsigned long long)named,
+               state_dir[0] ? "" : " (no --state-dir: nothing may stay)");
+  cr_assert_not(sock_left, "tensord left its socket %s", d.sock);
+  cr_assert_eq(fds, d.fds_before, "the test leaked %d fd(s)",
+               fds - d.fds_before);
+  teardown();
   memset(&d, 0, sizeof(d));
-  for (int i = 0; i < ninstances; i++)
-    cr_assert_eq(seg_count(instances[i]), 0);
-  cr_assert_eq(fds, fds_before, "the test leaked %d fd(s)", fds - fds_before);
 }
 
 /* ---- storages and keys with known bytes and views ---- */
@@ -413,7 +433,7 @@ static int create_forever(void *arg) {
   }
 }
 
-Test(crash, client_killed_between_create_and_publish_leaks_nothing) {
+TDT_TEST(crash, client_killed_between_create_and_publish_leaks_nothing) {
   start(0);
   int p[2];
   cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
@@ -501,7 +521,7 @@ static int waiters_are(const tdt_daemon *dd) {
   return ok;
 }
 
-Test(crash, waiter_killed_while_waiting_is_forgotten) {
+TDT_TEST(crash, waiter_killed_while_waiting_is_forgotten) {
   start(0);
   static const unsigned take = TD_TAKE, ro = TD_RDONLY;
   pid_t a = tdt_fork(wait_forever, (void *)&take);
@@ -541,7 +561,7 @@ Test(crash, waiter_killed_while_waiting_is_forgotten) {
 
 /* ---- c) SIGKILL and a restart with the same --state-dir ---- */
 
-Test(crash, sigkill_and_restart_serve_every_key_again) {
+TDT_TEST(crash, sigkill_and_restart_serve_every_key_again) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -617,7 +637,7 @@ Test(crash, sigkill_and_restart_serve_every_key_again) {
 
 /* ---- d) clean shutdown with and without --state-dir ---- */
 
-Test(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
+TDT_TEST(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -655,7 +675,7 @@ Test(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   finish();
 }
 
-Test(crash, clean_shutdown_without_state_dir_unlinks_everything) {
+TDT_TEST(crash, clean_shutdown_without_state_dir_unlinks_everything) {
   start(0);
   publish_all();
   td_client *c = tdt_connect(&d);
@@ -683,7 +703,7 @@ Test(crash, clean_shutdown_without_state_dir_unlinks_everything) {
 
 /* ---- e) SIGKILL and restart without --state-dir ---- */
 
-Test(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
+TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   start(0);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -726,7 +746,7 @@ Test(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
 
 /* ---- f) what was acknowledged before the kill stays done ---- */
 
-Test(crash, acknowledged_publish_take_and_unpublish_survive_sigkill) {
+TDT_TEST(crash, acknowledged_publish_take_and_unpublish_survive_sigkill) {
   start(1);
   uint64_t inst1 = d.instance;
   td_client *c = tdt_connect(&d);
@@ -824,7 +844,7 @@ static void append_bytes(const char *path, const void *buf, size_t len) {
   close(fd);
 }
 
-Test(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
+TDT_TEST(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
   start(1);
   publish_all();
   kill9();
@@ -859,7 +879,7 @@ Test(crash, garbage_after_the_journal_is_ignored_with_a_warning) {
   finish();
 }
 
-Test(crash, torn_last_journal_record_loses_only_that_record) {
+TDT_TEST(crash, torn_last_journal_record_loses_only_that_record) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -896,7 +916,7 @@ Test(crash, torn_last_journal_record_loses_only_that_record) {
 
 /* ---- more than one crash, and switching --state-dir on or off ---- */
 
-Test(crash, two_sigkills_in_a_row_keep_every_key) {
+TDT_TEST(crash, two_sigkills_in_a_row_keep_every_key) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -935,7 +955,7 @@ Test(crash, two_sigkills_in_a_row_keep_every_key) {
   finish();
 }
 
-Test(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
+TDT_TEST(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;
@@ -971,7 +991,7 @@ Test(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
   finish();
 }
 
-Test(crash, second_tensord_on_the_same_state_dir_is_refused) {
+TDT_TEST(crash, second_tensord_on_the_same_state_dir_is_refused) {
   start(1);
   char sock[108], log[128];
   snprintf(sock, sizeof(sock), "%.60s/other.sock", d.dir);
@@ -1007,7 +1027,7 @@ Test(crash, second_tensord_on_the_same_state_dir_is_refused) {
   finish();
 }
 
-Test(crash,
+TDT_TEST(crash,
      restart_with_state_dir_after_a_crash_without_one_unlinks_leftovers) {
   start(0);
   publish_all();
@@ -1030,7 +1050,7 @@ Test(crash,
   finish();
 }
 
-Test(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
+TDT_TEST(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
   start(1);
   publish_all();
   uint64_t inst1 = d.instance;

@@ -14,11 +14,8 @@ static tdt_daemon d;
 static void setup(void) {
   tdt_start(&d, NULL);
 }
-static void teardown(void) {
-  tdt_stop(&d);
-}
 
-TestSuite(keys, .init = setup, .fini = teardown, .timeout = 60);
+TestSuite(keys, .init = setup, .fini = tdt_cleanup, .timeout = 60);
 
 /* ---- helpers ---- */
 
@@ -125,7 +122,7 @@ static void fork_waiters(pid_t *pids, int n, waiter_arg *a, uint64_t base) {
 
 /* ---- waiting and taking ---- */
 
-Test(keys, one_publish_goes_to_exactly_one_of_several_takers) {
+TDT_TEST(keys, one_publish_goes_to_exactly_one_of_several_takers) {
   waiter_arg a = {d.sock, "jobs/one", TD_TAKE, 5000};
   pid_t pids[NWAIT];
   fork_waiters(pids, NWAIT, &a, 0);
@@ -152,7 +149,7 @@ Test(keys, one_publish_goes_to_exactly_one_of_several_takers) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, k_publishes_go_to_k_distinct_takers) {
+TDT_TEST(keys, k_publishes_go_to_k_distinct_takers) {
   enum { K = 3 };
   waiter_arg a = {d.sock, "jobs/k", TD_TAKE, 5000};
   pid_t pids[NWAIT];
@@ -184,7 +181,7 @@ Test(keys, k_publishes_go_to_k_distinct_takers) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, every_non_taking_waiter_gets_the_publish) {
+TDT_TEST(keys, every_non_taking_waiter_gets_the_publish) {
   waiter_arg a = {d.sock, "model/weights", 0, 10000};
   waiter_arg ro = {d.sock, "model/weights", TD_RDONLY, 10000};
   pid_t pids[NWAIT];
@@ -204,7 +201,7 @@ Test(keys, every_non_taking_waiter_gets_the_publish) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, non_takers_ahead_of_a_taker_get_it_and_the_taker_takes_it) {
+TDT_TEST(keys, non_takers_ahead_of_a_taker_get_it_and_the_taker_takes_it) {
   waiter_arg look = {d.sock, "mixed", 0, 10000};
   waiter_arg take = {d.sock, "mixed", TD_TAKE, 10000};
   waiter_arg late = {d.sock, "mixed", TD_TAKE, 3000};
@@ -225,7 +222,7 @@ Test(keys, non_takers_ahead_of_a_taker_get_it_and_the_taker_takes_it) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, timeout_zero_on_missing_key_is_enoent_at_once) {
+TDT_TEST(keys, timeout_zero_on_missing_key_is_enoent_at_once) {
   td_client *c = tdt_connect(&d);
   td_storage *s = (td_storage *)1;
   td_view v;
@@ -239,7 +236,7 @@ Test(keys, timeout_zero_on_missing_key_is_enoent_at_once) {
   td_close(c);
 }
 
-Test(keys, short_wait_on_missing_key_times_out) {
+TDT_TEST(keys, short_wait_on_missing_key_times_out) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_lookup(c, "late", 0, 50, &s, NULL), TD_ETIMEDOUT);
@@ -267,7 +264,7 @@ static int forever_waiter(void *p) {
   return 0;
 }
 
-Test(keys, wait_forever_is_satisfied_by_a_later_publish_elsewhere) {
+TDT_TEST(keys, wait_forever_is_satisfied_by_a_later_publish_elsewhere) {
   pid_t pid = tdt_fork(forever_waiter, d.sock);
   wait_for_waiters(1);
   td_client *c = tdt_connect(&d);
@@ -284,7 +281,7 @@ Test(keys, wait_forever_is_satisfied_by_a_later_publish_elsewhere) {
 
 /* ---- publishing ---- */
 
-Test(keys, publishing_an_existing_key_replaces_it_and_frees_the_old) {
+TDT_TEST(keys, publishing_an_existing_key_replaces_it_and_frees_the_old) {
   td_client *c = tdt_connect(&d);
   td_storage *s1 = make(c, 4096, 1);
   uint64_t id1 = td_storage_id(s1);
@@ -309,7 +306,7 @@ Test(keys, publishing_an_existing_key_replaces_it_and_frees_the_old) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, replacing_a_key_keeps_an_old_storage_that_is_still_held) {
+TDT_TEST(keys, replacing_a_key_keeps_an_old_storage_that_is_still_held) {
   td_client *c = tdt_connect(&d);
   td_storage *s1 = make(c, 4096, 1), *s2 = make(c, 4096, 2);
   cr_assert_eq(td_publish(c, "k", s1, NULL), 0);
@@ -333,7 +330,7 @@ Test(keys, replacing_a_key_keeps_an_old_storage_that_is_still_held) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, take_really_unpublishes) {
+TDT_TEST(keys, take_really_unpublishes) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, 128, 3);
   cr_assert_eq(td_publish(c, "once", s, NULL), 0);
@@ -353,7 +350,7 @@ Test(keys, take_really_unpublishes) {
   td_close(c);
 }
 
-Test(keys, take_read_only_gives_a_read_only_handle) {
+TDT_TEST(keys, take_read_only_gives_a_read_only_handle) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, 128, 3);
   cr_assert_eq(td_publish(c, "ro", s, NULL), 0);
@@ -370,7 +367,7 @@ Test(keys, take_read_only_gives_a_read_only_handle) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
-Test(keys, publish_from_a_read_only_handle_is_eacces) {
+TDT_TEST(keys, publish_from_a_read_only_handle_is_eacces) {
   td_client *c = tdt_connect(&d);
   td_storage *rw = make(c, 256, 1);
   td_storage *ro;
@@ -421,7 +418,7 @@ static int first_view(const td_key_info *k, void *arg) {
   return 0;
 }
 
-Test(keys, lookup_returns_the_exact_published_view) {
+TDT_TEST(keys, lookup_returns_the_exact_published_view) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, 1024, 0);
   td_view v;
@@ -516,7 +513,7 @@ static int view_reader(void *p) {
   return 0;
 }
 
-Test(keys, another_process_reads_through_the_published_view) {
+TDT_TEST(keys, another_process_reads_through_the_published_view) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, 16 * sizeof(float), 0);
   float *f = td_storage_data(s);
@@ -597,7 +594,7 @@ static int close_while_waiting(void *p) {
 /* td_close from one thread while another waits in td_lookup: the waiting
  * call returns an error (td_close's comment: "a thread blocked reading wakes
  * with an error"), and the daemon forgets the waiter. */
-Test(keys, closing_the_client_wakes_a_thread_waiting_in_lookup, .timeout = 60) {
+TDT_TEST(keys, closing_the_client_wakes_a_thread_waiting_in_lookup, .timeout = 60) {
   pid_t pid = tdt_fork(close_while_waiting, d.sock);
   int status = wait_child(pid, 30000);
   cr_assert_eq(status, 0,
@@ -609,7 +606,7 @@ Test(keys, closing_the_client_wakes_a_thread_waiting_in_lookup, .timeout = 60) {
 
 /* ---- key edge cases ---- */
 
-Test(keys, longest_and_multibyte_keys_work) {
+TDT_TEST(keys, longest_and_multibyte_keys_work) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, 64, 5), *t;
   char k255[256];
@@ -659,7 +656,7 @@ static void *wait_on_shared_client(void *p) {
 
 /* One client, two threads: a lookup waiting for a key must not hold up the
  * other thread's calls, whose replies overtake it. */
-Test(keys, a_waiting_lookup_does_not_block_other_calls_on_its_client) {
+TDT_TEST(keys, a_waiting_lookup_does_not_block_other_calls_on_its_client) {
   same_client_job j = {tdt_connect(&d), 1, 0};
   pthread_t t;
   cr_assert_eq(pthread_create(&t, NULL, wait_on_shared_client, &j), 0);

@@ -16,6 +16,12 @@
 #include <sys/wait.h>
 #include <time.h>
 
+/* The daemon of a test; TDT_TEST stops it after the body. */
+static tdt_daemon d;
+
+/* A test that fails midway leaves no daemon, segment or directory. */
+TestSuite(limits, .fini = tdt_cleanup);
+
 /* ---- running a command ---- */
 
 typedef struct run_result {
@@ -80,8 +86,7 @@ static void run(const char *const *argv, int timeout_ms, run_result *r) {
 
 /* ---- capacity ---- */
 
-Test(limits, creates_past_capacity_get_enomem_naming_the_bytes, .timeout = 30) {
-  tdt_daemon d;
+TDT_TEST(limits, creates_past_capacity_get_enomem_naming_the_bytes, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--capacity", "1M", NULL});
   td_client *c = tdt_connect(&d);
   td_stat st;
@@ -117,8 +122,7 @@ Test(limits, creates_past_capacity_get_enomem_naming_the_bytes, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(limits, create_larger_than_capacity_is_enomem, .timeout = 30) {
-  tdt_daemon d;
+TDT_TEST(limits, create_larger_than_capacity_is_enomem, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--capacity", "1M", NULL});
   td_client *c = tdt_connect(&d);
   td_storage *x;
@@ -146,8 +150,7 @@ static void *create_thread(void *p) {
   return NULL;
 }
 
-Test(limits, concurrent_creates_cannot_exceed_capacity, .timeout = 30) {
-  tdt_daemon d;
+TDT_TEST(limits, concurrent_creates_cannot_exceed_capacity, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--capacity", "1M", NULL});
   td_client *c = tdt_connect(&d);
   for (int round = 0; round < 5; round++) {
@@ -174,14 +177,13 @@ Test(limits, concurrent_creates_cannot_exceed_capacity, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(limits, create_that_dev_shm_cannot_hold_is_enospc, .timeout = 30) {
+TDT_TEST(limits, create_that_dev_shm_cannot_hold_is_enospc, .timeout = 30) {
   struct statvfs sv;
   cr_assert_eq(statvfs("/dev/shm", &sv), 0);
   uint64_t total = (uint64_t)sv.f_blocks * sv.f_frsize;
   cr_assert_gt(total, 0);
   char cap[32];
   snprintf(cap, sizeof(cap), "%llu", (unsigned long long)total * 4);
-  tdt_daemon d;
   tdt_start(&d, (const char *const[]){"--capacity", cap, NULL});
   cr_assert(tdt_log_has(&d, "more than /dev/shm holds"),
             "tensord warns about a capacity /dev/shm cannot hold");
@@ -209,8 +211,7 @@ Test(limits, create_that_dev_shm_cannot_hold_is_enospc, .timeout = 30) {
 
 /* ---- the socket ---- */
 
-Test(limits, inherited_socket_serves_clients, .timeout = 30) {
-  tdt_daemon d;
+TDT_TEST(limits, inherited_socket_serves_clients, .timeout = 30) {
   tdt_start_inherited(&d);
   cr_assert(tdt_log_has(&d, "(inherited)"), "tensord says it adopted fd 3");
   td_client *c = tdt_connect(&d);
@@ -273,10 +274,10 @@ static pid_t spawn_tensord(const char *path, const char *log) {
   return pid;
 }
 
-Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
+TDT_TEST(limits, stale_socket_file_is_replaced, .timeout = 30) {
   int fds_before = tdt_open_fds();
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+  char dir[64];
+  tdt_mkdtemp(dir);
   char path[108], log[128];
   snprintf(path, sizeof(path), "%s/stale.sock", dir);
   snprintf(log, sizeof(log), "%s/tensord.log", dir);
@@ -298,6 +299,9 @@ Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
     kill(pid, SIGKILL);
   cr_assert(up, "tensord did not start on a stale socket path");
   cr_assert_eq(td_connect(path, &c), 0);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  tdt_note_instance(st.instance); /* for tests/check-clean.sh */
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   cr_assert_eq(td_ping(c, NULL), 0);
@@ -311,9 +315,9 @@ Test(limits, stale_socket_file_is_replaced, .timeout = 30) {
   cr_assert_eq(tdt_open_fds(), fds_before);
 }
 
-Test(limits, a_file_that_is_not_a_socket_is_left_alone, .timeout = 30) {
-  char dir[64] = "/tmp/tensord-test.XXXXXX";
-  cr_assert_not_null(mkdtemp(dir));
+TDT_TEST(limits, a_file_that_is_not_a_socket_is_left_alone, .timeout = 30) {
+  char dir[64];
+  tdt_mkdtemp(dir);
   char path[108];
   snprintf(path, sizeof(path), "%s/precious", dir);
   FILE *f = fopen(path, "w");
@@ -331,8 +335,7 @@ Test(limits, a_file_that_is_not_a_socket_is_left_alone, .timeout = 30) {
   rmdir(dir);
 }
 
-Test(limits, second_tensord_on_the_same_socket_exits_1, .timeout = 30) {
-  tdt_daemon d;
+TDT_TEST(limits, second_tensord_on_the_same_socket_exits_1, .timeout = 30) {
   tdt_start(&d, NULL);
   run_result r;
   run((const char *const[]){TENSORD_BIN, "--socket", d.sock, NULL}, 10000, &r);
@@ -346,7 +349,7 @@ Test(limits, second_tensord_on_the_same_socket_exits_1, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(limits, socket_path_too_long_exits_1, .timeout = 30) {
+TDT_TEST(limits, socket_path_too_long_exits_1, .timeout = 30) {
   char path[200];
   memset(path, 'p', sizeof(path));
   memcpy(path, "/tmp/", 5);
@@ -359,7 +362,7 @@ Test(limits, socket_path_too_long_exits_1, .timeout = 30) {
 
 /* ---- the command line ---- */
 
-Test(limits, version_prints_and_exits_0, .timeout = 30) {
+TDT_TEST(limits, version_prints_and_exits_0, .timeout = 30) {
   run_result r;
   run((const char *const[]){TENSORD_BIN, "--version", NULL}, 10000, &r);
   cr_assert_eq(r.status, 0, "exit %d; stderr: %s", r.status, r.err);
@@ -369,14 +372,14 @@ Test(limits, version_prints_and_exits_0, .timeout = 30) {
   cr_assert_str_eq(r.out, want);
 }
 
-Test(limits, help_exits_0, .timeout = 30) {
+TDT_TEST(limits, help_exits_0, .timeout = 30) {
   run_result r;
   run((const char *const[]){TENSORD_BIN, "--help", NULL}, 10000, &r);
   cr_assert_eq(r.status, 0);
   cr_assert(strstr(r.out, "--capacity") != NULL, "%s", r.out);
 }
 
-Test(limits, bad_arguments_exit_2, .timeout = 30) {
+TDT_TEST(limits, bad_arguments_exit_2, .timeout = 30) {
   static const char *const cases[][4] = {
       {"--capacity", "lots", NULL},  {"--capacity", "0", NULL},
       {"--capacity", "-5G", NULL},   {"--capacity", "12Q", NULL},
@@ -401,7 +404,7 @@ Test(limits, bad_arguments_exit_2, .timeout = 30) {
   cr_assert(strstr(r.err, "--capacity 'lots'") != NULL, "stderr: %s", r.err);
 }
 
-Test(limits, capacity_sizes_parse, .timeout = 30) {
+TDT_TEST(limits, capacity_sizes_parse, .timeout = 30) {
   static const struct {
     const char *arg;
     uint64_t bytes;
@@ -410,8 +413,7 @@ Test(limits, capacity_sizes_parse, .timeout = 30) {
       {"1.5G", 3ull << 29}, {"2GiB", 2ull << 30},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    tdt_daemon d;
-    tdt_start(&d, (const char *const[]){"--capacity", cases[i].arg, NULL});
+      tdt_start(&d, (const char *const[]){"--capacity", cases[i].arg, NULL});
     td_client *c = tdt_connect(&d);
     td_stat st;
     cr_assert_eq(td_stat_get(c, &st), 0);
@@ -424,9 +426,8 @@ Test(limits, capacity_sizes_parse, .timeout = 30) {
 
 /* ---- many clients ---- */
 
-Test(limits, a_thousand_clients_are_served_at_once, .timeout = 60) {
+TDT_TEST(limits, a_thousand_clients_are_served_at_once, .timeout = 60) {
   enum { N = 1000 };
-  tdt_daemon d;
   tdt_start(&d, NULL);
   td_client **c = calloc(N, sizeof(*c));
   for (int i = 0; i < N; i++)

@@ -20,17 +20,12 @@
 
 static tdt_daemon d;
 
-/* A test that fails midway leaves no daemon, segment or directory. */
 static void setup(void) {
   memset(&d, 0, sizeof(d));
 }
 
-static void teardown(void) {
-  if (d.pid > 0)
-    tdt_kill(&d);
-}
-
-TestSuite(quota, .init = setup, .fini = teardown);
+/* A test that fails midway leaves no daemon, segment or directory. */
+TestSuite(quota, .init = setup, .fini = tdt_cleanup);
 
 /* ---- helpers ---- */
 
@@ -103,7 +98,7 @@ static int other_uid_has_its_own_quota(void *arg) {
   return 0;
 }
 
-Test(quota, creates_past_the_quota_get_edquot_naming_uid_and_figures,
+TDT_TEST(quota, creates_past_the_quota_get_edquot_naming_uid_and_figures,
      .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--quota", "1M", "--socket-mode", "0666",
                                       NULL});
@@ -158,7 +153,7 @@ Test(quota, creates_past_the_quota_get_edquot_naming_uid_and_figures,
   tdt_stop(&d);
 }
 
-Test(quota, opening_anothers_storage_costs_no_quota, .timeout = 30) {
+TDT_TEST(quota, opening_anothers_storage_costs_no_quota, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--quota", "64K", NULL});
   td_client *c = tdt_connect(&d), *o = tdt_connect(&d);
   td_storage *s, *t, *x;
@@ -182,7 +177,7 @@ Test(quota, opening_anothers_storage_costs_no_quota, .timeout = 30) {
 
 /* ---- --max-clients ---- */
 
-Test(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
+TDT_TEST(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--max-clients", "2", NULL});
   td_client *c1 = tdt_connect(&d);
   td_stat st;
@@ -258,7 +253,7 @@ Test(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
 
 /* ---- --max-storages-per-client ---- */
 
-Test(quota, max_storages_per_client_is_emfile_naming_the_limit, .timeout = 30) {
+TDT_TEST(quota, max_storages_per_client_is_emfile_naming_the_limit, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--max-storages-per-client", "3", NULL});
   td_client *c = tdt_connect(&d), *o = tdt_connect(&d);
   td_stat st;
@@ -354,7 +349,7 @@ static void send_all(int fd, const void *buf, size_t len) {
                strerror(errno));
 }
 
-Test(quota, half_sent_request_is_disconnected_after_io_timeout, .timeout = 30) {
+TDT_TEST(quota, half_sent_request_is_disconnected_after_io_timeout, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--io-timeout", "300", NULL});
   /* Half a frame header, then nothing. */
   int fd = tdt_raw_connect(&d, 1);
@@ -392,7 +387,7 @@ Test(quota, half_sent_request_is_disconnected_after_io_timeout, .timeout = 30) {
   tdt_stop(&d);
 }
 
-Test(quota, client_that_never_reads_is_disconnected, .timeout = 60) {
+TDT_TEST(quota, client_that_never_reads_is_disconnected, .timeout = 60) {
   tdt_start(&d, (const char *const[]){"--io-timeout", "300", NULL});
   td_client *other = tdt_connect(&d);
   int fd = tdt_raw_connect(&d, 1);
@@ -495,7 +490,7 @@ static void *connect_thread(void *p) {
   return NULL;
 }
 
-Test(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60) {
+TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60) {
   enum { LIMIT = 64, MAX = 128 };
   if (getenv("TDT_DAEMON_WRAPPER") != NULL)
     cr_skip_test("under a tool such as valgrind the daemon's fds are the "
@@ -580,7 +575,7 @@ Test(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60) {
   tdt_stop(&d);
 }
 
-Test(quota, limits_show_in_stat, .timeout = 30) {
+TDT_TEST(quota, limits_show_in_stat, .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--quota", "2G", "--max-clients", "7",
                                       "--max-storages-per-client", "9", NULL});
   td_client *c = tdt_connect(&d);

@@ -12,11 +12,8 @@ static tdt_daemon d;
 static void setup(void) {
   tdt_start(&d, NULL);
 }
-static void teardown(void) {
-  tdt_stop(&d);
-}
 
-TestSuite(views, .init = setup, .fini = teardown, .timeout = 30);
+TestSuite(views, .init = setup, .fini = tdt_cleanup, .timeout = 30);
 
 /* ---- a transposed, narrowed view across processes ---- */
 
@@ -86,7 +83,7 @@ static int reader(void *p) {
   return 0;
 }
 
-Test(views, a_transposed_narrowed_view_reads_the_same_in_another_process) {
+TDT_TEST(views, a_transposed_narrowed_view_reads_the_same_in_another_process) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, ROWS * COLS * sizeof(float), &s), 0);
@@ -135,7 +132,7 @@ Test(views, a_transposed_narrowed_view_reads_the_same_in_another_process) {
 
 /* ---- td_copy between storages ---- */
 
-Test(views, copy_materialises_a_transpose_and_respects_readonly) {
+TDT_TEST(views, copy_materialises_a_transpose_and_respects_readonly) {
   td_client *c = tdt_connect(&d);
   td_storage *src, *dst, *ro;
   const int R = 37, C = 53;
@@ -223,7 +220,7 @@ static int until_unlisted(uint64_t id, int timeout_ms) {
   return !listed(id);
 }
 
-Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
+TDT_TEST(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   td_client *c = tdt_connect(&d);
   td_storage *s, *copy, *got;
   cr_assert_eq(td_storage_create(c, 4 * 5 * sizeof(int32_t), &s), 0);
@@ -291,7 +288,7 @@ Test(views, dlpack_round_trip_and_the_deleter_drops_the_reference) {
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));
 }
 
-Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
+TDT_TEST(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
   td_client *c = tdt_connect(&d);
   td_storage *s, *h = NULL;
   cr_assert_eq(td_storage_create(c, 1, &s), 0);
@@ -323,7 +320,7 @@ Test(views, publish_refuses_a_view_of_more_than_int64_max_elements) {
 /* Views whose elements overlap (strides that are not 0 but collide) can
  * name far more elements than their bytes: the temporary buffer an
  * overlapping copy needs must be sized without wrapping. */
-Test(views, copy_refuses_what_no_buffer_can_hold) {
+TDT_TEST(views, copy_refuses_what_no_buffer_can_hold) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 16 * 1024;
@@ -368,7 +365,7 @@ Test(views, copy_refuses_what_no_buffer_can_hold) {
 
 /* A consumer that reads data and ignores byte_offset, as PyTorch 1.13 does
  * on import, still sees the view's own elements. */
-Test(views, dlpack_export_points_data_at_the_first_element) {
+TDT_TEST(views, dlpack_export_points_data_at_the_first_element) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, ROWS * COLS * sizeof(float), &s), 0);
@@ -461,7 +458,7 @@ static void ext_init(ext *e, void *data, int64_t r, int64_t c,
   e->m.deleter = ext_deleter;
 }
 
-Test(views, dlpack_import_of_strided_external_tensors) {
+TDT_TEST(views, dlpack_import_of_strided_external_tensors) {
   td_client *c = tdt_connect(&d);
   double data[7 * 6];
   for (int i = 0; i < 42; i++)
@@ -526,7 +523,7 @@ static int no_storages(const tdt_daemon *dd) {
   return tdt_storages(dd) == 0;
 }
 
-Test(views, dlpack_import_refuses_what_it_cannot_copy) {
+TDT_TEST(views, dlpack_import_refuses_what_it_cannot_copy) {
   td_client *c = tdt_connect(&d);
   float data[16] = {0};
   ext e;

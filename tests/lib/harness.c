@@ -31,11 +31,62 @@ int tdt_open_fds(void) {
   return n - 1; /* the directory's own fd */
 }
 
+/* The daemons this test started and has not stopped or killed. Each test
+ * runs in a process of its own, so this starts empty for every test. */
+static tdt_daemon *live[16];
+static int nlive;
+
+static void track(tdt_daemon *d) {
+  for (int i = 0; i < nlive; i++)
+    if (live[i] == d)
+      return;
+  cr_assert_lt(nlive, 16, "a test may run at most 16 daemons at once");
+  live[nlive++] = d;
+}
+
+static void untrack(tdt_daemon *d) {
+  for (int i = 0; i < nlive; i++)
+    if (live[i] == d) {
+      memmove(&live[i], &live[i + 1], (size_t)(nlive - i - 1) * sizeof(*live));
+      nlive--;
+      return;
+    }
+}
+
+/* TDT_TEST stops d after the test body has returned: d must not live in
+ * the body's stack frame. The stack grows down from above this frame, so an
+ * address a little above it is the stack. */
+static void assert_not_on_stack(const tdt_daemon *d) {
+  uintptr_t here = (uintptr_t)__builtin_frame_address(0);
+  uintptr_t p = (uintptr_t)d;
+  cr_assert(!(p > here && p - here < (64u << 20)),
+            "tdt_start: the tdt_daemon is a local variable; make it static "
+            "(TDT_TEST stops it after the body returns)");
+}
+
+void tdt_mkdtemp(char *dir) {
+  snprintf(dir, 64, "/tmp/tensord-test.%s.XXXXXX", TDT_TAG);
+  cr_assert_not_null(mkdtemp(dir), "mkdtemp(%s): %s", dir, strerror(errno));
+}
+
+void tdt_note_instance(uint64_t instance) {
+  char path[64], line[20];
+  snprintf(path, sizeof(path), "/tmp/tensord-test.%s.instances", TDT_TAG);
+  int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return;
+  int n = snprintf(line, sizeof(line), "%016llx\n",
+                   (unsigned long long)instance);
+  if (write(fd, line, (size_t)n) != n)
+    fprintf(stderr, "harness: %s: %s\n", path, strerror(errno));
+  close(fd);
+}
+
 static void make_dir(tdt_daemon *d) {
+  assert_not_on_stack(d);
   memset(d, 0, sizeof(*d));
   d->fds_before = tdt_open_fds();
-  snprintf(d->dir, sizeof(d->dir), "/tmp/tensord-test.XXXXXX");
-  cr_assert_not_null(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+  tdt_mkdtemp(d->dir);
   snprintf(d->sock, sizeof(d->sock), "%.60s/tensord.sock", d->dir);
   snprintf(d->log, sizeof(d->log), "%s/tensord.log", d->dir);
 }
@@ -87,6 +138,7 @@ static void wait_ready(tdt_daemon *d, int nfd) {
   td_stat st;
   cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
   d->instance = st.instance;
+  tdt_note_instance(st.instance);
   td_close(c);
 }
 
@@ -132,6 +184,7 @@ void tdt_start(tdt_daemon *d, const char *const *args) {
   cr_assert(d->pid >= 0);
   if (d->pid == 0)
     exec_daemon(d, notify, args, 0);
+  track(d);
   wait_ready(d, nfd);
 }
 
@@ -157,6 +210,7 @@ void tdt_start_inherited(tdt_daemon *d) {
   }
   close(lfd);
   d->inherited = 1;
+  track(d);
   wait_ready(d, nfd);
 }
 
@@ -216,19 +270,27 @@ static void remove_dir(tdt_daemon *d) {
 }
 
 void tdt_stop(tdt_daemon *d) {
-  cr_assert_eq(kill(d->pid, SIGTERM), 0);
+  cr_assert_gt(d->pid, 0, "tdt_stop: tensord is not running");
+  cr_assert_eq(kill(d->pid, SIGTERM), 0, "kill(%d): %s", (int)d->pid,
+               strerror(errno));
+  tdt_stopped(d);
+}
+
+void tdt_stopped(tdt_daemon *d) {
+  cr_assert_gt(d->pid, 0, "tdt_stopped: tensord was not running");
   int status = tdt_wait(d->pid);
   d->pid = 0;
   if (status != 0)
     dump_log(d);
-  cr_assert_eq(status, 0, "tensord exited with %d", status);
   int left = tdt_segments(d);
   struct stat st;
   /* A socket systemd passes stays: only a socket tensord bound is its own
    * to remove. */
   int sock_left = !d->inherited && stat(d->sock, &st) == 0;
   int fds = tdt_open_fds();
-  remove_dir(d);
+  /* All is measured: remove what is left, then judge. */
+  tdt_kill(d);
+  cr_assert_eq(status, 0, "tensord exited with %d", status);
   cr_assert_eq(left, 0, "%d segment(s) of this tensord left in /dev/shm", left);
   cr_assert_not(sock_left, "tensord left its socket %s", d->sock);
   cr_assert_eq(fds, d->fds_before, "the test leaked %d fd(s)",
@@ -243,6 +305,27 @@ void tdt_kill(tdt_daemon *d) {
   }
   tdt_unlink_segments(d->instance);
   remove_dir(d);
+  untrack(d);
+}
+
+void tdt_stop_all(void) {
+  while (nlive > 0) {
+    tdt_daemon *d = live[nlive - 1];
+    if (d->pid <= 0) {
+      /* Stopped by the test itself, without tdt_stopped or tdt_kill: what
+       * it left was never looked at. */
+      tdt_kill(d);
+      cr_assert_fail("the test stopped tensord (%s) without tdt_stopped or "
+                     "tdt_kill",
+                     d->sock);
+    }
+    tdt_stop(d);
+  }
+}
+
+void tdt_cleanup(void) {
+  while (nlive > 0)
+    tdt_kill(live[nlive - 1]);
 }
 
 void tdt_unlink_segments(uint64_t instance) {

@@ -5,6 +5,7 @@
 
 #include "tensord.h"
 
+#include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +14,7 @@
 
 typedef struct tdt_daemon {
   pid_t pid;
-  char dir[64];   /* /tmp/tensord-test.XXXXXX */
+  char dir[64];   /* /tmp/tensord-test.<TDT_TAG>.XXXXXX */
   char sock[108]; /* dir/tensord.sock */
   char log[128];  /* dir/tensord.log: the daemon's stderr */
   uint64_t instance;
@@ -22,18 +23,62 @@ typedef struct tdt_daemon {
 } tdt_daemon;
 
 /* Starts tensord on a fresh socket with extra arguments (NULL-terminated, may
- * be NULL) and waits for its READY=1; asserts on failure. */
+ * be NULL) and waits for its READY=1; asserts on failure. d must outlive the
+ * test body (static storage): TDT_TEST stops it after the body returns. */
 void tdt_start(tdt_daemon *d, const char *const *args);
 /* Like tdt_start, but hands tensord an already listening socket the way
  * systemd does (LISTEN_FDS=1, LISTEN_PID, fd 3). */
 void tdt_start_inherited(tdt_daemon *d);
-/* Stops tensord with SIGTERM and asserts: it exits 0, leaves none of its
- * segments in /dev/shm, removes its socket, and the test leaked no fd. */
+/* Stops tensord with SIGTERM and asserts: it exits 0 (under make valgrind:
+ * with no valgrind error), leaves none of its segments in /dev/shm, removes
+ * its socket, and the test leaked no fd. Whatever it left is removed before
+ * the assertions. */
 void tdt_stop(tdt_daemon *d);
+/* tdt_stop for a tensord the test has already sent SIGTERM: waits for it
+ * and asserts the same. */
+void tdt_stopped(tdt_daemon *d);
 /* Kills tensord with SIGKILL (no checks); removes what it leaves. */
 void tdt_kill(tdt_daemon *d);
 /* Unlinks every segment of a daemon instance left in /dev/shm. */
 void tdt_unlink_segments(uint64_t instance);
+
+/* TDT_TEST(suite, name, options...) is Criterion's Test for integration
+ * tests, the only form they may use. When the body returns, every tensord
+ * the test started (tdt_start) and has not stopped or killed is stopped with
+ * tdt_stop, inside the test, so a leak fails the test it belongs to.
+ * Criterion ignores an assertion that fails in a .fini (it prints "Assertion
+ * Failed" and counts the test as passed), so no check may live there. A body
+ * that fails an assertion ends before that stop; the suite's .fini =
+ * tdt_cleanup (or a teardown that calls it) kills what is left. */
+#define TDT_TEST(...) TDT_TEST_(__VA_ARGS__, .sentinel_ = 0)
+#define TDT_TEST_(Suite, Name, ...)                                            \
+  static void tdt_body_##Suite##_##Name(void);                                 \
+  CR_TEST_BASE(Suite, Name, __VA_ARGS__) {                                     \
+    tdt_body_##Suite##_##Name();                                               \
+    tdt_stop_all();                                                            \
+  }                                                                            \
+  static void tdt_body_##Suite##_##Name(void)
+
+/* A plain Test in a file that uses the harness would skip those checks. */
+#undef Test
+#define Test(...)                                                              \
+  _Static_assert(0, "integration tests are TDT_TEST(suite, name, ...), which " \
+                    "checks the daemons they started (see harness.h)")
+
+/* Stops, with tdt_stop, every tensord this test started and has not
+ * stopped or killed, the last started first. TDT_TEST calls it. */
+void tdt_stop_all(void);
+/* For .fini: kills every tensord this test started and has not stopped or
+ * killed, and removes what each left; asserts nothing. */
+void tdt_cleanup(void);
+
+/* Makes a temporary directory /tmp/tensord-test.<TDT_TAG>.XXXXXX in dir (64
+ * bytes), which tests/check-clean.sh knows as this build's; asserts. */
+void tdt_mkdtemp(char *dir);
+/* Records that a tensord of this build's tests ran as instance, for
+ * tests/check-clean.sh, which looks for its segments after the suite. The
+ * harness records those it starts; a test that starts one itself calls it. */
+void tdt_note_instance(uint64_t instance);
 
 /* Connects to d; asserts. */
 td_client *tdt_connect(const tdt_daemon *d);

@@ -7,7 +7,8 @@
 # --restart, soak SIGKILLs it every ~15 s. Always stops the daemon, removes
 # the state dir, and leaves no segment of any of its instances in /dev/shm.
 # Exits with soak's status, or 1 if something had to be cleaned up after it.
-# $SOAK_OPTS adds options to soak (see soak --help).
+# $SOAK_OPTS adds options to soak; TDT_SEED and SOAK_CRIPPLE reach it
+# through the environment (see soak --help).
 set -u
 
 usage() {

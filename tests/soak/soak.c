@@ -24,6 +24,11 @@
  *   key that is not there, EACCES where the mode refuses, ECONNRESET from a
  *   daemon the coordinator killed...); any other error is counted as
  *   unexpected and fails the run.
+ * - Enough work: a run must verify at least FLOOR_READS payloads per client
+ *   and second, and at most MAX_ALLOWED_ERR of its operations may fail even
+ *   with errors the situation allows; a run in which nearly everything
+ *   fails proves nothing and fails. (SOAK_CRIPPLE=N turns N of every 1000
+ *   client operations into lookups of a key nobody publishes, to see it.)
  * - At the end, with every client gone: the daemon holds no client's
  *   reference, every storage it lists is named by a key, the keys the
  *   keyspace resolves to name exactly those storages, `storages` of
@@ -37,6 +42,7 @@
  * (run.sh, as systemd would with Restart=on-failure) to start it again on
  * the same socket and --state-dir. */
 #include "bench.h"
+#include "seed.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -69,6 +75,13 @@
 #define REPLACERS 4        /* processes that keep replacing keys */
 #define RW_KEYS 16         /* durable-rw/0..15, key i is replacer i % 4's */
 #define RW_ABSENT 1ull     /* a durable-rw key that is not published */
+/* The floor of a run, whatever its length: payloads the clients verify per
+ * client and second (12.6 in a 20 s run of 256 clients on a busy 2-CPU
+ * machine), and the largest fraction of their requests that may fail with
+ * errors the situation allows (25% there: lookups of keys nobody
+ * published, waits that time out, probes). */
+#define FLOOR_READS 1.0
+#define MAX_ALLOWED_ERR 0.5
 
 /* The uids clients that are not root run as: 4242 and 4243 have groups of
  * their own, 4244 shares 4242's group, so that group bits count. */
@@ -250,6 +263,9 @@ typedef struct shared {
   _Atomic uint64_t err[OP_COUNT][NERR];
   _Atomic uint64_t unexpected[OP_COUNT][NERR];
   _Atomic uint64_t reads_verified, bytes_verified, mprotect_probes;
+  /* The client processes' own: requests answered, those that failed with
+   * an allowed error, payloads verified (the floor is judged on these). */
+  _Atomic uint64_t client_ops, client_allowed, client_reads;
   _Atomic uint64_t reconnects, conn_lost;
   _Atomic uint64_t violations, unexpected_total;
   _Atomic uint32_t nmsgs;
@@ -268,6 +284,7 @@ typedef struct shared {
 
 static shared *sh;
 static pid_t coordinator;
+static int in_client; /* this process is one of the clients */
 
 /* Settings, from the command line. */
 static struct {
@@ -277,7 +294,8 @@ static struct {
   int restart;
   uint64_t seed;
   const char *instances_file;
-} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL};
+  unsigned cripple; /* $SOAK_CRIPPLE: per 1000 operations, see the top */
+} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL, 0};
 
 static void note_msg(const char *kind, const char *fmt, va_list ap) {
   char buf[320];
@@ -368,6 +386,8 @@ enum { K_SOAK, K_OWN, K_OTHER, K_DURABLE, K_ID };
 /* Counts the outcome err of op by me on a key of kind k, and judges an
  * error: returns 1 if it lost the connection. */
 static int outcome(client *me, int op, int err, int k, const char *what) {
+  if (in_client)
+    atomic_fetch_add(&sh->client_ops, 1);
   if (err >= 0) {
     atomic_fetch_add(&sh->ok[op], 1);
     return 0;
@@ -388,6 +408,8 @@ static int outcome(client *me, int op, int err, int k, const char *what) {
                           (k == K_DURABLE && op == OP_PROBE_WRITE));
   else
     ok = 0;
+  if (ok && in_client)
+    atomic_fetch_add(&sh->client_allowed, 1);
   if (!ok) {
     atomic_fetch_add(&sh->unexpected[op][slot], 1);
     unexpected("client %d (uid %u): %s %s: %s: %s", me->slot, (unsigned)me->uid,
@@ -468,6 +490,8 @@ static void check_handle(client *me, td_storage *s, const td_view *v, int ro,
   }
   atomic_fetch_add(&sh->reads_verified, 1);
   atomic_fetch_add(&sh->bytes_verified, n);
+  if (in_client)
+    atomic_fetch_add(&sh->client_reads, 1);
   if (n >= HDR && !may(me->uid, me->gid, &h, want))
     violation("%s: uid %u gid %u got %s access to storage %" PRIu64
               " of uid %u gid %u mode %04o",
@@ -715,6 +739,7 @@ static int op_durable(client *me) {
   else {
     atomic_fetch_add(&sh->reads_verified, 1);
     atomic_fetch_add(&sh->bytes_verified, td_storage_nbytes(s));
+    atomic_fetch_add(&sh->client_reads, 1);
   }
   td_storage_release(s);
   return 0;
@@ -735,9 +760,21 @@ static int op_list(client *me) {
   return err;
 }
 
+/* SOAK_CRIPPLE: a lookup that fails with ENOENT, an allowed error. */
+static int op_missing(client *me) {
+  td_storage *s;
+  int err = td_lookup(me->c, "soak-crippled/nobody-publishes-this", 0, 0, &s,
+                      NULL);
+  if (err == 0)
+    td_storage_release(s);
+  outcome(me, OP_LOOKUP, err, K_SOAK, "soak-crippled/...");
+  return err;
+}
+
 static int client_main(void *arg) {
   client me = {0};
   me.slot = (int)(intptr_t)arg;
+  in_client = 1;
   /* Drop the coordinator's descriptors (its connection to tensord above
    * all: a copy here would keep that connection open after it closes). */
   for (int fd = 3; fd < 1024; fd++)
@@ -770,7 +807,9 @@ static int client_main(void *arg) {
              below(&me, cfg.sleep_max_ms - cfg.sleep_min_ms + 1));
     unsigned r = below(&me, 1000);
     int err;
-    if (r < 220)
+    if (cfg.cripple > below(&me, 1000))
+      err = op_missing(&me);
+    else if (r < 220)
       err = op_create(&me);
     else if (r < 400)
       err = op_lookup(&me, OP_LOOKUP);
@@ -1725,8 +1764,13 @@ static void usage(FILE *f) {
              "  --restart           SIGKILL the daemon every ~15 s; something\n"
              "                      must start it again (run.sh does)\n"
              "  --restart-every S   seconds between daemon kills (default 15)\n"
-             "  --seed N            random seed (default: from the time)\n"
-             "  --instances-file F  append each daemon instance seen to F\n");
+             "  --seed N            random seed (default: $TDT_SEED, else from\n"
+             "                      the time)\n"
+             "  --instances-file F  append each daemon instance seen to F\n"
+             "\n"
+             "Environment: TDT_SEED fixes the seed; SOAK_CRIPPLE=N makes N of\n"
+             "every 1000 client operations fail (ENOENT), to check that such\n"
+             "a run fails the floor.\n");
 }
 
 static unsigned parse_u(const char *opt, const char *s, unsigned min,
@@ -1768,8 +1812,7 @@ int main(int argc, char **argv) {
   };
   bench_init("soak");
   coordinator = getpid();
-  cfg.seed = bench_now_ns();
-  int ch;
+  int ch, seed_given = 0;
   while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (ch) {
     case O_SECONDS:
@@ -1803,6 +1846,7 @@ int main(int argc, char **argv) {
       break;
     case O_SEED:
       cfg.seed = strtoull(optarg, NULL, 0);
+      seed_given = 1;
       break;
     case O_INSTANCES:
       cfg.instances_file = optarg;
@@ -1820,6 +1864,11 @@ int main(int argc, char **argv) {
     return 2;
   }
   cfg.sock = argv[optind];
+  if (!seed_given)
+    cfg.seed = tdt_seed("soak");
+  const char *cripple = getenv("SOAK_CRIPPLE");
+  if (cripple != NULL && cripple[0] != '\0')
+    cfg.cripple = parse_u("SOAK_CRIPPLE", cripple, 0, 1000);
   signal(SIGPIPE, SIG_IGN);
 
   sh = bench_shared(sizeof(*sh));
@@ -1968,6 +2017,25 @@ int main(int argc, char **argv) {
                         __VA_ARGS__)
   uint64_t v = atomic_load(&sh->violations),
            x = atomic_load(&sh->unexpected_total);
+  /* The floor, on what the clients did: enough verified reads, not too
+   * many (allowed) errors. */
+  uint64_t ops = atomic_load(&sh->client_ops);
+  uint64_t allowed = atomic_load(&sh->client_allowed);
+  uint64_t reads = atomic_load(&sh->client_reads);
+  double reads_min = FLOOR_READS * cfg.clients * run_s;
+  double err_frac = ops ? (double)allowed / (double)ops : 1.0;
+  printf("\nsoak: floor: the clients verified %" PRIu64 " payloads, %.0f "
+         "needed (%.1f per client per second); %.1f%% of their %" PRIu64
+         " requests failed with allowed errors, %.0f%% at most%s\n",
+         reads, reads_min, FLOOR_READS, 100 * err_frac, ops,
+         100 * MAX_ALLOWED_ERR, cfg.cripple ? " (SOAK_CRIPPLE is set)" : "");
+  if ((double)reads < reads_min)
+    WHY("%s%" PRIu64 " payloads verified, under the floor of %.0f",
+        n ? ", " : "", reads, reads_min);
+  if (err_frac > MAX_ALLOWED_ERR)
+    WHY("%s%.1f%% of the clients' requests failed, more than %.0f%%",
+        n ? ", " : "",
+        100 * err_frac, 100 * MAX_ALLOWED_ERR);
   if (v)
     WHY("%s%" PRIu64 " invariant violation(s)", n ? ", " : "", v);
   if (x)

@@ -2,25 +2,23 @@
  * element-by-element reference on random layouts, overlapping and aliased
  * views, the path each layout takes, and bad input. */
 #include "internal.h"
+#include "seed.h"
 
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 static uint64_t rng;
-static unsigned seed;
+static uint64_t seed;
 
 static void seed_rng(void) {
-  const char *s = getenv("TD_TEST_SEED");
-  seed = s != NULL ? (unsigned)strtoul(s, NULL, 0)
-                   : (unsigned)time(NULL) ^ (unsigned)getpid() << 16;
+  seed = tdt_seed("test_copy");
   rng = seed;
-  fprintf(stderr, "test_copy: seed %u (set TD_TEST_SEED to repeat)\n", seed);
 }
 
 static uint64_t rnd(void) {
@@ -126,9 +124,9 @@ Test(copy, random_layouts_match_the_reference, .timeout = 120) {
     paths[td__copy_plan_path(&dv, &sv)]++;
     int err = td__copy_raw(d, &dv, s, &sv, 0);
     char a[512], b[512];
-    cr_assert_eq(err, 0, "seed %u iter %d: %s", seed, iter,
+    cr_assert_eq(err, 0, "seed %" PRIu64 " iter %d: %s", seed, iter,
                  td_view_last_error());
-    cr_assert_eq(memcmp(d, want, dn), 0, "seed %u iter %d: %s <- %s (path %d)",
+    cr_assert_eq(memcmp(d, want, dn), 0, "seed %" PRIu64 " iter %d: %s <- %s (path %d)",
                  seed, iter, td_view_format(&dv, a, sizeof(a)),
                  td_view_format(&sv, b, sizeof(b)),
                  td__copy_plan_path(&dv, &sv));
@@ -137,7 +135,7 @@ Test(copy, random_layouts_match_the_reference, .timeout = 120) {
     free(want);
   }
   for (int p = 1; p < 5; p++)
-    cr_expect(paths[p] > 0, "seed %u: path %d never taken", seed, p);
+    cr_expect(paths[p] > 0, "seed %" PRIu64 ": path %d never taken", seed, p);
 }
 
 Test(copy, overlapping_views_of_one_buffer, .timeout = 120) {
@@ -160,10 +158,10 @@ Test(copy, overlapping_views_of_one_buffer, .timeout = 120) {
     memcpy(snap, buf, n);
     memcpy(want, buf, n);
     reference(want, &dv, snap, &sv);
-    cr_assert_eq(td__copy_raw(buf, &dv, buf, &sv, 0), 0, "seed %u: %s", seed,
+    cr_assert_eq(td__copy_raw(buf, &dv, buf, &sv, 0), 0, "seed %" PRIu64 ": %s", seed,
                  td_view_last_error());
     char a[512], b[512];
-    cr_assert_eq(memcmp(buf, want, n), 0, "seed %u iter %d: %s <- %s", seed,
+    cr_assert_eq(memcmp(buf, want, n), 0, "seed %" PRIu64 " iter %d: %s <- %s", seed,
                  iter, td_view_format(&dv, a, sizeof(a)),
                  td_view_format(&sv, b, sizeof(b)));
     free(buf);
@@ -205,7 +203,7 @@ Test(copy, aliased_mappings_copy_as_if_read_first) {
     memcpy(want, m1, n);
     reference(want, &dv, snap, &sv);
     cr_assert_eq(td__copy_raw(m1, &dv, m2, &sv, 1), 0);
-    cr_assert_eq(memcmp(m2, want, n), 0, "seed %u iter %d", seed, iter);
+    cr_assert_eq(memcmp(m2, want, n), 0, "seed %" PRIu64 " iter %d", seed, iter);
   }
   /* The classic: shift a row right by one element in place. */
   td_view a, b;

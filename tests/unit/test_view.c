@@ -2,26 +2,23 @@
  * index maps instead of strides, PyTorch's view rules, dtype names, and bad
  * input. */
 #include "tensord.h"
+#include "seed.h"
 
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 /* ---- a seeded PRNG (splitmix64); the seed is in every failure ---- */
 
 static uint64_t rng;
-static unsigned seed;
+static uint64_t seed;
 
 static void seed_rng(void) {
-  const char *s = getenv("TD_TEST_SEED");
-  seed = s != NULL ? (unsigned)strtoul(s, NULL, 0)
-                   : (unsigned)time(NULL) ^ (unsigned)getpid() << 16;
+  seed = tdt_seed("test_view");
   rng = seed;
-  fprintf(stderr, "test_view: seed %u (set TD_TEST_SEED to repeat)\n", seed);
 }
 
 static uint64_t rnd(void) {
@@ -188,7 +185,7 @@ static void ref_apply(const ref *in, const op *o, int32_t nd,
 /* ---- checks of a result against the reference ---- */
 
 #define FAILF(...)                                                             \
-  cr_assert_fail("seed %u, %s: %s", seed, ctx,                                 \
+  cr_assert_fail("seed %" PRIu64 ", %s: %s", seed, ctx,                                 \
                  (snprintf(fb, sizeof(fb), __VA_ARGS__), fb))
 
 static char ctx[1024];
@@ -773,7 +770,7 @@ static void run_chains(int chains, int steps, int32_t maxnd, int64_t maxsize) {
   }
   for (int k = 0; k < OP_COUNT; k++)
     cr_expect((done[k][0] > 0 || k == OP_SQUEEZE_ALL) && done[k][1] > 0,
-              "seed %u: %s ran %d times ok and %d times failing", seed,
+              "seed %" PRIu64 ": %s ran %d times ok and %d times failing", seed,
               op_names[k], done[k][1], done[k][0]);
 }
 

@@ -1,6 +1,14 @@
 /* client.c: libtensord's connection to tensord: requests and replies matched
  * by seq so any number of threads can share one client, storage handles, and
- * the key operations. */
+ * the key operations.
+ *
+ * Two locks. mu guards the client's state (calls waiting for replies, the
+ * reader's role, the held handles, broken and why) and is never held across
+ * a system call that can block. smu guards the output queue and is held
+ * while a sender blocks in sendmsg: so a thread that is sending never keeps
+ * the reader from handing replies over, and the daemon, which stops reading
+ * a client that leaves its replies unread, always gets them read. Lock
+ * order: smu, then mu. */
 #include "internal.h"
 
 #include "htab.h"
@@ -20,6 +28,9 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Releases queued behind a request at most (see release_handle). */
+#define DEFER_MAX 64
+
 /* A call waiting for the reply with its seq. */
 typedef struct pending {
   uint64_t seq;
@@ -30,14 +41,15 @@ typedef struct pending {
 } pending;
 
 struct td_client {
-  pthread_mutex_t mu;
+  pthread_mutex_t mu; /* the state below, except where it says smu */
   pthread_cond_t cv;
-  atomic_int refs; /* the user's (until td_close) plus one per handle */
-  int closed;      /* td_close was called */
-  int broken;      /* the connection failed: every call now fails with err */
+  pthread_mutex_t smu; /* the wire's output half and deferred */
+  atomic_int refs;     /* the user's (until td_close) plus one per handle */
+  int closed;          /* td_close was called */
+  int broken; /* the connection failed: every call now fails with err */
   int err;
-  int reader; /* a thread is reading replies for everyone */
-  td__wire wire;
+  int reader;    /* a thread is reading replies for everyone */
+  td__wire wire; /* input half: the reader's; output half: smu's */
   uint64_t next_seq;
   pending *pending;
   uint64_t instance;
@@ -45,8 +57,8 @@ struct td_client {
   int why_code; /* the daemon's last word on the connection (seq 0) */
   char why[512];
   td__htab held;     /* handles per (storage, mode), for release_handle */
-  unsigned deferred; /* releases queued, not yet sent */
-  char path[108];
+  unsigned deferred; /* releases queued, not yet sent (smu) */
+  char path[108];    /* set once */
 };
 
 struct td_storage {
@@ -105,37 +117,55 @@ static void client_unref(td_client *c) {
   }
   td__htab_free(&c->held);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->smu);
   pthread_cond_destroy(&c->cv);
   free(c);
 }
 
-/* Marks the connection failed and wakes every waiting call. Locked. */
+/* Marks the connection failed, shuts its socket down and wakes every
+ * waiting call. The shutdown wakes a thread blocked sending or reading (a
+ * reader first reads what is queued, which may say why the daemon hung up)
+ * and makes the daemon drop our references now. Locked. */
 static void set_broken(td_client *c, int err) {
   if (c->broken)
     return;
   c->broken = 1;
   c->err = err;
+  shutdown(c->wire.fd, SHUT_RDWR);
   pthread_cond_broadcast(&c->cv);
 }
 
-/* Packs r into the output queue and sends it all. Locked. */
-static int send_locked(td_client *c, Tensord__Request *r) {
-  if (c->broken)
-    return c->err;
+/* Packs r into the output queue and, if flush, sends everything queued,
+ * blocking while the socket is full. Takes smu, and mu only briefly to mark
+ * the connection broken: so a send that blocks (the daemon reads no more
+ * until we read its replies) never stops the reader. Returns 0, TD_EMSGSIZE
+ * or TD_ENOMEM (nothing queued), or TD_ECONNRESET. */
+static int send_request(td_client *c, Tensord__Request *r, int flush) {
   size_t len = tensord__request__get_packed_size(r);
+  int err = 0;
+  pthread_mutex_lock(&c->smu);
   uint8_t *p = td__wire_reserve(&c->wire, len);
-  if (p == NULL)
-    return len > TD__FRAME_MAX ? TD_EMSGSIZE : TD_ENOMEM;
-  tensord__request__pack(r, p);
-  int err = td__wire_commit(&c->wire, len, NULL, 0);
-  if (err == 0)
-    err = td__wire_flush(&c->wire, 0); /* with any deferred releases */
-  c->deferred = 0;
-  if (err < 0) {
-    set_broken(c, TD_ECONNRESET);
-    return TD_ECONNRESET;
+  if (p == NULL) {
+    err = len > TD__FRAME_MAX ? TD_EMSGSIZE : TD_ENOMEM;
+    goto unlock;
   }
-  return 0;
+  tensord__request__pack(r, p);
+  err = td__wire_commit(&c->wire, len, NULL, 0);
+  if (err < 0)
+    goto unlock;
+  if (!flush && ++c->deferred < DEFER_MAX)
+    goto unlock;
+  c->deferred = 0;
+  if (td__wire_flush(&c->wire, 0) < 0) { /* with any deferred releases */
+    /* The stream may end in part of a frame: it is of no more use. */
+    err = TD_ECONNRESET;
+    pthread_mutex_lock(&c->mu);
+    set_broken(c, TD_ECONNRESET);
+    pthread_mutex_unlock(&c->mu);
+  }
+unlock:
+  pthread_mutex_unlock(&c->smu);
+  return err;
 }
 
 /* Reads until one whole reply has arrived and hands it to its caller.
@@ -168,7 +198,8 @@ static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
 }
 
 /* The daemon may have said why it hung up before we noticed (a send that
- * failed): read what it left, without blocking. Locked, no reader active. */
+ * failed): read what it left, without blocking. Locked, no reader active:
+ * the input half is ours. */
 static void read_why(td_client *c) {
   for (int i = 0; i < 64 && c->why[0] == '\0'; i++) {
     td__frame f;
@@ -227,25 +258,25 @@ static const char *body_name(int body) {
 static int call_held(td_client *c, Tensord__Request *req,
                      Tensord__Response **resp, int *fd) {
   pending p = {0, 0, NULL, -1, NULL};
-  int err;
+  const char *op = body_name(req->body_case);
+  char why[sizeof(c->why)] = "";
+  int err = 0, closed = 0;
   pthread_mutex_lock(&c->mu);
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
-    return fail(c, TD_ENOTCONN, "%s: client is closed",
-                body_name(req->body_case));
+    return fail(c, TD_ENOTCONN, "%s: client is closed", op);
+  }
+  if (c->broken) {
+    err = c->err;
+    goto broken;
   }
   req->seq = p.seq = ++c->next_seq;
-  err = send_locked(c, req);
-  if (err < 0) {
-    if (!c->reader)
-      read_why(c);
-    if (c->why_code)
-      err = c->why_code;
-    goto unlock;
-  }
   p.next = c->pending;
   c->pending = &p;
-  while (!p.done && !c->broken) {
+  pthread_mutex_unlock(&c->mu);
+  err = send_request(c, req, 1);
+  pthread_mutex_lock(&c->mu);
+  while (err == 0 && !p.done && !c->broken) {
     if (c->reader) {
       pthread_cond_wait(&c->cv, &c->mu);
       continue;
@@ -261,6 +292,7 @@ static int call_held(td_client *c, Tensord__Request *req,
       set_broken(c, c->why_code         ? c->why_code
                     : rerr == TD_EPROTO ? TD_EPROTO
                                         : TD_ECONNRESET);
+      pthread_cond_broadcast(&c->cv); /* the reader's role is free */
       break;
     }
     pending *q = c->pending;
@@ -289,16 +321,34 @@ static int call_held(td_client *c, Tensord__Request *req,
   while (*pp != &p)
     pp = &(*pp)->next;
   *pp = p.next;
-  if (!p.done)
-    err = c->err;
+  if (p.done || err == TD_ENOMEM || err == TD_EMSGSIZE)
+    goto unlock; /* a reply, or a request that never left */
+  err = c->err;
+broken:
+  /* The reader may be about to read why the daemon hung up; the connection
+   * is shut down, so it stops at the end of what is queued. */
+  while (c->reader)
+    pthread_cond_wait(&c->cv, &c->mu);
+  if (!c->closed)
+    read_why(c);
+  if (c->why_code && !c->closed)
+    err = c->why_code;
 unlock:
+  if (err < 0) { /* copied while locked: the reader may write why */
+    snprintf(why, sizeof(why), "%s", c->why);
+    closed = c->closed;
+  }
   pthread_mutex_unlock(&c->mu);
-  if (err < 0 && c->why[0] != '\0')
-    return fail(c, err, "%s: tensord closed the connection: %s",
-                body_name(req->body_case), c->why);
+  if (err < 0 && closed)
+    return fail(c, err, "%s: client was closed (td_close) during the call", op);
+  if (err < 0 && why[0] != '\0')
+    return fail(c, err, "%s: tensord closed the connection: %s", op, why);
+  if (err < 0 && (err == TD_ENOMEM || err == TD_EMSGSIZE))
+    return fail(c, err, "%s: cannot queue a request of %zu bytes: %s", op,
+                tensord__request__get_packed_size(req), td_strerror(err));
   if (err < 0)
-    return fail(c, err, "%s: connection to tensord at %s lost (%s)",
-                body_name(req->body_case), c->path, td_strerror(err));
+    return fail(c, err, "%s: connection to tensord at %s lost (%s)", op,
+                c->path, td_strerror(err));
   if (p.resp->body_case == TENSORD__RESPONSE__BODY_ERROR) {
     err = p.resp->error->code < 0 ? p.resp->error->code : TD_EPROTO;
     fail(c, err, "%s", p.resp->error->message);
@@ -380,6 +430,7 @@ int td_connect(const char *socket_path, td_client **out) {
   }
   td__htab_init(&c->held);
   pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->smu, NULL);
   pthread_cond_init(&c->cv, NULL);
   atomic_init(&c->refs, 1);
   td__wire_init(&c->wire, fd);
@@ -418,25 +469,19 @@ void td_close(td_client *c) {
   c->closed = 1;
   set_broken(c, TD_ENOTCONN);
   /* The daemon sees end-of-stream now and drops every reference we held;
-   * a thread blocked reading wakes with an error. */
+   * a thread blocked reading, or sending (mu is never held across a send),
+   * wakes with an error. A connection broken earlier is shut already. */
   shutdown(c->wire.fd, SHUT_RDWR);
   pthread_mutex_unlock(&c->mu);
   client_unref(c);
 }
 
-/* Sends a request that has no reply. */
-static void send_oneway(td_client *c, Tensord__Request *req) {
-  pthread_mutex_lock(&c->mu);
-  if (!c->broken) {
-    req->seq = 0;
-    send_locked(c, req);
-  }
-  pthread_mutex_unlock(&c->mu);
-}
-
 /* ---- storages ---- */
 
-static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
+/* Sends a release of count references (a message with no reply); with
+ * flush 0 it may wait in the queue for the next request. */
+static void send_release(td_client *c, uint64_t id, int ro, uint32_t count,
+                         int flush) {
   Tensord__Release m = TENSORD__RELEASE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.id = id;
@@ -444,7 +489,18 @@ static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
   m.count = count;
   req.body_case = TENSORD__REQUEST__BODY_RELEASE;
   req.release = &m;
-  send_oneway(c, &req);
+  pthread_mutex_lock(&c->mu);
+  int broken = c->broken;
+  pthread_mutex_unlock(&c->mu);
+  if (broken)
+    return;
+  if (send_request(c, &req, flush) == TD_ENOMEM) {
+    /* A release we cannot send would pin the storage: hang up instead, so
+     * that the daemon drops everything this client held. */
+    pthread_mutex_lock(&c->mu);
+    set_broken(c, TD_ENOMEM);
+    pthread_mutex_unlock(&c->mu);
+  }
 }
 
 static int held_eq(const td__hnode *n, const void *key) {
@@ -491,36 +547,11 @@ static uint32_t held_drop(td_client *c, uint64_t id, int ro) {
  * message of its own (at most DEFER_MAX wait). The release of the
  * connection's last handle is sent at once: the storage may go, and the
  * daemon must know the process no longer has it mapped. */
-#define DEFER_MAX 64
 static void release_handle(td_client *c, uint64_t id, int ro) {
-  Tensord__Release m = TENSORD__RELEASE__INIT;
-  Tensord__Request req = TENSORD__REQUEST__INIT;
-  m.id = id;
-  m.readonly = ro;
-  m.count = 1;
-  req.body_case = TENSORD__REQUEST__BODY_RELEASE;
-  req.release = &m;
   pthread_mutex_lock(&c->mu);
   uint32_t left = held_drop(c, id, ro);
-  if (!c->broken) {
-    size_t len = tensord__request__get_packed_size(&req);
-    uint8_t *p = td__wire_reserve(&c->wire, len);
-    if (p == NULL) {
-      /* A release we cannot send would pin the storage: hang up instead, so
-       * that the daemon drops everything this client held. */
-      set_broken(c, TD_ENOMEM);
-      shutdown(c->wire.fd, SHUT_RDWR);
-    } else {
-      tensord__request__pack(&req, p);
-      td__wire_commit(&c->wire, len, NULL, 0);
-      if (left == 0 || ++c->deferred >= DEFER_MAX) {
-        c->deferred = 0;
-        if (td__wire_flush(&c->wire, 0) < 0)
-          set_broken(c, TD_ECONNRESET);
-      }
-    }
-  }
   pthread_mutex_unlock(&c->mu);
+  send_release(c, id, ro, 1, left == 0);
 }
 
 static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
@@ -546,7 +577,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   if (s == NULL) {
     if (fd >= 0)
       close(fd);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, TD_ENOMEM, "out of memory");
   }
   int err =
@@ -562,12 +593,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
       err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd2,
                             &s->map);
       tensord__response__free_unpacked(r, NULL);
-      send_release(c, m->id, m->readonly, 1);
+      send_release(c, m->id, m->readonly, 1, 1);
     }
   }
   if (err < 0) {
     free(s);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, err, "storage %llu: cannot map %llu bytes: %s",
                 (unsigned long long)m->id, (unsigned long long)m->nbytes,
                 td_strerror(err));
@@ -584,7 +615,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   if (err < 0) {
     td__map_release(s->map);
     free(s);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, err, "out of memory");
   }
   atomic_fetch_add(&c->refs, 1);
@@ -775,7 +806,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     if (fd >= 0)
       close(fd);
     if (lr->storage != NULL)
-      send_release(c, lr->storage->id, lr->storage->readonly, 1);
+      send_release(c, lr->storage->id, lr->storage->readonly, 1, 1);
     tensord__response__free_unpacked(r, NULL);
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }

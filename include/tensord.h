@@ -264,7 +264,8 @@ int td_default_socket_path(char *buf, size_t len);
  * NULL and td_last_error(NULL) names the cause. */
 int td_connect(const char *socket_path, td_client **out);
 /* Closes the connection; the daemon drops every reference this client held.
- * Storage handles made by c stay mapped until they are released. NULL ok. */
+ * Calls other threads are making on c return TD_ENOTCONN at once. Storage
+ * handles made by c stay mapped until they are released. NULL ok. */
 void td_close(td_client *c);
 /* Returns the message of the last failure of a call made by this thread on
  * c (or of td_connect when c is NULL); "" if none. */

@@ -1,6 +1,7 @@
 /* test_threads.c: one client shared by many threads: no stall when replies
  * pile up, td_close wakes blocked threads, releases racing opens keep the
- * mapping cache exact, and a hang-up's reason reaches every thread. */
+ * mapping cache exact, and a hang-up's reason reaches every thread. Also
+ * run under ThreadSanitizer (make tsan, ctest label threads). */
 #include "harness.h"
 
 #include "tensord.pb-c.h"

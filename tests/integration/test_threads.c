@@ -64,16 +64,17 @@ static void shrink_sndbuf(const char *path) {
   cr_assert_eq(setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &one, sizeof(one)), 0);
 }
 
-/* Whether thread tid of this process is inside sendmsg now. */
-static int in_sendmsg(pid_t tid) {
+/* The system call thread tid of this process is blocked in now, or -1 if
+ * it is running. */
+static long syscall_of(pid_t tid) {
   char path[64], buf[64] = "";
   snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", (int)tid);
   FILE *f = fopen(path, "r");
   if (f == NULL)
-    return 0;
+    return -1;
   int ok = fgets(buf, sizeof(buf), f) != NULL;
   fclose(f);
-  return ok && atol(buf) == SYS_sendmsg;
+  return ok && buf[0] >= '0' && buf[0] <= '9' ? atol(buf) : -1;
 }
 
 /* Joins t, waiting at most ms; returns 0 if it ended. */
@@ -182,8 +183,10 @@ static void *close_client(void *p) {
 }
 
 /* With tensord stopped, pings fill the client's send buffer until a thread
- * blocks in sendmsg. td_close from another thread must return at once and
- * wake every thread inside a call, each failing with TD_ENOTCONN. */
+ * blocks in sendmsg; the others wait for the send lock or a reply. Once
+ * every thread is blocked inside its call (none may start one after
+ * td_close), td_close from another thread must return at once and wake
+ * them all, each failing with TD_ENOTCONN. */
 Test(threads, td_close_wakes_a_thread_blocked_sending) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
@@ -196,15 +199,19 @@ Test(threads, td_close_wakes_a_thread_blocked_sending) {
     w[i] = (worker){c, NULL, 1, 0, 1, "", 0};
     cr_assert_eq(pthread_create(&t[i], NULL, ping_once, &w[i]), 0);
   }
-  int blocked = -1;
-  for (int waited = 0; blocked < 0 && waited < 10000; waited += 5) {
-    for (int i = 0; i < N && blocked < 0; i++)
-      if (atomic_load(&w[i].tid) > 0 && in_sendmsg(atomic_load(&w[i].tid)))
-        blocked = i;
-    if (blocked < 0)
-      sleep_ms(5);
+  int sending = 0, inside = 0;
+  for (int waited = 0; (!sending || inside < N) && waited < 10000;
+       waited += 5) {
+    sleep_ms(5);
+    sending = inside = 0;
+    for (int i = 0; i < N; i++) {
+      long sc = atomic_load(&w[i].tid) > 0 ? syscall_of(w[i].tid) : -1;
+      sending += sc == SYS_sendmsg;
+      inside += sc == SYS_sendmsg || sc == SYS_recvmsg || sc == SYS_futex;
+    }
   }
-  cr_assert_geq(blocked, 0, "no thread blocked in sendmsg within 10 s");
+  cr_assert(sending > 0, "no thread blocked in sendmsg within 10 s");
+  cr_assert_eq(inside, N, "%d of %d threads blocked in their calls", inside, N);
   pthread_t closer;
   cr_assert_eq(pthread_create(&closer, NULL, close_client, c), 0);
   int closed = join_within(closer, 10000);

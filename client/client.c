@@ -58,6 +58,7 @@ struct td_client {
   char why[512];
   td__htab held;     /* handles per (storage, mode), for release_handle */
   unsigned deferred; /* releases queued, not yet sent (smu) */
+  uint64_t owner;    /* the client's id in the error channel; set once */
   char path[108];    /* set once */
 };
 
@@ -80,25 +81,26 @@ typedef struct held {
 
 /* ---- errors ---- */
 
-static __thread struct {
-  const td_client *c;
-  char msg[1024];
-} last;
-
+/* Records why a call on c (NULL: on no client) failed, in the one error
+ * channel (common/errors.c), and returns err. */
 static int fail(const td_client *c, int err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 static int fail(const td_client *c, int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last.msg, sizeof(last.msg), fmt, ap);
+  td__vfail(c != NULL ? c->owner : 0, err, fmt, ap);
   va_end(ap);
-  last.c = c;
   return err;
 }
 
 const char *td_last_error(const td_client *c) {
-  return last.c == c ? last.msg : "";
+  return td__last_error(c != NULL ? c->owner : 0);
+}
+
+void td__client_keep_error(const td_client *c) {
+  if (c != NULL)
+    td__fail(c->owner, 0, "%s", td__last_error(0));
 }
 
 /* ---- the connection ---- */
@@ -434,6 +436,7 @@ int td_connect(const char *socket_path, td_client **out) {
   pthread_cond_init(&c->cv, NULL);
   atomic_init(&c->refs, 1);
   td__wire_init(&c->wire, fd);
+  c->owner = td__err_owner();
   memcpy(c->path, path, sizeof(path));
 
   char name[64];
@@ -449,7 +452,7 @@ int td_connect(const char *socket_path, td_client **out) {
   if (err == 0)
     err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
   if (err < 0) {
-    char why[sizeof(last.msg)];
+    char why[TD__ERRMSG_MAX];
     snprintf(why, sizeof(why), "%s", td_last_error(c));
     fail(NULL, err, "%s: %s", path, why);
     client_unref(c);

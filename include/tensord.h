@@ -140,10 +140,10 @@ char *td_view_format(const td_view *v, char *buf, size_t len);
 struct td_client;
 struct td_storage;
 
-/* Returns the message of this thread's last failed call among the functions
- * of this section (and td_view_contiguous, td_view_check, td_view_numel),
- * naming the operation, the dimension and the values; "" if none failed yet.
- * A later success does not clear it. */
+/* Returns the message of this thread's last failed call of any kind: the
+ * same as td_last_error(NULL) (see "Errors" below), kept under this name for
+ * the view algebra, whose messages name the operation, the dimension and the
+ * values. "" if no call failed yet; a later success does not clear it. */
 const char *td_view_last_error(void);
 
 /* Returns 1 if v is contiguous in PyTorch's sense (row-major; the strides of
@@ -250,6 +250,17 @@ int td_from_dlpack(struct td_client *c, struct DLManagedTensor *src,
 typedef struct td_client td_client;
 typedef struct td_storage td_storage;
 
+/* Errors, one channel. Every call that fails returns its TD_E* code and
+ * records a message, naming the cause and the values, for the calling
+ * thread: td_last_error(NULL) returns this thread's last failure of any
+ * call (a view op, td_copy, DLPack, td_connect, any call on any client), and
+ * td_last_error(c) its last failure of a call on c (one taking c as an
+ * argument, td_from_dlpack included), which a failure on another client does
+ * not overwrite. Other threads never change what a thread reads. A success
+ * clears nothing, so read the message right after the call that failed; it
+ * stays valid until this thread's next failure. A thread keeps its last
+ * failure on each of the 16 clients it most recently failed on. */
+
 #define TD_RDONLY 0x1u /* open or look up for reading only */
 #define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */
 
@@ -267,8 +278,8 @@ int td_connect(const char *socket_path, td_client **out);
  * Calls other threads are making on c return TD_ENOTCONN at once. Storage
  * handles made by c stay mapped until they are released. NULL ok. */
 void td_close(td_client *c);
-/* Returns the message of the last failure of a call made by this thread on
- * c (or of td_connect when c is NULL); "" if none. */
+/* Returns this thread's last failure of a call on c, or of any call when c
+ * is NULL (see "Errors" above); "" if none. */
 const char *td_last_error(const td_client *c);
 
 /* Creates a storage of nbytes bytes on the CPU, mapped read-write, zeroed,

@@ -58,6 +58,7 @@ struct td_client {
   char why[512];
   td__htab held;     /* handles per (storage, mode), for release_handle */
   unsigned deferred; /* releases queued, not yet sent (smu) */
+  pid_t pid;         /* the process that connected; set once */
   uint64_t owner;    /* the client's id in the error channel; set once */
   char path[108];    /* set once */
 };
@@ -103,10 +104,29 @@ void td__client_keep_error(const td_client *c) {
     td__fail(c->owner, 0, "%s", td__last_error(0));
 }
 
+/* Whether this process is a child forked after c connected: c's socket and
+ * locks are its parent's, and the child must not touch them. */
+static int forked(const td_client *c) {
+  return c->pid != getpid();
+}
+
+static int fail_forked(const td_client *c, const char *op) {
+  return fail(c, TD_EFORKED,
+              "%s: this client was connected by process %d and is used in "
+              "process %d, a child forked since: its connection is the "
+              "parent's; call td_connect again in this process",
+              op, (int)c->pid, (int)getpid());
+}
+
 /* ---- the connection ---- */
 
 static void client_unref(td_client *c) {
   if (atomic_fetch_sub(&c->refs, 1) != 1)
+    return;
+  /* In a forked child the memory stays: its locks and queues may have been
+   * mid-change in another of the parent's threads. td_close closed the
+   * child's copy of the socket. */
+  if (forked(c))
     return;
   if (c->wire.fd >= 0)
     close(c->wire.fd);
@@ -368,9 +388,12 @@ unlock:
 }
 
 /* call_held, with a reference on c for its duration: a td_close from
- * another thread wakes the call (with an error) but cannot free c under it. */
+ * another thread wakes the call (with an error) but cannot free c under it.
+ * In a forked child it touches nothing of c but its pid. */
 static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
                 int *fd) {
+  if (forked(c))
+    return fail_forked(c, body_name(req->body_case));
   atomic_fetch_add(&c->refs, 1);
   int err = call_held(c, req, resp, fd);
   client_unref(c);
@@ -436,6 +459,7 @@ int td_connect(const char *socket_path, td_client **out) {
   pthread_cond_init(&c->cv, NULL);
   atomic_init(&c->refs, 1);
   td__wire_init(&c->wire, fd);
+  c->pid = getpid();
   c->owner = td__err_owner();
   memcpy(c->path, path, sizeof(path));
 
@@ -468,6 +492,15 @@ int td_connect(const char *socket_path, td_client **out) {
 void td_close(td_client *c) {
   if (c == NULL)
     return;
+  if (forked(c)) {
+    /* The child's copy of its parent's socket: closing it leaves the
+     * parent's connection alone, where shutdown would end it. */
+    if (c->wire.fd >= 0)
+      close(c->wire.fd);
+    c->wire.fd = -1;
+    client_unref(c);
+    return;
+  }
   pthread_mutex_lock(&c->mu);
   c->closed = 1;
   set_broken(c, TD_ENOTCONN);
@@ -686,6 +719,14 @@ int td_storage_release(td_storage *s) {
     return 0;
   if (atomic_fetch_sub(&s->refs, 1) != 1)
     return 0;
+  if (forked(s->c)) {
+    /* A handle from before fork(): its reference is the parent's, and so
+     * is the mapping cache it counts in. Free the handle; the inherited
+     * mapping stays until this process exits or execs. */
+    client_unref(s->c);
+    free(s);
+    return 0;
+  }
   td__map_release(s->map);
   release_handle(s->c, s->id, s->readonly);
   client_unref(s->c);

@@ -23,7 +23,7 @@ extern "C" {
 
 /* Errors. Every int-returning call returns 0 (or a count) on success and one
  * of these negative codes on failure. Where an errno fits, the code equals
- * -errno, as in libuv. */
+ * -errno, as in libuv; codes no errno fits are -4001 and below. */
 #define TD_ERRNO_MAP(XX)                                                       \
   XX(EINVAL, -EINVAL, "invalid argument")                                      \
   XX(ERANGE, -ERANGE, "view reaches outside its storage")                      \
@@ -52,7 +52,8 @@ extern "C" {
   XX(ENODEV, -ENODEV, "no such device")                                        \
   XX(EIO, -EIO, "i/o error")                                                   \
   XX(ECANCELED, -ECANCELED, "operation canceled")                              \
-  XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")
+  XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")                             \
+  XX(EFORKED, -4001, "client was connected by the parent of a fork")
 
 typedef enum {
 #define XX(name, code, _) TD_##name = code,
@@ -259,7 +260,35 @@ typedef struct td_storage td_storage;
  * not overwrite. Other threads never change what a thread reads. A success
  * clears nothing, so read the message right after the call that failed; it
  * stays valid until this thread's next failure. A thread keeps its last
- * failure on each of the 16 clients it most recently failed on. */
+ * failure on each of the 16 clients it most recently failed on.
+ *
+ * Threads. A td_client may be shared by any number of threads: calls on it
+ * are matched to their replies, so they may overlap, and a thread waiting
+ * for a slow reply (a lookup that waits) holds up no other. td_close(c) may
+ * be called while other threads are inside calls on c: they return
+ * TD_ENOTCONN at once; no call on c may begin after td_close returns.
+ * Storage handles may be used and released from any thread.
+ *
+ * Ownership. td_connect gives the caller the client, to end with td_close.
+ * A call that makes a handle (create, open, lookup) gives the caller one
+ * reference on it, to drop with td_storage_release; td_storage_retain adds
+ * one (for each holder that must outlive the caller's, such as a DLPack
+ * deleter), and the handle goes with its last reference. A handle keeps its
+ * client's memory alive, not its connection: after td_close its mapping
+ * stays readable and writable until it is released, but the daemon has
+ * dropped the reference and frees the storage unless a key or another
+ * process holds it.
+ *
+ * Fork. A child of fork() inherits the parent's mappings, and they stay
+ * valid and shared (writes are seen by everyone mapping the storage); it
+ * does not inherit the parent's references, nor its connections. A call in
+ * the child on a client connected by the parent fails with TD_EFORKED
+ * without touching the parent's connection; the child connects again with
+ * td_connect. In the child, td_storage_release of a handle made before the
+ * fork frees the handle and sends nothing (the parent's reference is
+ * untouched; the inherited mapping stays until the child exits or execs),
+ * and td_close of an inherited client closes the child's copy of the socket
+ * only. The client's socket is close-on-exec. */
 
 #define TD_RDONLY 0x1u /* open or look up for reading only */
 #define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */
@@ -305,7 +334,8 @@ int td_storage_open(td_client *c, uint64_t id, unsigned flags,
  * the caller's (a DLPack deleter, a binding's object). Returns s. */
 td_storage *td_storage_retain(td_storage *s);
 /* Drops one reference of s; the last drops the daemon's reference and unmaps
- * when the process holds no other handle on the storage. NULL ok. */
+ * when the process holds no other handle on the storage (in a forked child,
+ * see "Fork" above). Returns 0. NULL ok. */
 int td_storage_release(td_storage *s);
 uint64_t td_storage_id(const td_storage *s);
 size_t td_storage_nbytes(const td_storage *s);

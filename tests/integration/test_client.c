@@ -1,10 +1,16 @@
 /* test_client.c: libtensord's contract with a caller: one error channel for
- * every failing call. */
+ * every failing call, and what a forked child may do with its parent's
+ * client and storages. */
 #include "harness.h"
 
 #include <criterion/criterion.h>
 #include <dlpack/dlpack.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 
 static tdt_daemon d;
 
@@ -139,6 +145,145 @@ Test(client, view_and_client_errors_are_read_the_same_way) {
   HAS(td_last_error(c), "lanes");
 
   td_storage_release(s);
+  td_close(c);
+  tdt_stop(&d);
+}
+
+/* ---- fork ---- */
+
+typedef struct fork_job {
+  td_client *c;
+  td_storage *s;
+  pid_t parent;
+  const char *sock;
+} fork_job;
+
+/* In the child: the parent's client refuses with TD_EFORKED, naming both
+ * pids; the mapping is there and shared; releasing the parent's handle and
+ * closing the parent's client are safe and send nothing; a new connection
+ * works. */
+static int child_of_fork(void *p) {
+  fork_job *j = p;
+  char want[64];
+  CHECK_ERR(j->c, td_ping(j->c, NULL), TD_EFORKED);
+  snprintf(want, sizeof(want), "process %d", (int)j->parent);
+  CHECK_MSG(j->c, want);
+  snprintf(want, sizeof(want), "process %d", (int)getpid());
+  CHECK_MSG(j->c, want);
+  CHECK_MSG(j->c, "td_connect");
+  CHECK(strstr(td_last_error(NULL), "td_connect") != NULL);
+  td_storage *s2;
+  CHECK_ERR(j->c, td_storage_open(j->c, td_storage_id(j->s), 0, &s2),
+            TD_EFORKED);
+  CHECK_ERR(j->c, td_unpublish(j->c, "forked"), TD_EFORKED);
+
+  uint8_t *b = td_storage_data(j->s);
+  CHECK(b[0] == 0x5a && b[4095] == 0xa5);
+  b[1] = 0x77; /* the parent sees it: the mapping is shared */
+
+  CHECK(td_storage_release(j->s) == 0);
+  td_close(j->c);
+
+  td_client *c;
+  CHECK_ERR(NULL, td_connect(j->sock, &c), 0);
+  td_storage *s;
+  CHECK_ERR(c, td_lookup(c, "forked", TD_RDONLY, 0, &s, NULL), 0);
+  CHECK(((uint8_t *)td_storage_data(s))[1] == 0x77);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+typedef struct refs_seen {
+  uint32_t refs;
+} refs_seen;
+
+static int note_refs(const td_storage_info *info, void *arg) {
+  ((refs_seen *)arg)->refs = info->refs;
+  return 0;
+}
+
+Test(client, a_forked_child_gets_eforked_and_leaves_the_parent_alone) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0, "%s", td_last_error(c));
+  uint8_t *b = td_storage_data(s);
+  b[0] = 0x5a;
+  b[4095] = 0xa5;
+  cr_assert_eq(td_publish(c, "forked", s, NULL), 0, "%s", td_last_error(c));
+
+  fork_job j = {c, s, getpid(), d.sock};
+  cr_assert_eq(tdt_wait(tdt_fork(child_of_fork, &j)), 0, "the child failed");
+
+  /* The parent's connection, handle and reference are as they were. */
+  cr_assert_eq(b[1], 0x77, "the child's write is seen");
+  cr_assert_eq(td_ping(c, NULL), 0, "%s", td_last_error(c));
+  refs_seen seen = {0};
+  cr_assert_eq(td_info(c, td_storage_id(s), NULL, note_refs, NULL, &seen), 0,
+               "%s", td_last_error(c));
+  cr_assert_eq(seen.refs, 2, "%u references, not the handle's and the key's",
+               seen.refs);
+  td_storage_release(s);
+  cr_assert_eq(td_unpublish(c, "forked"), 0, "%s", td_last_error(c));
+  td_close(c);
+  tdt_stop(&d);
+}
+
+static atomic_int stop_pinging;
+
+static void *ping_until_stopped(void *p) {
+  td_client *c = p;
+  while (!atomic_load(&stop_pinging))
+    if (td_ping(c, NULL) < 0)
+      break;
+  return NULL;
+}
+
+static int child_pings(void *p) {
+  td_client *c = p;
+  CHECK_ERR(c, td_ping(c, NULL), TD_EFORKED);
+  td_close(c);
+  return 0;
+}
+
+/* Waits up to ms for pid; kills it then. Returns its exit status, or -1 if
+ * it had to be killed. */
+static int wait_child(pid_t pid, int ms) {
+  for (int waited = 0; waited < ms; waited += 5) {
+    int ws;
+    if (waitpid(pid, &ws, WNOHANG) == pid)
+      return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+  }
+  kill(pid, SIGKILL);
+  tdt_wait(pid);
+  return -1;
+}
+
+/* Forks while another thread is in the middle of calls on the client (its
+ * locks may be held, its socket mid-message): the child's call must fail
+ * with TD_EFORKED at once, neither hang on a lock copied held nor talk on
+ * the parent's socket, and the parent's calls go on undisturbed. */
+Test(client, fork_while_another_thread_is_mid_call) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  atomic_store(&stop_pinging, 0);
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, ping_until_stopped, c), 0);
+  int bad = 0;
+  for (int i = 0; i < 50 && bad == 0; i++) {
+    int st = wait_child(tdt_fork(child_pings, c), 10000);
+    if (st != 0) {
+      bad = 1;
+      cr_expect_eq(st, 0, "fork %d: child %s (%d)", i,
+                   st < 0 ? "hung" : "failed", st);
+    }
+  }
+  atomic_store(&stop_pinging, 1);
+  pthread_join(t, NULL);
+  cr_assert_eq(td_ping(c, NULL), 0, "%s", td_last_error(c));
   td_close(c);
   tdt_stop(&d);
 }

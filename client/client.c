@@ -423,6 +423,60 @@ static void client_name(char *buf, size_t len) {
   snprintf(buf, len, "%s", comm[0] ? comm : "libtensord");
 }
 
+/* Parses $TENSORD_TRUST_UID (uids separated by commas) and says whether uid
+ * is among them. Returns 1, 0, or TD_EINVAL for a malformed list, with the
+ * reason recorded. */
+static int trusted_by_env(uid_t uid) {
+  const char *env = getenv("TENSORD_TRUST_UID");
+  if (env == NULL)
+    return 0;
+  for (const char *p = env; *p != '\0';) {
+    size_t n = strcspn(p, ",");
+    char *end = (char *)p;
+    unsigned long v = 0;
+    errno = 0;
+    if (p[0] >= '0' && p[0] <= '9')
+      v = strtoul(p, &end, 10);
+    if (n == 0 || end != p + n || errno != 0 || v != (uid_t)v)
+      return fail(NULL, TD_EINVAL,
+                  "TENSORD_TRUST_UID='%s': '%.*s' is not a uid (give "
+                  "numeric uids separated by commas)",
+                  env, (int)n, p);
+    if ((uid_t)v == uid)
+      return 1;
+    p += n;
+    if (*p == ',')
+      p++;
+  }
+  return 0;
+}
+
+/* Checks who listens at path, before anything is sent to it: a daemon of
+ * this process's (effective) uid, of root, or of a uid in
+ * $TENSORD_TRUST_UID. Anyone else could have bound the socket first (a
+ * squatted directory) and would hand us memory they control. Returns 0, or
+ * TD_EACCES (or the getsockopt error) with the reason recorded. */
+static int check_peer(int fd, const char *path) {
+  struct ucred cr;
+  socklen_t len = sizeof(cr);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0)
+    return fail(NULL, -errno, "%s: cannot learn who listens there: %s", path,
+                strerror(errno));
+  uid_t me = geteuid();
+  if (cr.uid == me || cr.uid == 0)
+    return 0;
+  int ok = trusted_by_env(cr.uid);
+  if (ok != 0)
+    return ok < 0 ? ok : 0;
+  return fail(NULL, TD_EACCES,
+              "refusing the daemon at %s: it runs as uid %u (pid %d), and "
+              "this process trusts only its own uid (%u), root and the uids "
+              "in $TENSORD_TRUST_UID; if you trust uid %u, set "
+              "TENSORD_TRUST_UID=%u",
+              path, (unsigned)cr.uid, (int)cr.pid, (unsigned)me,
+              (unsigned)cr.uid, (unsigned)cr.uid);
+}
+
 int td_connect(const char *socket_path, td_client **out) {
   char path[108];
   *out = NULL;
@@ -448,6 +502,11 @@ int td_connect(const char *socket_path, td_client **out) {
                 e == ENOENT || e == ECONNREFUSED ? " (is tensord running?)"
                                                  : "");
   }
+  int err = check_peer(fd, path);
+  if (err < 0) {
+    close(fd);
+    return err;
+  }
   td_client *c = calloc(1, sizeof(*c));
   if (c == NULL) {
     close(fd);
@@ -472,7 +531,7 @@ int td_connect(const char *socket_path, td_client **out) {
   req.body_case = TENSORD__REQUEST__BODY_HELLO;
   req.hello = &h;
   Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
+  err = call(c, &req, &r, NULL);
   if (err == 0)
     err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
   if (err < 0) {

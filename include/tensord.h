@@ -300,8 +300,13 @@ typedef struct td_storage td_storage;
 int td_default_socket_path(char *buf, size_t len);
 
 /* Connects to tensord at socket_path (NULL: the default path) and says Hello.
- * On success *out is a client usable from any thread. On failure *out is
- * NULL and td_last_error(NULL) names the cause. */
+ * Before sending anything it checks who listens there (SO_PEERCRED): a
+ * daemon running as this process's effective uid, as root, or as a uid
+ * listed in $TENSORD_TRUST_UID (numeric uids separated by commas); any other
+ * is refused with TD_EACCES, naming the socket, the daemon's uid and pid and
+ * how to trust it (docs/security.md). A malformed $TENSORD_TRUST_UID is
+ * TD_EINVAL. On success *out is a client usable from any thread. On failure
+ * *out is NULL and td_last_error(NULL) names the cause. */
 int td_connect(const char *socket_path, td_client **out);
 /* Closes the connection; the daemon drops every reference this client held.
  * Calls other threads are making on c return TD_ENOTCONN at once. Storage

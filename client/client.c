@@ -59,7 +59,6 @@ struct td_client {
   td__htab held;     /* handles per (storage, mode), for release_handle */
   unsigned deferred; /* releases queued, not yet sent (smu) */
   pid_t pid;         /* the process that connected; set once */
-  uint64_t owner;    /* the client's id in the error channel; set once */
   char path[108];    /* set once */
 };
 
@@ -90,18 +89,18 @@ static int fail(const td_client *c, int err, const char *fmt, ...)
 static int fail(const td_client *c, int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  td__vfail(c != NULL ? c->owner : 0, err, fmt, ap);
+  td__vfail(c, err, fmt, ap);
   va_end(ap);
   return err;
 }
 
 const char *td_last_error(const td_client *c) {
-  return td__last_error(c != NULL ? c->owner : 0);
+  return td__last_error(c); /* compares c, never reads it */
 }
 
 void td__client_keep_error(const td_client *c) {
   if (c != NULL)
-    td__fail(c->owner, 0, "%s", td__last_error(0));
+    td__fail(c, 0, "%s", td__last_error(NULL));
 }
 
 /* Whether this process is a child forked after c connected: c's socket and
@@ -519,7 +518,7 @@ int td_connect(const char *socket_path, td_client **out) {
   atomic_init(&c->refs, 1);
   td__wire_init(&c->wire, fd);
   c->pid = getpid();
-  c->owner = td__err_owner();
+  td__err_forget(c);
   memcpy(c->path, path, sizeof(path));
 
   char name[64];

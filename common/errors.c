@@ -5,7 +5,6 @@
 
 #include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,17 +48,17 @@ int td__msg(char *msg, size_t len, int err, const char *fmt, ...) {
 /* ---- the error channel ---- */
 
 /* This thread's last failure of any call (td_last_error(NULL)), and whose
- * it was (0: no client's). Static, so that even a thread that cannot
+ * it was (NULL: no client's). Static, so that even a thread that cannot
  * allocate can say why it failed. */
 static __thread char any[TD__ERRMSG_MAX];
-static __thread uint64_t any_owner;
+static __thread const void *any_owner;
 
 /* This thread's last failure on each of the TD__ERR_OWNERS owners it most
  * recently failed on; allocated at its first such failure, freed when the
- * thread exits. */
+ * thread exits. Owners are compared by address only, never dereferenced. */
 typedef struct slot {
-  uint64_t owner; /* 0: unused */
-  uint64_t used;  /* when it was last written, in writes of this thread */
+  const void *owner; /* NULL: unused */
+  uint64_t used;     /* when it was last written, in writes of this thread */
   char msg[TD__ERRMSG_MAX];
 } slot;
 static __thread slot *slots;
@@ -91,18 +90,13 @@ static slot *thread_slots(void) {
   return slots = s;
 }
 
-uint64_t td__err_owner(void) {
-  static atomic_uint_fast64_t next = 1;
-  return atomic_fetch_add(&next, 1);
-}
-
-int td__vfail(uint64_t owner, int err, const char *fmt, va_list ap) {
+int td__vfail(const void *owner, int err, const char *fmt, va_list ap) {
   /* Formatted apart first: an argument may be this thread's last message. */
   char msg[TD__ERRMSG_MAX];
   vsnprintf(msg, sizeof(msg), fmt, ap);
   memcpy(any, msg, sizeof(any));
   any_owner = owner;
-  slot *s = owner != 0 ? thread_slots() : NULL;
+  slot *s = owner != NULL ? thread_slots() : NULL;
   if (s == NULL)
     return err;
   slot *to = &s[0];
@@ -120,7 +114,7 @@ int td__vfail(uint64_t owner, int err, const char *fmt, va_list ap) {
   return err;
 }
 
-int td__fail(uint64_t owner, int err, const char *fmt, ...) {
+int td__fail(const void *owner, int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   td__vfail(owner, err, fmt, ap);
@@ -128,11 +122,19 @@ int td__fail(uint64_t owner, int err, const char *fmt, ...) {
   return err;
 }
 
-const char *td__last_error(uint64_t owner) {
-  if (owner == 0 || any_owner == owner)
+const char *td__last_error(const void *owner) {
+  if (owner == NULL || any_owner == owner)
     return any;
   for (int i = 0; slots != NULL && i < TD__ERR_OWNERS; i++)
     if (slots[i].owner == owner)
       return slots[i].msg;
   return "";
+}
+
+void td__err_forget(const void *owner) {
+  if (any_owner == owner)
+    any_owner = NULL;
+  for (int i = 0; slots != NULL && i < TD__ERR_OWNERS; i++)
+    if (slots[i].owner == owner)
+      slots[i].owner = NULL;
 }

@@ -7,7 +7,7 @@
 #include <string.h>
 
 /* A failing view call records why in the error channel (errors.c). */
-#define FAIL(...) td__fail(0, __VA_ARGS__)
+#define FAIL(...) td__fail(NULL, __VA_ARGS__)
 
 /* Returns 0 if v's fields are each in range, else TD_EINVAL with the reason
  * in msg (if not NULL). */
@@ -32,13 +32,13 @@ static int view_valid(const td_view *v, char *msg, size_t len) {
 }
 
 const char *td_view_last_error(void) {
-  return td__last_error(0);
+  return td__last_error(NULL);
 }
 
 int td__view_fail(int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  td__vfail(0, err, fmt, ap);
+  td__vfail(NULL, err, fmt, ap);
   va_end(ap);
   return err;
 }
@@ -104,7 +104,7 @@ int64_t td_view_numel(const td_view *v) {
 int td_view_check(const td_view *v, size_t nbytes) {
   char msg[TD__ERRMSG_MAX];
   int err = td__view_check_msg(v, nbytes, msg, sizeof(msg));
-  return err < 0 ? td__fail(0, err, "%s", msg) : 0;
+  return err < 0 ? td__fail(NULL, err, "%s", msg) : 0;
 }
 
 int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len) {

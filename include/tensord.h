@@ -261,6 +261,8 @@ typedef struct td_storage td_storage;
  * clears nothing, so read the message right after the call that failed; it
  * stays valid until this thread's next failure. A thread keeps its last
  * failure on each of the 16 clients it most recently failed on.
+ * td_last_error(c) does not read c, so a thread may still ask why its call
+ * failed after another thread's td_close(c).
  *
  * Threads. A td_client may be shared by any number of threads: calls on it
  * are matched to their replies, so they may overlap, and a thread waiting

@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -182,6 +183,26 @@ static void *close_client(void *p) {
   return NULL;
 }
 
+/* A process that sends SIGCONT to a stopped daemon if the test process
+ * dies (a crash in the test would otherwise leave it stopped for good,
+ * holding ctest's output pipe). */
+static pid_t stopped_daemon;
+
+static void resume_daemon(int sig) {
+  kill(stopped_daemon, SIGCONT);
+  _exit(0);
+}
+
+static int resume_on_death(void *p) {
+  stopped_daemon = *(pid_t *)p;
+  signal(SIGTERM, resume_daemon);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  while (getppid() != 1)
+    pause(); /* until SIGTERM, or SIGKILL from the test */
+  resume_daemon(0);
+  return 0;
+}
+
 /* With tensord stopped, pings fill the client's send buffer until a thread
  * blocks in sendmsg; the others wait for the send lock or a reply. Once
  * every thread is blocked inside its call (none may start one after
@@ -191,6 +212,7 @@ Test(threads, td_close_wakes_a_thread_blocked_sending) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   shrink_sndbuf(d.sock);
+  pid_t guard = tdt_fork(resume_on_death, &d.pid);
   cr_assert_eq(kill(d.pid, SIGSTOP), 0);
   enum { N = 16 };
   worker w[N];
@@ -219,6 +241,8 @@ Test(threads, td_close_wakes_a_thread_blocked_sending) {
   for (int i = 0; closed == 0 && i < N; i++)
     joined += join_within(t[i], 10000) == 0;
   kill(d.pid, SIGCONT); /* lets everything finish even if the above failed */
+  kill(guard, SIGKILL);
+  tdt_wait(guard);
   cr_assert_eq(closed, 0, "td_close blocked behind a thread in sendmsg");
   cr_assert_eq(joined, N,
                "%d of %d threads still inside a call after "

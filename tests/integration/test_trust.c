@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -85,9 +86,9 @@ static void make_place(const char *sub, mode_t mode, uid_t uid) {
 /* Forks tensord as uid (its own group, no others) with its stderr in
  * pl.log and args after it; sock NULL: no --socket, and neither
  * TENSORD_SOCKET nor XDG_RUNTIME_DIR, so that it takes the default path.
- * Returns its pid. */
-static pid_t spawn_daemon(uid_t uid, const char *sock,
-                          const char *const *args) {
+ * notify (if not NULL) is its NOTIFY_SOCKET. Returns its pid. */
+static pid_t spawn_daemon(uid_t uid, const char *sock, const char *const *args,
+                          const char *notify) {
   fflush(NULL);
   pid_t pid = fork();
   cr_assert_geq(pid, 0);
@@ -103,7 +104,10 @@ static pid_t spawn_daemon(uid_t uid, const char *sock,
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() == 1)
     _exit(124);
-  unsetenv("NOTIFY_SOCKET");
+  if (notify != NULL)
+    setenv("NOTIFY_SOCKET", notify, 1);
+  else
+    unsetenv("NOTIFY_SOCKET");
   unsetenv("LISTEN_PID");
   unsetenv("LISTEN_FDS");
   unsetenv("TENSORD_SOCKET");
@@ -121,32 +125,35 @@ static pid_t spawn_daemon(uid_t uid, const char *sock,
   _exit(127);
 }
 
-/* Whether something listens at path (a raw connect, which checks nobody). */
-static int listening(const char *path) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+/* Starts tensord as spawn_daemon does (pl.pid) and waits for its READY=1,
+ * sent once it serves and handles SIGTERM, on a datagram socket in pl.dir
+ * that a daemon of any uid may send to; asserts. */
+static void start_daemon(uid_t uid, const char *sock, const char *const *args) {
+  char path[100];
+  snprintf(path, sizeof(path), "%.60s/notify.sock", pl.dir);
+  int nfd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-  int ok = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
-  if (fd >= 0)
-    close(fd);
-  return ok;
-}
-
-/* Waits until the daemon pid listens at path; asserts. */
-static void wait_listening(pid_t pid, const char *path) {
-  for (int waited = 0; waited < 10000; waited += 5) {
-    if (listening(path))
-      return;
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) {
+  cr_assert(nfd >= 0 && bind(nfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+                chmod(path, 0666) == 0,
+            "notify socket %s: %s", path, strerror(errno));
+  pl.pid = spawn_daemon(uid, sock, args, path);
+  struct pollfd p = {nfd, POLLIN, 0};
+  int r = 0, st = 0;
+  for (int waited = 0; r == 0 && waited < 10000; waited += 10) {
+    r = poll(&p, 1, 10);
+    if (r == 0 && waitpid(pl.pid, &st, WNOHANG) == pl.pid) {
       pl.pid = 0;
-      cr_assert_fail("tensord exited (status 0x%x) before listening on %s", st,
-                     path);
+      break;
     }
-    struct timespec ts = {0, 5000000};
-    nanosleep(&ts, NULL);
   }
-  cr_assert_fail("tensord does not listen on %s after 10 s", path);
+  char buf[256] = "";
+  ssize_t n = r == 1 ? recv(nfd, buf, sizeof(buf) - 1, 0) : -1;
+  close(nfd);
+  unlink(path);
+  cr_assert_neq(pl.pid, 0, "tensord exited (status 0x%x) before READY=1", st);
+  cr_assert(n > 0 && strstr(buf, "READY=1") != NULL,
+            "tensord did not say READY=1 within 10 s");
 }
 
 /* Waits up to 10 s for the daemon to exit by itself and returns its status;
@@ -180,7 +187,7 @@ static void stop_daemon(const char *sock) {
 /* Runs tensord as root on pl.sock, expecting it to refuse to start: exit 1,
  * no socket, and a log that names each of needles. */
 static void expect_refusal(const char *const *needles) {
-  pl.pid = spawn_daemon(0, pl.sock, NULL);
+  pl.pid = spawn_daemon(0, pl.sock, NULL, NULL);
   int st = wait_exit();
   char log[4096] = "";
   FILE *f = fopen(pl.log, "r");
@@ -239,8 +246,7 @@ Test(trust, daemon_refuses_a_directory_above_that_others_may_write) {
 Test(trust, daemon_accepts_a_sticky_socket_directory) {
   need_root();
   make_place("sticky", 01777, 0);
-  pl.pid = spawn_daemon(0, pl.sock, NULL);
-  wait_listening(pl.pid, pl.sock);
+  start_daemon(0, pl.sock, NULL);
   stop_daemon(pl.sock);
 }
 
@@ -299,8 +305,7 @@ Test(trust, default_socket_directory_is_made_0700_by_its_user) {
   make_place(NULL, 0, 0);
   char sock[128];
   snprintf(sock, sizeof(sock), "%s/tensord.sock", dflt_dir);
-  pl.pid = spawn_daemon(u, NULL, NULL);
-  wait_listening(pl.pid, sock);
+  start_daemon(u, NULL, NULL);
   cr_assert_eq(lstat(dflt_dir, &sb), 0);
   cr_assert(S_ISDIR(sb.st_mode));
   cr_assert_eq(sb.st_mode & 07777, 0700, "mode %04o", sb.st_mode & 07777);
@@ -320,7 +325,7 @@ Test(trust, a_squatted_default_socket_directory_is_refused) {
   cr_assert_eq(chmod(dflt_dir, 0777), 0);
   cr_assert_eq(chown(dflt_dir, USER_A, USER_A), 0);
   make_place(NULL, 0, 0);
-  pl.pid = spawn_daemon(u, NULL, NULL);
+  pl.pid = spawn_daemon(u, NULL, NULL, NULL);
   int st = wait_exit();
   cr_assert_eq(st, 1, "tensord %s (%d)",
                st < 0 ? "started (killed after 10 s)" : "exited, not with 1",
@@ -346,9 +351,8 @@ Test(trust, a_squatted_default_socket_directory_is_refused) {
 Test(trust, client_refuses_a_daemon_of_another_uid_unless_trusted) {
   need_root();
   make_place("b", 0755, USER_B);
-  pl.pid = spawn_daemon(USER_B, pl.sock,
-                        (const char *const[]){"--socket-mode", "0666", NULL});
-  wait_listening(pl.pid, pl.sock);
+  start_daemon(USER_B, pl.sock,
+               (const char *const[]){"--socket-mode", "0666", NULL});
   char pid[32];
   snprintf(pid, sizeof(pid), "pid %d", (int)pl.pid);
   int fds = tdt_open_fds();
@@ -383,9 +387,8 @@ Test(trust, client_refuses_a_daemon_of_another_uid_unless_trusted) {
 Test(trust, clients_of_any_uid_accept_a_root_daemon) {
   need_root();
   make_place(NULL, 0, 0);
-  pl.pid = spawn_daemon(0, pl.sock,
-                        (const char *const[]){"--socket-mode", "0666", NULL});
-  wait_listening(pl.pid, pl.sock);
+  start_daemon(0, pl.sock,
+               (const char *const[]){"--socket-mode", "0666", NULL});
   run_client((client_job){USER_A, pl.sock, NULL, 0, {NULL}});
   run_client((client_job){USER_B, pl.sock, NULL, 0, {NULL}});
   stop_daemon(pl.sock);

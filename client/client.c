@@ -1,6 +1,14 @@
 /* client.c: libtensord's connection to tensord: requests and replies matched
  * by seq so any number of threads can share one client, storage handles, and
- * the key operations. */
+ * the key operations.
+ *
+ * Two locks. mu guards the client's state (calls waiting for replies, the
+ * reader's role, the held handles, broken and why) and is never held across
+ * a system call that can block. smu guards the output queue and is held
+ * while a sender blocks in sendmsg: so a thread that is sending never keeps
+ * the reader from handing replies over, and the daemon, which stops reading
+ * a client that leaves its replies unread, always gets them read. Lock
+ * order: smu, then mu. */
 #include "internal.h"
 
 #include "htab.h"
@@ -20,6 +28,9 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Releases queued behind a request at most (see release_handle). */
+#define DEFER_MAX 64
+
 /* A call waiting for the reply with its seq. */
 typedef struct pending {
   uint64_t seq;
@@ -30,14 +41,15 @@ typedef struct pending {
 } pending;
 
 struct td_client {
-  pthread_mutex_t mu;
+  pthread_mutex_t mu; /* the state below, except where it says smu */
   pthread_cond_t cv;
-  atomic_int refs; /* the user's (until td_close) plus one per handle */
-  int closed;      /* td_close was called */
-  int broken;      /* the connection failed: every call now fails with err */
+  pthread_mutex_t smu; /* the wire's output half and deferred */
+  atomic_int refs;     /* the user's (until td_close) plus one per handle */
+  int closed;          /* td_close was called */
+  int broken; /* the connection failed: every call now fails with err */
   int err;
-  int reader; /* a thread is reading replies for everyone */
-  td__wire wire;
+  int reader;    /* a thread is reading replies for everyone */
+  td__wire wire; /* input half: the reader's; output half: smu's */
   uint64_t next_seq;
   pending *pending;
   uint64_t instance;
@@ -45,8 +57,9 @@ struct td_client {
   int why_code; /* the daemon's last word on the connection (seq 0) */
   char why[512];
   td__htab held;     /* handles per (storage, mode), for release_handle */
-  unsigned deferred; /* releases queued, not yet sent */
-  char path[108];
+  unsigned deferred; /* releases queued, not yet sent (smu) */
+  pid_t pid;         /* the process that connected; set once */
+  char path[108];    /* set once */
 };
 
 struct td_storage {
@@ -68,31 +81,51 @@ typedef struct held {
 
 /* ---- errors ---- */
 
-static __thread struct {
-  const td_client *c;
-  char msg[1024];
-} last;
-
+/* Records why a call on c (NULL: on no client) failed, in the one error
+ * channel (common/errors.c), and returns err. */
 static int fail(const td_client *c, int err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 static int fail(const td_client *c, int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last.msg, sizeof(last.msg), fmt, ap);
+  td__vfail(c, err, fmt, ap);
   va_end(ap);
-  last.c = c;
   return err;
 }
 
 const char *td_last_error(const td_client *c) {
-  return last.c == c ? last.msg : "";
+  return td__last_error(c); /* compares c, never reads it */
+}
+
+void td__client_keep_error(const td_client *c) {
+  if (c != NULL)
+    td__fail(c, 0, "%s", td__last_error(NULL));
+}
+
+/* Whether this process is a child forked after c connected: c's socket and
+ * locks are its parent's, and the child must not touch them. */
+static int forked(const td_client *c) {
+  return c->pid != getpid();
+}
+
+static int fail_forked(const td_client *c, const char *op) {
+  return fail(c, TD_EFORKED,
+              "%s: this client was connected by process %d and is used in "
+              "process %d, a child forked since: its connection is the "
+              "parent's; call td_connect again in this process",
+              op, (int)c->pid, (int)getpid());
 }
 
 /* ---- the connection ---- */
 
 static void client_unref(td_client *c) {
   if (atomic_fetch_sub(&c->refs, 1) != 1)
+    return;
+  /* In a forked child the memory stays: its locks and queues may have been
+   * mid-change in another of the parent's threads. td_close closed the
+   * child's copy of the socket. */
+  if (forked(c))
     return;
   if (c->wire.fd >= 0)
     close(c->wire.fd);
@@ -105,37 +138,55 @@ static void client_unref(td_client *c) {
   }
   td__htab_free(&c->held);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->smu);
   pthread_cond_destroy(&c->cv);
   free(c);
 }
 
-/* Marks the connection failed and wakes every waiting call. Locked. */
+/* Marks the connection failed, shuts its socket down and wakes every
+ * waiting call. The shutdown wakes a thread blocked sending or reading (a
+ * reader first reads what is queued, which may say why the daemon hung up)
+ * and makes the daemon drop our references now. Locked. */
 static void set_broken(td_client *c, int err) {
   if (c->broken)
     return;
   c->broken = 1;
   c->err = err;
+  shutdown(c->wire.fd, SHUT_RDWR);
   pthread_cond_broadcast(&c->cv);
 }
 
-/* Packs r into the output queue and sends it all. Locked. */
-static int send_locked(td_client *c, Tensord__Request *r) {
-  if (c->broken)
-    return c->err;
+/* Packs r into the output queue and, if flush, sends everything queued,
+ * blocking while the socket is full. Takes smu, and mu only briefly to mark
+ * the connection broken: so a send that blocks (the daemon reads no more
+ * until we read its replies) never stops the reader. Returns 0, TD_EMSGSIZE
+ * or TD_ENOMEM (nothing queued), or TD_ECONNRESET. */
+static int send_request(td_client *c, Tensord__Request *r, int flush) {
   size_t len = tensord__request__get_packed_size(r);
+  int err = 0;
+  pthread_mutex_lock(&c->smu);
   uint8_t *p = td__wire_reserve(&c->wire, len);
-  if (p == NULL)
-    return len > TD__FRAME_MAX ? TD_EMSGSIZE : TD_ENOMEM;
-  tensord__request__pack(r, p);
-  int err = td__wire_commit(&c->wire, len, NULL, 0);
-  if (err == 0)
-    err = td__wire_flush(&c->wire, 0); /* with any deferred releases */
-  c->deferred = 0;
-  if (err < 0) {
-    set_broken(c, TD_ECONNRESET);
-    return TD_ECONNRESET;
+  if (p == NULL) {
+    err = len > TD__FRAME_MAX ? TD_EMSGSIZE : TD_ENOMEM;
+    goto unlock;
   }
-  return 0;
+  tensord__request__pack(r, p);
+  err = td__wire_commit(&c->wire, len, NULL, 0);
+  if (err < 0)
+    goto unlock;
+  if (!flush && ++c->deferred < DEFER_MAX)
+    goto unlock;
+  c->deferred = 0;
+  if (td__wire_flush(&c->wire, 0) < 0) { /* with any deferred releases */
+    /* The stream may end in part of a frame: it is of no more use. */
+    err = TD_ECONNRESET;
+    pthread_mutex_lock(&c->mu);
+    set_broken(c, TD_ECONNRESET);
+    pthread_mutex_unlock(&c->mu);
+  }
+unlock:
+  pthread_mutex_unlock(&c->smu);
+  return err;
 }
 
 /* Reads until one whole reply has arrived and hands it to its caller.
@@ -168,7 +219,8 @@ static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
 }
 
 /* The daemon may have said why it hung up before we noticed (a send that
- * failed): read what it left, without blocking. Locked, no reader active. */
+ * failed): read what it left, without blocking. Locked, no reader active:
+ * the input half is ours. */
 static void read_why(td_client *c) {
   for (int i = 0; i < 64 && c->why[0] == '\0'; i++) {
     td__frame f;
@@ -227,25 +279,25 @@ static const char *body_name(int body) {
 static int call_held(td_client *c, Tensord__Request *req,
                      Tensord__Response **resp, int *fd) {
   pending p = {0, 0, NULL, -1, NULL};
-  int err;
+  const char *op = body_name(req->body_case);
+  char why[sizeof(c->why)] = "";
+  int err = 0, closed = 0;
   pthread_mutex_lock(&c->mu);
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
-    return fail(c, TD_ENOTCONN, "%s: client is closed",
-                body_name(req->body_case));
+    return fail(c, TD_ENOTCONN, "%s: client is closed", op);
+  }
+  if (c->broken) {
+    err = c->err;
+    goto broken;
   }
   req->seq = p.seq = ++c->next_seq;
-  err = send_locked(c, req);
-  if (err < 0) {
-    if (!c->reader)
-      read_why(c);
-    if (c->why_code)
-      err = c->why_code;
-    goto unlock;
-  }
   p.next = c->pending;
   c->pending = &p;
-  while (!p.done && !c->broken) {
+  pthread_mutex_unlock(&c->mu);
+  err = send_request(c, req, 1);
+  pthread_mutex_lock(&c->mu);
+  while (err == 0 && !p.done && !c->broken) {
     if (c->reader) {
       pthread_cond_wait(&c->cv, &c->mu);
       continue;
@@ -261,6 +313,7 @@ static int call_held(td_client *c, Tensord__Request *req,
       set_broken(c, c->why_code         ? c->why_code
                     : rerr == TD_EPROTO ? TD_EPROTO
                                         : TD_ECONNRESET);
+      pthread_cond_broadcast(&c->cv); /* the reader's role is free */
       break;
     }
     pending *q = c->pending;
@@ -289,16 +342,34 @@ static int call_held(td_client *c, Tensord__Request *req,
   while (*pp != &p)
     pp = &(*pp)->next;
   *pp = p.next;
-  if (!p.done)
-    err = c->err;
+  if (p.done || err == TD_ENOMEM || err == TD_EMSGSIZE)
+    goto unlock; /* a reply, or a request that never left */
+  err = c->err;
+broken:
+  /* The reader may be about to read why the daemon hung up; the connection
+   * is shut down, so it stops at the end of what is queued. */
+  while (c->reader)
+    pthread_cond_wait(&c->cv, &c->mu);
+  if (!c->closed)
+    read_why(c);
+  if (c->why_code && !c->closed)
+    err = c->why_code;
 unlock:
+  if (err < 0) { /* copied while locked: the reader may write why */
+    snprintf(why, sizeof(why), "%s", c->why);
+    closed = c->closed;
+  }
   pthread_mutex_unlock(&c->mu);
-  if (err < 0 && c->why[0] != '\0')
-    return fail(c, err, "%s: tensord closed the connection: %s",
-                body_name(req->body_case), c->why);
+  if (err < 0 && closed)
+    return fail(c, err, "%s: client was closed (td_close) during the call", op);
+  if (err < 0 && why[0] != '\0')
+    return fail(c, err, "%s: tensord closed the connection: %s", op, why);
+  if (err < 0 && (err == TD_ENOMEM || err == TD_EMSGSIZE))
+    return fail(c, err, "%s: cannot queue a request of %zu bytes: %s", op,
+                tensord__request__get_packed_size(req), td_strerror(err));
   if (err < 0)
-    return fail(c, err, "%s: connection to tensord at %s lost (%s)",
-                body_name(req->body_case), c->path, td_strerror(err));
+    return fail(c, err, "%s: connection to tensord at %s lost (%s)", op,
+                c->path, td_strerror(err));
   if (p.resp->body_case == TENSORD__RESPONSE__BODY_ERROR) {
     err = p.resp->error->code < 0 ? p.resp->error->code : TD_EPROTO;
     fail(c, err, "%s", p.resp->error->message);
@@ -316,9 +387,12 @@ unlock:
 }
 
 /* call_held, with a reference on c for its duration: a td_close from
- * another thread wakes the call (with an error) but cannot free c under it. */
+ * another thread wakes the call (with an error) but cannot free c under it.
+ * In a forked child it touches nothing of c but its pid. */
 static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
                 int *fd) {
+  if (forked(c))
+    return fail_forked(c, body_name(req->body_case));
   atomic_fetch_add(&c->refs, 1);
   int err = call_held(c, req, resp, fd);
   client_unref(c);
@@ -348,6 +422,60 @@ static void client_name(char *buf, size_t len) {
   snprintf(buf, len, "%s", comm[0] ? comm : "libtensord");
 }
 
+/* Parses $TENSORD_TRUST_UID (uids separated by commas) and says whether uid
+ * is among them. Returns 1, 0, or TD_EINVAL for a malformed list, with the
+ * reason recorded. */
+static int trusted_by_env(uid_t uid) {
+  const char *env = getenv("TENSORD_TRUST_UID");
+  if (env == NULL)
+    return 0;
+  for (const char *p = env; *p != '\0';) {
+    size_t n = strcspn(p, ",");
+    char *end = (char *)p;
+    unsigned long v = 0;
+    errno = 0;
+    if (p[0] >= '0' && p[0] <= '9')
+      v = strtoul(p, &end, 10);
+    if (n == 0 || end != p + n || errno != 0 || v != (uid_t)v)
+      return fail(NULL, TD_EINVAL,
+                  "TENSORD_TRUST_UID='%s': '%.*s' is not a uid (give "
+                  "numeric uids separated by commas)",
+                  env, (int)n, p);
+    if ((uid_t)v == uid)
+      return 1;
+    p += n;
+    if (*p == ',')
+      p++;
+  }
+  return 0;
+}
+
+/* Checks who listens at path, before anything is sent to it: a daemon of
+ * this process's (effective) uid, of root, or of a uid in
+ * $TENSORD_TRUST_UID. Anyone else could have bound the socket first (a
+ * squatted directory) and would hand us memory they control. Returns 0, or
+ * TD_EACCES (or the getsockopt error) with the reason recorded. */
+static int check_peer(int fd, const char *path) {
+  struct ucred cr;
+  socklen_t len = sizeof(cr);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0)
+    return fail(NULL, -errno, "%s: cannot learn who listens there: %s", path,
+                strerror(errno));
+  uid_t me = geteuid();
+  if (cr.uid == me || cr.uid == 0)
+    return 0;
+  int ok = trusted_by_env(cr.uid);
+  if (ok != 0)
+    return ok < 0 ? ok : 0;
+  return fail(NULL, TD_EACCES,
+              "refusing the daemon at %s: it runs as uid %u (pid %d), and "
+              "this process trusts only its own uid (%u), root and the uids "
+              "in $TENSORD_TRUST_UID; if you trust uid %u, set "
+              "TENSORD_TRUST_UID=%u",
+              path, (unsigned)cr.uid, (int)cr.pid, (unsigned)me,
+              (unsigned)cr.uid, (unsigned)cr.uid);
+}
+
 int td_connect(const char *socket_path, td_client **out) {
   char path[108];
   *out = NULL;
@@ -373,6 +501,11 @@ int td_connect(const char *socket_path, td_client **out) {
                 e == ENOENT || e == ECONNREFUSED ? " (is tensord running?)"
                                                  : "");
   }
+  int err = check_peer(fd, path);
+  if (err < 0) {
+    close(fd);
+    return err;
+  }
   td_client *c = calloc(1, sizeof(*c));
   if (c == NULL) {
     close(fd);
@@ -380,9 +513,12 @@ int td_connect(const char *socket_path, td_client **out) {
   }
   td__htab_init(&c->held);
   pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->smu, NULL);
   pthread_cond_init(&c->cv, NULL);
   atomic_init(&c->refs, 1);
   td__wire_init(&c->wire, fd);
+  c->pid = getpid();
+  td__err_forget(c);
   memcpy(c->path, path, sizeof(path));
 
   char name[64];
@@ -394,11 +530,11 @@ int td_connect(const char *socket_path, td_client **out) {
   req.body_case = TENSORD__REQUEST__BODY_HELLO;
   req.hello = &h;
   Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
+  err = call(c, &req, &r, NULL);
   if (err == 0)
     err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
   if (err < 0) {
-    char why[sizeof(last.msg)];
+    char why[TD__ERRMSG_MAX];
     snprintf(why, sizeof(why), "%s", td_last_error(c));
     fail(NULL, err, "%s: %s", path, why);
     client_unref(c);
@@ -414,29 +550,32 @@ int td_connect(const char *socket_path, td_client **out) {
 void td_close(td_client *c) {
   if (c == NULL)
     return;
+  if (forked(c)) {
+    /* The child's copy of its parent's socket: closing it leaves the
+     * parent's connection alone, where shutdown would end it. */
+    if (c->wire.fd >= 0)
+      close(c->wire.fd);
+    c->wire.fd = -1;
+    client_unref(c);
+    return;
+  }
   pthread_mutex_lock(&c->mu);
   c->closed = 1;
   set_broken(c, TD_ENOTCONN);
   /* The daemon sees end-of-stream now and drops every reference we held;
-   * a thread blocked reading wakes with an error. */
+   * a thread blocked reading, or sending (mu is never held across a send),
+   * wakes with an error. A connection broken earlier is shut already. */
   shutdown(c->wire.fd, SHUT_RDWR);
   pthread_mutex_unlock(&c->mu);
   client_unref(c);
 }
 
-/* Sends a request that has no reply. */
-static void send_oneway(td_client *c, Tensord__Request *req) {
-  pthread_mutex_lock(&c->mu);
-  if (!c->broken) {
-    req->seq = 0;
-    send_locked(c, req);
-  }
-  pthread_mutex_unlock(&c->mu);
-}
-
 /* ---- storages ---- */
 
-static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
+/* Sends a release of count references (a message with no reply); with
+ * flush 0 it may wait in the queue for the next request. */
+static void send_release(td_client *c, uint64_t id, int ro, uint32_t count,
+                         int flush) {
   Tensord__Release m = TENSORD__RELEASE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.id = id;
@@ -444,7 +583,18 @@ static void send_release(td_client *c, uint64_t id, int ro, uint32_t count) {
   m.count = count;
   req.body_case = TENSORD__REQUEST__BODY_RELEASE;
   req.release = &m;
-  send_oneway(c, &req);
+  pthread_mutex_lock(&c->mu);
+  int broken = c->broken;
+  pthread_mutex_unlock(&c->mu);
+  if (broken)
+    return;
+  if (send_request(c, &req, flush) == TD_ENOMEM) {
+    /* A release we cannot send would pin the storage: hang up instead, so
+     * that the daemon drops everything this client held. */
+    pthread_mutex_lock(&c->mu);
+    set_broken(c, TD_ENOMEM);
+    pthread_mutex_unlock(&c->mu);
+  }
 }
 
 static int held_eq(const td__hnode *n, const void *key) {
@@ -491,36 +641,11 @@ static uint32_t held_drop(td_client *c, uint64_t id, int ro) {
  * message of its own (at most DEFER_MAX wait). The release of the
  * connection's last handle is sent at once: the storage may go, and the
  * daemon must know the process no longer has it mapped. */
-#define DEFER_MAX 64
 static void release_handle(td_client *c, uint64_t id, int ro) {
-  Tensord__Release m = TENSORD__RELEASE__INIT;
-  Tensord__Request req = TENSORD__REQUEST__INIT;
-  m.id = id;
-  m.readonly = ro;
-  m.count = 1;
-  req.body_case = TENSORD__REQUEST__BODY_RELEASE;
-  req.release = &m;
   pthread_mutex_lock(&c->mu);
   uint32_t left = held_drop(c, id, ro);
-  if (!c->broken) {
-    size_t len = tensord__request__get_packed_size(&req);
-    uint8_t *p = td__wire_reserve(&c->wire, len);
-    if (p == NULL) {
-      /* A release we cannot send would pin the storage: hang up instead, so
-       * that the daemon drops everything this client held. */
-      set_broken(c, TD_ENOMEM);
-      shutdown(c->wire.fd, SHUT_RDWR);
-    } else {
-      tensord__request__pack(&req, p);
-      td__wire_commit(&c->wire, len, NULL, 0);
-      if (left == 0 || ++c->deferred >= DEFER_MAX) {
-        c->deferred = 0;
-        if (td__wire_flush(&c->wire, 0) < 0)
-          set_broken(c, TD_ECONNRESET);
-      }
-    }
-  }
   pthread_mutex_unlock(&c->mu);
+  send_release(c, id, ro, 1, left == 0);
 }
 
 static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
@@ -546,7 +671,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   if (s == NULL) {
     if (fd >= 0)
       close(fd);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, TD_ENOMEM, "out of memory");
   }
   int err =
@@ -562,12 +687,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
       err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd2,
                             &s->map);
       tensord__response__free_unpacked(r, NULL);
-      send_release(c, m->id, m->readonly, 1);
+      send_release(c, m->id, m->readonly, 1, 1);
     }
   }
   if (err < 0) {
     free(s);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, err, "storage %llu: cannot map %llu bytes: %s",
                 (unsigned long long)m->id, (unsigned long long)m->nbytes,
                 td_strerror(err));
@@ -584,7 +709,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   if (err < 0) {
     td__map_release(s->map);
     free(s);
-    send_release(c, m->id, m->readonly, 1);
+    send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, err, "out of memory");
   }
   atomic_fetch_add(&c->refs, 1);
@@ -658,6 +783,14 @@ int td_storage_release(td_storage *s) {
     return 0;
   if (atomic_fetch_sub(&s->refs, 1) != 1)
     return 0;
+  if (forked(s->c)) {
+    /* A handle from before fork(): its reference is the parent's, and so
+     * is the mapping cache it counts in. Free the handle; the inherited
+     * mapping stays until this process exits or execs. */
+    client_unref(s->c);
+    free(s);
+    return 0;
+  }
   td__map_release(s->map);
   release_handle(s->c, s->id, s->readonly);
   client_unref(s->c);
@@ -781,7 +914,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     if (fd >= 0)
       close(fd);
     if (lr->storage != NULL)
-      send_release(c, lr->storage->id, lr->storage->readonly, 1);
+      send_release(c, lr->storage->id, lr->storage->readonly, 1, 1);
     tensord__response__free_unpacked(r, NULL);
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }

@@ -282,6 +282,8 @@ int td_from_dlpack(td_client *c, DLManagedTensor *src, const char *key,
   if (out != NULL)
     *out = NULL;
   int err = import(c, src, key, flags, out);
+  if (err < 0)
+    td__client_keep_error(c);
   if ((flags & TD_DLPACK_CONSUME) && src != NULL && src->deleter != NULL)
     src->deleter(src);
   return err;

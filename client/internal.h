@@ -31,6 +31,11 @@ typedef enum {
  * before any overlap is considered. */
 td__copy_path td__copy_plan_path(const td_view *dv, const td_view *sv);
 
+/* client.c: records this thread's last failure of any call as its last
+ * failure on c too (for calls on c that fail in code that knows no client,
+ * such as td_from_dlpack's checks). NULL ok. */
+void td__client_keep_error(const td_client *c);
+
 /* cache.c: the process's mappings, one per (daemon, storage, mode). */
 typedef struct td__mapping td__mapping;
 /* Finds the process's mapping of the storage, or maps fd (nbytes, shared,

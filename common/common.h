@@ -6,6 +6,7 @@
 
 #include "tensord.h"
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -13,10 +14,33 @@
 int td__msg(char *msg, size_t len, int err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* The error channel (errors.c), behind td_last_error and
+ * td_view_last_error. Every failing call of libtensord records its message
+ * here, on the calling thread: as the thread's last failure of any call, and,
+ * for a call on a client, as its last failure on that client (the owner, the
+ * client's address, which is compared but never dereferenced: so a thread
+ * may ask after td_close). The daemon does not use it. */
+#define TD__ERRMSG_MAX 1024 /* longest message kept, with its NUL */
+#define TD__ERR_OWNERS 16   /* owners a thread remembers a failure of */
+/* Records fmt as this thread's last failure and, when owner is not NULL, as
+ * its last failure on owner. Arguments may point at an earlier message.
+ * Returns err. */
+int td__fail(const void *owner, int err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int td__vfail(const void *owner, int err, const char *fmt, va_list ap);
+/* Returns this thread's last failure on owner, or its last failure of any
+ * call when owner is NULL; "" if there is none. Valid until this thread's
+ * next failure. */
+const char *td__last_error(const void *owner);
+/* Forgets this thread's failures on owner (a new client at an address an
+ * old one had). */
+void td__err_forget(const void *owner);
+
 /* td_view_check that also says why, naming the dimension and values. */
 int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len);
 
-/* Formats fmt as this thread's td_view_last_error() and returns err. */
+/* Records fmt as this thread's last failure (td__fail with no owner) and
+ * returns err. */
 int td__view_fail(int err, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 

@@ -6,10 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The message of this thread's last failed view call (td_view_last_error). */
-static __thread char errbuf[640];
-
-#define FAIL(...) td__msg(errbuf, sizeof(errbuf), __VA_ARGS__)
+/* A failing view call records why in the error channel (errors.c). */
+#define FAIL(...) td__fail(NULL, __VA_ARGS__)
 
 /* Formats shape as "[2, 3]" into buf; returns buf. */
 static char *fmt_shape(char *buf, size_t len, int32_t ndim,
@@ -80,13 +78,13 @@ static int view_valid(const td_view *v, char *msg, size_t len) {
 }
 
 const char *td_view_last_error(void) {
-  return errbuf;
+  return td__last_error(NULL);
 }
 
 int td__view_fail(int err, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(errbuf, sizeof(errbuf), fmt, ap);
+  td__vfail(NULL, err, fmt, ap);
   va_end(ap);
   return err;
 }
@@ -152,7 +150,9 @@ int64_t td_view_numel(const td_view *v) {
 }
 
 int td_view_check(const td_view *v, size_t nbytes) {
-  return td__view_check_msg(v, nbytes, errbuf, sizeof(errbuf));
+  char msg[TD__ERRMSG_MAX];
+  int err = td__view_check_msg(v, nbytes, msg, sizeof(msg));
+  return err < 0 ? td__fail(NULL, err, "%s", msg) : 0;
 }
 
 int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len) {

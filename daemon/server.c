@@ -10,6 +10,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <limits.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,20 +57,99 @@ static void on_accept(uv_poll_t *h, int status, int events) {
   }
 }
 
-/* Makes the directory of the default socket path, mode 0700, and refuses one
- * that someone else owns or others can enter. */
+/* Names uid for a message: "uid 1000 (alice)", or "uid 1000". */
+static const char *uid_name(uid_t uid, char *buf, size_t len) {
+  const struct passwd *pw = getpwuid(uid);
+  if (pw != NULL)
+    snprintf(buf, len, "uid %u (%s)", (unsigned)uid, pw->pw_name);
+  else
+    snprintf(buf, len, "uid %u", (unsigned)uid);
+  return buf;
+}
+
+/* Checks one directory on the socket's path: it must belong to tensord's
+ * user or root, and be writable by no one else unless it is sticky (as /tmp
+ * is: there others cannot remove or rename what is ours). Anyone else who
+ * owns or may write it could replace the socket with their own and serve
+ * tensord's clients memory they control. what says which directory it is.
+ * Returns 0 or TD_EACCES, after logging. */
+static int check_dir(const char *dir, const char *what) {
+  struct stat st;
+  char who[96], me[96], ok[128];
+  if (geteuid() == 0)
+    snprintf(ok, sizeof(ok), "root, tensord's user");
+  else
+    snprintf(ok, sizeof(ok), "tensord's %s or root",
+             uid_name(geteuid(), me, sizeof(me)));
+  if (lstat(dir, &st) == 0 && S_ISLNK(st.st_mode) && st.st_uid != 0 &&
+      st.st_uid != geteuid()) {
+    td__error("%s %s is a symbolic link owned by %s, not by %s: whoever owns "
+              "it could point it elsewhere; refusing it (remove it, or "
+              "choose another --socket)",
+              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok);
+    return TD_EACCES;
+  }
+  if (stat(dir, &st) < 0) {
+    int err = -errno;
+    td__error("%s %s: %s", what, dir, strerror(errno));
+    return err;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    td__error("%s %s is not a directory", what, dir);
+    return TD_EACCES;
+  }
+  if (st.st_uid != 0 && st.st_uid != geteuid()) {
+    td__error("%s %s is owned by %s, not by %s: whoever owns it could "
+              "replace the socket; refusing it (remove it, or choose "
+              "another --socket)",
+              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok);
+    return TD_EACCES;
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)) {
+    td__error("%s %s, owned by %s, has mode %04o: others may write it and "
+              "could replace the socket; refusing it (chmod go-w it, or "
+              "choose another --socket)",
+              what, dir, uid_name(st.st_uid, who, sizeof(who)),
+              (unsigned)(st.st_mode & 07777));
+    return TD_EACCES;
+  }
+  return 0;
+}
+
+/* Makes the socket's directory (mode 0700) if it is missing, then checks it
+ * and every directory above it with check_dir: an existing one that another
+ * user owns or may write (a directory someone created first, say
+ * /tmp/tensord-<uid>) is refused. Returns 0 or a negative code, after
+ * logging. */
 static int make_socket_dir(const char *path) {
   char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
   snprintf(dir, sizeof(dir), "%s", path);
   char *slash = strrchr(dir, '/');
-  if (slash == NULL || slash == dir)
-    return 0;
-  *slash = '\0';
-  if (mkdir(dir, 0700) == 0)
-    return 0;
-  if (errno != EEXIST) {
+  if (slash == NULL) /* relative to the working directory */
+    snprintf(dir, sizeof(dir), ".");
+  else if (slash == dir)
+    dir[1] = '\0'; /* "/" */
+  else
+    *slash = '\0';
+  if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
     td__error("cannot create socket directory %s: %s", dir, strerror(errno));
     return -errno;
+  }
+  int err = check_dir(dir, "socket directory");
+  if (err < 0)
+    return err;
+  char real[PATH_MAX];
+  if (realpath(dir, real) == NULL) {
+    err = -errno;
+    td__error("socket directory %s: %s", dir, strerror(errno));
+    return err;
+  }
+  for (char *end = strrchr(real, '/'); end != NULL; end = strrchr(real, '/')) {
+    if (end == real) /* the root, last */
+      return check_dir("/", "directory above the socket");
+    *end = '\0';
+    if ((err = check_dir(real, "directory above the socket")) < 0)
+      return err;
   }
   return 0;
 }

@@ -62,7 +62,7 @@ const char *td_version_string(void);
 
 /* Errors. Every int-returning call returns 0 (or a count) on success and one
  * of these negative codes on failure. Where an errno fits, the code equals
- * -errno, as in libuv. */
+ * -errno, as in libuv; codes no errno fits are -4001 and below. */
 #define TD_ERRNO_MAP(XX)                                                       \
   XX(EINVAL, -EINVAL, "invalid argument")                                      \
   XX(ERANGE, -ERANGE, "view reaches outside its storage")                      \
@@ -91,7 +91,8 @@ const char *td_version_string(void);
   XX(ENODEV, -ENODEV, "no such device")                                        \
   XX(EIO, -EIO, "i/o error")                                                   \
   XX(ECANCELED, -ECANCELED, "operation canceled")                              \
-  XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")
+  XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")                             \
+  XX(EFORKED, -4001, "client was connected by the parent of a fork")
 
 typedef enum {
 #define XX(name, code, _) TD_##name = code,
@@ -185,10 +186,10 @@ char *td_view_format(const td_view *v, char *buf, size_t len);
 struct td_client;
 struct td_storage;
 
-/* Returns the message of this thread's last failed call among the functions
- * of this section, td_view_contiguous, td_view_check, td_view_numel and the
- * copies and DLPack calls below, naming the operation, the dimension and the
- * values; "" if none failed yet. A later success does not clear it. */
+/* Returns the message of this thread's last failed call of any kind: the
+ * same as td_last_error(NULL) (see "Errors" below), kept under this name for
+ * the view algebra, whose messages name the operation, the dimension and the
+ * values. "" if no call failed yet; a later success does not clear it. */
 const char *td_view_last_error(void);
 
 /* Returns 1 if v is contiguous in PyTorch's sense (row-major; the strides of
@@ -313,6 +314,47 @@ int td_from_dlpack(struct td_client *c, struct DLManagedTensor *src,
 typedef struct td_client td_client;
 typedef struct td_storage td_storage;
 
+/* Errors, one channel. Every call that fails returns its TD_E* code and
+ * records a message, naming the cause and the values, for the calling
+ * thread: td_last_error(NULL) returns this thread's last failure of any
+ * call (a view op, td_copy, DLPack, td_connect, any call on any client), and
+ * td_last_error(c) its last failure of a call on c (one taking c as an
+ * argument, td_from_dlpack included), which a failure on another client does
+ * not overwrite. Other threads never change what a thread reads. A success
+ * clears nothing, so read the message right after the call that failed; it
+ * stays valid until this thread's next failure. A thread keeps its last
+ * failure on each of the 16 clients it most recently failed on.
+ * td_last_error(c) does not read c, so a thread may still ask why its call
+ * failed after another thread's td_close(c).
+ *
+ * Threads. A td_client may be shared by any number of threads: calls on it
+ * are matched to their replies, so they may overlap, and a thread waiting
+ * for a slow reply (a lookup that waits) holds up no other. td_close(c) may
+ * be called while other threads are inside calls on c: they return
+ * TD_ENOTCONN at once; no call on c may begin after td_close returns.
+ * Storage handles may be used and released from any thread.
+ *
+ * Ownership. td_connect gives the caller the client, to end with td_close.
+ * A call that makes a handle (create, open, lookup) gives the caller one
+ * reference on it, to drop with td_storage_release; td_storage_retain adds
+ * one (for each holder that must outlive the caller's, such as a DLPack
+ * deleter), and the handle goes with its last reference. A handle keeps its
+ * client's memory alive, not its connection: after td_close its mapping
+ * stays readable and writable until it is released, but the daemon has
+ * dropped the reference and frees the storage unless a key or another
+ * process holds it.
+ *
+ * Fork. A child of fork() inherits the parent's mappings, and they stay
+ * valid and shared (writes are seen by everyone mapping the storage); it
+ * does not inherit the parent's references, nor its connections. A call in
+ * the child on a client connected by the parent fails with TD_EFORKED
+ * without touching the parent's connection; the child connects again with
+ * td_connect. In the child, td_storage_release of a handle made before the
+ * fork frees the handle and sends nothing (the parent's reference is
+ * untouched; the inherited mapping stays until the child exits or execs),
+ * and td_close of an inherited client closes the child's copy of the socket
+ * only. The client's socket is close-on-exec. */
+
 #define TD_RDONLY 0x1u /* open or look up for reading only */
 #define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */
 
@@ -323,14 +365,20 @@ typedef struct td_storage td_storage;
 int td_default_socket_path(char *buf, size_t len);
 
 /* Connects to tensord at socket_path (NULL: the default path) and says Hello.
- * On success *out is a client usable from any thread. On failure *out is
- * NULL and td_last_error(NULL) names the cause. */
+ * Before sending anything it checks who listens there (SO_PEERCRED): a
+ * daemon running as this process's effective uid, as root, or as a uid
+ * listed in $TENSORD_TRUST_UID (numeric uids separated by commas); any other
+ * is refused with TD_EACCES, naming the socket, the daemon's uid and pid and
+ * how to trust it (docs/security.md). A malformed $TENSORD_TRUST_UID is
+ * TD_EINVAL. On success *out is a client usable from any thread. On failure
+ * *out is NULL and td_last_error(NULL) names the cause. */
 int td_connect(const char *socket_path, td_client **out);
 /* Closes the connection; the daemon drops every reference this client held.
- * Storage handles made by c stay mapped until they are released. NULL ok. */
+ * Calls other threads are making on c return TD_ENOTCONN at once. Storage
+ * handles made by c stay mapped until they are released. NULL ok. */
 void td_close(td_client *c);
-/* Returns the message of the last failure of a call made by this thread on
- * c (or of td_connect when c is NULL); "" if none. */
+/* Returns this thread's last failure of a call on c, or of any call when c
+ * is NULL (see "Errors" above); "" if none. */
 const char *td_last_error(const td_client *c);
 
 /* Creates a storage of nbytes bytes on the CPU, mapped read-write, zeroed,
@@ -357,7 +405,8 @@ int td_storage_open(td_client *c, uint64_t id, unsigned flags,
  * the caller's (a DLPack deleter, a binding's object). Returns s. */
 td_storage *td_storage_retain(td_storage *s);
 /* Drops one reference of s; the last drops the daemon's reference and unmaps
- * when the process holds no other handle on the storage. NULL ok. */
+ * when the process holds no other handle on the storage (in a forked child,
+ * see "Fork" above). Returns 0. NULL ok. */
 int td_storage_release(td_storage *s);
 uint64_t td_storage_id(const td_storage *s);
 size_t td_storage_nbytes(const td_storage *s);

@@ -2,9 +2,12 @@
  * state_input.h lays them out, valid (snapshots, journals, keys sharing a
  * segment, keys deleted and put again) and damaged (torn tails, bad CRCs,
  * oversize lengths, records that do not decode, missing and resized
- * segments, malformed keys, views and names, a held lock). The output is
- * committed in tests/fuzz/state_corpus; regenerate it with
- *   build/tests/fuzz/gen_state_corpus tests/fuzz/state_corpus */
+ * segments, malformed keys, views and names, a held lock), and the inputs
+ * that pin bugs fuzz_state found, each named for its bug. The output is
+ * committed in tests/fuzz/state_corpus and tests/fuzz/state_regressions;
+ * regenerate it with
+ *   build/tests/fuzz/gen_state_corpus tests/fuzz/state_corpus \
+ *     tests/fuzz/state_regressions */
 #include "state_input.h"
 
 #include "tensord.h"
@@ -28,7 +31,7 @@ typedef struct file {
   size_t len;
 } file;
 
-static const char *outdir;
+static const char *outdir, *regdir;
 static int nwritten;
 static file f[SF_FILES_MAX];
 
@@ -304,14 +307,36 @@ static void gen_damaged(void) {
   emit("prefixes_malformed", SF_SNAPSHOT | SF_ORPHANS | SF_SEAL, 0, 0, 0);
 }
 
+/* Bugs fuzz_state found, one input each. */
+static void gen_regressions(void) {
+  /* A prefix record that is empty: the sweep read from one byte past it,
+   * beyond its buffer (ASan: heap-buffer-overflow in sweep). */
+  prefix(&f[0], "");
+  emit("empty_prefix", SF_SNAPSHOT | SF_SEAL, 0, 0, 0);
+
+  /* Prefix records that are no "/tensord.<instance>." prefix: the sweep
+   * unlinked every shm object whose name starts with them, another
+   * program's ("/o": /dev/shm/other-app.1) or every tensord instance's
+   * ("/tensord."). */
+  generation(&f[0], 1);
+  prefix(&f[0], "/o");
+  prefix(&f[0], "/tensord.");
+  put(&f[0], "a", SEG(1), 64);
+  emit("prefix_not_a_segment_prefix", SF_SNAPSHOT | SF_SEAL, 0, 0, 0);
+}
+
 int main(int argc, char **argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s DIR\n", argv[0]);
+  if (argc != 3) {
+    fprintf(stderr, "usage: %s CORPUS_DIR REGRESSIONS_DIR\n", argv[0]);
     return 2;
   }
   outdir = argv[1];
   gen_valid();
   gen_damaged();
+  printf("gen_state_corpus: wrote %d inputs to %s\n", nwritten, outdir);
+  outdir = regdir = argv[2];
+  nwritten = 0;
+  gen_regressions();
   printf("gen_state_corpus: wrote %d inputs to %s\n", nwritten, outdir);
   return 0;
 }

@@ -527,6 +527,13 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
       free(s);
       return err;
     }
+  } else if (s->nbytes != m->nbytes) {
+    /* The view was checked against the recorded size: it must be the
+     * segment's. */
+    td__warn("state: key '%s': segment %s is %llu bytes, not %llu; dropped",
+             key, m->segment, (unsigned long long)s->nbytes,
+             (unsigned long long)m->nbytes);
+    return TD_EINVAL;
   }
   td__key *k;
   int err = td__key_publish(reg, key, klen, s, &v, &k);

@@ -323,6 +323,15 @@ static void gen_regressions(void) {
   prefix(&f[0], "/tensord.");
   put(&f[0], "a", SEG(1), 64);
   emit("prefix_not_a_segment_prefix", SF_SNAPSHOT | SF_SEAL, 0, 0, 0);
+
+  /* Two keys on one segment whose records disagree on its size: the second
+   * key's view was checked against its own record's 4096 bytes, not the
+   * 64-byte segment adopted for the first, and served reaching past it. */
+  generation(&f[0], 1);
+  prefix(&f[0], PREFIX);
+  put(&f[0], "small", SEG(1), 64);
+  put(&f[0], "big", SEG(1), 4096);
+  emit("shared_segment_sizes_disagree", SF_SNAPSHOT | SF_SEAL, 0, 0, 0);
 }
 
 int main(int argc, char **argv) {

@@ -313,7 +313,9 @@ static int put_eq(const td__hnode *n, const void *key) {
   const ProtobufCBinaryData *a =
       &td__container_of(n, putent, node)->r->put->key;
   const ProtobufCBinaryData *b = key;
-  return a->len == b->len && memcmp(a->data, b->data, a->len) == 0;
+  /* An empty key's data is NULL: no memcmp on it. */
+  return a->len == b->len &&
+         (a->len == 0 || memcmp(a->data, b->data, a->len) == 0);
 }
 
 static putent *find_put(const loaded *l, const ProtobufCBinaryData *key) {

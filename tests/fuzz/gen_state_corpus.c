@@ -332,6 +332,13 @@ static void gen_regressions(void) {
   put(&f[0], "small", SEG(1), 64);
   put(&f[0], "big", SEG(1), 4096);
   emit("shared_segment_sizes_disagree", SF_SNAPSHOT | SF_SEAL, 0, 0, 0);
+
+  /* Two records with an empty key: matching them called memcmp on the
+   * NULL data protobuf-c gives empty bytes (UBSan: null pointer passed as
+   * argument 1). */
+  put(&f[0], "", SEG(1), 16);
+  del(&f[0], "");
+  emit("empty_key_twice", SF_JOURNALS(1) | SF_SEAL, 0, 0, 1);
 }
 
 int main(int argc, char **argv) {

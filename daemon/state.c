@@ -200,8 +200,10 @@ static int write_all(int fd, const uint8_t *p, size_t n) {
   return 0;
 }
 
-/* Replaces the snapshot with buf atomically and durably, then removes the
- * journals older than gen. Blocking. */
+/* Replaces the snapshot with buf atomically and durably, then removes every
+ * journal but gen's: older ones are in the snapshot, and any other (past a
+ * gap a crash or damage left) was never replayed into it, so a later start
+ * must not replay it either. Blocking. */
 static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
                           uint64_t gen) {
   int fd = openat(dirfd, "snapshot.tmp",
@@ -218,14 +220,14 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
     err = -errno;
   if (err < 0)
     return err;
-  /* Journals before gen are in the snapshot now. */
+  /* The snapshot and journal.<gen> are the state now. */
   DIR *d = fdopendir(dup(dirfd));
   if (d == NULL)
     return 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     unsigned long long g;
-    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g < gen)
+    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g != gen)
       unlinkat(dirfd, e->d_name, 0);
   }
   closedir(d);
@@ -235,8 +237,10 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
 static int open_journal(td__state *st, uint64_t gen) {
   char name[48];
   snprintf(name, sizeof(name), "journal.%llu", (unsigned long long)gen);
-  int fd =
-      openat(st->dirfd, name, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  /* A new generation's journal starts empty: one left from before is
+   * nothing this daemon recorded. */
+  int fd = openat(st->dirfd, name,
+                  O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
   if (fd < 0)
     return -errno;
   if (fsync(st->dirfd) < 0) {

@@ -5,8 +5,9 @@
  * Each input (laid out as state_input.h says) becomes a state directory: a
  * snapshot and journals, and the segments their records name, some missing
  * or of the wrong size. A daemon set up with td__server_init (no socket)
- * loads it with td__state_open, stops (writing its final snapshot), and
- * loads that again. The harness checks:
+ * loads it with td__state_open; a copy of the directory right after the
+ * load, and the directory after a clean stop (its final snapshot), are each
+ * loaded again. The harness checks:
  *   - the load succeeds, or fails with TD_EBUSY, touching nothing, while
  *     another process holds the directory's lock;
  *   - every adopted storage is consistent: its segment exists with its size,
@@ -18,7 +19,9 @@
  *     view are valid (where the model cannot tell, either is accepted);
  *   - the sweep unlinks exactly the unadopted segments under well-formed
  *     recorded prefixes ("/tensord.<instance>."), and nothing else;
- *   - loading the final snapshot again serves the same keys;
+ *   - the directory as a crash right after the load would leave it, and the
+ *     final snapshot of a clean stop, each loaded again, serve the same
+ *     keys;
  *   - no fd is leaked, and (under ASan) nothing leaks.
  *
  * The daemon never touches the real /dev/shm here: this file defines
@@ -58,6 +61,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 static char base[PATH_MAX]; /* private: <base>/shm is /dev/shm, <base>/state */
 static char shm_dir[PATH_MAX + 8];
 static char state_dir[PATH_MAX + 8];
+static char crash_dir[PATH_MAX + 8]; /* state_dir as a crash would leave it */
 static uv_loop_t loop;
 static td__server srv;
 static uint32_t serial;
@@ -586,11 +590,40 @@ static served_key *snapshot_keys(size_t *n) {
   return out;
 }
 
-/* The second load serves what the first did. */
-static void check_reload(const served_key *before, size_t n) {
+/* Copies the files of state_dir but its lock into crash_dir: what a crash
+ * now would leave. */
+static void copy_state(void) {
+  if (mkdir(crash_dir, 0700) < 0)
+    die("mkdir %s: %s", crash_dir, strerror(errno));
+  DIR *d = opendir(state_dir);
+  if (d == NULL)
+    die("opendir %s: %s", state_dir, strerror(errno));
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.' || strcmp(e->d_name, "lock") == 0)
+      continue;
+    char from[PATH_MAX + 300], to[PATH_MAX + 300];
+    snprintf(from, sizeof(from), "%s/%s", state_dir, e->d_name);
+    snprintf(to, sizeof(to), "%s/%s", crash_dir, e->d_name);
+    int in = open(from, O_RDONLY | O_CLOEXEC);
+    int out = open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (in < 0 || out < 0)
+      die("copying %s: %s", from, strerror(errno));
+    uint8_t buf[8192];
+    ssize_t n;
+    while ((n = read(in, buf, sizeof(buf))) > 0)
+      if (write(out, buf, (size_t)n) != n)
+        die("copying %s: %s", from, strerror(errno));
+    close(in);
+    close(out);
+  }
+  closedir(d);
+}
+
+/* Another load (what) serves what the first did. */
+static void check_reload(const char *what, const served_key *before, size_t n) {
   if (srv.reg.keys.count != n)
-    die("reloading the final snapshot serves %zu key(s); the first load "
-        "served %zu",
+    die("%s serves %zu key(s); the first load served %zu", what,
         srv.reg.keys.count, n);
   for (size_t i = 0; i < n; i++) {
     const served_key *b = &before[i];
@@ -601,8 +634,8 @@ static void check_reload(const served_key *before, size_t n) {
         s->owner.gid != b->gid || s->mode != b->mode ||
         k->published_ms != b->published_ms || s->created_ms != b->created_ms ||
         memcmp(&k->view, &b->view, sizeof(td_view)) != 0)
-      die("reloading the final snapshot: key '%s' (segment %s) %s", b->name,
-          b->segment, s ? "comes back changed" : "is gone");
+      die("%s: key '%s' (segment %s) %s", what, b->name, b->segment,
+          s ? "comes back changed" : "is gone");
   }
 }
 
@@ -622,6 +655,7 @@ static void setup(void) {
     die("mkdir %s: %s", base, strerror(errno));
   snprintf(shm_dir, sizeof(shm_dir), "%s/shm", base);
   snprintf(state_dir, sizeof(state_dir), "%s/state", base);
+  snprintf(crash_dir, sizeof(crash_dir), "%s/crash", base);
 }
 
 static void cleanup(void) {
@@ -682,9 +716,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   /* What the records say, read in the daemon's order: the snapshot, then
    * journal.<its generation> on while they exist. */
-  model m = {0};
+  model m = {0}, unread = {0};
   m.gen = 1;
   int have_snapshot = nf > 0 && (hdr[0] & SF_SNAPSHOT);
+  int read[SF_FILES_MAX] = {0};
   if (have_snapshot)
     model_file(&m, fp[0], flen[0]);
   for (uint64_t g = m.gen;; g++) {
@@ -692,19 +727,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int i = have_snapshot; i < nf && !found; i++)
       if (hdr[3] + (uint64_t)(i - have_snapshot) == g) {
         model_file(&m, fp[i], flen[i]);
-        found = 1;
+        found = read[i] = 1;
       }
     if (!found)
       break;
   }
+  /* Journals the load must not read: their segments exist all the same. */
+  for (int i = have_snapshot; i < nf; i++)
+    if (!read[i])
+      model_file(&unread, fp[i], flen[i]);
 
   /* The segments: those puts name, in any record read, some missing or of
    * the wrong size; an orphan under each prefix; two bystanders. */
   const char *made[SEGS_MAX + 16 + 2];
   size_t nmade = 0;
   char orphans[16][80];
-  for (size_t i = 0; i < m.nrecs && m.nsegs < SEGS_MAX; i++) {
-    const Tensord__StateRecord *r = m.recs[i];
+  for (size_t i = 0; i < m.nrecs + unread.nrecs && m.nsegs < SEGS_MAX; i++) {
+    const Tensord__StateRecord *r =
+        i < m.nrecs ? m.recs[i] : unread.recs[i - m.nrecs];
     if (r->body_case != TENSORD__STATE_RECORD__BODY_PUT ||
         seg_find(&m, r->put->segment) != NULL)
       continue;
@@ -764,27 +804,40 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_sweep(&m, made, nmade);
   size_t nkeys;
   served_key *keys = snapshot_keys(&nkeys);
+  copy_state();
   server_stop();
   for (size_t i = 0; i < nkeys; i++)
     if (seg_size(keys[i].segment) < 0)
       die("stopping unlinked %s, which key '%s' names", keys[i].segment,
           keys[i].name);
 
-  /* Its final snapshot, loaded again. */
+  /* What a crash right after the load would have left: the same keys. */
+  server_init();
+  err = td__state_open(&srv, crash_dir);
+  if (err < 0)
+    die("td__state_open after a crash: %s", td_strerror(err));
+  check_registry("after a crash");
+  check_reload("loading the directory as a crash after the load leaves it",
+               keys, nkeys);
+  server_stop();
+
+  /* The final snapshot, loaded again. */
   server_init();
   err = td__state_open(&srv, state_dir);
   if (err < 0)
     die("td__state_open of the final snapshot: %s", td_strerror(err));
   check_registry("after reloading");
-  check_reload(keys, nkeys);
+  check_reload("reloading the final snapshot", keys, nkeys);
   server_stop();
 
   free(keys);
   model_free(&m);
+  model_free(&unread);
   for (int i = 0; i < nf; i++)
     free(fp[i]);
   remove_tree(shm_dir);
   remove_tree(state_dir);
+  remove_tree(crash_dir);
   int fds_after = count_fds();
   if (fds_after != fds_before)
     die("%d fd(s) open before the input, %d after", fds_before, fds_after);

@@ -339,6 +339,19 @@ static void gen_regressions(void) {
   put(&f[0], "", SEG(1), 16);
   del(&f[0], "");
   emit("empty_key_twice", SF_JOURNALS(1) | SF_SEAL, 0, 0, 1);
+
+  /* Journals past a gap (the snapshot is generation 7, journal.7 missing):
+   * never read by this load, yet left in place; the load then appended to
+   * journal.8 as its own, and a crash or restart replayed them, serving
+   * keys the load had not ("stale", on a kept segment). */
+  snapshot(&f[0], 7);
+  put(&f[1], "stale", SEG(1), 4096);
+  emit("journal_after_gap_appended_to", SF_SNAPSHOT | SF_JOURNALS(1) | SF_SEAL,
+       0, 0, 8);
+  snapshot(&f[0], 7);
+  put(&f[1], "stale", SEG(1), 4096);
+  emit("journal_past_gap_replayed_later",
+       SF_SNAPSHOT | SF_JOURNALS(1) | SF_SEAL, 0, 0, 9);
 }
 
 int main(int argc, char **argv) {

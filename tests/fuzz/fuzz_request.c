@@ -712,8 +712,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       size_t n = p[1] < left - 2 ? p[1] : left - 2;
       end *e = &ends[sel & FZ_SEG_CONN];
       if (!e->shut && n > 0) {
-        if (sel & FZ_SEG_MUTE)
+        if (sel & FZ_SEG_MUTE) {
           e->muted = 1;
+          oracle_muted(sel & FZ_SEG_CONN);
+        }
         send_bytes(e, p + 2, n, sel & FZ_SEG_FD);
         if (sel & FZ_SEG_DEAF)
           deafen(e);

@@ -70,6 +70,7 @@ typedef struct oend {
   size_t nitems, capitems, next;
   int refused, paused, deaf, shut, gone, closed, truncated;
   size_t paused_at; /* stream offset when the daemon was seen paused */
+  int muted;        /* it left its replies unread for a while */
   item *cut;        /* the protocol error in the stream, if any */
   oracle_peer peer;
   /* the model: what the connection holds */
@@ -186,11 +187,13 @@ static void lose(const char *why) {
 }
 
 /* Whether e may miss replies: it stopped reading; the daemon drops
- * clients on a timer; its protocol error's reply did not fit the socket; or
- * it sent an fd while the daemon was not reading it (paused), so the read
- * that brought the fd may have brought requests before it too. */
+ * clients on a timer; its protocol error's reply did not fit the socket, or
+ * may not have (it left replies unread, and a socket full of fd-carrying
+ * replies takes no more, however few their bytes); or it sent an fd while
+ * the daemon was not reading it (paused), so the read that brought the fd
+ * may have brought requests before it too. */
 static int lenient(const oend *e) {
-  return e->deaf || O.s.timeouts || e->truncated ||
+  return e->deaf || O.s.timeouts || e->truncated || (e->muted && e->cut) ||
          (e->paused && e->has_fd && e->fd_at >= e->paused_at);
 }
 
@@ -271,6 +274,10 @@ static void mark(int type, int end) {
 
 void oracle_shut(int end) {
   mark(EV_SHUT, end);
+}
+
+void oracle_muted(int end) {
+  O.e[end].muted = 1;
 }
 
 void oracle_paused(int end) {
@@ -362,9 +369,7 @@ static void parse(oend *e) {
         return;
       }
       if (r->hello->version != TD_PROTOCOL_VERSION) {
-        add_cut(e, fend, r, TD_EPROTONOSUPPORT,
-                "a Hello of version "
-                "!= 1");
+        add_cut(e, fend, r, TD_EPROTONOSUPPORT, "a Hello of another version");
         return;
       }
       hello = 1;

@@ -60,6 +60,8 @@ void oracle_sent(int end, const uint8_t *p, size_t n, int fd);
 /* end read r (len bytes on the wire); the oracle keeps r and frees it. */
 void oracle_reply(int end, Tensord__Response *r, size_t len);
 void oracle_shut(int end); /* end shut its write side */
+/* end leaves its replies unread for a while. */
+void oracle_muted(int end);
 /* The daemon stopped reading end, which leaves its replies unread: what
  * end sends from now on is handled after what the other end sends. */
 void oracle_paused(int end);

@@ -204,8 +204,10 @@ static int write_all(int fd, const uint8_t *p, size_t n) {
   return 0;
 }
 
-/* Replaces the snapshot with buf atomically and durably, then removes the
- * journals older than gen. Blocking. */
+/* Replaces the snapshot with buf atomically and durably, then removes every
+ * journal but gen's: older ones are in the snapshot, and any other (past a
+ * gap a crash or damage left) was never replayed into it, so a later start
+ * must not replay it either. Blocking. */
 static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
                           uint64_t gen) {
   int fd = openat(dirfd, "snapshot.tmp",
@@ -222,14 +224,14 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
     err = -errno;
   if (err < 0)
     return err;
-  /* Journals before gen are in the snapshot now. */
+  /* The snapshot and journal.<gen> are the state now. */
   DIR *d = fdopendir(dup(dirfd));
   if (d == NULL)
     return 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     unsigned long long g;
-    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g < gen)
+    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g != gen)
       unlinkat(dirfd, e->d_name, 0);
   }
   closedir(d);
@@ -239,8 +241,10 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
 static int open_journal(td__state *st, uint64_t gen) {
   char name[48];
   snprintf(name, sizeof(name), "journal.%llu", (unsigned long long)gen);
-  int fd =
-      openat(st->dirfd, name, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  /* A new generation's journal starts empty: one left from before is
+   * nothing this daemon recorded. */
+  int fd = openat(st->dirfd, name,
+                  O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
   if (fd < 0)
     return -errno;
   if (fsync(st->dirfd) < 0) {
@@ -317,7 +321,9 @@ static int put_eq(const td__hnode *n, const void *key) {
   const ProtobufCBinaryData *a =
       &td__container_of(n, putent, node)->r->put->key;
   const ProtobufCBinaryData *b = key;
-  return a->len == b->len && memcmp(a->data, b->data, a->len) == 0;
+  /* An empty key's data is NULL: no memcmp on it. */
+  return a->len == b->len &&
+         (a->len == 0 || memcmp(a->data, b->data, a->len) == 0);
 }
 
 static putent *find_put(const loaded *l, const ProtobufCBinaryData *key) {
@@ -334,6 +340,21 @@ static td__storage *find_name(const loaded *l, const char *name) {
   td__hnode *n = td__htab_find(&l->names, td__hash_bytes(name, strlen(name)),
                                name_eq, name);
   return n ? td__container_of(n, nameent, node)->s : NULL;
+}
+
+/* Whether p is a prefix of the segment names a daemon writes,
+ * "/tensord.<instance>.": the sweep unlinks what lies under a recorded
+ * prefix, so any other (empty, "/tensord.", another program's names) is
+ * ignored. */
+static int prefix_valid(const char *p) {
+  size_t n = strlen(p);
+  if (n <= 10 || n >= TD__PREFIX_MAX || strncmp(p, "/tensord.", 9) != 0 ||
+      p[n - 1] != '.')
+    return 0;
+  for (size_t i = 9; i < n - 1; i++)
+    if (p[i] == '/' || p[i] == '.')
+      return 0;
+  return 1;
 }
 
 static int keep(loaded *l, Tensord__StateRecord *r) {
@@ -372,7 +393,7 @@ static size_t replay(loaded *l, const uint8_t *buf, size_t len,
       l->gen = r->generation;
       break;
     case TENSORD__STATE_RECORD__BODY_PREFIX:
-      if (strlen(r->prefix) < 64) {
+      if (prefix_valid(r->prefix)) {
         void *p = realloc(l->prefixes, (l->nprefixes + 1) * 64);
         if (p != NULL) {
           l->prefixes = p;
@@ -514,6 +535,13 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
       free(s);
       return err;
     }
+  } else if (s->nbytes != m->nbytes) {
+    /* The view was checked against the recorded size: it must be the
+     * segment's. */
+    td__warn("state: key '%s': segment %s is %llu bytes, not %llu; dropped",
+             key, m->segment, (unsigned long long)s->nbytes,
+             (unsigned long long)m->nbytes);
+    return TD_EINVAL;
   }
   td__key *k;
   int err = td__key_publish(reg, key, klen, s, &v, &k);

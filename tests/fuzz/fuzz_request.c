@@ -11,14 +11,18 @@
  * each storage alive is held by keys only, no waiter, create or byte of
  * accounting is left over; then it stops the daemon and checks that no
  * segment of it is left in /dev/shm, no libuv handle is active and no fd
- * was leaked. A failed check aborts with a message, so libFuzzer reports it
- * as a crash. Linked with replay.c it is also a plain program (fuzz_replay)
- * that ctest runs over the seed corpus and the regressions. */
+ * was leaked. The oracle (oracle.h) replays what the clients sent through a
+ * model of the daemon and checks that every request got exactly the replies
+ * it should, and that those the model says are valid succeeded. A failed
+ * check aborts with a message, so libFuzzer reports it as a crash. Linked
+ * with replay.c it is also a plain program (fuzz_replay) that ctest runs
+ * over the seed corpus and the regressions. */
 #include "common.h"
 #include "log.h"
 #include "segment.h"
 #include "server.h"
 #include "fuzz_input.h"
+#include "oracle.h"
 
 #include "tensord.pb-c.h"
 
@@ -39,6 +43,8 @@
 #include <unistd.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+_Static_assert(OR_GROUPS_MAX >= TD__GROUPS_MAX, "the oracle holds a peer");
 
 #define NCONN 2
 /* Loop turns without progress before the harness calls the daemon stuck. */
@@ -167,9 +173,11 @@ static void check_storage_fd(const Tensord__StorageReply *m, int fd) {
         (long long)st.st_size);
 }
 
-/* Checks one reply frame: it decodes, has a body, and carries an fd exactly
- * when it says it does, the right fd for the reference. Closes fds. */
-static void check_reply(const uint8_t *p, size_t len, int *fds, unsigned nfds) {
+/* Checks one reply frame of client who: it decodes, has a body, and carries
+ * an fd exactly when it says it does, the right fd for the reference. Hands
+ * the reply to the oracle; closes fds. */
+static void check_reply(int who, const uint8_t *p, size_t len, int *fds,
+                        unsigned nfds) {
   Tensord__Response *r = tensord__response__unpack(NULL, len, p);
   if (r == NULL)
     die("the daemon sent %zu bytes that do not decode as a Response", len);
@@ -197,11 +205,11 @@ static void check_reply(const uint8_t *p, size_t len, int *fds, unsigned nfds) {
         protobuf_c_message_descriptor_get_field(&tensord__response__descriptor,
                                                 (unsigned)r->body_case);
     if (r->body_case == TENSORD__RESPONSE__BODY_ERROR)
-      fprintf(stderr, "fuzz_request: seq %llu: %s: %s\n",
+      fprintf(stderr, "fuzz_request: client %d: seq %llu: %s: %s\n", who,
               (unsigned long long)r->seq, td_err_name(r->error->code),
               r->error->message);
     else
-      fprintf(stderr, "fuzz_request: seq %llu: %s%s\n",
+      fprintf(stderr, "fuzz_request: client %d: seq %llu: %s%s\n", who,
               (unsigned long long)r->seq, fd ? fd->name : "?",
               nfds ? " (with an fd)" : "");
   }
@@ -211,7 +219,7 @@ static void check_reply(const uint8_t *p, size_t len, int *fds, unsigned nfds) {
         (unsigned long long)r->seq, (int)r->body_case, nfds, want);
   if (want)
     check_storage_fd(sr, fds[0]);
-  tensord__response__free_unpacked(r, NULL);
+  oracle_reply(who, r, len);
   for (unsigned i = 0; i < nfds; i++)
     close(fds[i]);
 }
@@ -238,7 +246,7 @@ static void parse_replies(end *e) {
     memcpy(fds, e->fdq, h[4] * sizeof(int));
     e->nfdq -= h[4];
     memmove(e->fdq, e->fdq + h[4], e->nfdq * sizeof(int));
-    check_reply(h + TD__FRAME_HDR, n, fds, h[4]);
+    check_reply((int)(e - ends), h + TD__FRAME_HDR, n, fds, h[4]);
     off += TD__FRAME_HDR + n;
   }
   memmove(e->buf, e->buf + off, e->len - off);
@@ -381,8 +389,17 @@ static void settle(void) {
       done = done && settled(&ends[i]);
       live += connected(&ends[i]);
     }
-    if (done && srv.nconns == live)
+    if (done && srv.nconns == live) {
+      int gone[OR_ENDS] = {0};
+      for (int i = 0; i < nends; i++) {
+        const td__conn *c = conn_of(&ends[i]);
+        gone[i] = c == NULL;
+        if (c != NULL && c->paused && ends[i].muted)
+          oracle_paused(i);
+      }
+      oracle_settled(gone);
       return;
+    }
     if (spins > SPIN_MAX)
       die("the daemon makes no progress: %llu thread-pool job(s) pending, "
           "%llu connection(s) for %llu client(s)",
@@ -436,6 +453,7 @@ static void send_bytes(end *e, const uint8_t *p, size_t len, int with_fd) {
       pump(0);
       continue;
     }
+    oracle_sent((int)(e - ends), p + off, (size_t)n, with_fd);
     off += (size_t)n;
     with_fd = 0;
   }
@@ -450,6 +468,7 @@ static void deafen(end *e) {
   if (shutdown(e->fd, SHUT_RD) < 0 && errno != ENOTCONN)
     die("shutdown(SHUT_RD): %s", strerror(errno));
   e->deaf = 1;
+  oracle_deaf((int)(e - ends));
 }
 
 static void shut(end *e) {
@@ -457,6 +476,7 @@ static void shut(end *e) {
     return;
   shutdown(e->fd, SHUT_WR); /* ENOTCONN if the daemon hung up: fine */
   e->shut = 1;
+  oracle_shut((int)(e - ends));
 }
 
 /* Connects client i (who: a class of fuzz_input.h) with reads and writes
@@ -496,6 +516,7 @@ static void close_ends(void) {
           (unsigned long long)e->fds_in, (unsigned long long)e->fds_told);
     td__close_fds(e->fdq, e->nfdq);
     e->nfdq = 0;
+    oracle_partial(i, e->len);
     close(e->fd);
     e->fd = -1;
     free(e->buf);
@@ -593,6 +614,31 @@ static void run_to_idle(void) {
   }
 }
 
+/* Tells the oracle who the clients are and what limits the daemon has. */
+static void start_oracle(const td__options *o, int n, int timeouts) {
+  oracle_setup s = {0};
+  s.nends = n;
+  s.capacity = o->capacity;
+  s.quota = o->quota;
+  s.max_storages = o->max_storages_per_client;
+  s.timeouts = timeouts;
+  s.fail = die;
+  s.verbose = verbose;
+  for (int i = 0; i < n; i++) {
+    const td__conn *c = ends[i].conn;
+    if (c == NULL) {
+      s.refused[i] = 1;
+      continue;
+    }
+    s.peer[i].uid = c->hold.peer.uid;
+    s.peer[i].gid = c->hold.peer.gid;
+    s.peer[i].ngroups = c->hold.ngroups;
+    memcpy(s.peer[i].groups, c->hold.groups,
+           (size_t)c->hold.ngroups * sizeof(gid_t));
+  }
+  oracle_start(&s);
+}
+
 static void setup(void) {
   const char *level = getenv("TD_FUZZ_LOG");
   td__log_level = level ? td__log_level_parse(level) : TD_LOG_ERROR;
@@ -651,9 +697,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t max_io = (f1 & FZ_IO_CAP) ? (size_t)1 << (f1 & 15) : 0;
   for (int i = 0; i < nends; i++)
     connect_end(i, (f0 >> (4 + 2 * i)) & 3, max_io);
-  if (f0 & FZ_HELLO)
+  start_oracle(&o, nends, f1 & FZ_IO_TIMEOUT);
+  if (f0 & FZ_HELLO) {
     for (int i = 0; i < nends; i++)
       send_bytes(&ends[i], hello, hello_len, 0);
+    /* Handled before what follows: an fd sent next cannot reach the daemon
+     * in the same read as a Hello. */
+    settle();
+  }
 
   if (!(f0 & FZ_MULTI)) {
     send_bytes(&ends[0], p, left, 0);
@@ -664,8 +715,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       size_t n = p[1] < left - 2 ? p[1] : left - 2;
       end *e = &ends[sel & FZ_SEG_CONN];
       if (!e->shut && n > 0) {
-        if (sel & FZ_SEG_MUTE)
+        if (sel & FZ_SEG_MUTE) {
           e->muted = 1;
+          oracle_muted(sel & FZ_SEG_CONN);
+        }
         send_bytes(e, p + 2, n, sel & FZ_SEG_FD);
         if (sel & FZ_SEG_DEAF)
           deafen(e);
@@ -689,6 +742,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     shut(&ends[i]);
   settle();
   close_ends();
+  oracle_finish();
   run_to_idle(); /* the connections' handles finish closing */
 
   check_registry();

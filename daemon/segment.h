@@ -28,8 +28,8 @@ struct td__segment_req {
 
 /* Makes the segment of s (its name, nbytes and device set) and calls cb
  * exactly once: before returning for a small segment or on failure to
- * queue, from the loop later for a large one (TD_ECANCELED if tensord stops
- * first). req must stay valid until cb. */
+ * queue, from the loop later for a large one (a stop waits for it). req
+ * must stay valid until cb. */
 void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
                         td__segment_cb cb);
 /* Opens a new fd on s's segment for a client, read-only if readonly.

@@ -713,12 +713,12 @@ static void sync_work(uv_work_t *w) {
 
 static void compact_start(td__state *st);
 
-static void sync_after(uv_work_t *w, int status) {
-  td__state *st = td__container_of(w, td__state, work);
+/* A sync has ended with err: its changes are as durable as they will get.
+ * Answers their clients, unlinks the segments they freed, and starts what
+ * comes next (unless tensord is stopping: the final snapshot has it all). */
+static void sync_done(td__state *st, int err) {
   td__server *srv = st->srv;
-  srv->pending_work--;
   st->syncing = 0;
-  int err = status < 0 ? TD_ECANCELED : st->werr;
   if (err < 0)
     td__error("state: appending to %s/journal.%llu: %s", st->dir,
               (unsigned long long)st->gen, td_strerror(err));
@@ -728,12 +728,20 @@ static void sync_after(uv_work_t *w, int status) {
   st->wbuf = NULL;
   deliver(st, err);
   release_unlinks(st, 0);
+  if (srv->stopping)
+    return;
   if (st->pending_len > 0)
     sync_start(st);
-  else if (!srv->stopping && !st->compacting &&
-           st->journal_bytes > COMPACT_MIN &&
+  else if (!st->compacting && st->journal_bytes > COMPACT_MIN &&
            st->journal_bytes > COMPACT_RATIO * st->snapshot_bytes)
     compact_start(st);
+}
+
+static void sync_after(uv_work_t *w, int status) {
+  td__state *st = td__container_of(w, td__state, work);
+  td__server *srv = st->srv;
+  sync_done(st, status < 0 ? TD_ECANCELED : st->werr);
+  td__work_done(srv); /* may close st: the last use */
 }
 
 /* Hands the pending records to a worker unless one is busy. */
@@ -745,12 +753,11 @@ static void sync_start(td__state *st) {
   st->sync_ticket = st->ticket;
   st->pending = NULL;
   st->pending_len = st->pending_cap = 0;
+  st->syncing = 1;
   if (uv_queue_work(st->srv->loop, &st->work, sync_work, sync_after) < 0) {
-    st->werr = TD_ENOMEM;
-    sync_after(&st->work, 0);
+    sync_done(st, TD_ENOMEM);
     return;
   }
-  st->syncing = 1;
   st->srv->pending_work++;
 }
 
@@ -836,16 +843,21 @@ static void compact_work(uv_work_t *w) {
 
 static void compact_after(uv_work_t *w, int status) {
   td__state *st = td__container_of(w, td__state, cwork);
-  st->srv->pending_work--;
+  td__server *srv = st->srv;
   st->compacting = 0;
   if (status < 0 || st->cerr < 0)
     td__error("state: compacting into %s/snapshot: %s", st->dir,
               td_strerror(status < 0 ? TD_ECANCELED : st->cerr));
-  else
+  else {
     st->snapshot_bytes = st->clen;
+    td__debug("state: compacted into snapshot generation %llu (%zu bytes)",
+              (unsigned long long)st->cgen, st->clen);
+  }
   free(st->cbuf);
   st->cbuf = NULL;
-  sync_start(st);
+  if (!srv->stopping)
+    sync_start(st);
+  td__work_done(srv); /* may close st: the last use */
 }
 
 /* Writes a snapshot of now on the thread pool; changes from now on go to

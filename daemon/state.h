@@ -29,7 +29,10 @@ void td__state_conn_gone(td__state *st, const td__conn *c);
  * recorded so far is on disk. Returns 1 if it did, 0 if the caller may
  * unlink now (no change pending, or st NULL). */
 int td__state_hold_unlink(td__state *st, const td__storage *s);
-/* Writes a final snapshot and closes. NULL ok. */
+/* Writes a final snapshot, unlinks the segments held for the journal, drops
+ * the replies still held (their clients are gone) and frees st. Only with
+ * no sync or compaction in flight: td__server_stop waits for them. NULL
+ * ok. */
 void td__state_close(td__state *st);
 
 #endif /* TD_DAEMON_STATE_H */

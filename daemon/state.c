@@ -222,10 +222,12 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
     err = -errno;
   if (err < 0)
     return err;
-  /* Journals before gen are in the snapshot now. */
+  /* Journals before gen are in the snapshot now. The dup shares dirfd's
+   * offset, which an earlier listing left at the end: rewind. */
   DIR *d = fdopendir(dup(dirfd));
   if (d == NULL)
     return 0;
+  rewinddir(d);
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     unsigned long long g;

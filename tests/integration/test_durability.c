@@ -550,3 +550,62 @@ Test(durability, failed_sync_answers_eio_naming_the_state_dir) {
   td_close(c);
   finish((const char *const[]){"eio/before", "eio/failed", "eio/after"}, 3);
 }
+
+/* ---- compaction ---- */
+
+Test(durability, compaction_folds_the_journal_and_keys_survive) {
+  start(NULL);
+  unsigned long long first;
+  cr_assert_eq(journals(&first), 1);
+  churn ch;
+  churn_open(&ch);
+  churn_until_compaction(&ch, 0);
+  /* A few more changes go to the journal after the snapshot. */
+  churn_send_round(&ch);
+  churn_wait(&ch, 0);
+  unsigned long long lowest;
+  for (int i = 0; i < 5000 && journals(&lowest) != 1; i++)
+    sleep_ms(2);
+  cr_assert_eq(journals(&lowest), 1, "the folded journal is removed");
+  cr_assert_gt(lowest, first, "journal.%llu follows journal.%llu", lowest,
+               first);
+  kill9();
+  churn_drain(&ch);
+  tdt_raw_close(&ch.r);
+  restart();
+  check_acked(&ch);
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < NKEYS; i++)
+    cr_assert_eq(offset_of(c, key_name(i)), ch.round - 1, "key %d", i);
+  td_close(c);
+  finish(all_keys(), NKEYS);
+}
+
+/* SIGKILL while the compaction's snapshot is being synced (before its
+ * rename), or while the state directory is (after the rename, before the
+ * old journals go). */
+static void crash_during_compaction(const char *match) {
+  start(match);
+  touch("gate");
+  churn ch;
+  churn_open(&ch);
+  churn_until_compaction(&ch, 1);
+  wait_gate_reached();
+  /* Changes made while it compacts: held, maybe written, never synced. */
+  churn_send_round(&ch);
+  kill9();
+  churn_drain(&ch);
+  tdt_raw_close(&ch.r);
+  rm("gate");
+  restart();
+  check_acked(&ch);
+  finish(all_keys(), NKEYS);
+}
+
+Test(durability, sigkill_while_the_compacted_snapshot_is_written) {
+  crash_during_compaction("%s/snapshot.tmp");
+}
+
+Test(durability, sigkill_after_the_compacted_snapshot_is_renamed) {
+  crash_during_compaction("%s");
+}

@@ -287,6 +287,16 @@ static char *key_str(const ProtobufCBinaryData *k, char *buf, size_t len) {
   return buf;
 }
 
+/* Answers seq: its key change could not be recorded in --state-dir, so it
+ * was not made. */
+static void unrecorded(td__conn *c, uint64_t seq, const char *what,
+                       const char *key) {
+  td__conn_error(c, seq, TD_EIO,
+                 "%s '%s': the change cannot be recorded in %s (out of "
+                 "memory); nothing changed",
+                 what, key, c->srv->state_dir);
+}
+
 /* Answers a lookup of k for c, taking the key if asked. */
 static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   uint64_t seq = a->seq;
@@ -316,8 +326,15 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     td__conn_send(c, &r, fd);
     return;
   }
+  if (td__state_del(c->srv->state, k->name, k->len) < 0) {
+    /* Give back what grant gave: the key stays, as if never asked. */
+    if (fd >= 0)
+      close(fd);
+    td__ref_drop(&c->srv->reg, &c->hold, s->id, ro, 1);
+    unrecorded(c, seq, "take", k->name);
+    return;
+  }
   td__debug("client %d took key '%s'", (int)c->hold.peer.pid, k->name);
-  td__state_del(c->srv->state, k->name, k->len);
   td__key_remove(&c->srv->reg, k);
   td__state_reply(c->srv->state, c, &r, fd);
 }
@@ -387,14 +404,17 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
-  td__state_put(c->srv->state, key, m->key.len, s, &v);
-  if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0) {
-    if (k == NULL) /* it was not there: take the record back */
-      td__state_del(c->srv->state, key, m->key.len);
-    else /* the old value stays */
-      td__state_put(c->srv->state, key, m->key.len, k->storage, &k->view);
+  /* Whatever can fail comes before the record; the record comes before the
+   * change (see td__state_put). */
+  td__key_prep prep;
+  if (td__key_prepare(reg, key, m->key.len, s, &prep) < 0)
     return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
+  if (td__state_put(c->srv->state, key, m->key.len, s, &v) < 0) {
+    td__key_abort(reg, &prep);
+    unrecorded(c, seq, "publish", key);
+    return 0;
   }
+  k = td__key_commit(reg, &prep, &v);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);
@@ -417,7 +437,10 @@ static int op_unpublish(td__conn *c, uint64_t seq,
                    sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
                   (unsigned long long)k->storage->id, msg);
-  td__state_del(c->srv->state, k->name, k->len);
+  if (td__state_del(c->srv->state, k->name, k->len) < 0) {
+    unrecorded(c, seq, "unpublish", k->name);
+    return 0;
+  }
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
 }

@@ -346,35 +346,57 @@ static void key_unlink(td__key *k) {
     k->snext->sprev = k->sprev;
 }
 
-int td__key_publish(td__registry *r, const char *key, size_t len,
-                    td__storage *s, const td_view *view, td__key **out) {
-  td__key *k = td__key_find(r, key, len);
-  if (k != NULL) {
-    /* Replace in place: the new storage gains its reference before the old
-     * one loses its, so publishing a key onto itself frees nothing. */
-    td__storage *old = k->storage;
-    key_unlink(k);
-    key_link(s, k);
-    k->view = *view;
-    k->published_ms = td__now_ms();
-    storage_unref(r, old);
-    *out = k;
+int td__key_prepare(td__registry *r, const char *key, size_t len,
+                    td__storage *s, td__key_prep *p) {
+  p->s = s;
+  p->k = td__key_find(r, key, len);
+  p->fresh = p->k == NULL;
+  if (!p->fresh)
     return 0;
-  }
-  k = malloc(sizeof(*k) + len + 1);
+  td__key *k = malloc(sizeof(*k) + len + 1);
   if (k == NULL)
     return TD_ENOMEM;
   memcpy(k->name, key, len);
   k->name[len] = '\0';
   k->len = len;
+  k->storage = NULL;
   if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
     free(k);
     return TD_ENOMEM;
   }
-  key_link(s, k);
+  p->k = k;
+  return 0;
+}
+
+td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
+  td__key *k = p->k;
+  td__storage *old = k->storage;
+  /* The new storage gains its reference before the old one loses its, so
+   * publishing a key onto its own storage frees nothing. */
+  if (old != NULL)
+    key_unlink(k);
+  key_link(p->s, k);
   k->view = *view;
   k->published_ms = td__now_ms();
-  *out = k;
+  if (old != NULL)
+    storage_unref(r, old);
+  return k;
+}
+
+void td__key_abort(td__registry *r, td__key_prep *p) {
+  if (!p->fresh)
+    return;
+  td__htab_remove(&r->keys, &p->k->node);
+  free(p->k);
+}
+
+int td__key_publish(td__registry *r, const char *key, size_t len,
+                    td__storage *s, const td_view *view, td__key **out) {
+  td__key_prep p;
+  int err = td__key_prepare(r, key, len, s, &p);
+  if (err < 0)
+    return err;
+  *out = td__key_commit(r, &p, view);
   return 0;
 }
 

@@ -138,7 +138,29 @@ int td__may(const td__storage *s, const td__holdings *h, int want);
 char *td__describe_access(const td__storage *s, char *buf, size_t len);
 
 td__key *td__key_find(const td__registry *r, const char *key, size_t len);
-/* Names view of s key, replacing an existing key. Returns 0 or TD_ENOMEM. */
+
+/* A key change between td__key_prepare and td__key_commit or _abort. */
+typedef struct td__key_prep {
+  td__key *k;  /* the key: an existing one, or a new one not yet linked */
+  int fresh;   /* k is new */
+  td__storage *s;
+} td__key_prep;
+
+/* First half of naming view of s key (replacing the storage an existing
+ * key names): makes every allocation and check the change needs, so that
+ * td__key_commit cannot fail. Returns 0, or TD_ENOMEM with nothing
+ * changed. Follow it with td__key_commit or td__key_abort and no other use
+ * of the registry in between (a new key is in the table already, naming
+ * nothing yet). */
+int td__key_prepare(td__registry *r, const char *key, size_t len,
+                    td__storage *s, td__key_prep *p);
+/* Makes the change p prepared; the storage the key named before loses the
+ * key's reference (which may free it). Returns the key. */
+td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view);
+/* Undoes td__key_prepare: nothing changed. */
+void td__key_abort(td__registry *r, td__key_prep *p);
+/* td__key_prepare, then td__key_commit. Returns 0 with the key in *out, or
+ * TD_ENOMEM with nothing changed and *out untouched. */
 int td__key_publish(td__registry *r, const char *key, size_t len,
                     td__storage *s, const td_view *view, td__key **out);
 /* Unnames k; drops its reference (which may free the storage). */

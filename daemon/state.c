@@ -763,36 +763,37 @@ static void sync_start(td__state *st) {
   st->srv->pending_work++;
 }
 
-static void log_record(td__state *st, const Tensord__StateRecord *r) {
+static int log_record(td__state *st, const Tensord__StateRecord *r) {
   if (append(&st->pending, &st->pending_len, &st->pending_cap, r) < 0) {
-    td__error("state: out of memory recording a key change");
-    return;
+    td__error("state: out of memory recording a key change; refusing it");
+    return TD_ENOMEM;
   }
   st->ticket++;
   sync_start(st);
+  return 0;
 }
 
-void td__state_put(td__state *st, const char *key, size_t len,
-                   const td__storage *s, const td_view *view) {
+int td__state_put(td__state *st, const char *key, size_t len,
+                  const td__storage *s, const td_view *view) {
   if (st == NULL)
-    return;
+    return 0;
   Tensord__StateKey m;
   Tensord__View vm;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
   key_record(key, len, s, view, td__now_ms(), &m, &vm);
   r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
   r.put = &m;
-  log_record(st, &r);
+  return log_record(st, &r);
 }
 
-void td__state_del(td__state *st, const char *key, size_t len) {
+int td__state_del(td__state *st, const char *key, size_t len) {
   if (st == NULL)
-    return;
+    return 0;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
   r.body_case = TENSORD__STATE_RECORD__BODY_DEL;
   r.del.data = (uint8_t *)key;
   r.del.len = len;
-  log_record(st, &r);
+  return log_record(st, &r);
 }
 
 int td__state_reply(td__state *st, td__conn *c, Tensord__Response *r, int fd) {

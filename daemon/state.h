@@ -17,11 +17,13 @@ int td__state_open(td__server *srv, const char *dir);
 /* Records a key change, before the registry makes it (so that a segment
  * the change frees is held until the record is on disk); replies that
  * acknowledge it go through td__state_reply, which holds them until the
- * change is on disk. st may be NULL (no --state-dir): then nothing is
- * recorded or held. */
-void td__state_put(td__state *st, const char *key, size_t len,
-                   const td__storage *s, const td_view *view);
-void td__state_del(td__state *st, const char *key, size_t len);
+ * change is on disk. Returns 0, or TD_ENOMEM if the record cannot even be
+ * queued: then nothing is recorded, and the caller must not make the
+ * change (its client gets TD_EIO). st may be NULL (no --state-dir): then
+ * nothing is recorded or held, and 0 returned. */
+int td__state_put(td__state *st, const char *key, size_t len,
+                  const td__storage *s, const td_view *view);
+int td__state_del(td__state *st, const char *key, size_t len);
 int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
                     int fd);
 void td__state_conn_gone(td__state *st, const td__conn *c);

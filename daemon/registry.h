@@ -112,6 +112,10 @@ td__storage *td__storage_find(const td__registry *r, uint64_t id);
  * reference held by h, or with none if h is NULL (the caller then publishes
  * a key on it at once). Returns 0 or TD_ENOMEM (nothing changed). */
 int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h);
+/* Undoes td__storage_insert of s while it has no reference (inserted with
+ * h NULL, its key not published): s is unregistered, but neither freed
+ * nor credited. */
+void td__storage_remove(td__registry *r, td__storage *s);
 /* First storage with id > after_id, in id order; NULL if none. */
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id);
 

@@ -450,9 +450,12 @@ static void loaded_free(loaded *l) {
   free(l->prefixes);
 }
 
-/* Serves the key recorded in r again: finds (or registers) its segment and
- * publishes the key. Returns 0, or a negative code if the segment is gone or
- * does not match (the key is then dropped, with a warning). */
+/* Serves the key recorded in m again: finds (or registers) its segment and
+ * publishes the key. Returns 0, or a negative code with a warning: the
+ * segment is gone or does not match, the record is malformed, or memory
+ * ran out. The key is then dropped, and a segment registered for it alone
+ * is unregistered again (and swept, as nothing names it), its charge
+ * given back. */
 static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   td__registry *reg = &srv->reg;
   char key[TD_KEY_MAX + 1], msg[256];
@@ -472,9 +475,11 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     return TD_EINVAL;
   }
   td__storage *s = find_name(l, m->segment);
+  nameent *ne = NULL;
+  int err;
   if (s == NULL) {
     td__segment_desc d;
-    int err = td__backend_for(TD_CPU)->describe(m->segment, &d);
+    err = td__backend_for(TD_CPU)->describe(m->segment, &d);
     if (err < 0) {
       td__warn("state: key '%s': segment %s is gone (%s); dropped", key,
                m->segment, td_strerror(err));
@@ -486,8 +491,12 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
       return TD_EINVAL;
     }
     s = calloc(1, sizeof(*s));
-    if (s == NULL)
-      return TD_ENOMEM;
+    ne = calloc(1, sizeof(*ne));
+    if (s == NULL || ne == NULL) {
+      free(s);
+      free(ne);
+      goto nomem;
+    }
     s->id = reg->next_id++;
     s->nbytes = m->nbytes;
     s->device = TD_CPU;
@@ -497,32 +506,42 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     s->owner.gid = m->owner_gid;
     s->created_ms = m->created_unix_ms;
     snprintf(s->name, sizeof(s->name), "%s", m->segment);
+    ne->s = s;
+    /* Past the limits: the storage existed before this start. */
     err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
-    nameent *ne = calloc(1, sizeof(*ne));
-    if (err == 0 && ne == NULL)
-      err = TD_ENOMEM;
-    if (err == 0)
-      err = td__storage_insert(reg, s, NULL);
-    if (err == 0) {
-      ne->s = s;
-      err = td__htab_insert(&l->names, &ne->node,
-                            td__hash_bytes(s->name, strlen(s->name)));
-      if (err < 0) /* the key still gets published: only the index failed */
-        free(ne);
-      err = 0;
-    }
-    if (err < 0) {
-      free(ne);
-      free(s);
-      return err;
-    }
+    if (err < 0)
+      goto free_new;
+    err = td__storage_insert(reg, s, NULL);
+    if (err < 0)
+      goto uncharge;
+    /* The index is what keeps the sweep off the segment: it must hold. */
+    err = td__htab_insert(&l->names, &ne->node,
+                          td__hash_bytes(s->name, strlen(s->name)));
+    if (err < 0)
+      goto unregister;
   }
   td__key *k;
-  int err = td__key_publish(reg, key, klen, s, &v, &k);
-  if (err < 0)
-    return err;
+  err = td__key_publish(reg, key, klen, s, &v, &k);
+  if (err < 0) {
+    if (ne != NULL) /* s was registered for this key alone */
+      goto unindex;
+    goto nomem;
+  }
   k->published_ms = m->published_unix_ms;
   return 0;
+
+unindex:
+  td__htab_remove(&l->names, &ne->node);
+unregister:
+  td__storage_remove(reg, s);
+uncharge:
+  td__credit(reg, s->owner.uid, s->nbytes);
+free_new:
+  free(ne);
+  free(s);
+nomem:
+  td__warn("state: key '%s': out of memory serving it again; dropped", key);
+  return TD_ENOMEM;
 }
 
 static int adopted(const char *name, void *arg) {

@@ -319,3 +319,43 @@ Test(state, change_that_cannot_be_recorded_is_eio_and_not_made) {
   cr_assert_neq(named("a"), named("c"), "on their own storages");
   daemon_down();
 }
+
+/* ---- serving keys again at a start ---- */
+
+static int seg_exists(const char *name) {
+  char path[96];
+  struct stat sb;
+  snprintf(path, sizeof(path), "/dev/shm%s", name);
+  return stat(path, &sb) == 0;
+}
+
+Test(state, key_that_cannot_be_served_again_leaves_no_charge_or_storage) {
+  daemon_up();
+  client_up();
+  hello();
+  uint64_t s1 = create(4096), s2 = create(8192);
+  cr_assert_eq(publish("keep", s1), 0);
+  cr_assert_eq(publish("lose", s2), 0);
+  char lost[64];
+  snprintf(lost, sizeof(lost), "%s", td__storage_find(&srv.reg, s2)->name);
+  daemon_down();
+  cr_assert(seg_exists(lost), "a stop keeps keyed segments");
+
+  /* The next start runs out of memory publishing 'lose' again. */
+  refuse_key = "lose";
+  daemon_up();
+  cr_assert_eq(srv.reg.keys.count, 1);
+  cr_assert_neq(named("keep"), 0);
+  cr_assert_eq(named("lose"), 0);
+  cr_assert_eq(srv.reg.storages.count, 1, "a storage nothing references");
+  for (const td__storage *s = srv.reg.first; s; s = s->next)
+    cr_assert_gt(s->refs, 0, "storage %llu has no reference",
+                 (unsigned long long)s->id);
+  cr_assert_eq(srv.reg.bytes_used, 4096);
+  cr_assert_eq(srv.reg.bytes_committed, 4096,
+               "the dropped key's 8192 bytes are still charged");
+  cr_assert_eq(td__usage_of(&srv.reg, getuid()), 4096);
+  cr_assert_not(seg_exists(lost), "nothing names it: it is swept");
+  refuse_key = NULL;
+  daemon_down();
+}

@@ -656,6 +656,10 @@ int td__state_open(td__server *srv, const char *dir) {
   return 0;
 
 fail:
+  /* The storages adopted so far go with the registry when the start fails:
+   * their segments stay for the next start, which serves them. */
+  if (srv->reg.storages.count > 0)
+    srv->keep_segments = 1;
   loaded_free(&l);
   if (st->jfd >= 0)
     close(st->jfd);

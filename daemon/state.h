@@ -12,7 +12,10 @@
 struct Tensord__Response;
 
 /* Loads DIR (creating it), serves its keys again, unlinks unnamed segments
- * of the instances it records, and sets srv->state. */
+ * of the instances it records, and sets srv->state. Returns 0, or a
+ * negative code (logged) with srv->state unset; if keys were served again
+ * by then, srv->keep_segments is set, so that freeing the registry leaves
+ * their segments in place. */
 int td__state_open(td__server *srv, const char *dir);
 /* Records a key change, before the registry makes it (so that a segment
  * the change frees is held until the record is on disk); replies that

@@ -145,8 +145,8 @@ static void start(const char *match) {
 }
 
 /* Starts a new tensord (no shim) on d's socket and state directory, logging
- * to d's log, and waits until it serves. */
-static void restart(void) {
+ * to d's log; returns its pid. */
+static pid_t spawn(void) {
   fflush(NULL);
   pid_t pid = fork();
   cr_assert_geq(pid, 0);
@@ -176,6 +176,12 @@ static void restart(void) {
     execvp(argv[0], (char *const *)argv);
     _exit(127);
   }
+  return pid;
+}
+
+/* spawn(), and waits until the new tensord serves. */
+static void restart(void) {
+  pid_t pid = spawn();
   d.pid = pid;
   int tries = getenv("TDT_DAEMON_WRAPPER") ? 60000 : 5000;
   for (int i = 0; i < tries; i++) {
@@ -608,4 +614,48 @@ Test(durability, sigkill_while_the_compacted_snapshot_is_written) {
 
 Test(durability, sigkill_after_the_compacted_snapshot_is_renamed) {
   crash_during_compaction("%s");
+}
+
+/* ---- a start that fails ---- */
+
+Test(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
+  start(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  uint8_t *p = td_storage_data(s);
+  for (int i = 0; i < 4096; i++)
+    p[i] = (uint8_t)(i * 7 + 1);
+  cr_assert_eq(td_publish(c, "kept/k", s, NULL), 0);
+  td_storage_release(s);
+  td_close(c);
+  uint64_t inst = d.instance;
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  cr_assert_eq(tdt_wait(d.pid), 0);
+  d.pid = 0;
+  cr_assert_eq(seg_count(inst), 1, "a clean stop keeps the key's segment");
+
+  /* The next start serves the key, then cannot write its snapshot. */
+  char tmp[96];
+  snprintf(tmp, sizeof(tmp), "%s/snapshot.tmp", state_dir);
+  cr_assert_eq(mkdir(tmp, 0700), 0);
+  int st = tdt_wait(spawn());
+  cr_assert_eq(st, 1, "tensord exited %d; see %s", st, d.log);
+  cr_assert(tdt_log_has(&d, "writing snapshot"), "see %s", d.log);
+  cr_assert_eq(seg_count(inst), 1,
+               "the failed start unlinked the segment its state names");
+
+  /* Once the operator fixes it, the key is served with its bytes. */
+  cr_assert_eq(rmdir(tmp), 0);
+  restart();
+  c = tdt_connect(&d);
+  td_view v;
+  cr_assert_eq(td_lookup(c, "kept/k", TD_RDONLY, 0, &s, &v), 0, "%s",
+               td_last_error(c));
+  p = td_storage_data(s);
+  for (int i = 0; i < 4096; i++)
+    cr_assert_eq(p[i], (uint8_t)(i * 7 + 1), "byte %d", i);
+  td_storage_release(s);
+  td_close(c);
+  finish((const char *const[]){"kept/k"}, 1);
 }

@@ -31,7 +31,9 @@ struct td__conn {
   int eof;      /* the client shut its side: send what is due, then close */
   int events;   /* what poll watches now */
   td__waiter *waiters;
+  uint32_t nwaiters; /* in waiters: at most --max-waiters-per-client */
   td__create *creates;
+  uint32_t ncreates; /* in creates: they count as storages held */
   td__conn *prev, *next;
 };
 

@@ -78,12 +78,16 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
   if (err < 0)
     return err;
   uint32_t max = c->srv->max_storages_per_client;
-  if (max && c->hold.refs.count >= max && td__ref_find(&c->hold, s->id) == 0)
+  if (max && c->hold.refs.count + c->ncreates >= max &&
+      td__ref_find(&c->hold, s->id) == 0)
     return td__msg(msg, len, TD_EMFILE,
-                   "this client holds %zu storages, the most "
-                   "--max-storages-per-client allows",
-                   c->hold.refs.count);
+                   "this client holds %zu storages and is creating %u, the "
+                   "most --max-storages-per-client allows",
+                   c->hold.refs.count, c->ncreates);
   err = td__ref_add(&c->srv->reg, &c->hold, s, ro, &had);
+  if (err == TD_EOVERFLOW)
+    return td__msg(msg, len, err,
+                   "it has %u references, the most tensord can count", s->refs);
   if (err < 0)
     return td__msg(msg, len, err, "out of memory");
   if (had == 0 || force_fd) {
@@ -146,6 +150,7 @@ static void create_unlink_from_conn(td__create *cr) {
     cr->conn->creates = cr->next;
   if (cr->next)
     cr->next->prev = cr->prev;
+  cr->conn->ncreates--;
   cr->conn = NULL;
 }
 
@@ -203,12 +208,13 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
                   "create with mode %04o: only read and write bits (0666) "
                   "may be set",
                   (unsigned)m->mode);
+  /* Creates in flight count: they are storages the client will hold. */
   if (srv->max_storages_per_client &&
-      c->hold.refs.count >= srv->max_storages_per_client)
+      c->hold.refs.count + c->ncreates >= srv->max_storages_per_client)
     return reject(c, seq, TD_EMFILE,
-                  "create: this client holds %zu storages, the most "
-                  "--max-storages-per-client allows",
-                  c->hold.refs.count);
+                  "create: this client holds %zu storages and is creating "
+                  "%u, the most --max-storages-per-client allows",
+                  c->hold.refs.count, c->ncreates);
   /* The limits tensord sets first, then what /dev/shm can hold. */
   char msg[256];
   int err = td__charge(reg, c->hold.peer.uid, n, 0, msg, sizeof(msg));
@@ -248,6 +254,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (c->creates)
     c->creates->prev = cr;
   c->creates = cr;
+  c->ncreates++;
   td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
 }
@@ -365,6 +372,11 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
     return reject(c, seq, TD_EINVAL,
                   "key '%s': wait of %d ms (use -1 to wait forever)", key,
                   (int)m->wait_ms);
+  if (c->nwaiters >= srv->max_waiters_per_client)
+    return reject(c, seq, TD_EMFILE,
+                  "key '%s': this client has %u lookups waiting, the most "
+                  "--max-waiters-per-client allows",
+                  key, c->nwaiters);
   if (td__wait_add(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms) <
       0)
     return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
@@ -404,12 +416,27 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
+  /* Keys outlive connections: they count against the uid that published
+   * them, like bytes against --quota. */
+  uid_t uid = c->hold.peer.uid;
+  uint64_t nkeys = td__keys_of(reg, uid);
+  if ((k == NULL || k->uid != uid) && nkeys >= c->srv->max_keys_per_uid)
+    return reject(c, seq, TD_EDQUOT,
+                  "publish '%s': uid %u has published %llu keys, the most "
+                  "--max-keys-per-uid allows",
+                  key, (unsigned)uid, (unsigned long long)nkeys);
   /* Whatever can fail comes before the record; the record comes before the
    * change (see td__state_put). */
   td__key_prep prep;
-  if (td__key_prepare(reg, key, m->key.len, s, &prep) < 0)
-    return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
-  if (td__state_put(c->srv->state, key, m->key.len, s, &v) < 0) {
+  int err = td__key_prepare(reg, key, m->key.len, s, uid, &prep);
+  if (err == TD_EOVERFLOW)
+    return reject(c, seq, err,
+                  "publish '%s': storage %llu has %u references, the most "
+                  "tensord can count",
+                  key, (unsigned long long)s->id, s->refs);
+  if (err < 0)
+    return reject(c, seq, err, "publish '%s': out of memory", key);
+  if (td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
     td__key_abort(reg, &prep);
     unrecorded(c, seq, "publish", key);
     return 0;

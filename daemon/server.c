@@ -308,6 +308,11 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->reg.quota = o->quota;
   srv->max_clients = o->max_clients;
   srv->max_storages_per_client = o->max_storages_per_client;
+  srv->max_waiters_per_client = o->max_waiters_per_client
+                                    ? o->max_waiters_per_client
+                                    : TD__MAX_WAITERS_PER_CLIENT;
+  srv->max_keys_per_uid =
+      o->max_keys_per_uid ? o->max_keys_per_uid : TD__MAX_KEYS_PER_UID;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
 }
 

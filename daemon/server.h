@@ -11,6 +11,10 @@
 #include <stdint.h>
 #include <uv.h>
 
+/* Defaults of the limits that have one (see docs/security.md). */
+#define TD__MAX_WAITERS_PER_CLIENT 4096
+#define TD__MAX_KEYS_PER_UID 100000
+
 typedef struct td__state td__state; /* state.c */
 
 struct td__server {
@@ -40,6 +44,8 @@ struct td__server {
   int listening;         /* the socket, timer and signal handles are set up */
   uint32_t max_clients;  /* 0: no limit */
   uint32_t max_storages_per_client;
+  uint32_t max_waiters_per_client; /* lookups waiting at once */
+  uint64_t max_keys_per_uid;       /* keys one uid has published */
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
 };
 
@@ -49,6 +55,8 @@ typedef struct td__options {
   uint64_t quota;    /* per uid; 0: none */
   uint32_t max_clients;
   uint32_t max_storages_per_client;
+  uint32_t max_waiters_per_client; /* 0: the default, 4096 */
+  uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
   uint64_t io_timeout_ms;   /* 0: the default, 30 s */
   const char *socket_group; /* chown the socket to this group */
   int socket_mode;          /* chmod the socket; -1: leave it */

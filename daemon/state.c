@@ -128,10 +128,12 @@ static int append(uint8_t **buf, size_t *len, size_t *cap,
   return 0;
 }
 
-/* Fills m (and vm) with what brings key back: its storage, owner, view. */
+/* Fills m (and vm) with what brings key back: its storage, owner, view,
+ * publisher. */
 static void key_record(const char *key, size_t len, const td__storage *s,
-                       const td_view *view, int64_t published_ms,
-                       Tensord__StateKey *m, Tensord__View *vm) {
+                       uid_t publisher, const td_view *view,
+                       int64_t published_ms, Tensord__StateKey *m,
+                       Tensord__View *vm) {
   tensord__state_key__init(m);
   m->key.data = (uint8_t *)key;
   m->key.len = len;
@@ -143,6 +145,8 @@ static void key_record(const char *key, size_t len, const td__storage *s,
   m->mode = s->mode;
   m->created_unix_ms = s->created_ms;
   m->published_unix_ms = published_ms;
+  m->publisher_uid = publisher;
+  m->publisher_known = 1;
   td__view_to_msg(view, vm);
   m->view = vm;
 }
@@ -176,7 +180,8 @@ static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
     for (const td__key *k = s->keys; k && err == 0; k = k->snext) {
       Tensord__StateKey m;
       Tensord__View vm;
-      key_record(k->name, k->len, s, &k->view, k->published_ms, &m, &vm);
+      key_record(k->name, k->len, s, k->uid, &k->view, k->published_ms, &m,
+                 &vm);
       r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
       r.put = &m;
       err = append(&buf, &len, &cap, &r);
@@ -521,7 +526,8 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
       goto unregister;
   }
   td__key *k;
-  err = td__key_publish(reg, key, klen, s, &v, &k);
+  uid_t publisher = m->publisher_known ? m->publisher_uid : m->owner_uid;
+  err = td__key_publish(reg, key, klen, s, publisher, &v, &k);
   if (err < 0) {
     if (ne != NULL) /* s was registered for this key alone */
       goto unindex;
@@ -797,13 +803,13 @@ static int log_record(td__state *st, const Tensord__StateRecord *r) {
 }
 
 int td__state_put(td__state *st, const char *key, size_t len,
-                  const td__storage *s, const td_view *view) {
+                  const td__storage *s, uid_t publisher, const td_view *view) {
   if (st == NULL)
     return 0;
   Tensord__StateKey m;
   Tensord__View vm;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  key_record(key, len, s, view, td__now_ms(), &m, &vm);
+  key_record(key, len, s, publisher, view, td__now_ms(), &m, &vm);
   r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
   r.put = &m;
   return log_record(st, &r);

@@ -25,7 +25,7 @@ int td__state_open(td__server *srv, const char *dir);
  * change (its client gets TD_EIO). st may be NULL (no --state-dir): then
  * nothing is recorded or held, and 0 returned. */
 int td__state_put(td__state *st, const char *key, size_t len,
-                  const td__storage *s, const td_view *view);
+                  const td__storage *s, uid_t publisher, const td_view *view);
 int td__state_del(td__state *st, const char *key, size_t len);
 int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
                     int fd);

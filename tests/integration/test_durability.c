@@ -135,8 +135,8 @@ static void start(const char *match) {
     setenv("TDT_SYNC_LOG", p, 1);
     /* An ASan tensord insists on coming first in the preload list. */
     const char *was = getenv("ASAN_OPTIONS");
-    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0",
-             was ? was : "", was && *was ? ":" : "");
+    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
+             was && *was ? ":" : "");
     setenv("ASAN_OPTIONS", asan, 1);
   }
   tdt_start(&d, (const char *const[]){"--state-dir", state_dir, NULL});

@@ -149,6 +149,5 @@ uint64_t tdt_raw_create_now(tdt_raw *r, uint64_t nbytes) {
 }
 
 int tdt_raw_code(const Tensord__Response *rep) {
-  return rep->body_case == TENSORD__RESPONSE__BODY_ERROR ? rep->error->code
-                                                         : 0;
+  return rep->body_case == TENSORD__RESPONSE__BODY_ERROR ? rep->error->code : 0;
 }

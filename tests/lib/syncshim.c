@@ -81,8 +81,8 @@ static void log_synced(int fd, const char *path) {
   if (log == NULL || fstat(fd, &st) < 0)
     return;
   char line[PATH_MAX + 32];
-  int n = snprintf(line, sizeof(line), "%lld %s\n", (long long)st.st_size,
-                   path);
+  int n =
+      snprintf(line, sizeof(line), "%lld %s\n", (long long)st.st_size, path);
   int lfd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   if (lfd < 0)
     return;

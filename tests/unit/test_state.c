@@ -46,13 +46,13 @@ void *__wrap_realloc(void *p, size_t n) {
 }
 
 int __real_td__state_put(td__state *st, const char *key, size_t len,
-                         const td__storage *s, const td_view *view);
+                         const td__storage *s, uid_t uid, const td_view *view);
 int __wrap_td__state_put(td__state *st, const char *key, size_t len,
-                         const td__storage *s, const td_view *view);
+                         const td__storage *s, uid_t uid, const td_view *view);
 int __wrap_td__state_put(td__state *st, const char *key, size_t len,
-                         const td__storage *s, const td_view *view) {
+                         const td__storage *s, uid_t uid, const td_view *view) {
   refuse_allocs = starve;
-  int err = __real_td__state_put(st, key, len, s, view);
+  int err = __real_td__state_put(st, key, len, s, uid, view);
   refuse_allocs = starve = 0;
   return err;
 }
@@ -67,16 +67,18 @@ int __wrap_td__state_del(td__state *st, const char *key, size_t len) {
 }
 
 int __real_td__key_publish(td__registry *r, const char *key, size_t len,
-                           td__storage *s, const td_view *view, td__key **out);
+                           td__storage *s, uid_t uid, const td_view *view,
+                           td__key **out);
 int __wrap_td__key_publish(td__registry *r, const char *key, size_t len,
-                           td__storage *s, const td_view *view, td__key **out);
+                           td__storage *s, uid_t uid, const td_view *view,
+                           td__key **out);
 int __wrap_td__key_publish(td__registry *r, const char *key, size_t len,
-                           td__storage *s, const td_view *view,
+                           td__storage *s, uid_t uid, const td_view *view,
                            td__key **out) {
   if (refuse_key != NULL && strlen(refuse_key) == len &&
       memcmp(refuse_key, key, len) == 0)
     return TD_ENOMEM;
-  return __real_td__key_publish(r, key, len, s, view, out);
+  return __real_td__key_publish(r, key, len, s, uid, view, out);
 }
 
 /* ---- an in-process daemon and its client ---- */
@@ -357,5 +359,26 @@ Test(state, key_that_cannot_be_served_again_leaves_no_charge_or_storage) {
   cr_assert_eq(td__usage_of(&srv.reg, getuid()), 4096);
   cr_assert_not(seg_exists(lost), "nothing names it: it is swept");
   refuse_key = NULL;
+  daemon_down();
+}
+
+Test(state, keys_count_against_their_publisher_after_a_restart) {
+  daemon_up();
+  client_up();
+  hello();
+  uint64_t s1 = create(4096);
+  cr_assert_eq(publish("p/1", s1), 0);
+  cr_assert_eq(publish("p/2", s1), 0);
+  /* As if another uid had published p/2 (the client's uid is ours). */
+  td__key *k = td__key_find(&srv.reg, "p/2", 3);
+  cr_assert_eq(td__state_put(srv.state, "p/2", 3, k->storage, 4321, &k->view),
+               0);
+  cr_assert_eq(
+      td__key_publish(&srv.reg, "p/2", 3, k->storage, 4321, &k->view, &k), 0);
+  cr_assert_eq(publish("p/3", s1), 0); /* the record is on disk by now */
+  daemon_down();
+  daemon_up();
+  cr_assert_eq(td__keys_of(&srv.reg, getuid()), 2);
+  cr_assert_eq(td__keys_of(&srv.reg, 4321), 1);
   daemon_down();
 }

@@ -31,8 +31,9 @@
 #define OUT_LOW (1u << 20)
 #define OUT_FDS_HIGH 256
 #define OUT_FDS_LOW 64
-/* Past OUT_MAX unsent bytes (replies to lookups that were waiting, say) the
- * client is disconnected. */
+/* Past OUT_MAX unsent bytes the client is disconnected: a pause takes effect
+ * only after a read batch, whose small requests may ask for large replies
+ * (INFO, LIST), and waiting lookups or held replies come all at once. */
 #define OUT_MAX (64u << 20)
 /* recvmsg calls per wake-up, so that one busy client cannot starve others. */
 #define READ_BUDGET 8

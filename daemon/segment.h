@@ -39,7 +39,9 @@ int td__segment_open(const td__storage *s, int readonly);
 void td__segment_unlink(td__server *srv, td_device device, const char *name,
                         uint64_t nbytes);
 /* The registry's free_fn (arg is the server): s's last reference went, so
- * its segment is unlinked (once the journal allows) and s freed. */
+ * its segment is unlinked (once the journal no longer names it) and s
+ * freed; but when a stop with --state-dir frees the registry
+ * (srv->keep_segments), the segment stays for the next start. */
 void td__storage_gone(td__storage *s, void *arg);
 /* Unlinks every segment of every backend under prefix (no leading '/'),
  * except those keep (if not NULL) keeps. Returns how many, or a negative

@@ -40,7 +40,8 @@ struct td__server {
   td__waits waits;       /* lookups waiting for keys */
   uint64_t pending_work; /* thread-pool jobs in flight: see td__work_done */
   td__state *state;      /* NULL without --state-dir */
-  int keep_segments;     /* stopping with --state-dir: keep keyed segments */
+  int keep_segments;     /* keyed segments stay: a stop with --state-dir, or a
+                            start that failed after serving keys again */
   int listening;         /* the socket, timer and signal handles are set up */
   uint32_t max_clients;  /* 0: no limit */
   uint32_t max_storages_per_client;

@@ -727,7 +727,7 @@ static void deliver(td__state *st, int err) {
       if (d->conn != NULL)
         td__conn_error(d->conn, d->seq, TD_EIO,
                        "the change is made but recording it in %s failed "
-                       "(%s): it will not survive a restart",
+                       "(%s): it may not survive a restart",
                        st->dir, td_strerror(err));
     }
     free(d->frame);

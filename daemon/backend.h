@@ -3,9 +3,10 @@
  * access control know nothing of it. POSIX shared memory (shm.c) is the CPU
  * backend; a CUDA backend plugs in beside it.
  *
- * Every backend call may block (its cost can grow with bytes): the daemon
- * runs the ones that do on the thread pool (segment.c), never on its loop
- * for large storages. */
+ * create and unlink cost time that grows with bytes: segment.c runs them
+ * on the thread pool for large segments, on the loop for small ones. The
+ * other calls cost about a system call per segment and run on the loop
+ * (unlink_prefix and describe only at start and stop). */
 #ifndef TD_DAEMON_BACKEND_H
 #define TD_DAEMON_BACKEND_H
 
@@ -45,9 +46,11 @@ typedef struct td__backend {
   void (*unlink)(const char *name);
   /* Unlinks every segment whose name (without the leading '/') starts with
    * prefix, except those keep (if not NULL) says to keep. Returns how many
-   * it unlinked, or a negative code. */
+   * it tried to unlink (a failure is logged), or a negative code if it
+   * cannot list the segments. */
   int (*unlink_prefix)(const char *prefix, td__keep_fn keep, void *arg);
-  /* Free and total bytes the backend can still hold. */
+  /* Sets the bytes the backend has free and in all. Returns 0, or a
+   * negative code with both unchanged. */
   int (*space)(uint64_t *free_bytes, uint64_t *total_bytes);
   /* Describes an existing segment. Returns 0, or a negative code
    * (TD_ENOENT if there is none of that name). */

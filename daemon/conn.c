@@ -31,8 +31,9 @@
 #define OUT_LOW (1u << 20)
 #define OUT_FDS_HIGH 256
 #define OUT_FDS_LOW 64
-/* Past OUT_MAX unsent bytes (replies to lookups that were waiting, say) the
- * client is disconnected. */
+/* Past OUT_MAX unsent bytes the client is disconnected: a pause takes effect
+ * only after a read batch, whose small requests may ask for large replies
+ * (INFO, LIST), and waiting lookups or held replies come all at once. */
 #define OUT_MAX (64u << 20)
 /* recvmsg calls per wake-up, so that one busy client cannot starve others. */
 #define READ_BUDGET 8
@@ -357,6 +358,33 @@ static void on_poll(uv_poll_t *h, int status, int events) {
   update_events(c);
 }
 
+/* Sets h's supplementary groups to every one of the peer on fd, however
+ * many (the kernel allows 65536). Returns 0 (no groups if the kernel has no
+ * credentials for the socket) or TD_ENOMEM. */
+static int peer_groups(int fd, td__holdings *h) {
+  socklen_t len = 0;
+  gid_t *g = NULL;
+  int err = 0;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, NULL, &len) == 0)
+    return 0; /* none */
+  if (errno != ERANGE)
+    err = errno;
+  else if ((g = malloc(len)) == NULL)
+    return TD_ENOMEM;
+  else if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len) < 0)
+    err = errno;
+  if (err != 0) {
+    td__debug("client %d: no supplementary groups (%s); its primary group "
+              "only counts",
+              (int)h->peer.pid, strerror(err));
+    free(g);
+    return 0;
+  }
+  h->groups = g;
+  h->ngroups = (int)(len / sizeof(gid_t));
+  return 0;
+}
+
 int td__conn_accept(td__server *srv, int fd) {
   struct ucred cred;
   socklen_t len = sizeof(cred);
@@ -374,17 +402,21 @@ int td__conn_accept(td__server *srv, int fd) {
   c->srv = srv;
   td__wire_init(&c->wire, fd);
   td__holdings_init(&c->hold, &peer);
-  /* Supplementary groups, for the group bits of storages' modes. */
-  socklen_t glen = sizeof(c->hold.groups);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->hold.groups, &glen) == 0)
-    c->hold.ngroups = (int)(glen / sizeof(gid_t));
-  else
-    td__debug("client %d: no supplementary groups (%s); its primary group "
-              "only counts",
-              (int)peer.pid, strerror(errno));
-  int err = uv_poll_init(srv->loop, &c->poll, fd);
+  /* Supplementary groups, for the group bits of storages' modes: without
+   * all of them the client would be refused what a group gives it. */
+  int err = peer_groups(fd, &c->hold);
+  if (err < 0) {
+    td__error("client %d (uid %u): no memory for its supplementary groups; "
+              "refusing it",
+              (int)peer.pid, (unsigned)peer.uid);
+    close(fd);
+    free(c);
+    return err;
+  }
+  err = uv_poll_init(srv->loop, &c->poll, fd);
   if (err < 0) {
     close(fd);
+    free(c->hold.groups);
     free(c);
     return err;
   }
@@ -419,6 +451,7 @@ static void on_closed(uv_handle_t *h) {
   if (--c->nhandles > 0)
     return;
   close(c->wire.fd);
+  free(c->hold.groups);
   free(c);
 }
 

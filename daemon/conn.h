@@ -31,7 +31,9 @@ struct td__conn {
   int eof;      /* the client shut its side: send what is due, then close */
   int events;   /* what poll watches now */
   td__waiter *waiters;
+  uint32_t nwaiters; /* in waiters: at most --max-waiters-per-client */
   td__create *creates;
+  uint32_t ncreates; /* in creates: they count as storages held */
   td__conn *prev, *next;
 };
 
@@ -39,10 +41,12 @@ struct td__conn {
 int td__conn_accept(td__server *srv, int fd);
 void td__conn_close(td__conn *c, const char *why);
 /* Queues r (with fd >= 0 attached, ownership taken) and flushes unless a
- * read batch is in progress. Returns 0 or a negative code (the connection is
- * then closing). */
+ * read batch is in progress. Returns 0, or a negative code if r was not
+ * queued: the connection is closing (fd closed), or r would exceed the
+ * frame limit (fd closed, an EMSGSIZE Error sent instead, the connection
+ * kept). */
 int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
-/* Sends an Error reply for seq. */
+/* Sends an Error reply for seq. Returns code. */
 int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* Queues an already packed Response (and fd >= 0, ownership taken). */

@@ -29,7 +29,15 @@ static void usage(FILE *f) {
       "  --quota SIZE           most bytes of storages one uid may own\n"
       "  --max-clients N        most connected clients\n"
       "  --max-storages-per-client N\n"
-      "                         most storages one client may hold at once\n"
+      "                         most storages one client may hold at once,\n"
+      "                         its creates in flight included (default:\n"
+      "                         no limit)\n"
+      "  --max-waiters-per-client N\n"
+      "                         most lookups one client may have waiting\n"
+      "                         for keys at once (default 4096)\n"
+      "  --max-keys-per-uid N   most keys the processes of one uid may have\n"
+      "                         published, whichever connection did it\n"
+      "                         (default 100000)\n"
       "  --io-timeout MS        disconnect a client that leaves a request\n"
       "                         half-sent or its replies unread this long\n"
       "                         (default 30000)\n"
@@ -83,6 +91,8 @@ int main(int argc, char **argv) {
     OPT_QUOTA = 256,
     OPT_MAX_CLIENTS,
     OPT_MAX_STORAGES,
+    OPT_MAX_WAITERS,
+    OPT_MAX_KEYS,
     OPT_IO_TIMEOUT,
     OPT_SOCKET_GROUP,
     OPT_SOCKET_MODE,
@@ -96,6 +106,8 @@ int main(int argc, char **argv) {
       {"quota", required_argument, NULL, OPT_QUOTA},
       {"max-clients", required_argument, NULL, OPT_MAX_CLIENTS},
       {"max-storages-per-client", required_argument, NULL, OPT_MAX_STORAGES},
+      {"max-waiters-per-client", required_argument, NULL, OPT_MAX_WAITERS},
+      {"max-keys-per-uid", required_argument, NULL, OPT_MAX_KEYS},
       {"io-timeout", required_argument, NULL, OPT_IO_TIMEOUT},
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
       {"log-level", required_argument, NULL, 'l'},
@@ -143,6 +155,16 @@ int main(int argc, char **argv) {
       if (parse_count("--max-storages-per-client", optarg, UINT32_MAX, &n) < 0)
         return 2;
       o.max_storages_per_client = (uint32_t)n;
+      break;
+    case OPT_MAX_WAITERS:
+      if (parse_count("--max-waiters-per-client", optarg, UINT32_MAX, &n) < 0)
+        return 2;
+      o.max_waiters_per_client = (uint32_t)n;
+      break;
+    case OPT_MAX_KEYS:
+      if (parse_count("--max-keys-per-uid", optarg, UINT64_MAX,
+                      &o.max_keys_per_uid) < 0)
+        return 2;
       break;
     case OPT_IO_TIMEOUT:
       if (parse_count("--io-timeout", optarg, 24ull * 3600 * 1000,

@@ -78,12 +78,16 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
   if (err < 0)
     return err;
   uint32_t max = c->srv->max_storages_per_client;
-  if (max && c->hold.refs.count >= max && td__ref_find(&c->hold, s->id) == 0)
+  if (max && c->hold.refs.count + c->ncreates >= max &&
+      td__ref_find(&c->hold, s->id) == 0)
     return td__msg(msg, len, TD_EMFILE,
-                   "this client holds %zu storages, the most "
-                   "--max-storages-per-client allows",
-                   c->hold.refs.count);
+                   "this client holds %zu storages and is creating %u, the "
+                   "most --max-storages-per-client allows",
+                   c->hold.refs.count, c->ncreates);
   err = td__ref_add(&c->srv->reg, &c->hold, s, ro, &had);
+  if (err == TD_EOVERFLOW)
+    return td__msg(msg, len, err,
+                   "it has %u references, the most tensord can count", s->refs);
   if (err < 0)
     return td__msg(msg, len, err, "out of memory");
   if (had == 0 || force_fd) {
@@ -146,6 +150,7 @@ static void create_unlink_from_conn(td__create *cr) {
     cr->conn->creates = cr->next;
   if (cr->next)
     cr->next->prev = cr->prev;
+  cr->conn->ncreates--;
   cr->conn = NULL;
 }
 
@@ -203,12 +208,13 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
                   "create with mode %04o: only read and write bits (0666) "
                   "may be set",
                   (unsigned)m->mode);
+  /* Creates in flight count: they are storages the client will hold. */
   if (srv->max_storages_per_client &&
-      c->hold.refs.count >= srv->max_storages_per_client)
+      c->hold.refs.count + c->ncreates >= srv->max_storages_per_client)
     return reject(c, seq, TD_EMFILE,
-                  "create: this client holds %zu storages, the most "
-                  "--max-storages-per-client allows",
-                  c->hold.refs.count);
+                  "create: this client holds %zu storages and is creating "
+                  "%u, the most --max-storages-per-client allows",
+                  c->hold.refs.count, c->ncreates);
   /* The limits tensord sets first, then what /dev/shm can hold. */
   char msg[256];
   int err = td__charge(reg, c->hold.peer.uid, n, 0, msg, sizeof(msg));
@@ -248,6 +254,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (c->creates)
     c->creates->prev = cr;
   c->creates = cr;
+  c->ncreates++;
   td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
 }
@@ -287,6 +294,16 @@ static char *key_str(const ProtobufCBinaryData *k, char *buf, size_t len) {
   return buf;
 }
 
+/* Answers seq: its key change could not be recorded in --state-dir, so it
+ * was not made. */
+static void unrecorded(td__conn *c, uint64_t seq, const char *what,
+                       const char *key) {
+  td__conn_error(c, seq, TD_EIO,
+                 "%s '%s': the change cannot be recorded in %s (out of "
+                 "memory); nothing changed",
+                 what, key, c->srv->state_dir);
+}
+
 /* Answers a lookup of k for c, taking the key if asked. */
 static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   uint64_t seq = a->seq;
@@ -316,8 +333,15 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     td__conn_send(c, &r, fd);
     return;
   }
+  if (td__state_del(c->srv->state, k->name, k->len) < 0) {
+    /* Give back what grant gave: the key stays, as if never asked. */
+    if (fd >= 0)
+      close(fd);
+    td__ref_drop(&c->srv->reg, &c->hold, s->id, ro, 1);
+    unrecorded(c, seq, "take", k->name);
+    return;
+  }
   td__debug("client %d took key '%s'", (int)c->hold.peer.pid, k->name);
-  td__state_del(c->srv->state, k->name, k->len);
   td__key_remove(&c->srv->reg, k);
   td__state_reply(c->srv->state, c, &r, fd);
 }
@@ -348,6 +372,11 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
     return reject(c, seq, TD_EINVAL,
                   "key '%s': wait of %d ms (use -1 to wait forever)", key,
                   (int)m->wait_ms);
+  if (c->nwaiters >= srv->max_waiters_per_client)
+    return reject(c, seq, TD_EMFILE,
+                  "key '%s': this client has %u lookups waiting, the most "
+                  "--max-waiters-per-client allows",
+                  key, c->nwaiters);
   if (td__wait_add(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms) <
       0)
     return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
@@ -387,14 +416,32 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
-  td__state_put(c->srv->state, key, m->key.len, s, &v);
-  if (td__key_publish(reg, key, m->key.len, s, &v, &k) < 0) {
-    if (k == NULL) /* it was not there: take the record back */
-      td__state_del(c->srv->state, key, m->key.len);
-    else /* the old value stays */
-      td__state_put(c->srv->state, key, m->key.len, k->storage, &k->view);
-    return reject(c, seq, TD_ENOMEM, "publish '%s': out of memory", key);
+  /* Keys outlive connections: they count against the uid that published
+   * them, like bytes against --quota. */
+  uid_t uid = c->hold.peer.uid;
+  uint64_t nkeys = td__keys_of(reg, uid);
+  if ((k == NULL || k->uid != uid) && nkeys >= c->srv->max_keys_per_uid)
+    return reject(c, seq, TD_EDQUOT,
+                  "publish '%s': uid %u has published %llu keys, the most "
+                  "--max-keys-per-uid allows",
+                  key, (unsigned)uid, (unsigned long long)nkeys);
+  /* Whatever can fail comes before the record; the record comes before the
+   * change (see td__state_put). */
+  td__key_prep prep;
+  int err = td__key_prepare(reg, key, m->key.len, s, uid, &prep);
+  if (err == TD_EOVERFLOW)
+    return reject(c, seq, err,
+                  "publish '%s': storage %llu has %u references, the most "
+                  "tensord can count",
+                  key, (unsigned long long)s->id, s->refs);
+  if (err < 0)
+    return reject(c, seq, err, "publish '%s': out of memory", key);
+  if (td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
+    td__key_abort(reg, &prep);
+    unrecorded(c, seq, "publish", key);
+    return 0;
   }
+  k = td__key_commit(reg, &prep, &v);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);
@@ -417,7 +464,10 @@ static int op_unpublish(td__conn *c, uint64_t seq,
                    sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
                   (unsigned long long)k->storage->id, msg);
-  td__state_del(c->srv->state, k->name, k->len);
+  if (td__state_del(c->srv->state, k->name, k->len) < 0) {
+    unrecorded(c, seq, "unpublish", k->name);
+    return 0;
+  }
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
 }

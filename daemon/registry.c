@@ -30,10 +30,13 @@ static int key_eq(const td__hnode *n, const void *key) {
   return k->len == ks->len && memcmp(k->name, ks->s, ks->len) == 0;
 }
 
+/* What one uid owns (bytes of storages, creates in flight included) and
+ * has published (keys); there while either is non-zero. */
 typedef struct td__usage {
   td__hnode node;
   uid_t uid;
   uint64_t bytes;
+  uint64_t keys;
 } td__usage;
 
 static int usage_eq(const td__hnode *n, const void *key) {
@@ -45,9 +48,38 @@ static td__usage *usage_find(const td__registry *r, uid_t uid) {
   return n ? td__container_of(n, td__usage, node) : NULL;
 }
 
+/* uid's entry, made if need be. Returns NULL if out of memory. */
+static td__usage *usage_get(td__registry *r, uid_t uid) {
+  td__usage *u = usage_find(r, uid);
+  if (u != NULL)
+    return u;
+  u = calloc(1, sizeof(*u));
+  if (u == NULL)
+    return NULL;
+  u->uid = uid;
+  if (td__htab_insert(&r->usage, &u->node, td__hash_u64(uid)) < 0) {
+    free(u);
+    return NULL;
+  }
+  return u;
+}
+
+/* Frees u once it counts nothing. */
+static void usage_put(td__registry *r, td__usage *u) {
+  if (u->bytes == 0 && u->keys == 0) {
+    td__htab_remove(&r->usage, &u->node);
+    free(u);
+  }
+}
+
 uint64_t td__usage_of(const td__registry *r, uid_t uid) {
   td__usage *u = usage_find(r, uid);
   return u ? u->bytes : 0;
+}
+
+uint64_t td__keys_of(const td__registry *r, uid_t uid) {
+  td__usage *u = usage_find(r, uid);
+  return u ? u->keys : 0;
 }
 
 int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
@@ -74,16 +106,8 @@ int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
                    (unsigned)uid, td__human_bytes(used, b, sizeof(b)),
                    (unsigned long long)used,
                    td__human_bytes(r->quota, c, sizeof(c)));
-  if (u == NULL) {
-    u = calloc(1, sizeof(*u));
-    if (u == NULL)
-      return td__msg(msg, len, TD_ENOMEM, "out of memory");
-    u->uid = uid;
-    if (td__htab_insert(&r->usage, &u->node, td__hash_u64(uid)) < 0) {
-      free(u);
-      return td__msg(msg, len, TD_ENOMEM, "out of memory");
-    }
-  }
+  if (u == NULL && (u = usage_get(r, uid)) == NULL)
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
   u->bytes += n;
   r->bytes_committed += n;
   return 0;
@@ -95,10 +119,7 @@ void td__credit(td__registry *r, uid_t uid, uint64_t n) {
   if (u == NULL)
     return;
   u->bytes -= n;
-  if (u->bytes == 0) {
-    td__htab_remove(&r->usage, &u->node);
-    free(u);
-  }
+  usage_put(r, u);
 }
 
 void td__registry_init(td__registry *r, uint64_t capacity,
@@ -115,19 +136,12 @@ void td__registry_init(td__registry *r, uint64_t capacity,
 
 /* Drops one reference of s; the last one unregisters it and hands it to
  * free_fn. */
+static void storage_unlist(td__registry *r, td__storage *s);
+
 static void storage_unref(td__registry *r, td__storage *s) {
   if (--s->refs > 0)
     return;
-  td__htab_remove(&r->storages, &s->node);
-  if (s->prev)
-    s->prev->next = s->next;
-  else
-    r->first = s->next;
-  if (s->next)
-    s->next->prev = s->prev;
-  else
-    r->last = s->prev;
-  r->bytes_used -= s->nbytes;
+  storage_unlist(r, s);
   td__credit(r, s->owner.uid, s->nbytes);
   r->free_fn(s, r->free_arg);
 }
@@ -190,6 +204,24 @@ int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
   return 0;
 }
 
+/* Takes s out of the table and the id-ordered list. */
+static void storage_unlist(td__registry *r, td__storage *s) {
+  td__htab_remove(&r->storages, &s->node);
+  if (s->prev)
+    s->prev->next = s->next;
+  else
+    r->first = s->next;
+  if (s->next)
+    s->next->prev = s->prev;
+  else
+    r->last = s->prev;
+  r->bytes_used -= s->nbytes;
+}
+
+void td__storage_remove(td__registry *r, td__storage *s) {
+  storage_unlist(r, s);
+}
+
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id) {
   if (after_id == 0)
     return r->first;
@@ -213,6 +245,8 @@ void td__holdings_init(td__holdings *h, const td__peer *peer) {
   td__htab_init(&h->refs);
   h->peer = *peer;
   h->nrefs = 0;
+  h->ngroups = 0;
+  h->groups = NULL;
 }
 
 td__ref *td__ref_find(const td__holdings *h, uint64_t id) {
@@ -223,6 +257,9 @@ td__ref *td__ref_find(const td__holdings *h, uint64_t id) {
 int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
                 uint32_t *had) {
   td__ref *ref = td__ref_find(h, s->id);
+  if (s->refs == UINT32_MAX ||
+      (ref != NULL && (ro ? ref->ro : ref->rw) == UINT32_MAX))
+    return TD_EOVERFLOW;
   if (ref == NULL) {
     ref = calloc(1, sizeof(*ref));
     if (ref == NULL)
@@ -346,40 +383,89 @@ static void key_unlink(td__key *k) {
     k->snext->sprev = k->sprev;
 }
 
-int td__key_publish(td__registry *r, const char *key, size_t len,
-                    td__storage *s, const td_view *view, td__key **out) {
-  td__key *k = td__key_find(r, key, len);
-  if (k != NULL) {
-    /* Replace in place: the new storage gains its reference before the old
-     * one loses its, so publishing a key onto itself frees nothing. */
-    td__storage *old = k->storage;
-    key_unlink(k);
-    key_link(s, k);
-    k->view = *view;
-    k->published_ms = td__now_ms();
-    storage_unref(r, old);
-    *out = k;
-    return 0;
-  }
-  k = malloc(sizeof(*k) + len + 1);
-  if (k == NULL)
+int td__key_prepare(td__registry *r, const char *key, size_t len,
+                    td__storage *s, uid_t uid, td__key_prep *p) {
+  p->s = s;
+  p->uid = uid;
+  p->k = td__key_find(r, key, len);
+  p->fresh = p->k == NULL;
+  /* Commit links the key to s before it unlinks it from its old storage,
+   * even when that is s: room for one more reference either way. */
+  if (s->refs == UINT32_MAX)
+    return TD_EOVERFLOW;
+  p->usage_made = usage_find(r, uid) == NULL;
+  if (usage_get(r, uid) == NULL)
     return TD_ENOMEM;
+  if (!p->fresh)
+    return 0;
+  td__key *k = malloc(sizeof(*k) + len + 1);
+  if (k == NULL)
+    goto nomem;
   memcpy(k->name, key, len);
   k->name[len] = '\0';
   k->len = len;
+  k->storage = NULL;
   if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
     free(k);
-    return TD_ENOMEM;
+    goto nomem;
   }
-  key_link(s, k);
+  p->k = k;
+  return 0;
+nomem:
+  if (p->usage_made)
+    usage_put(r, usage_find(r, uid));
+  return TD_ENOMEM;
+}
+
+td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
+  td__key *k = p->k;
+  td__storage *old = k->storage;
+  /* The key counts against its new publisher first, so that no step in
+   * between finds that uid's entry empty. */
+  usage_find(r, p->uid)->keys++;
+  if (old != NULL) {
+    td__usage *was = usage_find(r, k->uid);
+    was->keys--;
+    usage_put(r, was);
+  }
+  k->uid = p->uid;
+  /* The new storage gains its reference before the old one loses its, so
+   * publishing a key onto its own storage frees nothing. */
+  if (old != NULL)
+    key_unlink(k);
+  key_link(p->s, k);
   k->view = *view;
   k->published_ms = td__now_ms();
-  *out = k;
+  if (old != NULL)
+    storage_unref(r, old);
+  return k;
+}
+
+void td__key_abort(td__registry *r, td__key_prep *p) {
+  if (p->fresh) {
+    td__htab_remove(&r->keys, &p->k->node);
+    free(p->k);
+  }
+  if (p->usage_made)
+    usage_put(r, usage_find(r, p->uid));
+}
+
+int td__key_publish(td__registry *r, const char *key, size_t len,
+                    td__storage *s, uid_t uid, const td_view *view,
+                    td__key **out) {
+  td__key_prep p;
+  int err = td__key_prepare(r, key, len, s, uid, &p);
+  if (err < 0)
+    return err;
+  *out = td__key_commit(r, &p, view);
   return 0;
 }
 
 void td__key_remove(td__registry *r, td__key *k) {
   td__storage *s = k->storage;
+  td__usage *u = usage_find(r, k->uid);
+  u->keys--;
+  usage_put(r, u);
   td__htab_remove(&r->keys, &k->node);
   key_unlink(k);
   free(k);

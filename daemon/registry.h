@@ -30,15 +30,15 @@ typedef struct td__ref {
   uint32_t rw, ro;
 } td__ref;
 
-#define TD__GROUPS_MAX 64
-
 /* Everything one connection holds, and who it is. */
 typedef struct td__holdings {
   td__htab refs;
   td__peer peer;
   uint64_t nrefs; /* sum of rw + ro over refs */
-  int ngroups;    /* supplementary groups (SO_PEERGROUPS), at most 64 */
-  gid_t groups[TD__GROUPS_MAX];
+  /* Every supplementary group of the peer (SO_PEERGROUPS), in an array its
+   * connection allocates and frees; the registry only reads it. */
+  int ngroups;
+  gid_t *groups;
 } td__holdings;
 
 /* What an operation needs of a storage. */
@@ -65,6 +65,7 @@ struct td__storage {
 struct td__key {
   td__hnode node; /* in registry.keys */
   td__storage *storage;
+  uid_t uid; /* who published it: it counts against that uid's keys */
   td__key *sprev, *snext; /* in storage->keys */
   td_view view;
   int64_t published_ms;
@@ -104,6 +105,8 @@ int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
 void td__credit(td__registry *r, uid_t uid, uint64_t n);
 /* Bytes uid owns now, creates in flight included. */
 uint64_t td__usage_of(const td__registry *r, uid_t uid);
+/* Keys uid has published that are still there. */
+uint64_t td__keys_of(const td__registry *r, uid_t uid);
 /* Frees every key; storages then left unreferenced go to free_fn. */
 void td__registry_drop_keys(td__registry *r);
 void td__registry_free(td__registry *r);
@@ -112,6 +115,10 @@ td__storage *td__storage_find(const td__registry *r, uint64_t id);
  * reference held by h, or with none if h is NULL (the caller then publishes
  * a key on it at once). Returns 0 or TD_ENOMEM (nothing changed). */
 int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h);
+/* Undoes td__storage_insert of s while it has no reference (inserted with
+ * h NULL, its key not published): s is unregistered, but neither freed
+ * nor credited. */
+void td__storage_remove(td__registry *r, td__storage *s);
 /* First storage with id > after_id, in id order; NULL if none. */
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id);
 
@@ -121,7 +128,8 @@ void td__holdings_clear(td__registry *r, td__holdings *h);
 td__ref *td__ref_find(const td__holdings *h, uint64_t id);
 /* Adds one reference of mode ro to s for h. *had gets the references of that
  * mode h held before (so 0 means the process has no such mapping yet).
- * Returns 0 or TD_ENOMEM (nothing changed). */
+ * Returns 0, TD_ENOMEM, or TD_EOVERFLOW if s (or h's count of that mode)
+ * has 2^32 - 1 references already; nothing changed on failure. */
 int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
                 uint32_t *had);
 /* Drops count references of mode ro. Returns 0, or TD_ENOENT if h holds
@@ -138,9 +146,35 @@ int td__may(const td__storage *s, const td__holdings *h, int want);
 char *td__describe_access(const td__storage *s, char *buf, size_t len);
 
 td__key *td__key_find(const td__registry *r, const char *key, size_t len);
-/* Names view of s key, replacing an existing key. Returns 0 or TD_ENOMEM. */
+
+/* A key change between td__key_prepare and td__key_commit or _abort. */
+typedef struct td__key_prep {
+  td__key *k; /* the key: an existing one, or a new one not yet linked */
+  int fresh;  /* k is new */
+  td__storage *s;
+  uid_t uid;      /* the publisher */
+  int usage_made; /* uid's usage entry was made for this change */
+} td__key_prep;
+
+/* First half of naming view of s key, published by uid (replacing the
+ * storage an existing key names): makes every allocation and check the
+ * change needs, so that td__key_commit cannot fail. Returns 0, TD_ENOMEM,
+ * or TD_EOVERFLOW if s has 2^32 - 1 references; nothing changed on
+ * failure. Follow it with td__key_commit or td__key_abort and no other use
+ * of the registry in between (a new key is in the table already, naming
+ * nothing yet). Limits on keys per uid are the caller's (td__keys_of). */
+int td__key_prepare(td__registry *r, const char *key, size_t len,
+                    td__storage *s, uid_t uid, td__key_prep *p);
+/* Makes the change p prepared; the storage the key named before loses the
+ * key's reference (which may free it). Returns the key. */
+td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view);
+/* Undoes td__key_prepare: nothing changed. */
+void td__key_abort(td__registry *r, td__key_prep *p);
+/* td__key_prepare, then td__key_commit. Returns 0 with the key in *out, or
+ * td__key_prepare's error with nothing changed and *out untouched. */
 int td__key_publish(td__registry *r, const char *key, size_t len,
-                    td__storage *s, const td_view *view, td__key **out);
+                    td__storage *s, uid_t uid, const td_view *view,
+                    td__key **out);
 /* Unnames k; drops its reference (which may free the storage). */
 void td__key_remove(td__registry *r, td__key *k);
 /* Checks a key: 1-255 bytes of UTF-8 without NUL. Returns 0 or TD_EINVAL

@@ -28,11 +28,12 @@ static void create_work(uv_work_t *w) {
 
 static void create_after(uv_work_t *w, int status) {
   td__segment_req *req = td__container_of(w, td__segment_req, work);
-  req->srv->pending_work--;
+  td__server *srv = req->srv; /* cb frees req */
   if (status == UV_ECANCELED) /* never ran */
     req->fd = td__msg(req->msg, sizeof(req->msg), TD_ECANCELED,
                       "cancelled: tensord is stopping");
   req->cb(req);
+  td__work_done(srv);
 }
 
 void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
@@ -76,10 +77,11 @@ static void unlink_work(uv_work_t *w) {
 
 static void unlink_after(uv_work_t *w, int status) {
   unlink_job *j = td__container_of(w, unlink_job, work);
+  td__server *srv = j->srv;
   if (status < 0) /* cancelled: unlink here rather than leak */
     j->backend->unlink(j->name);
-  j->srv->pending_work--;
   free(j);
+  td__work_done(srv);
 }
 
 void td__segment_unlink(td__server *srv, td_device device, const char *name,

@@ -28,8 +28,8 @@ struct td__segment_req {
 
 /* Makes the segment of s (its name, nbytes and device set) and calls cb
  * exactly once: before returning for a small segment or on failure to
- * queue, from the loop later for a large one (TD_ECANCELED if tensord stops
- * first). req must stay valid until cb. */
+ * queue, from the loop later for a large one (a stop waits for it). req
+ * must stay valid until cb. */
 void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
                         td__segment_cb cb);
 /* Opens a new fd on s's segment for a client, read-only if readonly.
@@ -39,7 +39,9 @@ int td__segment_open(const td__storage *s, int readonly);
 void td__segment_unlink(td__server *srv, td_device device, const char *name,
                         uint64_t nbytes);
 /* The registry's free_fn (arg is the server): s's last reference went, so
- * its segment is unlinked (once the journal allows) and s freed. */
+ * its segment is unlinked (once the journal no longer names it) and s
+ * freed; but when a stop with --state-dir frees the registry
+ * (srv->keep_segments), the segment stays for the next start. */
 void td__storage_gone(td__storage *s, void *arg);
 /* Unlinks every segment of every backend under prefix (no leading '/'),
  * except those keep (if not NULL) keeps. Returns how many, or a negative

@@ -389,6 +389,11 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->reg.quota = o->quota;
   srv->max_clients = o->max_clients;
   srv->max_storages_per_client = o->max_storages_per_client;
+  srv->max_waiters_per_client = o->max_waiters_per_client
+                                    ? o->max_waiters_per_client
+                                    : TD__MAX_WAITERS_PER_CLIENT;
+  srv->max_keys_per_uid =
+      o->max_keys_per_uid ? o->max_keys_per_uid : TD__MAX_KEYS_PER_UID;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
 }
 
@@ -460,6 +465,30 @@ static void on_listen_closed(uv_handle_t *h) {
   srv->listen_fd = -1;
 }
 
+/* The second half of td__server_stop, once no job is in flight. */
+static void stop_finish(td__server *srv) {
+  srv->stopped = 1;
+  uint64_t storages = srv->reg.storages.count;
+  uint64_t keys = srv->reg.keys.count;
+  if (srv->state != NULL) {
+    /* The keys' storages stay in /dev/shm for the next start. */
+    td__state_close(srv->state);
+    srv->state = NULL;
+    srv->keep_segments = 1;
+    td__info("kept %llu key(s) on %llu storage(s) for the next start",
+             (unsigned long long)keys, (unsigned long long)storages);
+  } else {
+    td__info("released %llu storage(s)", (unsigned long long)storages);
+  }
+  td__registry_free(&srv->reg);
+  td__waits_free(&srv->waits);
+  if (!srv->keep_segments && srv->run_path[0])
+    unlink(srv->run_path);
+  free(srv->prev);
+  srv->prev = NULL;
+  srv->nprev = 0;
+}
+
 void td__server_stop(td__server *srv) {
   if (srv->stopping)
     return;
@@ -476,28 +505,21 @@ void td__server_stop(td__server *srv) {
   uint64_t n = srv->nconns;
   while (srv->conns != NULL)
     td__conn_close(srv->conns, "tensord is stopping");
-  uint64_t storages = srv->reg.storages.count;
-  uint64_t keys = srv->reg.keys.count;
-  if (srv->state != NULL) {
-    /* The keys' storages stay in /dev/shm for the next start. */
-    td__state_close(srv->state);
-    srv->state = NULL;
-    srv->keep_segments = 1;
-    td__info("closed %llu client(s); kept %llu key(s) on %llu storage(s) "
-             "for the next start",
-             (unsigned long long)n, (unsigned long long)keys,
-             (unsigned long long)storages);
-  } else {
-    td__info("closed %llu client(s), released %llu storage(s)",
-             (unsigned long long)n, (unsigned long long)storages);
+  td__info("closed %llu client(s)", (unsigned long long)n);
+  /* A job still running on the thread pool would find the state or the
+   * registry freed under it: its completion finishes the stop instead. */
+  if (srv->pending_work > 0) {
+    td__info("waiting for %llu job(s) on the thread pool to finish",
+             (unsigned long long)srv->pending_work);
+    return;
   }
-  td__registry_free(&srv->reg);
-  td__waits_free(&srv->waits);
-  if (!srv->keep_segments && srv->run_path[0])
-    unlink(srv->run_path);
-  free(srv->prev);
-  srv->prev = NULL;
-  srv->nprev = 0;
+  stop_finish(srv);
+}
+
+void td__work_done(td__server *srv) {
+  srv->pending_work--;
+  if (srv->stopping && !srv->stopped && srv->pending_work == 0)
+    stop_finish(srv);
 }
 
 void td__server_finish(td__server *srv) {

@@ -11,6 +11,10 @@
 #include <stdint.h>
 #include <uv.h>
 
+/* Defaults of the limits that have one (see docs/security.md). */
+#define TD__MAX_WAITERS_PER_CLIENT 4096
+#define TD__MAX_KEYS_PER_UID 100000
+
 typedef struct td__state td__state; /* state.c */
 
 struct td__server {
@@ -29,16 +33,20 @@ struct td__server {
   char prefix[TD__PREFIX_MAX]; /* shm name prefix of this instance */
   uint64_t instance;
   int64_t start_ms;
-  int stopping;
+  int stopping; /* td__server_stop has begun */
+  int stopped;  /* ... and finished: the registry and state are freed */
   td__conn *conns;
   uint64_t nconns;
   td__waits waits;       /* lookups waiting for keys */
-  uint64_t pending_work; /* thread-pool jobs in flight */
+  uint64_t pending_work; /* thread-pool jobs in flight: see td__work_done */
   td__state *state;      /* NULL without --state-dir */
-  int keep_segments;     /* stopping with --state-dir: keep keyed segments */
+  int keep_segments;     /* keyed segments stay: a stop with --state-dir, or a
+                            start that failed after serving keys again */
   int listening;         /* the socket, timer and signal handles are set up */
   uint32_t max_clients;  /* 0: no limit */
   uint32_t max_storages_per_client;
+  uint32_t max_waiters_per_client; /* lookups waiting at once */
+  uint64_t max_keys_per_uid;       /* keys one uid has published */
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
 };
 
@@ -48,6 +56,8 @@ typedef struct td__options {
   uint64_t quota;    /* per uid; 0: none */
   uint32_t max_clients;
   uint32_t max_storages_per_client;
+  uint32_t max_waiters_per_client; /* 0: the default, 4096 */
+  uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
   uint64_t io_timeout_ms;   /* 0: the default, 30 s */
   const char *socket_group; /* chown the socket to this group */
   int socket_mode;          /* chmod the socket; -1: leave it */
@@ -60,10 +70,20 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
 /* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
  * and signals readiness. */
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
-/* After the loop has ended: the final snapshot, or a last sweep of
- * segments. */
+/* After the loop has ended: without --state-dir, a last sweep of the
+ * instance's segments; with it, nothing (the next start sweeps). */
 void td__server_finish(td__server *srv);
-/* Stops accepting, closes every client and frees every storage. */
+/* Stops accepting and closes every client at once. Then, once no job is
+ * left on the thread pool (a journal sync or a compaction would use the
+ * state, a create the registry), writes the final snapshot of --state-dir
+ * and frees every storage: at once if none is in flight, else from the
+ * td__work_done of the last one (srv->stopped says when). Storages that
+ * keys name keep their segments with --state-dir; every other segment is
+ * unlinked. */
 void td__server_stop(td__server *srv);
+/* Every thread-pool job's completion callback ends with this, after
+ * whatever it queued in turn: it counts the job out of srv->pending_work
+ * and finishes a stop that was waiting for it. */
+void td__work_done(td__server *srv);
 
 #endif /* TD_DAEMON_SERVER_H */

@@ -128,10 +128,12 @@ static int append(uint8_t **buf, size_t *len, size_t *cap,
   return 0;
 }
 
-/* Fills m (and vm) with what brings key back: its storage, owner, view. */
+/* Fills m (and vm) with what brings key back: its storage, owner, view,
+ * publisher. */
 static void key_record(const char *key, size_t len, const td__storage *s,
-                       const td_view *view, int64_t published_ms,
-                       Tensord__StateKey *m, Tensord__View *vm) {
+                       uid_t publisher, const td_view *view,
+                       int64_t published_ms, Tensord__StateKey *m,
+                       Tensord__View *vm) {
   tensord__state_key__init(m);
   m->key.data = (uint8_t *)key;
   m->key.len = len;
@@ -143,6 +145,8 @@ static void key_record(const char *key, size_t len, const td__storage *s,
   m->mode = s->mode;
   m->created_unix_ms = s->created_ms;
   m->published_unix_ms = published_ms;
+  m->publisher_uid = publisher;
+  m->publisher_known = 1;
   td__view_to_msg(view, vm);
   m->view = vm;
 }
@@ -176,7 +180,8 @@ static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
     for (const td__key *k = s->keys; k && err == 0; k = k->snext) {
       Tensord__StateKey m;
       Tensord__View vm;
-      key_record(k->name, k->len, s, &k->view, k->published_ms, &m, &vm);
+      key_record(k->name, k->len, s, k->uid, &k->view, k->published_ms, &m,
+                 &vm);
       r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
       r.put = &m;
       err = append(&buf, &len, &cap, &r);
@@ -224,10 +229,12 @@ static int snapshot_write(int dirfd, const uint8_t *buf, size_t len,
     err = -errno;
   if (err < 0)
     return err;
-  /* The snapshot and journal.<gen> are the state now. */
+  /* The snapshot and journal.<gen> are the state now. The dup shares
+   * dirfd's offset, which an earlier listing left at the end: rewind. */
   DIR *d = fdopendir(dup(dirfd));
   if (d == NULL)
     return 0;
+  rewinddir(d);
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     unsigned long long g;
@@ -469,9 +476,12 @@ static void loaded_free(loaded *l) {
   free(l->prefixes);
 }
 
-/* Serves the key recorded in r again: finds (or registers) its segment and
- * publishes the key. Returns 0, or a negative code if the segment is gone or
- * does not match (the key is then dropped, with a warning). */
+/* Serves the key recorded in m again: finds (or registers) its segment and
+ * publishes the key. Returns 0, or a negative code with a warning: the
+ * segment is gone or does not match, the record is malformed, or memory
+ * ran out. The key is then dropped, and a segment registered for it alone
+ * is unregistered again (and swept, as nothing names it), its charge
+ * given back. */
 static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   td__registry *reg = &srv->reg;
   char key[TD_KEY_MAX + 1], msg[256];
@@ -491,9 +501,11 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     return TD_EINVAL;
   }
   td__storage *s = find_name(l, m->segment);
+  nameent *ne = NULL;
+  int err;
   if (s == NULL) {
     td__segment_desc d;
-    int err = td__backend_for(TD_CPU)->describe(m->segment, &d);
+    err = td__backend_for(TD_CPU)->describe(m->segment, &d);
     if (err < 0) {
       td__warn("state: key '%s': segment %s is gone (%s); dropped", key,
                m->segment, td_strerror(err));
@@ -505,8 +517,12 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
       return TD_EINVAL;
     }
     s = calloc(1, sizeof(*s));
-    if (s == NULL)
-      return TD_ENOMEM;
+    ne = calloc(1, sizeof(*ne));
+    if (s == NULL || ne == NULL) {
+      free(s);
+      free(ne);
+      goto nomem;
+    }
     s->id = reg->next_id++;
     s->nbytes = m->nbytes;
     s->device = TD_CPU;
@@ -516,25 +532,19 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     s->owner.gid = m->owner_gid;
     s->created_ms = m->created_unix_ms;
     snprintf(s->name, sizeof(s->name), "%s", m->segment);
+    ne->s = s;
+    /* Past the limits: the storage existed before this start. */
     err = td__charge(reg, s->owner.uid, s->nbytes, 1, msg, sizeof(msg));
-    nameent *ne = calloc(1, sizeof(*ne));
-    if (err == 0 && ne == NULL)
-      err = TD_ENOMEM;
-    if (err == 0)
-      err = td__storage_insert(reg, s, NULL);
-    if (err == 0) {
-      ne->s = s;
-      err = td__htab_insert(&l->names, &ne->node,
-                            td__hash_bytes(s->name, strlen(s->name)));
-      if (err < 0) /* the key still gets published: only the index failed */
-        free(ne);
-      err = 0;
-    }
-    if (err < 0) {
-      free(ne);
-      free(s);
-      return err;
-    }
+    if (err < 0)
+      goto free_new;
+    err = td__storage_insert(reg, s, NULL);
+    if (err < 0)
+      goto uncharge;
+    /* The index is what keeps the sweep off the segment: it must hold. */
+    err = td__htab_insert(&l->names, &ne->node,
+                          td__hash_bytes(s->name, strlen(s->name)));
+    if (err < 0)
+      goto unregister;
   } else if (s->nbytes != m->nbytes) {
     /* The view was checked against the recorded size: it must be the
      * segment's. */
@@ -544,11 +554,28 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     return TD_EINVAL;
   }
   td__key *k;
-  int err = td__key_publish(reg, key, klen, s, &v, &k);
-  if (err < 0)
-    return err;
+  uid_t publisher = m->publisher_known ? m->publisher_uid : m->owner_uid;
+  err = td__key_publish(reg, key, klen, s, publisher, &v, &k);
+  if (err < 0) {
+    if (ne != NULL) /* s was registered for this key alone */
+      goto unindex;
+    goto nomem;
+  }
   k->published_ms = m->published_unix_ms;
   return 0;
+
+unindex:
+  td__htab_remove(&l->names, &ne->node);
+unregister:
+  td__storage_remove(reg, s);
+uncharge:
+  td__credit(reg, s->owner.uid, s->nbytes);
+free_new:
+  free(ne);
+  free(s);
+nomem:
+  td__warn("state: key '%s': out of memory serving it again; dropped", key);
+  return TD_ENOMEM;
 }
 
 static int adopted(const char *name, void *arg) {
@@ -663,6 +690,10 @@ int td__state_open(td__server *srv, const char *dir) {
   return 0;
 
 fail:
+  /* The storages adopted so far go with the registry when the start fails:
+   * their segments stay for the next start, which serves them. */
+  if (srv->reg.storages.count > 0)
+    srv->keep_segments = 1;
   loaded_free(&l);
   if (st->jfd >= 0)
     close(st->jfd);
@@ -724,7 +755,7 @@ static void deliver(td__state *st, int err) {
       if (d->conn != NULL)
         td__conn_error(d->conn, d->seq, TD_EIO,
                        "the change is made but recording it in %s failed "
-                       "(%s): it will not survive a restart",
+                       "(%s): it may not survive a restart",
                        st->dir, td_strerror(err));
     }
     free(d->frame);
@@ -741,12 +772,12 @@ static void sync_work(uv_work_t *w) {
 
 static void compact_start(td__state *st);
 
-static void sync_after(uv_work_t *w, int status) {
-  td__state *st = td__container_of(w, td__state, work);
+/* A sync has ended with err: its changes are as durable as they will get.
+ * Answers their clients, unlinks the segments they freed, and starts what
+ * comes next (unless tensord is stopping: the final snapshot has it all). */
+static void sync_done(td__state *st, int err) {
   td__server *srv = st->srv;
-  srv->pending_work--;
   st->syncing = 0;
-  int err = status < 0 ? TD_ECANCELED : st->werr;
   if (err < 0)
     td__error("state: appending to %s/journal.%llu: %s", st->dir,
               (unsigned long long)st->gen, td_strerror(err));
@@ -756,12 +787,20 @@ static void sync_after(uv_work_t *w, int status) {
   st->wbuf = NULL;
   deliver(st, err);
   release_unlinks(st, 0);
+  if (srv->stopping)
+    return;
   if (st->pending_len > 0)
     sync_start(st);
-  else if (!srv->stopping && !st->compacting &&
-           st->journal_bytes > COMPACT_MIN &&
+  else if (!st->compacting && st->journal_bytes > COMPACT_MIN &&
            st->journal_bytes > COMPACT_RATIO * st->snapshot_bytes)
     compact_start(st);
+}
+
+static void sync_after(uv_work_t *w, int status) {
+  td__state *st = td__container_of(w, td__state, work);
+  td__server *srv = st->srv;
+  sync_done(st, status < 0 ? TD_ECANCELED : st->werr);
+  td__work_done(srv); /* may close st: the last use */
 }
 
 /* Hands the pending records to a worker unless one is busy. */
@@ -773,45 +812,45 @@ static void sync_start(td__state *st) {
   st->sync_ticket = st->ticket;
   st->pending = NULL;
   st->pending_len = st->pending_cap = 0;
+  st->syncing = 1;
   if (uv_queue_work(st->srv->loop, &st->work, sync_work, sync_after) < 0) {
-    st->werr = TD_ENOMEM;
-    sync_after(&st->work, 0);
+    sync_done(st, TD_ENOMEM);
     return;
   }
-  st->syncing = 1;
   st->srv->pending_work++;
 }
 
-static void log_record(td__state *st, const Tensord__StateRecord *r) {
+static int log_record(td__state *st, const Tensord__StateRecord *r) {
   if (append(&st->pending, &st->pending_len, &st->pending_cap, r) < 0) {
-    td__error("state: out of memory recording a key change");
-    return;
+    td__error("state: out of memory recording a key change; refusing it");
+    return TD_ENOMEM;
   }
   st->ticket++;
   sync_start(st);
+  return 0;
 }
 
-void td__state_put(td__state *st, const char *key, size_t len,
-                   const td__storage *s, const td_view *view) {
+int td__state_put(td__state *st, const char *key, size_t len,
+                  const td__storage *s, uid_t publisher, const td_view *view) {
   if (st == NULL)
-    return;
+    return 0;
   Tensord__StateKey m;
   Tensord__View vm;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  key_record(key, len, s, view, td__now_ms(), &m, &vm);
+  key_record(key, len, s, publisher, view, td__now_ms(), &m, &vm);
   r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
   r.put = &m;
-  log_record(st, &r);
+  return log_record(st, &r);
 }
 
-void td__state_del(td__state *st, const char *key, size_t len) {
+int td__state_del(td__state *st, const char *key, size_t len) {
   if (st == NULL)
-    return;
+    return 0;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
   r.body_case = TENSORD__STATE_RECORD__BODY_DEL;
   r.del.data = (uint8_t *)key;
   r.del.len = len;
-  log_record(st, &r);
+  return log_record(st, &r);
 }
 
 int td__state_reply(td__state *st, td__conn *c, Tensord__Response *r, int fd) {
@@ -864,16 +903,21 @@ static void compact_work(uv_work_t *w) {
 
 static void compact_after(uv_work_t *w, int status) {
   td__state *st = td__container_of(w, td__state, cwork);
-  st->srv->pending_work--;
+  td__server *srv = st->srv;
   st->compacting = 0;
   if (status < 0 || st->cerr < 0)
     td__error("state: compacting into %s/snapshot: %s", st->dir,
               td_strerror(status < 0 ? TD_ECANCELED : st->cerr));
-  else
+  else {
     st->snapshot_bytes = st->clen;
+    td__debug("state: compacted into snapshot generation %llu (%zu bytes)",
+              (unsigned long long)st->cgen, st->clen);
+  }
   free(st->cbuf);
   st->cbuf = NULL;
-  sync_start(st);
+  if (!srv->stopping)
+    sync_start(st);
+  td__work_done(srv); /* may close st: the last use */
 }
 
 /* Writes a snapshot of now on the thread pool; changes from now on go to

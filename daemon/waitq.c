@@ -77,6 +77,7 @@ static void waiter_free(td__waiter *w) {
     w->conn->waiters = w->cnext;
   if (w->cnext)
     w->cnext->cprev = w->cprev;
+  w->conn->nwaiters--;
   if (q->head == NULL && !q->busy) {
     td__htab_remove(&ws->queues, &q->node);
     free(q);
@@ -134,6 +135,7 @@ int td__wait_add(td__conn *c, const char *key, size_t len,
   if (c->waiters)
     c->waiters->cprev = w;
   c->waiters = w;
+  c->nwaiters++;
   ws->count++;
   if (wait_ms > 0)
     uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)wait_ms, 0);

@@ -84,7 +84,7 @@ static void publish(const char *key, uint64_t id) {
   td__storage *s = find(id);
   td_view v = whole(s->nbytes);
   td__key *k = NULL;
-  cr_assert_eq(td__key_publish(&reg, key, strlen(key), s, &v, &k), 0);
+  cr_assert_eq(td__key_publish(&reg, key, strlen(key), s, 1000, &v, &k), 0);
   cr_assert_not_null(k);
   cr_assert_eq(k->storage, s);
 }
@@ -320,7 +320,7 @@ Test(registry, publishing_same_key_onto_same_storage_frees_nothing) {
   int64_t shape[1] = {5};
   cr_assert_eq(td_view_contiguous(TD_INT16, 1, shape, &v), 0);
   td__key *k;
-  cr_assert_eq(td__key_publish(&reg, "k", 1, s, &v, &k), 0);
+  cr_assert_eq(td__key_publish(&reg, "k", 1, s, 1000, &v, &k), 0);
   cr_assert_eq(freed.n, 0);
   cr_assert_eq(s->refs, 1);
   cr_assert_eq(k->view.dtype, TD_INT16, "the new view replaced the old");
@@ -336,8 +336,8 @@ Test(registry, keys_are_bytes_not_c_strings) {
   uint64_t a = make(&h, 10), b = make(&h, 10);
   td_view v = whole(10);
   td__key *k1, *k2;
-  cr_assert_eq(td__key_publish(&reg, "ab\0c", 4, find(a), &v, &k1), 0);
-  cr_assert_eq(td__key_publish(&reg, "ab\0d", 4, find(b), &v, &k2), 0);
+  cr_assert_eq(td__key_publish(&reg, "ab\0c", 4, find(a), 1000, &v, &k1), 0);
+  cr_assert_eq(td__key_publish(&reg, "ab\0d", 4, find(b), 1000, &v, &k2), 0);
   cr_assert_neq(k1, k2);
   cr_assert_eq(reg.keys.count, 2);
   cr_assert_eq(td__key_find(&reg, "ab\0c", 4), k1);
@@ -546,6 +546,84 @@ Test(registry, bytes_used_counts_live_storages) {
   cr_assert_eq(td__usage_of(&reg, peer_a.uid), 0);
   cr_assert_eq(reg.capacity, 1u << 30);
   td__holdings_clear(&reg, &h);
+}
+
+/* ---- limits of the counts ---- */
+
+Test(registry, reference_counts_refuse_to_overflow) {
+  td__holdings h;
+  td__holdings_init(&h, &peer_a);
+  uint64_t id = make(&h, 64);
+  td__storage *s = find(id);
+  td__ref *r = td__ref_find(&h, id);
+  /* As if h had opened it read-write 2^32 - 2 more times. */
+  r->rw = UINT32_MAX;
+  s->refs = UINT32_MAX;
+  h.nrefs = UINT32_MAX;
+  uint32_t had = 7;
+  cr_assert_eq(td__ref_add(&reg, &h, s, 0, &had), TD_EOVERFLOW);
+  cr_assert_eq(td__ref_add(&reg, &h, s, 1, &had), TD_EOVERFLOW,
+               "the storage's own count is full too");
+  cr_assert_eq(had, 7, "nothing reported");
+  cr_assert_eq(r->rw, UINT32_MAX, "nothing changed");
+  cr_assert_eq(r->ro, 0);
+  cr_assert_eq(s->refs, UINT32_MAX);
+  cr_assert_eq(h.nrefs, UINT32_MAX);
+  td_view v = whole(64);
+  td__key *k = NULL;
+  cr_assert_eq(td__key_publish(&reg, "full", 4, s, 1000, &v, &k), TD_EOVERFLOW);
+  cr_assert_null(k);
+  cr_assert_null(td__key_find(&reg, "full", 4));
+  cr_assert_eq(s->refs, UINT32_MAX);
+  /* Another holder is refused as well; below the top, all works again. */
+  td__holdings h2;
+  td__holdings_init(&h2, &peer_b);
+  cr_assert_eq(td__ref_add(&reg, &h2, s, 1, &had), TD_EOVERFLOW);
+  cr_assert_null(td__ref_find(&h2, id));
+  r->rw = UINT32_MAX - 1;
+  s->refs = UINT32_MAX - 1;
+  h.nrefs = UINT32_MAX - 1;
+  cr_assert_eq(td__ref_add(&reg, &h2, s, 1, &had), 0);
+  cr_assert_eq(s->refs, UINT32_MAX);
+  cr_assert_eq(td__ref_drop(&reg, &h2, id, 1, 1), 0);
+  cr_assert_eq(td__ref_drop(&reg, &h, id, 0, UINT32_MAX - 2), 0);
+  cr_assert_eq(s->refs, 1);
+  cr_assert_eq(freed.n, 0);
+  td__holdings_clear(&reg, &h);
+  td__holdings_clear(&reg, &h2);
+  cr_assert(was_freed(id));
+}
+
+Test(registry, keys_count_against_the_uid_that_published_them) {
+  td__holdings h;
+  td__holdings_init(&h, &peer_a);
+  td__storage *s = find(make(&h, 64));
+  td_view v = whole(64);
+  td__key *k;
+  cr_assert_eq(td__key_publish(&reg, "a", 1, s, 1000, &v, &k), 0);
+  cr_assert_eq(td__key_publish(&reg, "b", 1, s, 1000, &v, &k), 0);
+  cr_assert_eq(td__keys_of(&reg, 1000), 2);
+  cr_assert_eq(td__keys_of(&reg, 2000), 0);
+  /* Republished by another uid: the key is that uid's now. */
+  cr_assert_eq(td__key_publish(&reg, "b", 1, s, 2000, &v, &k), 0);
+  cr_assert_eq(k->uid, 2000);
+  cr_assert_eq(td__keys_of(&reg, 1000), 1);
+  cr_assert_eq(td__keys_of(&reg, 2000), 1);
+  /* A prepared change that is abandoned counts nothing. */
+  td__key_prep p;
+  cr_assert_eq(td__key_prepare(&reg, "c", 1, s, 3000, &p), 0);
+  td__key_abort(&reg, &p);
+  cr_assert_null(td__key_find(&reg, "c", 1));
+  cr_assert_eq(td__keys_of(&reg, 3000), 0);
+  cr_assert_eq(reg.usage.count, 2, "uids 1000 and 2000, no empty entry");
+  unpublish("b");
+  cr_assert_eq(td__keys_of(&reg, 2000), 0);
+  cr_assert_eq(reg.usage.count, 1, "uid 2000 counts nothing now");
+  unpublish("a");
+  cr_assert_eq(td__keys_of(&reg, 1000), 0);
+  cr_assert_eq(td__usage_of(&reg, 1000), 64, "its bytes still count");
+  td__holdings_clear(&reg, &h);
+  cr_assert_eq(reg.usage.count, 0);
 }
 
 /* ---- keys: validation ---- */

@@ -1,0 +1,661 @@
+/* test_durability.c: --state-dir under stress: a stop while a journal sync
+ * or a compaction is still running, replies held until their change is on
+ * disk (a crash that also loses what was never synced), a sync that fails,
+ * compaction of a long journal, and a crash in the middle of a compaction.
+ *
+ * Disk syncs are steered with the LD_PRELOAD library syncshim (see
+ * tests/lib/syncshim.c): tensord itself has no test hook. */
+#include "harness.h"
+#include "raw.h"
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+
+static tdt_daemon d;
+static char state_dir[64]; /* --state-dir */
+static char ctl[64];       /* the shim's control files */
+static uint64_t instances[8];
+static int ninstances;
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  nanosleep(&ts, NULL);
+}
+
+static void remember(uint64_t instance) {
+  if (ninstances < 8)
+    instances[ninstances++] = instance;
+}
+
+static void rm_dir(char *dir) {
+  if (dir[0] == '\0')
+    return;
+  DIR *dd = opendir(dir);
+  struct dirent *e;
+  char path[330];
+  while (dd && (e = readdir(dd)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+    if (unlink(path) < 0 && errno == EISDIR)
+      rmdir(path);
+  }
+  if (dd)
+    closedir(dd);
+  rmdir(dir);
+  dir[0] = '\0';
+}
+
+static void setup(void) {
+  memset(&d, 0, sizeof(d));
+  state_dir[0] = ctl[0] = '\0';
+  ninstances = 0;
+}
+
+/* Whatever a failed test left goes: daemon, segments, directories. */
+static void teardown(void) {
+  if (d.pid > 0) {
+    kill(d.pid, SIGKILL);
+    tdt_wait(d.pid);
+    d.pid = 0;
+  }
+  for (int i = 0; i < ninstances; i++)
+    tdt_unlink_segments(instances[i]);
+  rm_dir(state_dir);
+  rm_dir(ctl);
+  if (d.dir[0] != '\0')
+    tdt_kill(&d);
+}
+
+TestSuite(durability, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- the shim's control files ---- */
+
+static void ctl_path(char *buf, size_t len, const char *name) {
+  snprintf(buf, len, "%s/%s", ctl, name);
+}
+
+static void touch(const char *name) {
+  char p[128];
+  ctl_path(p, sizeof(p), name);
+  int fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  cr_assert_geq(fd, 0, "%s: %s", p, strerror(errno));
+  close(fd);
+}
+
+static void rm(const char *name) {
+  char p[128];
+  ctl_path(p, sizeof(p), name);
+  unlink(p);
+}
+
+static int ctl_exists(const char *name) {
+  char p[128];
+  struct stat sb;
+  ctl_path(p, sizeof(p), name);
+  return stat(p, &sb) == 0;
+}
+
+/* Waits until the shim says a sync is stuck at the gate. */
+static void wait_gate_reached(void) {
+  for (int i = 0; i < 10000 && !ctl_exists("gate.reached"); i++)
+    sleep_ms(1);
+  cr_assert(ctl_exists("gate.reached"), "no sync reached the gate; see %s",
+            d.log);
+}
+
+/* ---- starting and restarting tensord ---- */
+
+/* Starts tensord with a fresh --state-dir; with the shim preloaded if
+ * match is not NULL: the pattern of the files whose syncs it steers, with
+ * %s for the state directory. */
+static void start(const char *match) {
+  snprintf(state_dir, sizeof(state_dir), "/tmp/tensord-state.XXXXXX");
+  cr_assert_not_null(mkdtemp(state_dir));
+  if (match != NULL) {
+    snprintf(ctl, sizeof(ctl), "/tmp/tensord-sync.XXXXXX");
+    cr_assert_not_null(mkdtemp(ctl));
+    char p[128], asan[512];
+    setenv("LD_PRELOAD", TDT_SYNCSHIM, 1);
+    snprintf(p, sizeof(p), match, state_dir);
+    setenv("TDT_SYNC_MATCH", p, 1);
+    ctl_path(p, sizeof(p), "gate");
+    setenv("TDT_SYNC_GATE", p, 1);
+    ctl_path(p, sizeof(p), "fail");
+    setenv("TDT_SYNC_FAIL", p, 1);
+    ctl_path(p, sizeof(p), "log");
+    setenv("TDT_SYNC_LOG", p, 1);
+    /* An ASan tensord insists on coming first in the preload list. */
+    const char *was = getenv("ASAN_OPTIONS");
+    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
+             was && *was ? ":" : "");
+    setenv("ASAN_OPTIONS", asan, 1);
+  }
+  tdt_start(&d, (const char *const[]){"--state-dir", state_dir, NULL});
+  unsetenv("LD_PRELOAD");
+  remember(d.instance);
+}
+
+/* Starts a new tensord (no shim) on d's socket and state directory, logging
+ * to d's log; returns its pid. */
+static pid_t spawn(void) {
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    int log = open(d.log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (log < 0 || dup2(log, STDERR_FILENO) < 0)
+      _exit(126);
+    unsetenv("NOTIFY_SOCKET");
+    const char *argv[40];
+    int n = 0;
+    char wrapper[512] = "";
+    const char *w = getenv("TDT_DAEMON_WRAPPER");
+    if (w != NULL)
+      snprintf(wrapper, sizeof(wrapper), "%s", w);
+    for (char *save, *t = strtok_r(wrapper, " ", &save); t && n < 24;
+         t = strtok_r(NULL, " ", &save))
+      argv[n++] = t;
+    argv[n++] = TENSORD_BIN;
+    argv[n++] = "--socket";
+    argv[n++] = d.sock;
+    argv[n++] = "--log-level";
+    argv[n++] = "debug";
+    argv[n++] = "--state-dir";
+    argv[n++] = state_dir;
+    argv[n] = NULL;
+    execvp(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  return pid;
+}
+
+/* spawn(), and waits until the new tensord serves. */
+static void restart(void) {
+  pid_t pid = spawn();
+  d.pid = pid;
+  int tries = getenv("TDT_DAEMON_WRAPPER") ? 60000 : 5000;
+  for (int i = 0; i < tries; i++) {
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      d.pid = 0;
+      cr_assert_fail("the restarted tensord exited (status 0x%x); see %s",
+                     status, d.log);
+    }
+    td_client *c;
+    if (td_connect(d.sock, &c) == 0) {
+      td_stat st;
+      cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+      td_close(c);
+      cr_assert_eq(st.pid, pid);
+      d.instance = st.instance;
+      remember(st.instance);
+      return;
+    }
+    sleep_ms(2);
+  }
+  cr_assert_fail("the restarted tensord does not answer on %s", d.sock);
+}
+
+static void kill9(void) {
+  cr_assert_eq(kill(d.pid, SIGKILL), 0);
+  cr_assert_eq(tdt_wait(d.pid), 128 + SIGKILL);
+  d.pid = 0;
+}
+
+static int seg_count(uint64_t instance) {
+  char prefix[48];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)instance);
+  DIR *dir = opendir("/dev/shm");
+  cr_assert_not_null(dir);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL)
+    n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+  closedir(dir);
+  return n;
+}
+
+/* Ends a test with the daemon running: unpublishes every key (so that the
+ * stop keeps nothing), stops it with tdt_stop's checks, and checks that no
+ * instance of the test left a segment. */
+static void finish(const char *const *keys, int nkeys) {
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < nkeys; i++) {
+    int err = td_unpublish(c, keys[i]);
+    cr_assert(err == 0 || err == TD_ENOENT, "unpublish %s: %s", keys[i],
+              td_last_error(c));
+  }
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  cr_assert_eq(st.keys, 0, "%llu key(s) the test did not expect",
+               (unsigned long long)st.keys);
+  td_close(c);
+  tdt_stop(&d);
+  for (int i = 0; i < ninstances; i++)
+    cr_assert_eq(seg_count(instances[i]), 0, "instance %d left segments", i);
+  rm_dir(state_dir);
+  rm_dir(ctl);
+  memset(&d, 0, sizeof(d));
+}
+
+/* ---- keys with values: a view offset per change ---- */
+
+enum { NKEYS = 64 };
+
+/* A long key (about 250 bytes) so that the journal grows fast. */
+static const char *key_name(int i) {
+  static char names[NKEYS][256];
+  if (names[i][0] == '\0') {
+    int n = snprintf(names[i], sizeof(names[i]), "durability/%02d/", i);
+    memset(names[i] + n, 'x', 250 - (size_t)n);
+    names[i][250] = '\0';
+  }
+  return names[i];
+}
+
+/* What one connection did to the keys: for each, the offset (round) of the
+ * last change sent and of the last one acknowledged (-1: none). */
+typedef struct churn {
+  tdt_raw r;
+  uint64_t id; /* the storage every key names */
+  int64_t sent[NKEYS], acked[NKEYS];
+  uint64_t first_seq; /* of the first publish: seqs map to (key, round) */
+  int round;          /* rounds sent */
+  int errors;
+} churn;
+
+static void churn_open(churn *ch) {
+  memset(ch, 0, sizeof(*ch));
+  tdt_raw_open(&ch->r, &d);
+  ch->id = tdt_raw_create_now(&ch->r, 4096);
+  for (int i = 0; i < NKEYS; i++)
+    ch->sent[i] = ch->acked[i] = -1;
+  ch->first_seq = ch->r.seq + 1;
+}
+
+/* Counts reply rep: an Ok acknowledges the publish its seq names. */
+static void churn_count(churn *ch, Tensord__Response *rep) {
+  uint64_t n = rep->seq - ch->first_seq;
+  int key = (int)(n % NKEYS);
+  int64_t round = (int64_t)(n / NKEYS);
+  if (rep->body_case == TENSORD__RESPONSE__BODY_OK) {
+    cr_assert_gt(round, ch->acked[key], "key %d: an Ok out of order", key);
+    ch->acked[key] = round;
+  } else {
+    ch->errors++;
+  }
+  tensord__response__free_unpacked(rep, NULL);
+}
+
+/* Sends one round: every key published again with the round as offset. */
+static void churn_send_round(churn *ch) {
+  for (int i = 0; i < NKEYS; i++) {
+    uint64_t seq = tdt_raw_publish(&ch->r, key_name(i), ch->id, ch->round);
+    cr_assert_eq(seq, ch->first_seq + (uint64_t)ch->round * NKEYS + i);
+    ch->sent[i] = ch->round;
+  }
+  ch->round++;
+  tdt_raw_flush(&ch->r);
+}
+
+/* Reads replies until every change sent is answered; or, if stop_at_gate,
+ * until a sync is stuck at the gate and no reply comes for a while. */
+static void churn_wait(churn *ch, int stop_at_gate) {
+  uint64_t want = (uint64_t)ch->round * NKEYS;
+  uint64_t got = 0;
+  for (int i = 0; i < NKEYS; i++)
+    got += (uint64_t)(ch->acked[i] + 1);
+  got += (uint64_t)ch->errors;
+  while (got < want) {
+    Tensord__Response *rep = tdt_raw_reply(&ch->r, stop_at_gate ? 200 : 20000);
+    if (rep == NULL) {
+      cr_assert(stop_at_gate && !ch->r.eof, "replies stopped at %llu of %llu",
+                (unsigned long long)got, (unsigned long long)want);
+      if (ctl_exists("gate.reached"))
+        return;
+      continue;
+    }
+    churn_count(ch, rep);
+    got++;
+  }
+}
+
+/* After tensord died: every reply it sent before is counted. */
+static void churn_drain(churn *ch) {
+  Tensord__Response *rep;
+  while ((rep = tdt_raw_reply(&ch->r, 5000)) != NULL)
+    churn_count(ch, rep);
+  cr_assert(ch->r.eof, "the dead daemon's connection ends");
+}
+
+static int64_t offset_of(td_client *c, const char *key) {
+  td_storage *s;
+  td_view v;
+  int err = td_lookup(c, key, TD_RDONLY, 0, &s, &v);
+  if (err == TD_ENOENT)
+    return -1;
+  cr_assert_eq(err, 0, "lookup: %s", td_last_error(c));
+  td_storage_release(s);
+  return v.offset;
+}
+
+/* After a restart: each key holds its last acknowledged value, or a later
+ * one that was sent (it may have reached the disk unacknowledged). */
+static void check_acked(const churn *ch) {
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < NKEYS; i++) {
+    int64_t off = offset_of(c, key_name(i));
+    cr_assert_geq(off, ch->acked[i],
+                  "key %d: round %lld was acknowledged, the restart serves "
+                  "%lld",
+                  i, (long long)ch->acked[i], (long long)off);
+    cr_assert_leq(off, ch->sent[i], "key %d: round %lld was never sent", i,
+                  (long long)off);
+  }
+  td_close(c);
+}
+
+static const char *const *all_keys(void) {
+  static const char *keys[NKEYS];
+  for (int i = 0; i < NKEYS; i++)
+    keys[i] = key_name(i);
+  return keys;
+}
+
+/* The journals in the state directory: their count, and the lowest
+ * generation in *lowest. */
+static int journals(unsigned long long *lowest) {
+  DIR *dir = opendir(state_dir);
+  cr_assert_not_null(dir);
+  int n = 0;
+  *lowest = ~0ull;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL) {
+    unsigned long long g;
+    char tail;
+    if (sscanf(e->d_name, "journal.%llu%c", &g, &tail) == 1) {
+      n++;
+      if (g < *lowest)
+        *lowest = g;
+    }
+  }
+  closedir(dir);
+  return n;
+}
+
+/* Publishes rounds until the log says a compaction started. */
+static void churn_until_compaction(churn *ch, int stop_at_gate) {
+  for (int i = 0; i < 1000; i++) {
+    churn_send_round(ch);
+    if (ch->round % 16 == 0) {
+      churn_wait(ch, stop_at_gate);
+      if (tdt_log_has(&d, "compacting"))
+        return;
+    }
+  }
+  cr_assert_fail("no compaction after %d rounds; see %s", ch->round, d.log);
+}
+
+/* ---- a stop while work is in flight ---- */
+
+/* Waits until tensord closed the connection: by then its stop has run (the
+ * socket closes in a later turn of its loop than the stop itself). */
+static void wait_hung_up(tdt_raw *r) {
+  Tensord__Response *rep;
+  while ((rep = tdt_raw_reply(r, 10000)) != NULL) {
+    cr_assert_neq(rep->body_case, TENSORD__RESPONSE__BODY_OK,
+                  "an Ok for a change that is not on disk");
+    tensord__response__free_unpacked(rep, NULL);
+  }
+  cr_assert(r->eof, "tensord did not hang up after SIGTERM");
+}
+
+TDT_TEST(durability, stop_during_a_journal_sync_waits_for_it) {
+  start("%s/journal.*");
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  uint64_t id = tdt_raw_create_now(&r, 4096);
+  touch("gate");
+  tdt_raw_publish(&r, "stop/k", id, 7);
+  tdt_raw_flush(&r);
+  wait_gate_reached();
+  /* The sync is stuck: stop tensord under it, then let the sync go on. */
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  wait_hung_up(&r);
+  tdt_raw_close(&r);
+  rm("gate");
+  int st = tdt_wait(d.pid);
+  d.pid = 0;
+  cr_assert_eq(st, 0, "tensord exited %d; see %s", st, d.log);
+  cr_assert(tdt_log_has(&d, "kept 1 key(s) on 1 storage(s)"), "see %s", d.log);
+  /* Its final snapshot has the change the sync was writing. */
+  restart();
+  td_client *c = tdt_connect(&d);
+  cr_assert_eq(offset_of(c, "stop/k"), 7);
+  td_close(c);
+  finish((const char *const[]){"stop/k"}, 1);
+}
+
+TDT_TEST(durability, stop_during_a_compaction_waits_for_it) {
+  start("%s/snapshot.tmp");
+  touch("gate");
+  churn ch;
+  churn_open(&ch);
+  churn_until_compaction(&ch, 1);
+  wait_gate_reached();
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  wait_hung_up(&ch.r);
+  tdt_raw_close(&ch.r);
+  rm("gate");
+  int st = tdt_wait(d.pid);
+  d.pid = 0;
+  cr_assert_eq(st, 0, "tensord exited %d; see %s", st, d.log);
+  restart();
+  check_acked(&ch);
+  finish(all_keys(), NKEYS);
+}
+
+/* ---- replies wait for the disk ---- */
+
+/* The length of journal path that the shim last saw synced (0 if none). */
+static long long synced_length(const char *journal) {
+  char p[128], line[512];
+  ctl_path(p, sizeof(p), "log");
+  FILE *f = fopen(p, "r");
+  long long len = 0;
+  while (f && fgets(line, sizeof(line), f)) {
+    long long n;
+    char path[400];
+    if (sscanf(line, "%lld %399s", &n, path) == 2 && strcmp(path, journal) == 0)
+      len = n;
+  }
+  if (f)
+    fclose(f);
+  return len;
+}
+
+static void newest_journal(char *path, size_t len) {
+  unsigned long long lowest, best = 0;
+  journals(&lowest);
+  DIR *dir = opendir(state_dir);
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL) {
+    unsigned long long g;
+    if (sscanf(e->d_name, "journal.%llu", &g) == 1 && g > best)
+      best = g;
+  }
+  closedir(dir);
+  cr_assert_gt(best, 0);
+  snprintf(path, len, "%s/journal.%llu", state_dir, best);
+}
+
+TDT_TEST(durability, replies_wait_until_the_change_is_synced) {
+  start("%s/journal.*");
+  churn ch;
+  churn_open(&ch);
+  churn_send_round(&ch); /* round 0: synced and acknowledged */
+  churn_wait(&ch, 0);
+  char journal[128];
+  newest_journal(journal, sizeof(journal));
+  long long synced = synced_length(journal);
+  cr_assert_gt(synced, 0, "the shim saw %s synced", journal);
+
+  /* Round 1 is written to the journal, but its sync never completes. */
+  touch("gate");
+  churn_send_round(&ch);
+  wait_gate_reached();
+  struct stat sb;
+  cr_assert_eq(stat(journal, &sb), 0);
+  cr_assert_gt(sb.st_size, synced_length(journal),
+               "round 1 is in the page cache, not yet on disk");
+  kill9();
+  churn_drain(&ch);
+  for (int i = 0; i < NKEYS; i++)
+    cr_assert_eq(ch.acked[i], 0,
+                 "key %d: round %lld was acknowledged before its sync", i,
+                 (long long)ch.acked[i]);
+  tdt_raw_close(&ch.r);
+
+  /* The power cut: what was not synced is lost. */
+  cr_assert_eq(truncate(journal, synced_length(journal)), 0);
+  rm("gate");
+  restart();
+  check_acked(&ch);
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < NKEYS; i++)
+    cr_assert_eq(offset_of(c, key_name(i)), 0, "key %d", i);
+  td_close(c);
+  finish(all_keys(), NKEYS);
+}
+
+TDT_TEST(durability, failed_sync_answers_eio_naming_the_state_dir) {
+  start("%s/journal.*");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "eio/before", s, NULL), 0);
+  touch("fail");
+  cr_assert_eq(td_publish(c, "eio/failed", s, NULL), TD_EIO);
+  cr_assert(strstr(td_last_error(c), state_dir) != NULL, "message: %s",
+            td_last_error(c));
+  rm("fail");
+  /* Nothing else is disturbed. */
+  cr_assert_eq(td_publish(c, "eio/after", s, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  finish((const char *const[]){"eio/before", "eio/failed", "eio/after"}, 3);
+}
+
+/* ---- compaction ---- */
+
+TDT_TEST(durability, compaction_folds_the_journal_and_keys_survive) {
+  start(NULL);
+  unsigned long long first;
+  cr_assert_eq(journals(&first), 1);
+  churn ch;
+  churn_open(&ch);
+  churn_until_compaction(&ch, 0);
+  /* A few more changes go to the journal after the snapshot. */
+  churn_send_round(&ch);
+  churn_wait(&ch, 0);
+  unsigned long long lowest;
+  for (int i = 0; i < 5000 && journals(&lowest) != 1; i++)
+    sleep_ms(2);
+  cr_assert_eq(journals(&lowest), 1, "the folded journal is removed");
+  cr_assert_gt(lowest, first, "journal.%llu follows journal.%llu", lowest,
+               first);
+  kill9();
+  churn_drain(&ch);
+  tdt_raw_close(&ch.r);
+  restart();
+  check_acked(&ch);
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < NKEYS; i++)
+    cr_assert_eq(offset_of(c, key_name(i)), ch.round - 1, "key %d", i);
+  td_close(c);
+  finish(all_keys(), NKEYS);
+}
+
+/* SIGKILL while the compaction's snapshot is being synced (before its
+ * rename), or while the state directory is (after the rename, before the
+ * old journals go). */
+static void crash_during_compaction(const char *match) {
+  start(match);
+  touch("gate");
+  churn ch;
+  churn_open(&ch);
+  churn_until_compaction(&ch, 1);
+  wait_gate_reached();
+  /* Changes made while it compacts: held, maybe written, never synced. */
+  churn_send_round(&ch);
+  kill9();
+  churn_drain(&ch);
+  tdt_raw_close(&ch.r);
+  rm("gate");
+  restart();
+  check_acked(&ch);
+  finish(all_keys(), NKEYS);
+}
+
+TDT_TEST(durability, sigkill_while_the_compacted_snapshot_is_written) {
+  crash_during_compaction("%s/snapshot.tmp");
+}
+
+TDT_TEST(durability, sigkill_after_the_compacted_snapshot_is_renamed) {
+  crash_during_compaction("%s");
+}
+
+/* ---- a start that fails ---- */
+
+TDT_TEST(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
+  start(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  uint8_t *p = td_storage_data(s);
+  for (int i = 0; i < 4096; i++)
+    p[i] = (uint8_t)(i * 7 + 1);
+  cr_assert_eq(td_publish(c, "kept/k", s, NULL), 0);
+  td_storage_release(s);
+  td_close(c);
+  uint64_t inst = d.instance;
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  cr_assert_eq(tdt_wait(d.pid), 0);
+  d.pid = 0;
+  cr_assert_eq(seg_count(inst), 1, "a clean stop keeps the key's segment");
+
+  /* The next start serves the key, then cannot write its snapshot. */
+  char tmp[96];
+  snprintf(tmp, sizeof(tmp), "%s/snapshot.tmp", state_dir);
+  cr_assert_eq(mkdir(tmp, 0700), 0);
+  int st = tdt_wait(spawn());
+  cr_assert_eq(st, 1, "tensord exited %d; see %s", st, d.log);
+  cr_assert(tdt_log_has(&d, "writing snapshot"), "see %s", d.log);
+  cr_assert_eq(seg_count(inst), 1,
+               "the failed start unlinked the segment its state names");
+
+  /* Once the operator fixes it, the key is served with its bytes. */
+  cr_assert_eq(rmdir(tmp), 0);
+  restart();
+  c = tdt_connect(&d);
+  td_view v;
+  cr_assert_eq(td_lookup(c, "kept/k", TD_RDONLY, 0, &s, &v), 0, "%s",
+               td_last_error(c));
+  p = td_storage_data(s);
+  for (int i = 0; i < 4096; i++)
+    cr_assert_eq(p[i], (uint8_t)(i * 7 + 1), "byte %d", i);
+  td_storage_release(s);
+  td_close(c);
+  finish((const char *const[]){"kept/k"}, 1);
+}

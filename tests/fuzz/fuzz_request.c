@@ -637,8 +637,9 @@ static void start_oracle(const td__options *o, int n, int timeouts) {
       abort();
     }
     s.peer[i].ngroups = c->hold.ngroups;
-    memcpy(s.peer[i].groups, c->hold.groups,
-           (size_t)c->hold.ngroups * sizeof(gid_t));
+    if (c->hold.ngroups > 0) /* groups is NULL without any */
+      memcpy(s.peer[i].groups, c->hold.groups,
+             (size_t)c->hold.ngroups * sizeof(gid_t));
   }
   oracle_start(&s);
 }

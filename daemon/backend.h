@@ -62,6 +62,11 @@ extern const td__backend td__shm_backend;
 /* Returns the backend of device, or NULL if this tensord has none for it. */
 const td__backend *td__backend_for(td_device device);
 
+/* Returns 1 if p is a prefix of the names a daemon gives its segments,
+ * "/tensord.<instance>.", and 0 for anything else (empty, "/tensord.",
+ * another program's names): whatever lies under a prefix a daemon recorded
+ * may be unlinked at a later start, so only these are ever trusted. */
+int td__segment_prefix_valid(const char *p);
 /* Sets out to name's prefix: the name up to and including its last '.'.
  * Returns 0, or TD_EINVAL for a name that is not a segment's. */
 int td__segment_prefix(const char *name, char out[TD__PREFIX_MAX]);

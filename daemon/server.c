@@ -315,8 +315,7 @@ static void sweep_previous(td__server *srv) {
   char line[128];
   while (fgets(line, sizeof(line), f) != NULL) {
     line[strcspn(line, "\n")] = '\0';
-    if (strncmp(line, "/tensord.", 9) != 0 || strlen(line) >= TD__PREFIX_MAX ||
-        strcmp(line, srv->prefix) == 0)
+    if (!td__segment_prefix_valid(line) || strcmp(line, srv->prefix) == 0)
       continue;
     char(*p)[TD__PREFIX_MAX] =
         realloc(srv->prev, (srv->nprev + 1) * sizeof(*srv->prev));

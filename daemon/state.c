@@ -349,21 +349,6 @@ static td__storage *find_name(const loaded *l, const char *name) {
   return n ? td__container_of(n, nameent, node)->s : NULL;
 }
 
-/* Whether p is a prefix of the segment names a daemon writes,
- * "/tensord.<instance>.": the sweep unlinks what lies under a recorded
- * prefix, so any other (empty, "/tensord.", another program's names) is
- * ignored. */
-static int prefix_valid(const char *p) {
-  size_t n = strlen(p);
-  if (n <= 10 || n >= TD__PREFIX_MAX || strncmp(p, "/tensord.", 9) != 0 ||
-      p[n - 1] != '.')
-    return 0;
-  for (size_t i = 9; i < n - 1; i++)
-    if (p[i] == '/' || p[i] == '.')
-      return 0;
-  return 1;
-}
-
 static int keep(loaded *l, Tensord__StateRecord *r) {
   if (l->nall == l->allcap) {
     size_t cap = l->allcap ? l->allcap * 2 : 64;
@@ -400,7 +385,7 @@ static size_t replay(loaded *l, const uint8_t *buf, size_t len,
       l->gen = r->generation;
       break;
     case TENSORD__STATE_RECORD__BODY_PREFIX:
-      if (prefix_valid(r->prefix)) {
+      if (td__segment_prefix_valid(r->prefix)) {
         void *p = realloc(l->prefixes, (l->nprefixes + 1) * 64);
         if (p != NULL) {
           l->prefixes = p;

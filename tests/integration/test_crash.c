@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -741,6 +742,35 @@ TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   cr_assert_eq(seg_count(inst2), 1);
   restart(0);
   cr_assert_eq(seg_count(inst2), 0);
+  finish();
+}
+
+/* <socket>.instance is only a hint: a line that is no segment prefix of a
+ * daemon ("/tensord." alone would match every instance's segments) is
+ * ignored, so a restart never unlinks what another daemon owns. */
+TDT_TEST(crash, restart_ignores_recorded_prefixes_that_are_no_instance) {
+  const char *bystander = "/tensord.feedfacefeedface.1";
+  shm_unlink(bystander);
+  int fd = shm_open(bystander, O_RDWR | O_CREAT | O_EXCL, 0600);
+  cr_assert(fd >= 0, "shm_open(%s): %s", bystander, strerror(errno));
+  close(fd);
+  start(0);
+  kill9();
+  char run[160];
+  snprintf(run, sizeof(run), "%s.instance", d.sock);
+  FILE *f = fopen(run, "a");
+  cr_assert_not_null(f);
+  fputs("\n/tensord.\n/tensord.x/y.\n/tensord.feedface\n", f);
+  cr_assert_eq(fclose(f), 0);
+  restart(0);
+  fd = shm_open(bystander, O_RDONLY, 0);
+  int survived = fd >= 0;
+  if (fd >= 0)
+    close(fd);
+  shm_unlink(bystander);
+  cr_assert(survived, "the restart unlinked %s, which no recorded instance "
+                      "owns; see %s",
+            bystander, d.log);
   finish();
 }
 

@@ -137,63 +137,13 @@ static void term(void) {
 /* Starts a new tensord on d's socket (and the state directory, if
  * with_state), logging to d's log, and waits until it serves. */
 static void restart(int with_state) {
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    int log = open(d.log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (log < 0 || dup2(log, STDERR_FILENO) < 0)
-      _exit(126);
-    unsetenv("NOTIFY_SOCKET");
-    unsetenv("LISTEN_FDS");
-    unsetenv("LISTEN_PID");
-    /* Under the same tool as the harness runs tensord (valgrind). */
-    const char *argv[40];
-    int n = 0;
-    char wrapper[512] = "";
-    const char *w = getenv("TDT_DAEMON_WRAPPER");
-    if (w != NULL)
-      snprintf(wrapper, sizeof(wrapper), "%s", w);
-    for (char *save, *t = strtok_r(wrapper, " ", &save); t && n < 24;
-         t = strtok_r(NULL, " ", &save))
-      argv[n++] = t;
-    argv[n++] = TENSORD_BIN;
-    argv[n++] = "--socket";
-    argv[n++] = d.sock;
-    argv[n++] = "--log-level";
-    argv[n++] = "debug";
-    if (with_state) {
-      argv[n++] = "--state-dir";
-      argv[n++] = state_dir;
-    }
-    argv[n] = NULL;
-    execvp(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  d.pid = pid;
-  int tries = getenv("TDT_DAEMON_WRAPPER") ? 60000 : 5000;
-  for (int i = 0; i < tries; i++) {
-    int status;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      d.pid = 0;
-      cr_assert_fail("the restarted tensord exited (status 0x%x); see %s",
-                     status, d.log);
-    }
-    td_client *c;
-    if (td_connect(d.sock, &c) == 0) {
-      td_stat st;
-      cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
-      cr_assert_eq(st.pid, pid);
-      td_close(c);
-      cr_assert_neq(st.instance, d.instance, "a new instance");
-      d.instance = st.instance;
-      remember(st.instance);
-      return;
-    }
-    sleep_ms(2);
-  }
-  cr_assert_fail("the restarted tensord does not answer on %s", d.sock);
+  uint64_t was = d.instance;
+  if (with_state)
+    tdt_restart(&d, (const char *const[]){"--state-dir", state_dir, NULL});
+  else
+    tdt_restart(&d, NULL);
+  cr_assert_neq(d.instance, was, "a new instance");
+  remember(d.instance);
 }
 
 static int count_named(const td_storage_info *info, void *arg) {

@@ -145,65 +145,16 @@ static void start(const char *match) {
 }
 
 /* Starts a new tensord (no shim) on d's socket and state directory, logging
- * to d's log; returns its pid. */
+ * to d's log; returns its pid without waiting. */
 static pid_t spawn(void) {
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    int log = open(d.log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (log < 0 || dup2(log, STDERR_FILENO) < 0)
-      _exit(126);
-    unsetenv("NOTIFY_SOCKET");
-    const char *argv[40];
-    int n = 0;
-    char wrapper[512] = "";
-    const char *w = getenv("TDT_DAEMON_WRAPPER");
-    if (w != NULL)
-      snprintf(wrapper, sizeof(wrapper), "%s", w);
-    for (char *save, *t = strtok_r(wrapper, " ", &save); t && n < 24;
-         t = strtok_r(NULL, " ", &save))
-      argv[n++] = t;
-    argv[n++] = TENSORD_BIN;
-    argv[n++] = "--socket";
-    argv[n++] = d.sock;
-    argv[n++] = "--log-level";
-    argv[n++] = "debug";
-    argv[n++] = "--state-dir";
-    argv[n++] = state_dir;
-    argv[n] = NULL;
-    execvp(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  return pid;
+  return tdt_spawn(&d, (const char *const[]){"--state-dir", state_dir, NULL});
 }
 
-/* spawn(), and waits until the new tensord serves. */
+/* Starts a new tensord (no shim) as spawn() does, and waits until it
+ * serves. */
 static void restart(void) {
-  pid_t pid = spawn();
-  d.pid = pid;
-  int tries = getenv("TDT_DAEMON_WRAPPER") ? 60000 : 5000;
-  for (int i = 0; i < tries; i++) {
-    int status;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      d.pid = 0;
-      cr_assert_fail("the restarted tensord exited (status 0x%x); see %s",
-                     status, d.log);
-    }
-    td_client *c;
-    if (td_connect(d.sock, &c) == 0) {
-      td_stat st;
-      cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
-      td_close(c);
-      cr_assert_eq(st.pid, pid);
-      d.instance = st.instance;
-      remember(st.instance);
-      return;
-    }
-    sleep_ms(2);
-  }
-  cr_assert_fail("the restarted tensord does not answer on %s", d.sock);
+  tdt_restart(&d, (const char *const[]){"--state-dir", state_dir, NULL});
+  remember(d.instance);
 }
 
 static void kill9(void) {

@@ -94,6 +94,7 @@ static void make_dir(tdt_daemon *d) {
 /* Opens the datagram socket tensord reports READY=1 on. */
 static int notify_socket(const tdt_daemon *d, char *path, size_t len) {
   snprintf(path, len, "%.60s/notify.sock", d->dir);
+  unlink(path); /* a previous tensord's, on a restart */
   int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   snprintf(sa.sun_path, sizeof(sa.sun_path), "%.100s", path);
@@ -150,7 +151,10 @@ static void exec_daemon(const tdt_daemon *d, const char *notify,
   int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log < 0 || dup2(log, STDERR_FILENO) < 0)
     _exit(126);
-  setenv("NOTIFY_SOCKET", notify, 1);
+  if (notify != NULL)
+    setenv("NOTIFY_SOCKET", notify, 1);
+  else
+    unsetenv("NOTIFY_SOCKET");
   /* TDT_DAEMON_WRAPPER runs tensord under a tool, e.g. "valgrind
    * --leak-check=full --error-exitcode=1": its words come first. */
   const char *argv[64];
@@ -186,6 +190,27 @@ void tdt_start(tdt_daemon *d, const char *const *args) {
     exec_daemon(d, notify, args, 0);
   track(d);
   wait_ready(d, nfd);
+}
+
+void tdt_restart(tdt_daemon *d, const char *const *args) {
+  cr_assert_eq(d->pid, 0, "tdt_restart: tensord %d still runs", (int)d->pid);
+  char notify[100];
+  int nfd = notify_socket(d, notify, sizeof(notify));
+  d->pid = fork();
+  cr_assert(d->pid >= 0);
+  if (d->pid == 0)
+    exec_daemon(d, notify, args, 0);
+  track(d);
+  wait_ready(d, nfd);
+}
+
+pid_t tdt_spawn(const tdt_daemon *d, const char *const *args) {
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    exec_daemon(d, NULL, args, 0);
+  return pid;
 }
 
 void tdt_start_inherited(tdt_daemon *d) {

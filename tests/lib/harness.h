@@ -26,6 +26,14 @@ typedef struct tdt_daemon {
  * be NULL) and waits for its READY=1; asserts on failure. d must outlive the
  * test body (static storage): TDT_TEST stops it after the body returns. */
 void tdt_start(tdt_daemon *d, const char *const *args);
+/* Starts another tensord on d's socket, directory and log with args, once
+ * d's own is gone without tdt_kill (which would remove them: SIGKILL and
+ * tdt_wait, say), and waits for its READY=1 as tdt_start does; d gets its
+ * pid and instance, and TDT_TEST stops it as it would d's first. */
+void tdt_restart(tdt_daemon *d, const char *const *args);
+/* Starts a tensord on d's socket and log with args and returns its pid at
+ * once, waiting for nothing: for a start that is meant to fail. */
+pid_t tdt_spawn(const tdt_daemon *d, const char *const *args);
 /* Like tdt_start, but hands tensord an already listening socket the way
  * systemd does (LISTEN_FDS=1, LISTEN_PID, fd 3). */
 void tdt_start_inherited(tdt_daemon *d);

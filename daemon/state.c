@@ -774,6 +774,18 @@ static void sync_done(td__state *st, int err) {
   release_unlinks(st, 0);
   if (srv->stopping)
     return;
+  if (err < 0 && !st->compacting) {
+    /* What the failed write or sync left in the journal is unknown (the
+     * kernel may drop the pages of a failed write-back), and replay stops
+     * at the first bad record: a change appended behind it would be lost
+     * however well it synced. So the next changes go to a new journal,
+     * after a snapshot of now. */
+    compact_start(st);
+    if (!st->compacting)
+      td__error("state: cannot start a new journal in %s after that error; "
+                "changes go on in journal.%llu",
+                st->dir, (unsigned long long)st->gen);
+  }
   if (st->pending_len > 0)
     sync_start(st);
   else if (!st->compacting && st->journal_bytes > COMPACT_MIN &&

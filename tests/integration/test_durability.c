@@ -508,6 +508,57 @@ TDT_TEST(durability, failed_sync_answers_eio_naming_the_state_dir) {
   finish((const char *const[]){"eio/before", "eio/failed", "eio/after"}, 3);
 }
 
+/* A failed sync may have lost what it wrote (the kernel can drop the pages
+ * of a failed write-back), leaving a hole in the middle of the journal that
+ * replay stops at. So a change acknowledged after the failure must not sit
+ * behind it in the same journal: it must survive the hole. */
+TDT_TEST(durability, change_acknowledged_after_a_failed_sync_survives_its_hole) {
+  start("%s/journal.*");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "hole/before", s, NULL), 0);
+  char journal[128];
+  newest_journal(journal, sizeof(journal));
+  long long synced = synced_length(journal);
+  touch("fail");
+  cr_assert_eq(td_publish(c, "hole/failed", s, NULL), TD_EIO);
+  rm("fail");
+  struct stat sb;
+  cr_assert_eq(stat(journal, &sb), 0);
+  long long written = (long long)sb.st_size;
+  cr_assert_gt(written, synced, "the failed change was written, not synced");
+  cr_assert_eq(td_publish(c, "hole/after", s, NULL), 0, "%s",
+               td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  kill9();
+
+  /* The power cut: the failed sync's bytes never reached the disk; the
+   * blocks hold whatever they held before. */
+  int fd = open(journal, O_WRONLY | O_CLOEXEC);
+  if (fd >= 0) { /* still the journal in use */
+    char junk[4096];
+    memset(junk, 0xa5, sizeof(junk));
+    for (long long at = synced; at < written; at += (long long)sizeof(junk)) {
+      size_t n = (size_t)(written - at) < sizeof(junk) ? (size_t)(written - at)
+                                                       : sizeof(junk);
+      cr_assert_eq(pwrite(fd, junk, n, (off_t)at), (ssize_t)n);
+    }
+    close(fd);
+  }
+  restart();
+  c = tdt_connect(&d);
+  cr_assert_geq(offset_of(c, "hole/after"), 0,
+                "'hole/after' was acknowledged after the failed sync, and "
+                "the restart lost it; see %s",
+                d.log);
+  cr_assert_geq(offset_of(c, "hole/before"), 0);
+  td_close(c);
+  finish((const char *const[]){"hole/before", "hole/failed", "hole/after"},
+         3);
+}
+
 /* ---- compaction ---- */
 
 TDT_TEST(durability, compaction_folds_the_journal_and_keys_survive) {

@@ -31,20 +31,6 @@ static void sleep_ms(int ms) {
 
 /* ---- /dev/shm ---- */
 
-static int seg_count(uint64_t instance) {
-  char prefix[48];
-  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)instance);
-  DIR *dir = opendir("/dev/shm");
-  cr_assert_not_null(dir);
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(dir)) != NULL)
-    n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
-  closedir(dir);
-  return n;
-}
-
 static int seg_exists(uint64_t instance, uint64_t id) {
   char path[96];
   snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
@@ -68,20 +54,7 @@ static void setup(void) {
 }
 
 static void rm_state_dir(void) {
-  if (state_dir[0] == '\0')
-    return;
-  DIR *dir = opendir(state_dir);
-  struct dirent *e;
-  char path[320];
-  while (dir && (e = readdir(dir)) != NULL) {
-    if (e->d_name[0] == '.')
-      continue;
-    snprintf(path, sizeof(path), "%s/%s", state_dir, e->d_name);
-    unlink(path);
-  }
-  if (dir)
-    closedir(dir);
-  rmdir(state_dir);
+  tdt_rmdir(state_dir);
   state_dir[0] = '\0';
 }
 
@@ -166,7 +139,7 @@ static void finish(void) {
   term();
   int left = 0;
   for (int i = 0; i < ninstances; i++)
-    left += seg_count(instances[i]);
+    left += tdt_segments_of(instances[i]);
   struct stat sb;
   int sock_left = stat(d.sock, &sb) == 0;
   int fds = tdt_open_fds();
@@ -532,11 +505,11 @@ TDT_TEST(crash, sigkill_and_restart_serve_every_key_again) {
   cr_assert_eq(td_lookup(c, "crash/b", TD_RDONLY, 0, &mapped, NULL), 0);
   cr_assert(has_bytes(mapped, stor[1].seed));
   uint64_t held_id = td_storage_id(held), gone_id = td_storage_id(gone);
-  cr_assert_eq(seg_count(inst1), NSTOR + 2);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR + 2);
 
   kill9();
   /* The kill unlinked nothing. */
-  cr_assert_eq(seg_count(inst1), NSTOR + 2);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR + 2);
   /* The client notices on its next call; its mappings stay. */
   cr_assert_eq(td_ping(c, NULL), TD_ECONNRESET, "%s", td_last_error(c));
   td_storage *x;
@@ -551,8 +524,8 @@ TDT_TEST(crash, sigkill_and_restart_serve_every_key_again) {
   cr_assert_not(seg_exists(inst1, gone_id), "the unpublished one too");
   for (int i = 0; i < NSTOR; i++)
     cr_assert(seg_exists(inst1, named[i]), "storage %d is served", i);
-  cr_assert_eq(seg_count(inst1), NSTOR);
-  cr_assert_eq(seg_count(d.instance), 0, "nothing copied");
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR);
+  cr_assert_eq(tdt_segments_of(d.instance), 0, "nothing copied");
   /* The old client's mappings outlive even the unlink. */
   cr_assert(has_bytes(held, 9));
   cr_assert(has_bytes(mapped, stor[1].seed));
@@ -606,7 +579,7 @@ TDT_TEST(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   for (int i = 0; i < NSTOR; i++)
     cr_assert(seg_exists(inst1, named[i]), "storage %d kept", i);
   cr_assert_not(seg_exists(inst1, held_id), "an unnamed storage is not kept");
-  cr_assert_eq(seg_count(inst1), NSTOR);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR);
   cr_assert_eq(td_ping(c, NULL), TD_ECONNRESET);
   td_storage_release(held);
   td_close(c);
@@ -618,7 +591,7 @@ TDT_TEST(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   td_close(c);
   /* And so does the one after a second clean stop. */
   term();
-  cr_assert_eq(seg_count(inst1), NSTOR);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR);
   restart(1);
   c = tdt_connect(&d);
   check_all_keys(c);
@@ -663,11 +636,11 @@ TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   cr_assert_eq(td_storage_create(c, 4096, &held), 0);
   fill(held, 5);
   kill9();
-  cr_assert_eq(seg_count(inst1), NSTOR + 1, "left in /dev/shm by the kill");
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR + 1, "left in /dev/shm by the kill");
   cr_assert_eq(td_ping(c, NULL), TD_ECONNRESET);
 
   restart(0);
-  cr_assert_eq(seg_count(inst1), 0, "the new tensord unlinked them");
+  cr_assert_eq(tdt_segments_of(inst1), 0, "the new tensord unlinked them");
   cr_assert(tdt_log_has(&d, "unlinked 4 segment(s) left by the previous"),
             "and said so; see %s", d.log);
   cr_assert(has_bytes(held, 5), "a mapping survives the unlink");
@@ -689,9 +662,9 @@ TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   kill9();
   td_close(c);
   td_storage_release(held);
-  cr_assert_eq(seg_count(inst2), 1);
+  cr_assert_eq(tdt_segments_of(inst2), 1);
   restart(0);
-  cr_assert_eq(seg_count(inst2), 0);
+  cr_assert_eq(tdt_segments_of(inst2), 0);
   finish();
 }
 
@@ -793,7 +766,7 @@ TDT_TEST(crash, acknowledged_publish_take_and_unpublish_survive_sigkill) {
   cr_assert(has_bytes(t, 13), "the replacement, not the first value");
   td_storage_release(t);
   cr_assert_not(seg_exists(inst1, id1), "s1's segment was unlinked");
-  cr_assert_eq(seg_count(inst1), 2);
+  cr_assert_eq(tdt_segments_of(inst1), 2);
   td_close(c);
   finish();
 }
@@ -927,11 +900,11 @@ TDT_TEST(crash, two_sigkills_in_a_row_keep_every_key) {
   cr_assert_eq(td_unpublish(c, "crash/second"), 0);
   check_all_keys(c);
   td_close(c);
-  cr_assert_eq(seg_count(inst1), NSTOR, "the first instance's storages");
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR, "the first instance's storages");
   cr_assert_not(seg_exists(inst2, held_id), "the unnamed one is unlinked");
   for (int i = 0; i < 2500 && seg_exists(inst2, mine_id); i++)
     sleep_ms(2);
-  cr_assert_eq(seg_count(inst2), 0);
+  cr_assert_eq(tdt_segments_of(inst2), 0);
   finish();
 }
 
@@ -1013,7 +986,7 @@ TDT_TEST(crash,
   publish_all();
   uint64_t inst1 = d.instance;
   kill9();
-  cr_assert_eq(seg_count(inst1), NSTOR);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR);
   /* The operator turns --state-dir on for the restart: it has no key that
    * names the old segments, so they are leftovers like any other. */
   make_state_dir();
@@ -1023,10 +996,10 @@ TDT_TEST(crash,
   cr_assert_eq(td_stat_get(c, &st), 0);
   cr_assert_eq(st.keys, 0);
   td_close(c);
-  cr_assert_eq(seg_count(inst1), 0,
+  cr_assert_eq(tdt_segments_of(inst1), 0,
                "%d segment(s) of the crashed instance (no --state-dir) are "
                "still in /dev/shm after a restart with --state-dir",
-               seg_count(inst1));
+               tdt_segments_of(inst1));
   finish();
 }
 
@@ -1038,7 +1011,7 @@ TDT_TEST(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
   restart(1); /* adopts inst1's segments */
   uint64_t inst2 = d.instance;
   kill9();
-  cr_assert_eq(seg_count(inst1), NSTOR);
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR);
   /* Now without --state-dir: nothing will serve those keys, so every
    * segment the dead daemon had goes, whichever instance made it. */
   restart(0);
@@ -1046,10 +1019,10 @@ TDT_TEST(crash, restart_without_state_dir_after_crashes_with_one_unlinks_all) {
   td_storage *s;
   cr_assert_eq(td_lookup(c, "crash/a", TD_RDONLY, 0, &s, NULL), TD_ENOENT);
   td_close(c);
-  cr_assert_eq(seg_count(inst2), 0);
-  cr_assert_eq(seg_count(inst1), 0,
+  cr_assert_eq(tdt_segments_of(inst2), 0);
+  cr_assert_eq(tdt_segments_of(inst1), 0,
                "%d segment(s) the previous tensord served (adopted from the "
                "one before it) are still in /dev/shm",
-               seg_count(inst1));
+               tdt_segments_of(inst1));
   finish();
 }

@@ -36,21 +36,7 @@ static void remember(uint64_t instance) {
 }
 
 static void rm_dir(char *dir) {
-  if (dir[0] == '\0')
-    return;
-  DIR *dd = opendir(dir);
-  struct dirent *e;
-  char path[330];
-  while (dd && (e = readdir(dd)) != NULL) {
-    if (e->d_name[0] == '.')
-      continue;
-    snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-    if (unlink(path) < 0 && errno == EISDIR)
-      rmdir(path);
-  }
-  if (dd)
-    closedir(dd);
-  rmdir(dir);
+  tdt_rmdir(dir);
   dir[0] = '\0';
 }
 
@@ -163,20 +149,6 @@ static void kill9(void) {
   d.pid = 0;
 }
 
-static int seg_count(uint64_t instance) {
-  char prefix[48];
-  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)instance);
-  DIR *dir = opendir("/dev/shm");
-  cr_assert_not_null(dir);
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(dir)) != NULL)
-    n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
-  closedir(dir);
-  return n;
-}
-
 /* Ends a test with the daemon running: unpublishes every key (so that the
  * stop keeps nothing), stops it with tdt_stop's checks, and checks that no
  * instance of the test left a segment. */
@@ -194,7 +166,7 @@ static void finish(const char *const *keys, int nkeys) {
   td_close(c);
   tdt_stop(&d);
   for (int i = 0; i < ninstances; i++)
-    cr_assert_eq(seg_count(instances[i]), 0, "instance %d left segments", i);
+    cr_assert_eq(tdt_segments_of(instances[i]), 0, "instance %d left segments", i);
   rm_dir(state_dir);
   rm_dir(ctl);
   memset(&d, 0, sizeof(d));
@@ -635,7 +607,7 @@ TDT_TEST(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
   cr_assert_eq(kill(d.pid, SIGTERM), 0);
   cr_assert_eq(tdt_wait(d.pid), 0);
   d.pid = 0;
-  cr_assert_eq(seg_count(inst), 1, "a clean stop keeps the key's segment");
+  cr_assert_eq(tdt_segments_of(inst), 1, "a clean stop keeps the key's segment");
 
   /* The next start serves the key, then cannot write its snapshot. */
   char tmp[96];
@@ -644,7 +616,7 @@ TDT_TEST(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
   int st = tdt_wait(spawn());
   cr_assert_eq(st, 1, "tensord exited %d; see %s", st, d.log);
   cr_assert(tdt_log_has(&d, "writing snapshot"), "see %s", d.log);
-  cr_assert_eq(seg_count(inst), 1,
+  cr_assert_eq(tdt_segments_of(inst), 1,
                "the failed start unlinked the segment its state names");
 
   /* Once the operator fixes it, the key is served with its bytes. */

@@ -239,10 +239,10 @@ void tdt_start_inherited(tdt_daemon *d) {
   wait_ready(d, nfd);
 }
 
-int tdt_segments(const tdt_daemon *d) {
+int tdt_segments_of(uint64_t instance) {
   char prefix[64];
   snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)d->instance);
+           (unsigned long long)instance);
   DIR *dir = opendir("/dev/shm");
   cr_assert_not_null(dir);
   int n = 0;
@@ -252,6 +252,10 @@ int tdt_segments(const tdt_daemon *d) {
       n++;
   closedir(dir);
   return n;
+}
+
+int tdt_segments(const tdt_daemon *d) {
+  return tdt_segments_of(d->instance);
 }
 
 int tdt_no_segments(const tdt_daemon *d) {
@@ -278,20 +282,22 @@ int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
   }
 }
 
-static void remove_dir(tdt_daemon *d) {
+void tdt_rmdir(const char *dir) {
+  if (dir[0] == '\0')
+    return;
+  DIR *dd = opendir(dir);
+  struct dirent *e;
   char path[330];
-  DIR *dir = opendir(d->dir);
-  if (dir != NULL) {
-    struct dirent *e;
-    while ((e = readdir(dir)) != NULL) {
-      if (e->d_name[0] == '.')
-        continue;
-      snprintf(path, sizeof(path), "%s/%s", d->dir, e->d_name);
-      unlink(path);
-    }
-    closedir(dir);
+  while (dd != NULL && (e = readdir(dd)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+    if (unlink(path) < 0 && errno == EISDIR)
+      rmdir(path);
   }
-  rmdir(d->dir);
+  if (dd != NULL)
+    closedir(dd);
+  rmdir(dir);
 }
 
 void tdt_stop(tdt_daemon *d) {
@@ -329,7 +335,7 @@ void tdt_kill(tdt_daemon *d) {
     d->pid = 0;
   }
   tdt_unlink_segments(d->instance);
-  remove_dir(d);
+  tdt_rmdir(d->dir);
   untrack(d);
 }
 

@@ -47,6 +47,11 @@ void tdt_stop(tdt_daemon *d);
 void tdt_stopped(tdt_daemon *d);
 /* Kills tensord with SIGKILL (no checks); removes what it leaves. */
 void tdt_kill(tdt_daemon *d);
+/* Segments of a daemon instance in /dev/shm now. */
+int tdt_segments_of(uint64_t instance);
+/* Removes the files in dir (a test's temporary directory; "" ok), the
+ * empty directories among them, and dir itself. */
+void tdt_rmdir(const char *dir);
 /* Unlinks every segment of a daemon instance left in /dev/shm. */
 void tdt_unlink_segments(uint64_t instance);
 

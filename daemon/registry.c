@@ -136,12 +136,10 @@ void td__registry_init(td__registry *r, uint64_t capacity,
 
 /* Drops one reference of s; the last one unregisters it and hands it to
  * free_fn. */
-static void storage_unlist(td__registry *r, td__storage *s);
-
 static void storage_unref(td__registry *r, td__storage *s) {
   if (--s->refs > 0)
     return;
-  storage_unlist(r, s);
+  td__storage_remove(r, s);
   td__credit(r, s->owner.uid, s->nbytes);
   r->free_fn(s, r->free_arg);
 }
@@ -204,8 +202,7 @@ int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
   return 0;
 }
 
-/* Takes s out of the table and the id-ordered list. */
-static void storage_unlist(td__registry *r, td__storage *s) {
+void td__storage_remove(td__registry *r, td__storage *s) {
   td__htab_remove(&r->storages, &s->node);
   if (s->prev)
     s->prev->next = s->next;
@@ -216,10 +213,6 @@ static void storage_unlist(td__registry *r, td__storage *s) {
   else
     r->last = s->prev;
   r->bytes_used -= s->nbytes;
-}
-
-void td__storage_remove(td__registry *r, td__storage *s) {
-  storage_unlist(r, s);
 }
 
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id) {

@@ -739,11 +739,17 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
                   "create with reserved[%zu] = 0x%llx: libtensord %s knows no "
                   "option there (zero-initialise td_create_opts)",
                   i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
+  if (o->flags & ~(uint64_t)TD_UNINIT)
+    return fail(c, TD_EINVAL,
+                "create with flags 0x%llx: only TD_UNINIT (0x%x) is a create "
+                "flag",
+                (unsigned long long)o->flags, TD_UNINIT);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.nbytes = o->nbytes;
   m.mode = o->mode;
   m.device = (Tensord__Device)o->device;
+  m.uninitialized = (o->flags & TD_UNINIT) != 0;
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
   req.create = &m;
   Tensord__Response *r;
@@ -1067,6 +1073,11 @@ int td_stat_get(td_client *c, td_stat *out) {
   out->pid = st->pid;
   out->instance = st->instance;
   out->quota = st->quota;
+  out->pool_segments = st->pool_segments;
+  out->pool_bytes = st->pool_bytes;
+  out->pool_limit = st->pool_limit;
+  out->pool_hits = st->pool_hits;
+  out->pool_misses = st->pool_misses;
   out->max_clients = st->max_clients;
   out->max_storages_per_client = st->max_storages_per_client;
   snprintf(out->state_dir, sizeof(out->state_dir), "%s", st->state_dir);

@@ -249,7 +249,11 @@ static int cmd_stat(td_client *c) {
     json_str(st.socket);
     printf(",\"state_dir\":");
     json_str(st.state_dir);
-    printf("}\n");
+    printf(",\"pool\":{\"segments\":%" PRIu64 ",\"bytes\":%" PRIu64
+           ",\"limit\":%" PRIu64 ",\"hits\":%" PRIu64 ",\"misses\":%" PRIu64
+           "}}\n",
+           st.pool_segments, st.pool_bytes, st.pool_limit, st.pool_hits,
+           st.pool_misses);
     return 0;
   }
   printf("storages  %" PRIu64 "\n", st.storages);
@@ -266,6 +270,18 @@ static int cmd_stat(td_client *c) {
   printf("socket    %s\n", st.socket);
   printf("state     %s\n",
          st.state_dir[0] ? st.state_dir : "none (keys end with tensord)");
+  if (st.pool_limit) {
+    uint64_t tries = st.pool_hits + st.pool_misses;
+    printf("pool      %" PRIu64 " segment(s), %s of %s; %" PRIu64
+           " hit(s), %" PRIu64 " miss(es)",
+           st.pool_segments, human(st.pool_bytes, a, sizeof(a)),
+           human(st.pool_limit, b, sizeof(b)), st.pool_hits, st.pool_misses);
+    if (tries)
+      printf(" (%.0f%% hits)", 100.0 * (double)st.pool_hits / (double)tries);
+    printf("\n");
+  } else {
+    printf("pool      off (--recycle-bytes 0)\n");
+  }
   if (st.quota)
     printf("quota     %s per uid\n", human(st.quota, a, sizeof(a)));
   if (st.max_clients)

@@ -44,6 +44,17 @@ typedef struct td__backend {
   /* Frees the segment's name; its bytes go when no process maps them. A
    * segment already gone is not an error. */
   void (*unlink)(const char *name);
+  /* Gives segment from the name to (which must not exist), bytes and all:
+   * how a freed segment enters the recycling pool. Returns 0 or a negative
+   * code (from unchanged). */
+  int (*rename)(const char *from, const char *to);
+  /* Serves a create of nbytes from the pooled segment from: renames it
+   * to, sets its size to nbytes (freeing a tail, reserving pages that are
+   * missing) and, if zero, zeroes every byte through a populated mapping.
+   * Returns a read-write fd the caller owns, or a negative code with msg
+   * filled; on failure neither from nor to is left behind. */
+  int (*reuse)(const char *from, const char *to, uint64_t nbytes, int zero,
+               char *msg, size_t len);
   /* Unlinks every segment whose name (without the leading '/') starts with
    * prefix, except those keep (if not NULL) says to keep. Returns how many
    * it tried to unlink (a failure is logged), or a negative code if it

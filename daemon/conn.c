@@ -347,7 +347,13 @@ static void on_poll(uv_poll_t *h, int status, int events) {
   td__conn *c = td__container_of(h, td__conn, poll);
   if (status < 0) {
     char why[96];
-    snprintf(why, sizeof(why), "poll failed: %s", uv_strerror(status));
+    /* libuv reports POLLERR as UV_EBADF: on a Unix socket, a peer that
+     * closed (or died) with data it had not read. */
+    if (status == UV_EBADF)
+      snprintf(why, sizeof(why), "connection reset (it closed with replies "
+                                 "unread)");
+    else
+      snprintf(why, sizeof(why), "poll failed: %s", uv_strerror(status));
     td__conn_close(c, why);
     return;
   }

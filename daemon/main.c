@@ -43,6 +43,12 @@ static void usage(FILE *f) {
       "                         (default 30000)\n"
       "  --state-dir DIR        keep published keys here, durably, so that\n"
       "                         they survive a restart or a crash\n"
+      "  --recycle-bytes SIZE   keep up to this many bytes of freed segments\n"
+      "                         to serve later creates of the same uid from\n"
+      "                         pages that exist; 0 turns recycling off\n"
+      "                         (default: a quarter of the capacity)\n"
+      "  --recycle-idle MS      unlink a pooled segment unused this long\n"
+      "                         (default 30000)\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -97,6 +103,8 @@ int main(int argc, char **argv) {
     OPT_SOCKET_GROUP,
     OPT_SOCKET_MODE,
     OPT_STATE_DIR,
+    OPT_RECYCLE_BYTES,
+    OPT_RECYCLE_IDLE,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -110,6 +118,8 @@ int main(int argc, char **argv) {
       {"max-keys-per-uid", required_argument, NULL, OPT_MAX_KEYS},
       {"io-timeout", required_argument, NULL, OPT_IO_TIMEOUT},
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
+      {"recycle-bytes", required_argument, NULL, OPT_RECYCLE_BYTES},
+      {"recycle-idle", required_argument, NULL, OPT_RECYCLE_IDLE},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
@@ -173,6 +183,18 @@ int main(int argc, char **argv) {
       break;
     case OPT_STATE_DIR:
       o.state_dir = optarg;
+      break;
+    case OPT_RECYCLE_BYTES:
+      /* 0 is a size here: it turns recycling off. */
+      if (strcmp(optarg, "0") != 0 &&
+          parse_bytes("--recycle-bytes", optarg, &o.recycle_bytes) < 0)
+        return 2;
+      o.recycle_set = 1;
+      break;
+    case OPT_RECYCLE_IDLE:
+      if (parse_count("--recycle-idle", optarg, 24ull * 3600 * 1000,
+                      &o.recycle_idle_ms) < 0)
+        return 2;
       break;
     case 'l': {
       int level = td__log_level_parse(optarg);

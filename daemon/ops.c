@@ -102,6 +102,11 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
       return td__msg(msg, len, err, "opening %s: %s", s->name,
                      td_strerror(err));
     }
+    /* That process may keep its mapping past its release: the pages must
+     * never serve another storage of the owner, which it might not be
+     * allowed to read (root reads everything anyway). */
+    if (c->hold.peer.uid != s->owner.uid && c->hold.peer.uid != 0)
+      s->foreign = 1;
   }
   return 0;
 }
@@ -215,21 +220,36 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
                   "create: this client holds %zu storages and is creating "
                   "%u, the most --max-storages-per-client allows",
                   c->hold.refs.count, c->ncreates);
+  /* A pooled segment of this uid serves it if one fits: its bytes are
+   * counted already, so only the quota is charged. */
+  uid_t uid = c->hold.peer.uid;
+  td__pooled *pooled = td__pool_take(&srv->pool, uid, TD_CPU, n);
   /* The limits tensord sets first, then what /dev/shm can hold. */
   char msg[256];
-  int err = td__charge(reg, c->hold.peer.uid, n, 0, msg, sizeof(msg));
-  if (err < 0)
+  int err = td__charge(reg, uid, n, 0, msg, sizeof(msg));
+  if (err < 0) {
+    if (pooled)
+      td__pool_untake(&srv->pool, pooled);
     return reject(c, seq, err, "create of %s", msg);
-  uint64_t shm_free = 0, shm_total = 0;
-  if (td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0 &&
-      n > shm_free) {
-    td__credit(reg, c->hold.peer.uid, n);
-    return reject(
-        c, seq, TD_ENOSPC,
-        "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free of %s",
-        td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-        td__human_bytes(shm_free, b, sizeof(b)), (unsigned long long)shm_free,
-        td__human_bytes(shm_total, d, sizeof(d)));
+  }
+  td__pooled *victims = NULL;
+  if (pooled == NULL) {
+    /* Fresh pages: the pool gives way first if they would not fit. */
+    uint64_t shm_free = 0, shm_total = 0, freed = 0;
+    int known = td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0;
+    victims = td__pool_make_room(srv, known ? n : 0, shm_free, &freed);
+    if (known && n > shm_free + freed) {
+      td__credit(reg, uid, n);
+      td__pool_restore(&srv->pool, victims);
+      return reject(
+          c, seq, TD_ENOSPC,
+          "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free of "
+          "%s",
+          td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+          td__human_bytes(shm_free + freed, b, sizeof(b)),
+          (unsigned long long)(shm_free + freed),
+          td__human_bytes(shm_total, d, sizeof(d)));
+    }
   }
 
   td__create *cr = calloc(1, sizeof(*cr));
@@ -237,7 +257,10 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (cr == NULL || s == NULL) {
     free(cr);
     free(s);
-    td__credit(reg, c->hold.peer.uid, n);
+    td__credit(reg, uid, n);
+    if (pooled)
+      td__pool_untake(&srv->pool, pooled);
+    td__pool_restore(&srv->pool, victims);
     return reject(c, seq, TD_ENOMEM, "create: out of memory");
   }
   s->mode = m->mode ? m->mode : 0600;
@@ -255,6 +278,9 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     c->creates->prev = cr;
   c->creates = cr;
   c->ncreates++;
+  cr->seg.pooled = pooled;
+  cr->seg.victims = victims;
+  cr->seg.zero = !m->uninitialized;
   td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
 }
@@ -671,6 +697,11 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.max_clients = srv->max_clients;
   st.max_storages_per_client = srv->max_storages_per_client;
   st.state_dir = srv->state_dir;
+  st.pool_segments = srv->pool.count;
+  st.pool_bytes = srv->pool.bytes;
+  st.pool_limit = srv->pool.limit;
+  st.pool_hits = srv->pool.hits;
+  st.pool_misses = srv->pool.misses;
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;
   r.seq = seq;

@@ -422,6 +422,7 @@ td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
     usage_put(r, was);
   }
   k->uid = p->uid;
+  p->s->named = 1;
   /* The new storage gains its reference before the old one loses its, so
    * publishing a key onto its own storage frees nothing. */
   if (old != NULL)

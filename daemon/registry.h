@@ -53,6 +53,11 @@ struct td__storage {
   td_device device;
   uint32_t refs;  /* holders' references plus one per key */
   uint32_t mode;  /* rw bits for owner, group, other: 0600 by default */
+  /* An fd on it went to a process of another uid (which may map it after
+   * it is freed), or it was adopted at a start (no one knows who maps
+   * it): its segment is never recycled. */
+  int foreign;
+  int named; /* a key has named it: a journal may record its segment */
   td__peer owner; /* the creator: pid, and the uid and gid that own it */
   int64_t created_ms;
   td__ref *holders;

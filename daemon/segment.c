@@ -15,23 +15,61 @@
  * reserving their pages costs about as much as a hop to the thread pool. */
 #define SYNC_BYTES_MAX (256u * 1024)
 
+/* Unlinks the victims and the pooled segment req did not use, and frees
+ * their entries. */
+static void unlink_pooled(td__segment_req *req) {
+  for (td__pooled *v = req->victims, *next; v != NULL; v = next) {
+    next = v->next;
+    const td__backend *b = td__backend_for(v->device);
+    if (b != NULL)
+      b->unlink(v->name);
+    free(v);
+  }
+  req->victims = NULL;
+  if (req->pooled != NULL) {
+    const td__backend *b = td__backend_for(req->pooled->device);
+    if (b != NULL)
+      b->unlink(req->pooled->name);
+    free(req->pooled);
+    req->pooled = NULL;
+  }
+}
+
 static void create_work(uv_work_t *w) {
   td__segment_req *req = td__container_of(w, td__segment_req, work);
-  const td__backend *b = td__backend_for(req->s->device);
+  td__storage *s = req->s;
+  td__pooled *e = req->pooled;
+  req->pooled = NULL;
+  unlink_pooled(req); /* the victims */
+  const td__backend *b = td__backend_for(s->device);
   if (b == NULL) {
     req->fd = td__msg(req->msg, sizeof(req->msg), TD_ENODEV,
-                      "no backend for device %d", (int)req->s->device);
+                      "no backend for device %d", (int)s->device);
+    if (e != NULL) /* a pooled segment is of a device with a backend */
+      free(e);
     return;
   }
-  req->fd = b->create(req->s->name, req->s->nbytes, req->msg, sizeof(req->msg));
+  if (e != NULL) {
+    req->fd = b->reuse(e->name, s->name, s->nbytes, req->zero, req->msg,
+                       sizeof(req->msg));
+    if (req->fd < 0) /* reuse left nothing: make a fresh one instead */
+      td__warn("storage %llu: %s; making a fresh segment",
+               (unsigned long long)s->id, req->msg);
+    free(e);
+    if (req->fd >= 0)
+      return;
+  }
+  req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
 }
 
 static void create_after(uv_work_t *w, int status) {
   td__segment_req *req = td__container_of(w, td__segment_req, work);
   td__server *srv = req->srv; /* cb frees req */
-  if (status == UV_ECANCELED) /* never ran */
+  if (status == UV_ECANCELED) { /* never ran */
+    unlink_pooled(req);
     req->fd = td__msg(req->msg, sizeof(req->msg), TD_ECANCELED,
                       "cancelled: tensord is stopping");
+  }
   req->cb(req);
   td__work_done(srv);
 }
@@ -43,13 +81,15 @@ void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
   req->fd = -1;
   req->msg[0] = '\0';
   req->cb = cb;
-  if (s->nbytes <= SYNC_BYTES_MAX) {
+  /* Unlinking victims frees their pages: a cost that grows with bytes. */
+  if (s->nbytes <= SYNC_BYTES_MAX && req->victims == NULL) {
     create_work(&req->work);
     cb(req);
     return;
   }
   int err = uv_queue_work(srv->loop, &req->work, create_work, create_after);
   if (err < 0) {
+    unlink_pooled(req);
     req->fd = td__msg(req->msg, sizeof(req->msg), TD_ENOMEM,
                       "cannot queue work: %s", uv_strerror(err));
     cb(req);
@@ -114,14 +154,105 @@ void td__storage_gone(td__storage *s, void *arg) {
     free(s);
     return;
   }
-  td__debug("storage %llu: last reference dropped; unlinking %s",
-            (unsigned long long)s->id, s->name);
   /* A key change not yet on disk may be what freed s, and the journal on
    * disk may still name it: the segment stays until the change is durable,
    * so that a crash now finds every segment the journal names. */
-  if (td__state_hold_unlink(srv->state, s) == 0)
+  if (td__state_hold_unlink(srv->state, s) == 0 &&
+      !td__segment_recycle(srv, s)) {
+    td__debug("storage %llu: last reference dropped; unlinking %s",
+              (unsigned long long)s->id, s->name);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
+  }
   free(s);
+}
+
+/* ---- the recycling pool ---- */
+
+static void evict(td__server *srv, td__pooled *e) {
+  td__segment_unlink(srv, e->device, e->name, e->nbytes);
+  free(e);
+}
+
+/* Starts the ageing timer for the oldest pooled segment, if not running. */
+static void pool_arm(td__server *srv) {
+  td__pool *p = &srv->pool;
+  if (!srv->listening || srv->stopping || p->oldest == NULL ||
+      uv_is_active((uv_handle_t *)&srv->pool_timer))
+    return;
+  int64_t due = p->oldest->since_ms + p->idle_ms - td__now_ms();
+  uv_timer_start(&srv->pool_timer, td__server_pool_tick,
+                 due < 10 ? 10 : (uint64_t)due, 0);
+}
+
+int td__segment_recycle(td__server *srv, td__storage *s) {
+  td__pool *p = &srv->pool;
+  const td__backend *b = td__backend_for(s->device);
+  if (srv->stopping || b == NULL || b->rename == NULL ||
+      !td__pool_wants(p, s->nbytes) || s->foreign)
+    return 0;
+  /* Room first: the pool's bounds, and the capacity beside the storages
+   * (whose charge s has already given back). */
+  while (p->count > 0 &&
+         (p->count >= TD__POOL_MAX_SEGMENTS ||
+          p->bytes + s->nbytes > p->limit ||
+          srv->reg.bytes_committed + p->bytes + s->nbytes > srv->reg.capacity))
+    evict(srv, td__pool_pop(p));
+  if (srv->reg.bytes_committed + s->nbytes > srv->reg.capacity)
+    return 0;
+  td__pooled *e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return 0;
+  td__pool_name(p, e->name);
+  int err = b->rename(s->name, e->name);
+  if (err < 0) {
+    td__warn("storage %llu: cannot pool %s as %s: %s; unlinking it",
+             (unsigned long long)s->id, s->name, e->name, td_strerror(err));
+    free(e);
+    return 0;
+  }
+  e->uid = s->owner.uid;
+  e->device = s->device;
+  e->nbytes = s->nbytes;
+  e->since_ms = td__now_ms();
+  td__pool_put(p, e);
+  td__debug("storage %llu: last reference dropped; pooled as %s (%llu "
+            "segment(s), %llu bytes)",
+            (unsigned long long)s->id, e->name, (unsigned long long)p->count,
+            (unsigned long long)p->bytes);
+  pool_arm(srv);
+  return 1;
+}
+
+void td__pool_drain(td__server *srv) {
+  td__pooled *e;
+  while ((e = td__pool_pop(&srv->pool)) != NULL)
+    evict(srv, e);
+}
+
+int64_t td__pool_age(td__server *srv, int64_t now_ms) {
+  td__pool *p = &srv->pool;
+  while (p->oldest != NULL && now_ms - p->oldest->since_ms >= p->idle_ms) {
+    td__debug("pooled %s idle for %lld ms; unlinking it", p->oldest->name,
+              (long long)(now_ms - p->oldest->since_ms));
+    evict(srv, td__pool_pop(p));
+  }
+  return p->oldest ? p->oldest->since_ms + p->idle_ms - now_ms : -1;
+}
+
+td__pooled *td__pool_make_room(td__server *srv, uint64_t need, uint64_t free,
+                               uint64_t *freed) {
+  td__pool *p = &srv->pool;
+  td__pooled *victims = NULL, **tail = &victims;
+  *freed = 0;
+  while (p->count > 0 &&
+         (srv->reg.bytes_committed + p->bytes > srv->reg.capacity ||
+          free + *freed < need)) {
+    td__pooled *e = td__pool_pop(p);
+    *freed += e->nbytes;
+    *tail = e;
+    tail = &e->next;
+  }
+  return victims;
 }
 
 int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep,

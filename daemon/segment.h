@@ -5,6 +5,7 @@
 #define TD_DAEMON_SEGMENT_H
 
 #include "backend.h"
+#include "pool.h"
 #include "registry.h"
 
 #include <stdint.h>
@@ -21,6 +22,9 @@ struct td__segment_req {
   uv_work_t work;
   td__server *srv;
   td__storage *s;
+  td__pooled *pooled;  /* serve s from this pooled segment, or NULL */
+  td__pooled *victims; /* pooled segments to unlink first (next-linked) */
+  int zero;            /* the bytes must read as zeros */
   int fd;
   char msg[256];
   td__segment_cb cb;
@@ -29,7 +33,10 @@ struct td__segment_req {
 /* Makes the segment of s (its name, nbytes and device set) and calls cb
  * exactly once: before returning for a small segment or on failure to
  * queue, from the loop later for a large one (a stop waits for it). req
- * must stay valid until cb. */
+ * must stay valid until cb. The segment comes from req->pooled if the
+ * caller set it (falling back to a fresh one if that fails), zeroed if
+ * req->zero; req->victims are unlinked before anything is made, so that
+ * their space is free for it. td__segment_create owns and frees both. */
 void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
                         td__segment_cb cb);
 /* Opens a new fd on s's segment for a client, read-only if readonly.
@@ -43,6 +50,26 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
  * freed; but when a stop with --state-dir frees the registry
  * (srv->keep_segments), the segment stays for the next start. */
 void td__storage_gone(td__storage *s, void *arg);
+/* Puts the segment of s, whose last reference is gone, in the recycling
+ * pool, ageing out or evicting older ones to keep the pool in its bounds.
+ * Returns 1 if it did, 0 if s is not to be recycled (the caller unlinks
+ * it): recycling is off or stopping, the size is out of range, or an fd on
+ * it ever went to a process of another uid (which may still map it). */
+int td__segment_recycle(td__server *srv, td__storage *s);
+/* Unlinks every pooled segment (a stop). */
+void td__pool_drain(td__server *srv);
+/* Unlinks the pooled segments idle for longer than the pool's idle_ms, and
+ * returns the ms until the next one would be (-1: the pool is empty). */
+int64_t td__pool_age(td__server *srv, int64_t now_ms);
+/* Takes pooled segments off, oldest first, until the pool fits in the
+ * capacity beside what storages have committed, and need more bytes fit in
+ * the backend's free bytes plus theirs: a create that would otherwise fail
+ * for space drains the pool first. Returns them, next-linked, for the
+ * create to unlink first (td__segment_req.victims), with their bytes in
+ * *freed. */
+td__pooled *td__pool_make_room(td__server *srv, uint64_t need, uint64_t free,
+                               uint64_t *freed);
+
 /* Unlinks every segment of every backend under prefix (no leading '/'),
  * except those keep (if not NULL) keeps. Returns how many, or a negative
  * code. */

@@ -342,7 +342,8 @@ static void record_instance(td__server *srv) {
   char tmp[sizeof(srv->run_path) + 8];
   snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
   FILE *f = fopen(tmp, "w");
-  int ok = f != NULL && fprintf(f, "%s\n", srv->prefix) > 0;
+  int ok = f != NULL && fprintf(f, "%s\n%s\n", srv->prefix,
+                                srv->pool.prefix) > 0;
   char last[TD__PREFIX_MAX] = "";
   for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
     char p[TD__PREFIX_MAX];
@@ -394,6 +395,21 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->max_keys_per_uid =
       o->max_keys_per_uid ? o->max_keys_per_uid : TD__MAX_KEYS_PER_UID;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
+  uint64_t recycle =
+      o->recycle_set ? o->recycle_bytes : capacity / TD__RECYCLE_SHARE;
+  if (recycle > capacity)
+    recycle = capacity;
+  td__pool_init(&srv->pool, recycle,
+                (int64_t)(o->recycle_idle_ms ? o->recycle_idle_ms
+                                             : TD__RECYCLE_IDLE_MS),
+                srv->instance);
+}
+
+void td__server_pool_tick(uv_timer_t *t) {
+  td__server *srv = td__container_of(t, td__server, pool_timer);
+  int64_t due = td__pool_age(srv, td__now_ms());
+  if (due >= 0 && !srv->stopping)
+    uv_timer_start(t, td__server_pool_tick, due < 10 ? 10 : (uint64_t)due, 0);
 }
 
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
@@ -432,6 +448,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->listening = 1;
   uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
   uv_timer_init(loop, &srv->accept_timer);
+  uv_timer_init(loop, &srv->pool_timer);
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   uv_signal_init(loop, &srv->sigint);
   uv_signal_init(loop, &srv->sigterm);
@@ -496,6 +513,7 @@ void td__server_stop(td__server *srv) {
     sd_notify_state("STOPPING=1");
     uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, NULL);
+    uv_close((uv_handle_t *)&srv->pool_timer, NULL);
     uv_close((uv_handle_t *)&srv->sigint, NULL);
     uv_close((uv_handle_t *)&srv->sigterm, NULL);
     if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
@@ -505,6 +523,13 @@ void td__server_stop(td__server *srv) {
   while (srv->conns != NULL)
     td__conn_close(srv->conns, "tensord is stopping");
   td__info("closed %llu client(s)", (unsigned long long)n);
+  /* Pooled segments never outlive tensord, --state-dir or not (their
+   * unlinks are jobs the stop waits for). */
+  if (srv->pool.count > 0)
+    td__info("unlinking %llu pooled segment(s) (%llu bytes)",
+             (unsigned long long)srv->pool.count,
+             (unsigned long long)srv->pool.bytes);
+  td__pool_drain(srv);
   /* A job still running on the thread pool would find the state or the
    * registry freed under it: its completion finishes the stop instead. */
   if (srv->pending_work > 0) {
@@ -524,9 +549,12 @@ void td__work_done(td__server *srv) {
 void td__server_finish(td__server *srv) {
   /* Whatever a bug might have left behind goes too; with --state-dir the
    * next start sweeps what no key names. */
+  int n = td__segments_unlink_prefix(srv->pool.prefix + 1, NULL, NULL);
+  if (n > 0)
+    td__warn("unlinked %d pooled segment(s) still in /dev/shm at exit", n);
   if (srv->keep_segments)
     return;
-  int n = td__segments_unlink_prefix(srv->prefix + 1, NULL, NULL);
+  n = td__segments_unlink_prefix(srv->prefix + 1, NULL, NULL);
   if (n > 0)
     td__warn("unlinked %d segment(s) still in /dev/shm at exit", n);
 }

@@ -5,6 +5,7 @@
 
 #include "backend.h"
 #include "conn.h"
+#include "pool.h"
 #include "registry.h"
 #include "waitq.h"
 
@@ -14,6 +15,10 @@
 /* Defaults of the limits that have one (see docs/security.md). */
 #define TD__MAX_WAITERS_PER_CLIENT 4096
 #define TD__MAX_KEYS_PER_UID 100000
+/* The recycling pool holds at most this share of the capacity by default,
+ * and a pooled segment idle this long goes. */
+#define TD__RECYCLE_SHARE 4
+#define TD__RECYCLE_IDLE_MS 30000
 
 typedef struct td__state td__state; /* state.c */
 
@@ -38,6 +43,8 @@ struct td__server {
   td__conn *conns;
   uint64_t nconns;
   td__waits waits;       /* lookups waiting for keys */
+  td__pool pool;         /* freed segments kept for reuse (segment.c) */
+  uv_timer_t pool_timer; /* ages the pool out */
   uint64_t pending_work; /* thread-pool jobs in flight: see td__work_done */
   td__state *state;      /* NULL without --state-dir */
   int keep_segments;     /* keyed segments stay: a stop with --state-dir, or a
@@ -62,6 +69,9 @@ typedef struct td__options {
   const char *socket_group; /* chown the socket to this group */
   int socket_mode;          /* chmod the socket; -1: leave it */
   const char *state_dir;
+  int recycle_set;          /* recycle_bytes was given (0 turns it off) */
+  uint64_t recycle_bytes;   /* default: a quarter of the capacity */
+  uint64_t recycle_idle_ms; /* 0: the default, 30 s */
 } td__options;
 
 /* Sets srv up without a socket: for tests and the fuzz target, which hand
@@ -81,6 +91,9 @@ void td__server_finish(td__server *srv);
  * keys name keep their segments with --state-dir; every other segment is
  * unlinked. */
 void td__server_stop(td__server *srv);
+/* The pool's ageing timer: unlinks what was idle too long, and waits for
+ * the next. */
+void td__server_pool_tick(uv_timer_t *t);
 /* Every thread-pool job's completion callback ends with this, after
  * whatever it queued in turn: it counts the job out of srv->pending_work
  * and finishes a stop that was waiting for it. */

@@ -62,6 +62,76 @@ static void shm_unlink_name(const char *name) {
     td__warn("shm_unlink(%s): %s", name, strerror(errno));
 }
 
+/* shm_open's names are files in /dev/shm: renaming one there renames the
+ * object. */
+static int shm_path(const char *name, char *buf, size_t len) {
+  int n = snprintf(buf, len, "/dev/shm%s", name);
+  return n < 0 || (size_t)n >= len ? TD_ENAMETOOLONG : 0;
+}
+
+static int shm_rename(const char *from, const char *to) {
+  char a[TD__SEGMENT_NAME_MAX + 16], b[TD__SEGMENT_NAME_MAX + 16];
+  if (shm_path(from, a, sizeof(a)) < 0 || shm_path(to, b, sizeof(b)) < 0)
+    return TD_ENAMETOOLONG;
+  /* RENAME_NOREPLACE would be exact, but names are never reused: the
+   * target cannot exist. */
+  return rename(a, b) < 0 ? -errno : 0;
+}
+
+static int shm_reuse(const char *from, const char *to, uint64_t nbytes,
+                     int zero, char *msg, size_t len) {
+  int err = shm_rename(from, to);
+  if (err < 0) {
+    shm_unlink_name(from);
+    return td__msg(msg, len, err, "renaming pooled %s to %s: %s", from, to,
+                   td_strerror(err));
+  }
+  int fd = shm_open(to, O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    err = td__msg(msg, len, -errno, "shm_open(%s): %s", to, strerror(errno));
+    goto unlink;
+  }
+  /* A client that held it read-write may have truncated the object, so
+   * its size is read, not assumed. */
+  struct stat sb;
+  if (fstat(fd, &sb) < 0) {
+    err = td__msg(msg, len, -errno, "fstat(%s): %s", to, strerror(errno));
+    goto close;
+  }
+  if ((uint64_t)sb.st_size != nbytes && ftruncate(fd, (off_t)nbytes) < 0) {
+    err = td__msg(msg, len, -errno, "truncating %s to %llu bytes: %s", to,
+                  (unsigned long long)nbytes, strerror(errno));
+    goto close;
+  }
+  int ferr = (uint64_t)sb.st_size < nbytes
+                 ? posix_fallocate(fd, 0, (off_t)nbytes)
+                 : 0;
+  if (ferr != 0) {
+    err = td__msg(msg, len, -ferr, "reserving %llu bytes of %s: %s",
+                  (unsigned long long)nbytes, to, strerror(ferr));
+    goto close;
+  }
+  if (zero) {
+    /* Pages that exist: one populate and a memset, no fault per page. */
+    void *p = mmap(NULL, (size_t)nbytes, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (p == MAP_FAILED) {
+      err = td__msg(msg, len, -errno, "mapping %s to zero it: %s", to,
+                    strerror(errno));
+      goto close;
+    }
+    memset(p, 0, (size_t)nbytes);
+    munmap(p, (size_t)nbytes);
+  }
+  return fd;
+
+close:
+  close(fd);
+unlink:
+  shm_unlink_name(to);
+  return err;
+}
+
 static int shm_space(uint64_t *free_bytes, uint64_t *total_bytes) {
   struct statvfs st;
   if (statvfs("/dev/shm", &st) < 0)
@@ -112,6 +182,8 @@ const td__backend td__shm_backend = {
     .create = shm_create,
     .open = shm_open_export,
     .unlink = shm_unlink_name,
+    .rename = shm_rename,
+    .reuse = shm_reuse,
     .unlink_prefix = shm_unlink_prefix,
     .space = shm_space,
     .describe = shm_describe,

@@ -512,6 +512,7 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     s->nbytes = m->nbytes;
     s->device = TD_CPU;
     s->mode = m->mode & 0666;
+    s->foreign = 1; /* mapped by whom before the restart, no one knows */
     s->owner.pid = m->owner_pid;
     s->owner.uid = m->owner_uid;
     s->owner.gid = m->owner_gid;
@@ -695,7 +696,8 @@ fail:
 static void sync_start(td__state *st);
 
 int td__state_hold_unlink(td__state *st, const td__storage *s) {
-  if (st == NULL || st->durable == st->ticket)
+  /* No key ever named s: no journal names its segment. */
+  if (st == NULL || st->durable == st->ticket || !s->named)
     return 0;
   held_unlink *u = calloc(1, sizeof(*u));
   if (u == NULL)

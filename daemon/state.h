@@ -32,8 +32,9 @@ int td__state_reply(td__state *st, td__conn *c, struct Tensord__Response *r,
 void td__state_conn_gone(td__state *st, const td__conn *c);
 /* Holds the unlink of freed storage s's segment until every key change
  * recorded so far is on disk. Returns 1 if it did, 0 if the caller is to
- * unlink now (no change pending, st NULL, or no memory to hold it: then a
- * crash before the sync drops the key that named s). */
+ * unlink (or recycle) it now: no key ever named s, no change is pending,
+ * st is NULL, or there is no memory to hold it (then a crash before the
+ * sync drops the key that named s). */
 int td__state_hold_unlink(td__state *st, const td__storage *s);
 /* Writes a final snapshot, unlinks the segments held for the journal, drops
  * the replies still held (their clients are gone) and frees st. Only with

@@ -357,6 +357,11 @@ typedef struct td_storage td_storage;
 
 #define TD_RDONLY 0x1u /* open or look up for reading only */
 #define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */
+/* td_create_opts.flags: the caller writes every byte before it reads any
+ * (the torch.empty / malloc contract), so the bytes need not be zero; a
+ * storage served from tensord's recycling pool then keeps whatever its
+ * owner uid last wrote there. Without it a create reads as zeros. */
+#define TD_UNINIT 0x4u
 
 /* Returns the socket path the daemon, the library and tensorctl agree on:
  * $TENSORD_SOCKET, else $XDG_RUNTIME_DIR/tensord.sock, else
@@ -393,7 +398,8 @@ typedef struct td_create_opts {
    * is the creating process's uid and gid. Root may open anything. */
   uint32_t mode;
   td_device device;     /* TD_CPU */
-  uint64_t reserved[6]; /* zero (see ABI above); non-zero is TD_EINVAL */
+  uint64_t flags;       /* TD_UNINIT or 0; other bits are TD_EINVAL */
+  uint64_t reserved[5]; /* zero (see ABI above); non-zero is TD_EINVAL */
 } td_create_opts;
 int td_storage_create_ex(td_client *c, const td_create_opts *o,
                          td_storage **out);
@@ -481,7 +487,15 @@ typedef struct td_stat {
   char state_dir[256]; /* "": keys do not survive a restart */
   char version[32];
   char socket[256];
-  uint64_t reserved[8]; /* zero (see ABI above) */
+  /* The recycling pool (docs/design.md): freed segments kept for the next
+   * create of their owner uid. They are not storages (no id, not listed)
+   * and count against the capacity, not against any quota. */
+  uint64_t pool_segments;
+  uint64_t pool_bytes;
+  uint64_t pool_limit;  /* --recycle-bytes; 0: recycling is off */
+  uint64_t pool_hits;   /* creates served from the pool */
+  uint64_t pool_misses; /* creates of a poolable size it could not serve */
+  uint64_t reserved[3]; /* zero (see ABI above) */
 } td_stat;
 
 /* Called once per live storage, in id order; a non-zero return stops the

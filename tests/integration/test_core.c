@@ -18,6 +18,7 @@ TestSuite(core, .init = setup, .fini = tdt_cleanup, .timeout = 30);
 typedef struct {
   const char *sock;
   const char *key;
+  int ready; /* sleeper: written to once it holds the only reference */
 } child_arg;
 
 /* Looks the key up, checks the producer's bytes, writes its own, exits. */
@@ -48,7 +49,7 @@ TDT_TEST(core, two_processes_see_each_others_writes) {
   for (int i = 0; i < 4096; i++)
     b[i] = (unsigned char)(i * 7);
   cr_assert_eq(td_publish(c, "shared/a", s, NULL), 0, "%s", td_last_error(c));
-  child_arg a = {d.sock, "shared/a"};
+  child_arg a = {d.sock, "shared/a", -1};
   cr_assert_eq(tdt_wait(tdt_fork(consumer, &a)), 0);
   for (int i = 0; i < 4096; i++)
     cr_assert_eq(b[i], 0xab, "byte %d: the consumer's write is visible", i);
@@ -66,19 +67,24 @@ static int sleeper(void *p) {
   CHECK(td_storage_create(c, 1 << 20, &s) == 0);
   CHECK(td_publish(c, a->key, s, NULL) == 0);
   CHECK(td_unpublish(c, a->key) == 0);
+  CHECK(write(a->ready, "", 1) == 1);
   pause(); /* killed here, holding the only reference */
   return 0;
 }
 
 TDT_TEST(core, sigkill_of_holder_frees_its_segment) {
-  child_arg a = {d.sock, "doomed"};
+  int ready[2];
+  cr_assert_eq(pipe(ready), 0);
+  child_arg a = {d.sock, "doomed", ready[1]};
   pid_t pid = tdt_fork(sleeper, &a);
+  close(ready[1]);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  /* Wait until the child holds its storage. */
-  int tries = 0;
-  while (tdt_storages(&d) == 0 && tries++ < 2500)
-    usleep(2000);
+  /* Killed before tensord read its unpublish, the child would rightly
+   * leave the key (and the storage) behind: wait for it to say so. */
+  char b;
+  cr_assert_eq(read(ready[0], &b, 1), 1, "the child failed before pause()");
+  close(ready[0]);
   cr_assert_eq(tdt_storages(&d), 1);
   cr_assert_eq(tdt_segments(&d), 1);
   kill(pid, SIGKILL);

@@ -239,10 +239,7 @@ void tdt_start_inherited(tdt_daemon *d) {
   wait_ready(d, nfd);
 }
 
-int tdt_segments_of(uint64_t instance) {
-  char prefix[64];
-  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
-           (unsigned long long)instance);
+static int count_prefix(const char *prefix) {
   DIR *dir = opendir("/dev/shm");
   cr_assert_not_null(dir);
   int n = 0;
@@ -252,6 +249,20 @@ int tdt_segments_of(uint64_t instance) {
       n++;
   closedir(dir);
   return n;
+}
+
+int tdt_segments_of(uint64_t instance) {
+  char prefix[64];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)instance);
+  return count_prefix(prefix);
+}
+
+int tdt_pooled_of(uint64_t instance) {
+  char prefix[64];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx-pool.",
+           (unsigned long long)instance);
+  return count_prefix(prefix);
 }
 
 int tdt_segments(const tdt_daemon *d) {
@@ -314,6 +325,7 @@ void tdt_stopped(tdt_daemon *d) {
   if (status != 0)
     dump_log(d);
   int left = tdt_segments(d);
+  int pooled = tdt_pooled_of(d->instance);
   struct stat st;
   /* A socket systemd passes stays: only a socket tensord bound is its own
    * to remove. */
@@ -323,6 +335,8 @@ void tdt_stopped(tdt_daemon *d) {
   tdt_kill(d);
   cr_assert_eq(status, 0, "tensord exited with %d", status);
   cr_assert_eq(left, 0, "%d segment(s) of this tensord left in /dev/shm", left);
+  cr_assert_eq(pooled, 0, "%d pooled segment(s) of this tensord left in "
+               "/dev/shm", pooled);
   cr_assert_not(sock_left, "tensord left its socket %s", d->sock);
   cr_assert_eq(fds, d->fds_before, "the test leaked %d fd(s)",
                fds - d->fds_before);
@@ -360,13 +374,16 @@ void tdt_cleanup(void) {
 }
 
 void tdt_unlink_segments(uint64_t instance) {
-  char prefix[64], path[320];
+  char prefix[64], pool[64], path[320];
   snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)instance);
+  snprintf(pool, sizeof(pool), "tensord.%016llx-pool.",
            (unsigned long long)instance);
   DIR *dir = opendir("/dev/shm");
   struct dirent *e;
   while (dir && (e = readdir(dir)) != NULL) {
-    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) {
+    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0 ||
+        strncmp(e->d_name, pool, strlen(pool)) == 0) {
       snprintf(path, sizeof(path), "/dev/shm/%s", e->d_name);
       unlink(path);
     }

@@ -47,12 +47,16 @@ void tdt_stop(tdt_daemon *d);
 void tdt_stopped(tdt_daemon *d);
 /* Kills tensord with SIGKILL (no checks); removes what it leaves. */
 void tdt_kill(tdt_daemon *d);
-/* Segments of a daemon instance in /dev/shm now. */
+/* Segments of a daemon instance's storages in /dev/shm now. */
 int tdt_segments_of(uint64_t instance);
+/* Segments in its recycling pool ("tensord.<instance>-pool.<n>"), which
+ * tdt_stop also requires gone and tdt_kill removes. */
+int tdt_pooled_of(uint64_t instance);
 /* Removes the files in dir (a test's temporary directory; "" ok), the
  * empty directories among them, and dir itself. */
 void tdt_rmdir(const char *dir);
-/* Unlinks every segment of a daemon instance left in /dev/shm. */
+/* Unlinks every segment of a daemon instance left in /dev/shm, pooled
+ * ones too. */
 void tdt_unlink_segments(uint64_t instance);
 
 /* TDT_TEST(suite, name, options...) is Criterion's Test for integration

@@ -70,7 +70,8 @@ Test(abi, struct_layouts_are_those_released) {
   SIZE(td_create_opts, 64, 8);
   FIELD(td_create_opts, mode, 8);
   FIELD(td_create_opts, device, 12);
-  FIELD(td_create_opts, reserved, 16);
+  FIELD(td_create_opts, flags, 16); /* was reserved[0] (recycling) */
+  FIELD(td_create_opts, reserved, 24);
 
   SIZE(td_holder, 32, 8);
   FIELD(td_holder, uid, 4);
@@ -115,7 +116,12 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_stat, state_dir, 96);
   FIELD(td_stat, version, 352);
   FIELD(td_stat, socket, 384);
-  FIELD(td_stat, reserved, 640);
+  FIELD(td_stat, pool_segments, 640); /* was reserved[0..4] (recycling) */
+  FIELD(td_stat, pool_bytes, 648);
+  FIELD(td_stat, pool_limit, 656);
+  FIELD(td_stat, pool_hits, 664);
+  FIELD(td_stat, pool_misses, 672);
+  FIELD(td_stat, reserved, 680);
 }
 
 /* Enum values travel on the wire and in binaries: they never change. */
@@ -129,6 +135,7 @@ Test(abi, enum_values_never_change) {
   cr_expect_eq(TD_ENAMETOOLONG, -ENAMETOOLONG);
   cr_expect_eq(TD_RDONLY, 0x1u);
   cr_expect_eq(TD_TAKE, 0x2u);
+  cr_expect_eq(TD_UNINIT, 0x4u);
   cr_expect_eq(TD_DLPACK_CONSUME, 0x100u);
 }
 

@@ -1,0 +1,369 @@
+/* test_recycle.c: the recycling pool. Freed segments serve later creates of
+ * the same uid only, read as zeros unless TD_UNINIT was asked, stay in the
+ * pool's bounds, give way to creates that need their space, age out, and
+ * never outlive tensord. */
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <grp.h>
+#include <sys/types.h>
+#include <unistd.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+static tdt_daemon d;
+
+static void setup(void) {
+  memset(&d, 0, sizeof(d));
+}
+
+TestSuite(recycle, .init = setup, .fini = tdt_cleanup);
+
+#define MiB (1024u * 1024)
+
+static td_stat stat_of(td_client *c) {
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
+  return st;
+}
+
+static td_storage *make(td_client *c, size_t n, uint64_t flags) {
+  td_create_opts o = {.nbytes = n, .flags = flags};
+  td_storage *s = NULL;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "create of %zu: %s", n,
+               td_last_error(c));
+  return s;
+}
+
+/* Fills s with byte v and releases it. */
+static void fill_release(td_storage *s, int v) {
+  memset(td_storage_data(s), v, td_storage_nbytes(s));
+  cr_assert_eq(td_storage_release(s), 0);
+}
+
+/* Returns the number of bytes of s that are not v. */
+static size_t not_all(const td_storage *s, int v) {
+  const uint8_t *p = td_storage_data(s);
+  size_t bad = 0;
+  for (size_t i = 0; i < td_storage_nbytes(s); i++)
+    bad += p[i] != (uint8_t)v;
+  return bad;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  nanosleep(&ts, NULL);
+}
+
+/* Polls c's stat until pool_segments is n (releases need no reply, and
+ * other connections' land when they land). */
+static td_stat pool_is(td_client *c, uint64_t n) {
+  td_stat st = stat_of(c);
+  for (int i = 0; i < 2500 && st.pool_segments != n; i++) {
+    sleep_ms(2);
+    st = stat_of(c);
+  }
+  cr_assert_eq(st.pool_segments, n, "pool has %llu segment(s), not %llu",
+               (unsigned long long)st.pool_segments, (unsigned long long)n);
+  return st;
+}
+
+TDT_TEST(recycle, a_recycled_storage_reads_as_zeros, .timeout = 30) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, 4 * MiB, 0), 0xab);
+  td_stat st = pool_is(c, 1);
+  cr_assert_eq(st.pool_bytes, 4 * MiB);
+  cr_assert_eq(tdt_pooled_of(d.instance), 1);
+  cr_assert_eq(tdt_segments(&d), 0, "a pooled segment is not a storage's");
+  cr_assert_eq(st.storages, 0);
+
+  td_storage *s = make(c, 4 * MiB, 0);
+  st = stat_of(c);
+  cr_assert_eq(st.pool_hits, 1, "the create was not served from the pool");
+  cr_assert_eq(st.pool_segments, 0);
+  cr_assert_eq(not_all(s, 0), 0, "a recycled storage must read as zeros");
+  cr_assert_eq(tdt_segments(&d), 1);
+  cr_assert_eq(tdt_pooled_of(d.instance), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(recycle, uninit_hands_the_pages_over_as_they_are, .timeout = 30) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, 2 * MiB, 0), 0x5c);
+  pool_is(c, 1);
+  td_storage *s = make(c, 2 * MiB, TD_UNINIT);
+  cr_assert_eq(stat_of(c).pool_hits, 1);
+  /* The proof that the pages were reused, not made afresh. */
+  cr_assert_eq(not_all(s, 0x5c), 0, "TD_UNINIT should skip the zeroing");
+  td_storage_release(s);
+  /* A fresh segment is zero whatever the flag says. */
+  td_storage *f = make(c, 3 * MiB, TD_UNINIT);
+  cr_assert_eq(not_all(f, 0), 0);
+  td_storage_release(f);
+  td_close(c);
+}
+
+TDT_TEST(recycle, a_larger_segment_is_cut_to_size, .timeout = 30) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, 2 * MiB, 0), 0x11);
+  pool_is(c, 1);
+  size_t n = 3 * MiB / 2 + 12345;
+  td_storage *s = make(c, n, 0);
+  cr_assert_eq(stat_of(c).pool_hits, 1);
+  cr_assert_eq(td_storage_nbytes(s), n);
+  char path[128];
+  snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
+           (unsigned long long)d.instance,
+           (unsigned long long)td_storage_id(s));
+  struct stat sb;
+  cr_assert_eq(stat(path, &sb), 0, "%s: %s", path, strerror(errno));
+  cr_assert_eq((uint64_t)sb.st_size, n, "segment of %lld bytes, not %zu",
+               (long long)sb.st_size, n);
+  cr_assert_eq(not_all(s, 0), 0);
+  td_storage_release(s);
+  /* Too small to serve a larger create, or too large (over twice) to serve
+   * a small one. */
+  td_stat st = pool_is(c, 1);
+  uint64_t misses = st.pool_misses;
+  td_storage *big = make(c, 4 * MiB, 0);
+  td_storage *small = make(c, 256 * 1024, 0);
+  st = stat_of(c);
+  cr_assert_eq(st.pool_hits, 1);
+  cr_assert_eq(st.pool_misses, misses + 2);
+  td_storage_release(big);
+  td_storage_release(small);
+  td_close(c);
+}
+
+TDT_TEST(recycle, recycle_bytes_0_turns_it_off, .timeout = 30) {
+  const char *args[] = {"--recycle-bytes", "0", NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, 4 * MiB, 0), 1);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  td_stat st = stat_of(c);
+  cr_assert_eq(st.pool_limit, 0);
+  cr_assert_eq(st.pool_segments, 0);
+  cr_assert_eq(tdt_pooled_of(d.instance), 0);
+  td_storage *s = make(c, 4 * MiB, 0);
+  st = stat_of(c);
+  cr_assert_eq(st.pool_hits + st.pool_misses, 0, "no pool, no tries");
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(recycle, the_pool_stays_within_its_bounds, .timeout = 30) {
+  const char *args[] = {"--recycle-bytes", "3MiB", NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s[5];
+  for (int i = 0; i < 5; i++)
+    s[i] = make(c, MiB, 0);
+  for (int i = 0; i < 5; i++)
+    fill_release(s[i], i);
+  td_stat st = pool_is(c, 3);
+  cr_assert_eq(st.pool_bytes, 3 * MiB);
+  cr_assert_eq(st.pool_limit, 3 * MiB);
+  cr_assert_eq(tdt_pooled_of(d.instance), 3);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  /* Larger than the whole pool: never pooled. Smaller than the least it
+   * keeps: never pooled either. */
+  fill_release(make(c, 4 * MiB, 0), 9);
+  fill_release(make(c, 4096, 0), 9);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  st = pool_is(c, 3);
+  cr_assert_eq(st.pool_bytes, 3 * MiB);
+  td_close(c);
+}
+
+TDT_TEST(recycle, the_pool_gives_way_to_a_create_that_needs_room,
+         .timeout = 30) {
+  /* The pool counts against the capacity: a create that fits only once
+   * the pool is gone must still succeed. */
+  const char *args[] = {"--capacity", "8MiB", "--recycle-bytes", "8MiB",
+                        NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *a = make(c, 3 * MiB, 0), *b = make(c, 3 * MiB, 0);
+  fill_release(a, 1);
+  fill_release(b, 2);
+  pool_is(c, 2);
+  /* 7 MiB: no pooled segment serves it, and 6 MiB pooled + 7 MiB exceeds
+   * the capacity of 8 MiB. */
+  td_storage *big = make(c, 7 * MiB, 0);
+  td_stat st = stat_of(c);
+  cr_assert_eq(st.pool_segments, 0, "the pool must drain for the create");
+  cr_assert_eq(st.bytes_used, 7 * MiB);
+  cr_assert_eq(not_all(big, 0), 0);
+  td_storage_release(big);
+  /* Pooled bytes are never more than the capacity leaves. */
+  st = pool_is(c, 1);
+  cr_assert_leq(st.pool_bytes + st.bytes_used, st.capacity);
+  td_close(c);
+}
+
+TDT_TEST(recycle, idle_segments_age_out, .timeout = 30) {
+  const char *args[] = {"--recycle-idle", "200", NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, MiB, 0), 3);
+  /* Pooled, then gone 200 ms later (a slow machine may see only the
+   * second: the log says the first happened). */
+  pool_is(c, 0);
+  cr_assert(tdt_log_has(&d, "pooled as"), "the segment was never pooled");
+  cr_assert(tdt_log_has(&d, "ms; unlinking it"), "it was not aged out");
+  cr_assert_eq(tdt_pooled_of(d.instance), 0);
+  td_close(c);
+}
+
+TDT_TEST(recycle, no_pooled_segment_outlives_a_restart, .timeout = 60) {
+  char state[64];
+  snprintf(state, sizeof(state), "/tmp/tensord-state.XXXXXX");
+  cr_assert_not_null(mkdtemp(state));
+  const char *args[] = {"--state-dir", state, NULL};
+  tdt_start(&d, args);
+  uint64_t first = d.instance;
+
+  /* A crash leaves the pool in /dev/shm; the next start on the socket
+   * unlinks it, and serves the key it kept. */
+  td_client *c = tdt_connect(&d);
+  td_storage *kept = make(c, MiB, 0);
+  cr_assert_eq(td_publish(c, "kept", kept, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(kept);
+  fill_release(make(c, 2 * MiB, 0), 7);
+  pool_is(c, 1);
+  td_close(c);
+  kill(d.pid, SIGKILL);
+  tdt_wait(d.pid);
+  d.pid = 0;
+  cr_assert_eq(tdt_pooled_of(first), 1, "SIGKILL leaves the pool behind");
+  tdt_restart(&d, args);
+  cr_assert_eq(tdt_pooled_of(first), 0, "the restart left the pool");
+  cr_assert_eq(tdt_segments_of(first), 1, "the key's segment stays");
+
+  /* A clean stop with --state-dir: the key stays, the pool goes. */
+  c = tdt_connect(&d);
+  fill_release(make(c, 2 * MiB, 0), 8);
+  pool_is(c, 1);
+  td_close(c);
+  uint64_t second = d.instance;
+  kill(d.pid, SIGTERM);
+  cr_assert_eq(tdt_wait(d.pid), 0);
+  d.pid = 0;
+  cr_assert_eq(tdt_pooled_of(second), 0, "a stop left the pool");
+  tdt_restart(&d, args);
+  c = tdt_connect(&d);
+  td_storage *s = NULL;
+  cr_assert_eq(td_lookup(c, "kept", TD_TAKE, 0, &s, NULL), 0, "%s",
+               td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  tdt_stop(&d);
+  tdt_rmdir(state);
+}
+
+/* ---- two uids ---- */
+
+#define UID_A 4301
+#define UID_B 4302
+
+typedef struct job {
+  uid_t uid;
+  size_t n;
+  uint64_t flags;
+  int expect; /* every byte of the new storage, or -1 */
+  int fill;   /* then written to every byte, or -1 */
+  const char *publish; /* then published under this key (mode 0644) */
+  const char *peek;    /* or: this key is looked up read-only, released */
+} job;
+
+static int as_job(void *arg) {
+  const job *j = arg;
+  if (setgroups(0, NULL) < 0 || setgid(j->uid) < 0 || setuid(j->uid) < 0)
+    return 2;
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_storage *s = NULL;
+  if (j->peek != NULL) {
+    CHECK_ERR(c, td_lookup(c, j->peek, TD_RDONLY, 0, &s, NULL), 0);
+  } else {
+    td_create_opts o = {.nbytes = j->n, .flags = j->flags, .mode = 0644};
+    CHECK_ERR(c, td_storage_create_ex(c, &o, &s), 0);
+    uint8_t *p = td_storage_data(s);
+    for (size_t i = 0; j->expect >= 0 && i < j->n; i++)
+      CHECK(p[i] == (uint8_t)j->expect);
+    if (j->fill >= 0)
+      memset(p, j->fill, j->n);
+    if (j->publish != NULL)
+      CHECK_ERR(c, td_publish(c, j->publish, s, NULL), 0);
+  }
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+static void run_job(job j) {
+  int st = tdt_wait(tdt_fork(as_job, &j));
+  cr_assert_eq(st, 0, "job as uid %u exited %d", (unsigned)j.uid, st);
+}
+
+static void start_shared(void) {
+  if (geteuid() != 0)
+    cr_skip_test("switching identities needs root");
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0, "chmod %s: %s", d.dir, strerror(errno));
+}
+
+TDT_TEST(recycle, pages_never_cross_uids, .timeout = 30) {
+  start_shared();
+  td_client *c = tdt_connect(&d);
+  run_job((job){.uid = UID_A, .n = MiB, .expect = 0, .fill = 0xa1});
+  pool_is(c, 1);
+  /* B asks for uninitialised bytes of the very size A's pooled segment has:
+   * it must get fresh pages, never A's. */
+  run_job((job){.uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0,
+                .fill = 0xb2});
+  td_stat st = pool_is(c, 2);
+  cr_assert_eq(st.pool_hits, 0, "a create of uid B was served A's pages");
+  /* Each uid gets its own back. */
+  run_job((job){.uid = UID_A, .n = MiB, .flags = TD_UNINIT, .expect = 0xa1,
+                .fill = -1});
+  run_job((job){.uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0xb2,
+                .fill = -1});
+  st = stat_of(c);
+  cr_assert_eq(st.pool_hits, 2);
+  /* Root is a uid like any other here: it gets neither. */
+  td_storage *s = make(c, MiB, TD_UNINIT);
+  cr_assert_eq(not_all(s, 0), 0);
+  cr_assert_eq(stat_of(c).pool_hits, 2);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(recycle, a_segment_another_uid_mapped_is_never_recycled,
+         .timeout = 30) {
+  start_shared();
+  td_client *c = tdt_connect(&d);
+  /* Without a foreign reader the segment is pooled ... */
+  run_job((job){.uid = UID_A, .n = MiB, .expect = -1, .fill = 1,
+                .publish = "mine"});
+  cr_assert_eq(td_unpublish(c, "mine"), 0, "%s", td_last_error(c));
+  pool_is(c, 1);
+  /* ... but once uid B has mapped it (B may keep its mapping past its
+   * release), it must not serve A's next storage, which B may not read. */
+  run_job((job){.uid = UID_A, .n = 3 * MiB, .expect = -1, .fill = 2,
+                .publish = "shared"});
+  run_job((job){.uid = UID_B, .peek = "shared"});
+  cr_assert_eq(td_unpublish(c, "shared"), 0, "%s", td_last_error(c));
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  td_stat st = pool_is(c, 1);
+  cr_assert_eq(st.pool_bytes, MiB, "the segment B mapped was pooled");
+  td_close(c);
+}

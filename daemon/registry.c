@@ -313,20 +313,26 @@ int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
   return 0;
 }
 
-void td__holdings_clear(td__registry *r, td__holdings *h) {
-  while (h->refs.count > 0) {
-    td__ref *ref = NULL;
-    for (size_t i = 0; i < h->refs.nbuckets && ref == NULL; i++)
-      if (h->refs.buckets[i])
-        ref = td__container_of(h->refs.buckets[i], td__ref, node);
-    uint32_t n = ref->rw + ref->ro;
+size_t td__holdings_clear_some(td__registry *r, td__holdings *h, size_t max) {
+  for (size_t i = 0; i < max; i++) {
+    td__hnode *n = td__htab_any(&h->refs);
+    if (n == NULL)
+      break;
+    td__ref *ref = td__container_of(n, td__ref, node);
+    uint32_t count = ref->rw + ref->ro;
     td__storage *s = ref->storage;
-    h->nrefs -= n;
+    h->nrefs -= count;
     ref_free(r, h, ref);
-    s->refs -= n - 1;
+    s->refs -= count - 1;
     storage_unref(r, s);
   }
-  td__htab_free(&h->refs);
+  if (h->refs.count == 0)
+    td__htab_free(&h->refs);
+  return h->refs.count;
+}
+
+void td__holdings_clear(td__registry *r, td__holdings *h) {
+  td__holdings_clear_some(r, h, SIZE_MAX);
 }
 
 int td__may(const td__storage *s, const td__holdings *h, int want) {

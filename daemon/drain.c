@@ -6,7 +6,17 @@
 #include "log.h"
 #include "server.h"
 
-static void on_drain_idle(uv_idle_t *h);
+/* Drops one slice of h (see drain.h). Returns the storages h still holds. */
+static size_t slice(td__server *srv, td__holdings *h) {
+  uint64_t t0 = uv_hrtime();
+  size_t left = h->refs.count;
+  for (size_t n = 0; n < TD__DRAIN_SLICE && left > 0; n += TD__DRAIN_STEP) {
+    left = td__holdings_clear_some(&srv->reg, h, TD__DRAIN_STEP);
+    if (uv_hrtime() - t0 >= TD__DRAIN_SLICE_NS)
+      break;
+  }
+  return left;
+}
 
 /* Drops one slice of the first queued drain, then moves it to the back so
  * that several drains share the turns. */
@@ -16,8 +26,7 @@ static void drain_slice(td__server *srv) {
   if (srv->drains == NULL)
     srv->drains_tail = NULL;
   d->next = NULL;
-  size_t left = td__holdings_clear_some(&srv->reg, d->hold, TD__DRAIN_SLICE);
-  if (left > 0) {
+  if (slice(srv, d->hold) > 0) {
     if (srv->drains_tail)
       srv->drains_tail->next = d;
     else
@@ -45,9 +54,9 @@ static void on_drain_idle(uv_idle_t *h) {
 
 int td__drain_start(td__server *srv, td__drain *d, td__holdings *h,
                     td__drain_cb done) {
-  size_t max = srv->stopping ? SIZE_MAX : TD__DRAIN_SLICE;
   size_t n = h->refs.count;
-  if (td__holdings_clear_some(&srv->reg, h, max) == 0)
+  if (srv->stopping ? td__holdings_clear_some(&srv->reg, h, SIZE_MAX) == 0
+                    : slice(srv, h) == 0)
     return 0;
   d->hold = h;
   d->done = done;
@@ -64,8 +73,9 @@ int td__drain_start(td__server *srv, td__drain *d, td__holdings *h,
     srv->drains = d;
   srv->drains_tail = d;
   srv->ndrains++;
-  td__debug("client %d: %zu storage(s) left to drop, %d per loop turn",
-            (int)h->peer.pid, h->refs.count, TD__DRAIN_SLICE);
+  td__debug("client %d: references to %zu storage(s) left to drop, a slice "
+            "per loop turn",
+            (int)h->peer.pid, h->refs.count);
   uv_idle_start(&srv->drain_idle, on_drain_idle);
   return 1;
 }

@@ -11,11 +11,15 @@
 typedef struct td__server td__server;
 typedef struct td__drain td__drain;
 
-/* Storages whose references one loop turn drops, at most. Each may free
- * its storage (an unlink on the loop thread for small segments), so a
- * slice costs a few milliseconds at most: the most another client waits
- * behind a large clean-up. */
+/* One loop turn drops references to TD__DRAIN_SLICE storages at most, and
+ * stops early once TD__DRAIN_SLICE_NS have passed (checked every
+ * TD__DRAIN_STEP): a reference alone costs well under a microsecond, but
+ * one that frees its storage unlinks a segment on the loop thread, 5-20 us
+ * here. So another client waits about 2 ms at most behind a clean-up,
+ * however large, and one that frees nothing still goes 1024 per turn. */
 #define TD__DRAIN_SLICE 1024
+#define TD__DRAIN_STEP 64
+#define TD__DRAIN_SLICE_NS 2000000
 
 /* Called once the last reference of a queued drain is dropped. */
 typedef void (*td__drain_cb)(td__drain *d);
@@ -30,10 +34,9 @@ struct td__drain {
   uint64_t start_ms; /* loop time at the start */
 };
 
-/* Drops every reference h holds. At most TD__DRAIN_SLICE storages' worth
- * (or any number while tensord is stopping) are dropped now, and 0
- * returned; more are queued on d and dropped TD__DRAIN_SLICE per loop turn
- * after this one, and 1 returned: h (and whatever its refs point into)
+/* Drops every reference h holds. If one slice (see above; everything while
+ * tensord is stopping) drops them all now, returns 0; else queues d, which
+ * drops a slice per loop turn after this one, and returns 1: h (and whatever its refs point into)
  * must then stay until done(d) is called, which is the last use of d and
  * h. Until then h's references stay counted and listed as before. */
 int td__drain_start(td__server *srv, td__drain *d, td__holdings *h,

@@ -917,6 +917,31 @@ Test(registry, random_ops_match_a_model_seed_3, .timeout = 60) {
   random_ops(12345, 20000);
 }
 
+Test(registry, storage_after_finds_the_next_across_wide_gaps) {
+  td__holdings h;
+  td__holdings_init(&h, &peer_a);
+  enum { N = 6000 };
+  for (int i = 0; i < N; i++)
+    make(&h, 1);
+  /* A wide gap with a few survivors in it, gaps of every width after it. */
+  for (uint64_t id = 1; id <= N; id++) {
+    int keep = id < 100 || (id < 4000 && id % 613 == 0) ||
+               (id >= 4000 && (id * 2654435761u) % 100 < 10);
+    if (!keep)
+      cr_assert_eq(td__ref_drop(&reg, &h, id, 0, 1), 0);
+  }
+  uint64_t want = 0;
+  for (uint64_t after = N + 1; after-- > 0;) {
+    /* want: the least live id > after, found going down. */
+    td__storage *s = td__storage_after(&reg, after);
+    cr_assert_eq(s ? s->id : 0, want, "after %llu",
+                 (unsigned long long)after);
+    if (after > 0 && after <= N && td__storage_find(&reg, after))
+      want = after;
+  }
+  td__holdings_clear(&reg, &h);
+}
+
 /* ---- clearing in slices ---- */
 
 /* The references held to s, as its holders and keys list them. */

@@ -235,7 +235,7 @@ TDT_TEST(cleanup, disconnect_is_linear_in_what_it_held) {
               SMALL, small / 1e6, LARGE, large / 1e6, ratio);
   /* Linear: 4 times the references, about 4 times the work (3 to 6 here,
    * the larger set missing the caches more). The bound is clear of that
-   * and of the quadratic 17. */
+   * and of the quadratic 14 to 17. */
   cr_assert_lt(ratio, 9.0,
                "dropping references to %d storages took %.2f ms of CPU, to "
                "%d %.2f ms: %.1f times as much for 4 times as many",

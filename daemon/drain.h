@@ -36,9 +36,10 @@ struct td__drain {
 
 /* Drops every reference h holds. If one slice (see above; everything while
  * tensord is stopping) drops them all now, returns 0; else queues d, which
- * drops a slice per loop turn after this one, and returns 1: h (and whatever its refs point into)
- * must then stay until done(d) is called, which is the last use of d and
- * h. Until then h's references stay counted and listed as before. */
+ * drops a slice per loop turn after this one, and returns 1: h (and whatever
+ * its refs point into) must then stay until done(d) is called, which is the
+ * last use of d and h. Until then h's references stay counted and listed as
+ * before. */
 int td__drain_start(td__server *srv, td__drain *d, td__holdings *h,
                     td__drain_cb done);
 /* Drops what every queued drain still holds, now, calling each done, and

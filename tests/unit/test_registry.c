@@ -934,8 +934,7 @@ Test(registry, storage_after_finds_the_next_across_wide_gaps) {
   for (uint64_t after = N + 1; after-- > 0;) {
     /* want: the least live id > after, found going down. */
     td__storage *s = td__storage_after(&reg, after);
-    cr_assert_eq(s ? s->id : 0, want, "after %llu",
-                 (unsigned long long)after);
+    cr_assert_eq(s ? s->id : 0, want, "after %llu", (unsigned long long)after);
     if (after > 0 && after <= N && td__storage_find(&reg, after))
       want = after;
   }

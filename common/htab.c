@@ -1,14 +1,19 @@
-/* htab.c: an intrusive chained hash table that doubles at load factor 1. */
+/* htab.c: an intrusive chained hash table that doubles at load factor 1
+ * and shrinks when mostly empty. */
 #include "htab.h"
 
 #include "tensord.h"
 
 #include <stdlib.h>
 
+/* The fewest buckets a table that holds anything has. */
+#define MIN_BUCKETS 64
+
 void td__htab_init(td__htab *t) {
   t->buckets = NULL;
   t->nbuckets = 0;
   t->count = 0;
+  t->lo = 0;
 }
 
 void td__htab_free(td__htab *t) {
@@ -26,8 +31,9 @@ td__hnode *td__htab_find(const td__htab *t, uint64_t hash, td__heq eq,
   return NULL;
 }
 
-static int grow(td__htab *t) {
-  size_t nb = t->nbuckets ? t->nbuckets * 2 : 64;
+/* Rehashes t into nb buckets (a power of two). Returns 0, or TD_ENOMEM with
+ * t unchanged. */
+static int resize(td__htab *t, size_t nb) {
   td__hnode **b = calloc(nb, sizeof(*b));
   if (b == NULL)
     return TD_ENOMEM;
@@ -44,16 +50,19 @@ static int grow(td__htab *t) {
   free(t->buckets);
   t->buckets = b;
   t->nbuckets = nb;
+  t->lo = 0;
   return 0;
 }
 
 int td__htab_insert(td__htab *t, td__hnode *node, uint64_t hash) {
   if (t->count >= t->nbuckets) {
-    int err = grow(t);
+    int err = resize(t, t->nbuckets ? t->nbuckets * 2 : MIN_BUCKETS);
     if (err < 0)
       return err;
   }
   size_t i = hash & (t->nbuckets - 1);
+  if (i < t->lo)
+    t->lo = i;
   node->hash = hash;
   node->next = t->buckets[i];
   t->buckets[i] = node;
@@ -68,6 +77,19 @@ void td__htab_remove(td__htab *t, td__hnode *node) {
   *p = node->next;
   node->next = NULL;
   t->count--;
+  /* A quarter of the buckets leaves the load at a half at most: growing
+   * again takes twice as many nodes, shrinking again a quarter as many, so
+   * each rehash is paid for by as many inserts or removes as it moves. */
+  if (t->nbuckets > MIN_BUCKETS && t->count < t->nbuckets / 8)
+    resize(t, t->nbuckets / 4 > MIN_BUCKETS ? t->nbuckets / 4 : MIN_BUCKETS);
+}
+
+td__hnode *td__htab_any(td__htab *t) {
+  if (t->count == 0)
+    return NULL;
+  while (t->buckets[t->lo] == NULL)
+    t->lo++;
+  return t->buckets[t->lo];
 }
 
 /* splitmix64's finaliser: a cheap bijection that spreads sequential ids. */

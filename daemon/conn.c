@@ -452,13 +452,25 @@ int td__conn_accept(td__server *srv, int fd) {
   return 0;
 }
 
-static void on_closed(uv_handle_t *h) {
-  td__conn *c = h->data;
+/* Frees c once its handles are closed and its references dropped. */
+static void conn_unref(td__conn *c) {
   if (--c->nhandles > 0)
     return;
-  close(c->wire.fd);
   free(c->hold.groups);
   free(c);
+}
+
+static void on_closed(uv_handle_t *h) {
+  td__conn *c = h->data;
+  if (h == (uv_handle_t *)&c->poll) { /* libuv no longer watches the fd */
+    close(c->wire.fd);
+    c->wire.fd = -1;
+  }
+  conn_unref(c);
+}
+
+static void on_drained(td__drain *d) {
+  conn_unref(td__container_of(d, td__conn, drain));
 }
 
 void td__conn_close(td__conn *c, const char *why) {
@@ -471,7 +483,8 @@ void td__conn_close(td__conn *c, const char *why) {
            (unsigned long long)c->hold.nrefs);
   td__ops_conn_gone(c);
   td__state_conn_gone(srv->state, c);
-  td__holdings_clear(&srv->reg, &c->hold);
+  if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
+    c->nhandles++;
   td__wire_free(&c->wire);
   if (c->prev)
     c->prev->next = c->next;

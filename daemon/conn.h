@@ -3,6 +3,7 @@
 #ifndef TD_DAEMON_CONN_H
 #define TD_DAEMON_CONN_H
 
+#include "drain.h"
 #include "registry.h"
 #include "wire.h"
 
@@ -18,11 +19,13 @@ struct Tensord__Response;
 struct td__conn {
   uv_poll_t poll;
   uv_timer_t stall; /* runs while a request is half-read or replies unsent */
-  int nhandles;     /* handles not yet closed; the last close frees c */
+  int nhandles; /* handles not yet closed, and the drain of hold while it
+                   runs: the last to end frees c */
   uint64_t progress_ms; /* loop time bytes last moved either way */
   td__server *srv;
   td__wire wire;
   td__holdings hold;
+  td__drain drain; /* hold's references, dropped after the close */
   char name[64];
   int hello;    /* Hello done */
   int closing;  /* uv_close called */
@@ -39,6 +42,9 @@ struct td__conn {
 
 /* Takes ownership of fd (a connected socket). */
 int td__conn_accept(td__server *srv, int fd);
+/* Closes c: its socket at the end of this loop turn, its waiters and creates
+ * in flight at once; what it holds is dropped now if little, else over the
+ * next turns (drain.h), and c freed after that. */
 void td__conn_close(td__conn *c, const char *why);
 /* Queues r (with fd >= 0 attached, ownership taken) and flushes unless a
  * read batch is in progress. Returns 0, or a negative code if r was not

@@ -218,19 +218,24 @@ void td__storage_remove(td__registry *r, td__storage *s) {
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id) {
   if (after_id == 0)
     return r->first;
+  if (r->last == NULL || r->last->id <= after_id)
+    return NULL;
   td__storage *s = td__storage_find(r, after_id);
   if (s != NULL)
     return s->next;
-  /* after_id is gone: walk from whichever end is nearer by id. */
-  if (r->last == NULL || r->last->id <= after_id)
-    return NULL;
-  if (after_id - r->first->id < r->last->id - after_id) {
-    for (s = r->first; s && s->id <= after_id; s = s->next)
-      ;
-    return s;
-  }
-  for (s = r->last; s->prev && s->prev->id > after_id; s = s->prev)
-    ;
+  /* after_id is gone (freed while a listing paged past it). Where storages
+   * live, ids are dense: look up the next few ids, then ids further and
+   * further on; from the first found (or the last storage), walk back over
+   * those between. The cost grows with how far on the next storage is and
+   * with what this page lists, not with the registry: a walk from either end
+   * made paging through a registry under churn quadratic. */
+  uint64_t span = r->last->id - after_id;
+  for (uint64_t d = 1; d < span && s == NULL; d = d < 16 ? d + 1 : d * 2)
+    s = td__storage_find(r, after_id + d);
+  if (s == NULL)
+    s = r->last;
+  while (s->prev != NULL && s->prev->id > after_id)
+    s = s->prev;
   return s;
 }
 
@@ -313,20 +318,26 @@ int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
   return 0;
 }
 
-void td__holdings_clear(td__registry *r, td__holdings *h) {
-  while (h->refs.count > 0) {
-    td__ref *ref = NULL;
-    for (size_t i = 0; i < h->refs.nbuckets && ref == NULL; i++)
-      if (h->refs.buckets[i])
-        ref = td__container_of(h->refs.buckets[i], td__ref, node);
-    uint32_t n = ref->rw + ref->ro;
+size_t td__holdings_clear_some(td__registry *r, td__holdings *h, size_t max) {
+  for (size_t i = 0; i < max; i++) {
+    td__hnode *n = td__htab_any(&h->refs);
+    if (n == NULL)
+      break;
+    td__ref *ref = td__container_of(n, td__ref, node);
+    uint32_t count = ref->rw + ref->ro;
     td__storage *s = ref->storage;
-    h->nrefs -= n;
+    h->nrefs -= count;
     ref_free(r, h, ref);
-    s->refs -= n - 1;
+    s->refs -= count - 1;
     storage_unref(r, s);
   }
-  td__htab_free(&h->refs);
+  if (h->refs.count == 0)
+    td__htab_free(&h->refs);
+  return h->refs.count;
+}
+
+void td__holdings_clear(td__registry *r, td__holdings *h) {
+  td__holdings_clear_some(r, h, SIZE_MAX);
 }
 
 int td__may(const td__storage *s, const td__holdings *h, int want) {

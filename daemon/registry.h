@@ -128,8 +128,16 @@ void td__storage_remove(td__registry *r, td__storage *s);
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id);
 
 void td__holdings_init(td__holdings *h, const td__peer *peer);
-/* Drops every reference h holds (connection gone). */
+/* Drops every reference h holds (connection gone), in time linear in their
+ * number; storages left unreferenced go to free_fn. */
 void td__holdings_clear(td__registry *r, td__holdings *h);
+/* Drops h's references to at most max storages (whatever their counts),
+ * the same way, for a caller that spreads a large clear over several turns
+ * of its loop; a series of calls costs what one td__holdings_clear would.
+ * Returns the storages h still holds: 0 once h is empty (its table freed).
+ * Between calls h is consistent (listings show its remaining references)
+ * and must outlive them: its refs point at h->peer. */
+size_t td__holdings_clear_some(td__registry *r, td__holdings *h, size_t max);
 td__ref *td__ref_find(const td__holdings *h, uint64_t id);
 /* Adds one reference of mode ro to s for h. *had gets the references of that
  * mode h held before (so 0 means the process has no such mapping yet).

@@ -3,6 +3,7 @@
 #include "server.h"
 
 #include "common.h"
+#include "drain.h"
 #include "log.h"
 #include "segment.h"
 #include "state.h"
@@ -522,6 +523,10 @@ void td__server_stop(td__server *srv) {
   uint64_t n = srv->nconns;
   while (srv->conns != NULL)
     td__conn_close(srv->conns, "tensord is stopping");
+  if (srv->ndrains > 0)
+    td__info("dropping what %llu closed client(s) still held",
+             (unsigned long long)srv->ndrains);
+  td__drain_stop(srv);
   td__info("closed %llu client(s)", (unsigned long long)n);
   /* Pooled segments never outlive tensord, --state-dir or not (their
    * unlinks are jobs the stop waits for). */

@@ -41,7 +41,11 @@ struct td__server {
   int stopping; /* td__server_stop has begun */
   int stopped;  /* ... and finished: the registry and state are freed */
   td__conn *conns;
-  uint64_t nconns;
+  uint64_t nconns; /* connected: closed ones still draining do not count */
+  td__drain *drains, *drains_tail; /* closed clients' holdings: drain.c */
+  uint64_t ndrains;
+  uv_idle_t drain_idle; /* drops a slice per turn while drains are queued */
+  int drain_ready;      /* drain_idle is initialised */
   td__waits waits;       /* lookups waiting for keys */
   td__pool pool;         /* freed segments kept for reuse (segment.c) */
   uv_timer_t pool_timer; /* ages the pool out */
@@ -83,7 +87,8 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
 /* After the loop has ended: without --state-dir, a last sweep of the
  * instance's segments; with it, nothing (the next start sweeps). */
 void td__server_finish(td__server *srv);
-/* Stops accepting and closes every client at once. Then, once no job is
+/* Stops accepting and closes every client at once, dropping what they held
+ * (and what closed clients still held, see drain.h) now. Then, once no job is
  * left on the thread pool (a journal sync or a compaction would use the
  * state, a create the registry), writes the final snapshot of --state-dir
  * and frees every storage: at once if none is in flight, else from the

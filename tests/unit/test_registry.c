@@ -916,3 +916,101 @@ Test(registry, random_ops_match_a_model_seed_2, .timeout = 60) {
 Test(registry, random_ops_match_a_model_seed_3, .timeout = 60) {
   random_ops(12345, 20000);
 }
+
+Test(registry, storage_after_finds_the_next_across_wide_gaps) {
+  td__holdings h;
+  td__holdings_init(&h, &peer_a);
+  enum { N = 6000 };
+  for (int i = 0; i < N; i++)
+    make(&h, 1);
+  /* A wide gap with a few survivors in it, gaps of every width after it. */
+  for (uint64_t id = 1; id <= N; id++) {
+    int keep = id < 100 || (id < 4000 && id % 613 == 0) ||
+               (id >= 4000 && (id * 2654435761u) % 100 < 10);
+    if (!keep)
+      cr_assert_eq(td__ref_drop(&reg, &h, id, 0, 1), 0);
+  }
+  uint64_t want = 0;
+  for (uint64_t after = N + 1; after-- > 0;) {
+    /* want: the least live id > after, found going down. */
+    td__storage *s = td__storage_after(&reg, after);
+    cr_assert_eq(s ? s->id : 0, want, "after %llu", (unsigned long long)after);
+    if (after > 0 && after <= N && td__storage_find(&reg, after))
+      want = after;
+  }
+  td__holdings_clear(&reg, &h);
+}
+
+/* ---- clearing in slices ---- */
+
+/* The references held to s, as its holders and keys list them. */
+static uint32_t listed_refs(const td__storage *s) {
+  uint32_t n = 0;
+  for (const td__ref *r = s->holders; r; r = r->snext)
+    n += r->rw + r->ro;
+  for (const td__key *k = s->keys; k; k = k->snext)
+    n++;
+  return n;
+}
+
+Test(registry, clear_some_drops_at_most_max_storages_per_call) {
+  enum { N = 20000, SLICE = 1024 };
+  td__holdings h, o;
+  td__holdings_init(&h, &peer_a);
+  td__holdings_init(&o, &peer_b);
+  static uint64_t ids[N];
+  size_t kept = 0;
+  for (size_t i = 0; i < N; i++) {
+    ids[i] = make(&h, 64);
+    td__storage *s = find(ids[i]);
+    if (i % 3 == 0) /* a read-only reference too: one ref, two counts */
+      cr_assert_eq(td__ref_add(&reg, &h, s, 1, NULL), 0);
+    if (i % 1000 == 7) { /* another holder keeps it */
+      cr_assert_eq(td__ref_add(&reg, &o, s, 1, NULL), 0);
+      kept++;
+    } else if (i % 1000 == 8) { /* a key keeps it */
+      char key[32];
+      snprintf(key, sizeof(key), "k/%zu", i);
+      publish(key, ids[i]);
+      kept++;
+    }
+  }
+  cr_assert_eq(reg.nholdings, 2);
+  size_t left = N, calls = 0;
+  while (left > 0) {
+    size_t freed_before = freed.n;
+    size_t now = td__holdings_clear_some(&reg, &h, SLICE);
+    calls++;
+    cr_assert_eq(now, left > SLICE ? left - SLICE : 0,
+                 "call %zu: %zu storage(s) left of %zu", calls, now, left);
+    cr_assert_eq(h.refs.count, now);
+    cr_assert_leq(freed.n - freed_before, SLICE);
+    left = now;
+    /* In between, every live storage lists exactly its references. */
+    for (const td__storage *s = reg.first; s; s = s->next)
+      cr_assert_eq(listed_refs(s), s->refs, "storage %llu",
+                   (unsigned long long)s->id);
+  }
+  cr_assert_eq(calls, (N + SLICE - 1) / SLICE);
+  cr_assert_eq(h.nrefs, 0);
+  cr_assert_eq(h.refs.nbuckets, 0, "an empty holdings' table is freed");
+  cr_assert_eq(td__holdings_clear_some(&reg, &h, SLICE), 0, "idempotent");
+  cr_assert_eq(reg.nholdings, 1, "o still holds references");
+  cr_assert_eq(freed.n, N - kept, "every storage nobody else holds, once");
+  cr_assert_eq(reg.storages.count, kept);
+  for (size_t i = 0; i < N; i++) {
+    int other = i % 1000 == 7 || i % 1000 == 8;
+    cr_assert_eq(was_freed(ids[i]), !other, "storage %llu",
+                 (unsigned long long)ids[i]);
+    for (const td__ref *r = other ? find(ids[i])->holders : NULL; r;
+         r = r->snext)
+      cr_assert_neq(r->peer, &h.peer, "storage %llu: h still listed",
+                    (unsigned long long)ids[i]);
+  }
+  td__holdings_clear(&reg, &o);
+  cr_assert_eq(reg.nholdings, 0);
+  td__registry_drop_keys(&reg);
+  cr_assert_eq(freed.n, N);
+  cr_assert_eq(reg.bytes_used, 0);
+  cr_assert_eq(td__usage_of(&reg, peer_a.uid), 0);
+}

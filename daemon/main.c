@@ -1,4 +1,5 @@
 /* main.c: tensord's command line. */
+#include "hugepages.h"
 #include "log.h"
 #include "server.h"
 
@@ -43,6 +44,10 @@ static void usage(FILE *f) {
       "                         (default 30000)\n"
       "  --state-dir DIR        keep published keys here, durably, so that\n"
       "                         they survive a restart or a crash\n"
+      "  --huge-pages auto|off  auto (default): look at what the host offers\n"
+      "                         in huge pages for /dev/shm and log it at\n"
+      "                         start; off: do not look (see\n"
+      "                         docs/operations.md)\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -68,6 +73,21 @@ static int parse_bytes(const char *opt, const char *s, uint64_t *out) {
     return -1;
   }
   return 0;
+}
+
+/* Logs, as one info line, what the host offers in huge pages for the
+ * segments and what follows from it (--huge-pages auto), or that it was not
+ * looked at (off). The protocol carries none of it: a client reads the same
+ * files itself (client/cache.c). */
+static void log_huge_pages(int off) {
+  if (off) {
+    td__info("huge pages: not looked at (--huge-pages off)");
+    return;
+  }
+  td__huge_info h;
+  char line[512];
+  td__huge_probe(&h);
+  td__info("huge pages: %s", td__huge_describe(&h, line, sizeof(line)));
 }
 
 /* Raises the soft limit on open files to the hard limit: every client is an
@@ -97,6 +117,7 @@ int main(int argc, char **argv) {
     OPT_SOCKET_GROUP,
     OPT_SOCKET_MODE,
     OPT_STATE_DIR,
+    OPT_HUGE_PAGES,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -110,12 +131,14 @@ int main(int argc, char **argv) {
       {"max-keys-per-uid", required_argument, NULL, OPT_MAX_KEYS},
       {"io-timeout", required_argument, NULL, OPT_IO_TIMEOUT},
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
+      {"huge-pages", required_argument, NULL, OPT_HUGE_PAGES},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   td__options o = {0};
+  int huge_off = 0;
   o.socket_mode = -1;
   uint64_t n;
   int ch;
@@ -174,6 +197,14 @@ int main(int argc, char **argv) {
     case OPT_STATE_DIR:
       o.state_dir = optarg;
       break;
+    case OPT_HUGE_PAGES:
+      if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "off") != 0) {
+        fprintf(stderr, "tensord: --huge-pages '%s': use auto or off\n",
+                optarg);
+        return 2;
+      }
+      huge_off = strcmp(optarg, "off") == 0;
+      break;
     case 'l': {
       int level = td__log_level_parse(optarg);
       if (level < 0) {
@@ -205,6 +236,7 @@ int main(int argc, char **argv) {
 
   signal(SIGPIPE, SIG_IGN);
   raise_nofile();
+  log_huge_pages(huge_off);
   uv_loop_t *loop = uv_default_loop();
   static td__server srv;
   if (td__server_start(&srv, loop, &o) < 0)

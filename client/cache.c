@@ -14,22 +14,30 @@
 #include <unistd.h>
 
 /* Mappings of at least this many bytes are made with MAP_POPULATE: one call
- * maps every page instead of a fault per page (a fault per 16 pages for
- * reads, which the kernel's fault-around batches). Measured here (2 CPUs,
- * shared, 4 KiB pages) by `TD_BENCH_SCALE=0.25
- * build/tests/bench/bench_populate`, median us of mmap + touch every byte +
- * munmap, plain -> populated: write, existing pages:   4 KiB 59 -> 54, 16 KiB
- * 54 -> 34, 1 MiB 2498 -> 852, 64 MiB 334 ms -> 132 ms write, fresh pages: 16
- * KiB 54 -> 36, 1 MiB 2540 -> 1277, 64 MiB 221 ms -> 120 ms read, existing
- * pages:    16 KiB 32 -> 27, 64 KiB 73 -> 69, 256 KiB 107
- *                            -> 84, 1 MiB 411 -> 264, 64 MiB ~71 ms either
- *   map only, existing:      4 KiB 4 -> 8, 64 KiB 4 -> 45, 1 MiB 5 -> 82
- * A writer (the creator fills what it creates) gains from 16 KiB up. A
- * reader gains less, since fault-around already maps 16 pages per read
- * fault, and a reader that touches one element only pays the populate of
- * pages it never reads (the map-only row): so reads populate from 256 KiB,
- * where the gain is clear. TENSORD_POPULATE_MIN (bytes, K/M/G suffixes;
- * 0: always; "off": never) overrides both, for experiments. */
+ * maps every page instead of a fault per page (per 16 pages for reads, which
+ * the kernel's fault-around batches). Measured with bench_populate (run by
+ * `make bench`; here `TD_BENCH_SCALE=0.25 build/tests/bench/bench_populate`,
+ * then 0.5: two runs on 2 shared, busy CPUs, 4 KiB pages), median us of
+ * mmap + touch every byte + munmap, plain -> populated, run 1 / run 2:
+ *   write, existing pages  16 KiB 54 -> 34 / 56 -> 34; 256 KiB 621 -> 264 /
+ *                          921 -> 439; 1 MiB 2498 -> 852 / 3902 -> 2102;
+ *                          256 MiB 908 -> 446 ms / 1294 -> 590 ms
+ *   write, fresh pages     16 KiB 54 -> 36 / 55 -> 36; 1 MiB 2540 -> 1277 /
+ *                          4156 -> 2140
+ *   read, existing pages   16 KiB 32 -> 27 / 32 -> 27; 64 KiB 73 -> 69 /
+ *                          476 -> 503; 256 KiB 107 -> 84 / 184 -> 162;
+ *                          1 MiB 411 -> 264 / 599 -> 477; 4 MiB 2080 -> 1420
+ *                          / 6494 -> 3932; 64 and 256 MiB within +-15%
+ *   read, fresh pages      x0.2 .. x0.5 from 16 KiB up
+ *   populate alone (a reader that touches one element), existing pages:
+ *                          4 KiB 4 -> 8; 64 KiB 4 -> 45 / 51; 1 MiB 5 -> 82 /
+ *                          97; 256 MiB 0.04 -> 12 / 15 ms
+ * A writer (a creator fills what it creates) gains from 16 KiB up, by a
+ * third to a half. A reader gains less, and below 256 KiB nothing clear,
+ * while one that reads a single element pays the populate of every page it
+ * never touches: so read-only mappings populate from 256 KiB.
+ * TENSORD_POPULATE_MIN (bytes, K/M/G suffixes; 0: always; "off": never)
+ * overrides both, for experiments. */
 #define TD__POPULATE_MIN_RW ((size_t)16 << 10)
 #define TD__POPULATE_MIN_RO ((size_t)256 << 10)
 /* Where /dev/shm gives huge pages only on request (huge=advise), mappings of

@@ -232,3 +232,76 @@ TDT_TEST(core, readonly_opens_while_holding_readwrite_map_once) {
   td_close(c2);
   td_close(c);
 }
+
+/* Resident kB of this process's mapping that starts at addr: the pages it
+ * has mapped, faulted or populated; -1 if there is no such mapping. */
+static long mapping_rss_kb(const void *addr) {
+  char line[512];
+  FILE *f = fopen("/proc/self/smaps", "r");
+  cr_assert_not_null(f);
+  int in = 0;
+  long rss = -1;
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long start, end;
+    if (sscanf(line, "%lx-%lx ", &start, &end) == 2) { /* a mapping's head */
+      in = start == (unsigned long)addr;
+      continue;
+    }
+    if (in && sscanf(line, "Rss: %ld kB", &rss) == 1)
+      break;
+  }
+  fclose(f);
+  return rss;
+}
+
+/* Mappings from 16 KiB (read-write) and 256 KiB (read-only) up come with
+ * every page mapped (MAP_POPULATE), smaller ones fault page by page. */
+TDT_TEST(core, big_mappings_come_populated) {
+  td_client *c = tdt_connect(&d);
+  td_client *c2 = tdt_connect(&d);
+  td_storage *big, *small, *mid, *ro_big, *ro_mid;
+  cr_assert_eq(td_storage_create(c, 1 << 20, &big), 0);
+  cr_assert_eq(td_storage_create(c, 8192, &small), 0);
+  cr_assert_eq(td_storage_create(c, 64 * 1024, &mid), 0);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(big)), 1024);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(mid)), 64);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(small)), 0);
+  cr_assert_eq(td_storage_open(c2, td_storage_id(big), TD_RDONLY, &ro_big), 0);
+  cr_assert_eq(td_storage_open(c2, td_storage_id(mid), TD_RDONLY, &ro_mid), 0);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(ro_big)), 1024);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(ro_mid)), 0);
+  td_storage_release(ro_mid);
+  td_storage_release(ro_big);
+  td_storage_release(mid);
+  td_storage_release(small);
+  td_storage_release(big);
+  td_close(c2);
+  td_close(c);
+}
+
+/* TENSORD_POPULATE_MIN, read once per process (each test is one). */
+TDT_TEST(core, populate_min_off_never_populates) {
+  setenv("TENSORD_POPULATE_MIN", "off", 1);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 1 << 20, &s), 0);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(s)), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(core, populate_min_zero_always_populates) {
+  setenv("TENSORD_POPULATE_MIN", "0", 1);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *r;
+  cr_assert_eq(td_storage_create(c, 8192, &s), 0);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(s)), 8);
+  td_storage_release(s);
+  setenv("TENSORD_POPULATE_MIN", "off", 1); /* read once: no effect now */
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_storage_open(c, td_storage_id(s), TD_RDONLY, &r), 0);
+  cr_assert_eq(mapping_rss_kb(td_storage_data(r)), 4);
+  td_storage_release(r);
+  td_storage_release(s);
+  td_close(c);
+}

@@ -8,15 +8,17 @@
 
 #include <ctype.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
-/* Mappings of at least this many bytes are made with MAP_POPULATE: one call
- * maps every page instead of a fault per page (per 16 pages for reads, which
- * the kernel's fault-around batches). Measured with bench_populate (run by
- * `make bench`; here `TD_BENCH_SCALE=0.25 build/tests/bench/bench_populate`,
+/* Mappings of at least this many bytes are populated (MADV_POPULATE_WRITE /
+ * _READ at the first td_storage_data, the same work as MAP_POPULATE): one
+ * call maps every page instead of a fault per page (per 16 pages for reads,
+ * which the kernel's fault-around batches). Measured with bench_populate (run
+ * by `make bench`; here `TD_BENCH_SCALE=0.25 build/tests/bench/bench_populate`,
  * then 0.5: two runs on 2 shared, busy CPUs, 4 KiB pages), median us of
  * mmap + touch every byte + munmap, plain -> populated, run 1 / run 2:
  *   write, existing pages  16 KiB 54 -> 34 / 56 -> 34; 256 KiB 621 -> 264 /
@@ -32,6 +34,9 @@
  *   populate alone (a reader that touches one element), existing pages:
  *                          4 KiB 4 -> 8; 64 KiB 4 -> 45 / 51; 1 MiB 5 -> 82 /
  *                          97; 256 MiB 0.04 -> 12 / 15 ms
+ * MADV_POPULATE_WRITE / _READ cost what MAP_POPULATE costs (64 MiB of
+ * existing pages, 5 rounds: 2.6-5.1 ms to populate either way, 100-115 ms
+ * with the memset; read-only 2.4-3.3 ms, 43-46 ms with the sum).
  * A writer (a creator fills what it creates) gains from 16 KiB up, by a
  * third to a half. A reader gains less, and below 256 KiB nothing clear,
  * while one that reads a single element pays the populate of every page it
@@ -51,6 +56,7 @@ struct td__mapping {
   void *addr;
   size_t len;
   uint64_t handles;
+  atomic_int populate; /* still to be populated, at the first td__map_addr */
 };
 
 typedef struct mkey {
@@ -110,23 +116,28 @@ static void cache_init(void) {
   }
 }
 
-/* Maps nbytes of fd shared, populated above the threshold of its mode and
- * madvised for huge pages where /dev/shm asks for that. Returns the address
- * or MAP_FAILED with errno set. */
-static void *map_fd(int fd, size_t nbytes, int readonly) {
-  int populate = nbytes >= (readonly ? populate_ro : populate_rw);
-  int huge = huge_advise && nbytes >= TD__HUGE_MIN;
-  void *addr = mmap(NULL, nbytes, PROT_READ | (readonly ? 0 : PROT_WRITE),
-                    MAP_SHARED | (populate && !huge ? MAP_POPULATE : 0), fd, 0);
-  if (addr == MAP_FAILED || !huge)
-    return addr;
-  /* Best effort both: the advice before the first fault, so that the
-   * populate below is made of huge pages where the kernel has them. */
-  madvise(addr, nbytes, MADV_HUGEPAGE);
 #if defined(MADV_POPULATE_READ) && defined(MADV_POPULATE_WRITE)
-  if (populate)
-    madvise(addr, nbytes, readonly ? MADV_POPULATE_READ : MADV_POPULATE_WRITE);
+#define HAVE_MADV_POPULATE 1
+#else
+#define HAVE_MADV_POPULATE 0
 #endif
+
+/* Maps nbytes of fd shared, madvised for huge pages where /dev/shm asks for
+ * that. Sets *populate when the mapping is to be populated at its first
+ * td__map_addr (at or above the threshold of its mode); without
+ * MADV_POPULATE_* (headers older than Linux 5.14) it is populated here
+ * instead. Returns the address or MAP_FAILED with errno set. */
+static void *map_fd(int fd, size_t nbytes, int readonly, int *populate) {
+  *populate = nbytes >= (readonly ? populate_ro : populate_rw);
+  int now = !HAVE_MADV_POPULATE && *populate;
+  void *addr = mmap(NULL, nbytes, PROT_READ | (readonly ? 0 : PROT_WRITE),
+                    MAP_SHARED | (now ? MAP_POPULATE : 0), fd, 0);
+  if (now)
+    *populate = 0;
+  /* Best effort: the advice comes before the first fault, so that the
+   * populate is made of huge pages where the kernel has them. */
+  if (addr != MAP_FAILED && huge_advise && nbytes >= TD__HUGE_MIN)
+    madvise(addr, nbytes, MADV_HUGEPAGE);
   return addr;
 }
 
@@ -165,7 +176,8 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
     err = TD_ENOMEM;
     goto out;
   }
-  void *addr = map_fd(fd, nbytes, readonly);
+  int populate;
+  void *addr = map_fd(fd, nbytes, readonly, &populate);
   if (addr == MAP_FAILED) {
     err = -errno;
     free(m);
@@ -177,6 +189,7 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
   m->addr = addr;
   m->len = nbytes;
   m->handles = 1;
+  atomic_init(&m->populate, populate);
   if (td__htab_insert(&maps, &m->node, h) < 0) {
     munmap(addr, nbytes);
     free(m);
@@ -231,7 +244,18 @@ void td__map_release(td__mapping *m) {
   pthread_mutex_unlock(&mu);
 }
 
-void *td__map_addr(const td__mapping *m) {
+/* The populate of a mapping runs when its bytes are first asked for, not
+ * when it is made: a handle that is only held (to keep a storage alive, or a
+ * create timed alone) costs no populate, and the first access pays one
+ * populate instead of a fault per page. Concurrent first calls populate
+ * once; the others touch the pages while it runs, which only faults them. */
+void *td__map_addr(td__mapping *m) {
+#if HAVE_MADV_POPULATE
+  if (atomic_load_explicit(&m->populate, memory_order_relaxed) &&
+      atomic_exchange(&m->populate, 0))
+    madvise(m->addr, m->len,
+            m->readonly ? MADV_POPULATE_READ : MADV_POPULATE_WRITE);
+#endif
   return m->addr;
 }
 

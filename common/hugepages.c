@@ -2,7 +2,6 @@
 #include "hugepages.h"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -176,15 +175,17 @@ static char *slurp(const char *path, char *buf, size_t len) {
 }
 
 void td__huge_probe(td__huge_info *out) {
-  static char sysfs[256], mounts[65536], meminfo[8192];
-  /* Static buffers (the mount table can be long): one probe at a time. */
-  static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-  pthread_mutex_lock(&mu);
-  td__huge_parse(slurp("/sys/kernel/mm/transparent_hugepage/shmem_enabled",
-                       sysfs, sizeof(sysfs)),
-                 slurp("/proc/mounts", mounts, sizeof(mounts)),
-                 slurp("/proc/meminfo", meminfo, sizeof(meminfo)), out);
-  pthread_mutex_unlock(&mu);
+  enum { SYSFS = 256, MOUNTS = 65536, MEMINFO = 8192 };
+  char *buf = malloc(SYSFS + MOUNTS + MEMINFO); /* the mount table is long */
+  if (buf == NULL) {
+    td__huge_parse(NULL, NULL, NULL, out);
+    return;
+  }
+  td__huge_parse(
+      slurp("/sys/kernel/mm/transparent_hugepage/shmem_enabled", buf, SYSFS),
+      slurp("/proc/mounts", buf + SYSFS, MOUNTS),
+      slurp("/proc/meminfo", buf + SYSFS + MOUNTS, MEMINFO), out);
+  free(buf);
 }
 
 /* Writes n bytes as "2 MiB" or "1 GiB" into buf; returns buf. */

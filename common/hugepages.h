@@ -49,7 +49,8 @@ td__thp td__thp_parse_mount(const char *mounts, const char *dir);
 void td__huge_parse(const char *shmem_enabled, const char *mounts,
                     const char *meminfo, td__huge_info *out);
 
-/* Reads the three files and td__huge_parse's them. */
+/* Reads the three files and td__huge_parse's them (all unknown if it
+ * cannot allocate the 72 KiB it reads them into). */
 void td__huge_probe(td__huge_info *out);
 
 /* Writes one line saying what was found and what follows from it to buf

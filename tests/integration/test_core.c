@@ -233,10 +233,13 @@ TDT_TEST(core, readonly_opens_while_holding_readwrite_map_once) {
   td_close(c);
 }
 
-/* Resident kB of this process's mapping that starts at addr: the pages it
- * has mapped, faulted or populated; -1 if there is no such mapping. */
+/* Resident kB of this process's mapping that starts at addr, or (addr
+ * NULL) of its first mapping of one of d's segments: the pages it has
+ * mapped, faulted or populated; -1 if there is no such mapping. */
 static long mapping_rss_kb(const void *addr) {
-  char line[512];
+  char line[512], needle[64];
+  snprintf(needle, sizeof(needle), "/dev/shm/tensord.%016llx.",
+           (unsigned long long)d.instance);
   FILE *f = fopen("/proc/self/smaps", "r");
   cr_assert_not_null(f);
   int in = 0;
@@ -244,7 +247,8 @@ static long mapping_rss_kb(const void *addr) {
   while (fgets(line, sizeof(line), f)) {
     unsigned long start, end;
     if (sscanf(line, "%lx-%lx ", &start, &end) == 2) { /* a mapping's head */
-      in = start == (unsigned long)addr;
+      in = addr != NULL ? start == (unsigned long)addr
+                        : strstr(line, needle) != NULL;
       continue;
     }
     if (in && sscanf(line, "Rss: %ld kB", &rss) == 1)
@@ -255,12 +259,16 @@ static long mapping_rss_kb(const void *addr) {
 }
 
 /* Mappings from 16 KiB (read-write) and 256 KiB (read-only) up come with
- * every page mapped (MAP_POPULATE), smaller ones fault page by page. */
+ * every page mapped once their bytes are first asked for (td_storage_data),
+ * smaller ones fault page by page. */
 TDT_TEST(core, big_mappings_come_populated) {
   td_client *c = tdt_connect(&d);
   td_client *c2 = tdt_connect(&d);
   td_storage *big, *small, *mid, *ro_big, *ro_mid;
   cr_assert_eq(td_storage_create(c, 1 << 20, &big), 0);
+  cr_assert_eq(mapping_rss_kb(NULL), 0,
+               "populated before its bytes were "
+               "asked for");
   cr_assert_eq(td_storage_create(c, 8192, &small), 0);
   cr_assert_eq(td_storage_create(c, 64 * 1024, &mid), 0);
   cr_assert_eq(mapping_rss_kb(td_storage_data(big)), 1024);

@@ -46,7 +46,9 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
                     int fd, td__mapping **out);
 /* Drops one handle; the last unmaps. NULL ok. */
 void td__map_release(td__mapping *m);
-void *td__map_addr(const td__mapping *m);
+/* Returns the mapping's address; the first call populates it if it is at
+ * or above the populate threshold of its mode (see cache.c). */
+void *td__map_addr(td__mapping *m);
 /* Mappings the process has now (for tests). */
 size_t td__map_count(void);
 

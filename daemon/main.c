@@ -1,4 +1,5 @@
 /* main.c: tensord's command line. */
+#include "hugepages.h"
 #include "log.h"
 #include "server.h"
 
@@ -49,6 +50,10 @@ static void usage(FILE *f) {
       "                         (default: a quarter of the capacity)\n"
       "  --recycle-idle MS      unlink a pooled segment unused this long\n"
       "                         (default 30000)\n"
+      "  --huge-pages auto|off  auto (default): look at what the host offers\n"
+      "                         in huge pages for /dev/shm and log it at\n"
+      "                         start; off: do not look (see\n"
+      "                         docs/operations.md)\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -74,6 +79,21 @@ static int parse_bytes(const char *opt, const char *s, uint64_t *out) {
     return -1;
   }
   return 0;
+}
+
+/* Logs, as one info line, what the host offers in huge pages for the
+ * segments and what follows from it (--huge-pages auto), or that it was not
+ * looked at (off). The protocol carries none of it: a client reads the same
+ * files itself (client/cache.c). */
+static void log_huge_pages(int off) {
+  if (off) {
+    td__info("huge pages: not looked at (--huge-pages off)");
+    return;
+  }
+  td__huge_info h;
+  char line[512];
+  td__huge_probe(&h);
+  td__info("huge pages: %s", td__huge_describe(&h, line, sizeof(line)));
 }
 
 /* Raises the soft limit on open files to the hard limit: every client is an
@@ -105,6 +125,7 @@ int main(int argc, char **argv) {
     OPT_STATE_DIR,
     OPT_RECYCLE_BYTES,
     OPT_RECYCLE_IDLE,
+    OPT_HUGE_PAGES,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -120,12 +141,14 @@ int main(int argc, char **argv) {
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
       {"recycle-bytes", required_argument, NULL, OPT_RECYCLE_BYTES},
       {"recycle-idle", required_argument, NULL, OPT_RECYCLE_IDLE},
+      {"huge-pages", required_argument, NULL, OPT_HUGE_PAGES},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   td__options o = {0};
+  int huge_off = 0;
   o.socket_mode = -1;
   uint64_t n;
   int ch;
@@ -195,6 +218,13 @@ int main(int argc, char **argv) {
       if (parse_count("--recycle-idle", optarg, 24ull * 3600 * 1000,
                       &o.recycle_idle_ms) < 0)
         return 2;
+    case OPT_HUGE_PAGES:
+      if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "off") != 0) {
+        fprintf(stderr, "tensord: --huge-pages '%s': use auto or off\n",
+                optarg);
+        return 2;
+      }
+      huge_off = strcmp(optarg, "off") == 0;
       break;
     case 'l': {
       int level = td__log_level_parse(optarg);
@@ -227,6 +257,7 @@ int main(int argc, char **argv) {
 
   signal(SIGPIPE, SIG_IGN);
   raise_nofile();
+  log_huge_pages(huge_off);
   uv_loop_t *loop = uv_default_loop();
   static td__server srv;
   if (td__server_start(&srv, loop, &o) < 0)

@@ -20,10 +20,15 @@
  *              all along: tensord sends no fd and the client reuses its
  *              mapping, so the op is one round trip plus one one-way release
  *              message, the protocol's own cost.
+ *   ro-rw      the same op by a client that keeps one read-WRITE handle on
+ *              the storage all along: the daemon sends a read-only fd every
+ *              time (the connection holds no read-only reference between
+ *              ops), but the process keeps its read-only mapping while it
+ *              holds the storage, so the client maps nothing.
  * Ratios are against echo at the same number of clients.
  *
  * Usage: bench_ops SOCKET (or $TENSORD_SOCKET) [KIND CLIENTS], KIND one of
- * echo, lookup+rel, held: that one run only, for profiling it.
+ * echo, lookup+rel, held, ro-rw: that one run only, for profiling it.
  * $TD_BENCH_SCALE scales the 2 s per run. */
 #include "bench.h"
 
@@ -44,8 +49,9 @@
 #define WARMUP_OPS 20
 #define ROUNDS 4 /* slices per kind and number of clients */
 
-enum kind { ECHO, TD_FD, TD_HELD, NKINDS };
-static const char *const kind_name[NKINDS] = {"echo", "lookup+rel", "held"};
+enum kind { ECHO, TD_FD, TD_HELD, TD_RO_RW, NKINDS };
+static const char *const kind_name[NKINDS] = {"echo", "lookup+rel", "held",
+                                              "ro-rw"};
 static const int nclients[] = {1, 8, 64};
 #define NCOUNTS (int)(sizeof(nclients) / sizeof(nclients[0]))
 
@@ -170,7 +176,9 @@ static int worker(void *arg) {
     fd = echo_connect(a->path);
   } else {
     c = bench_connect(a->path);
-    if (a->kind == TD_HELD && td_lookup(c, KEY, TD_RDONLY, 0, &keep, NULL) < 0)
+    unsigned mode = a->kind == TD_HELD ? TD_RDONLY : 0;
+    if ((a->kind == TD_HELD || a->kind == TD_RO_RW) &&
+        td_lookup(c, KEY, mode, 0, &keep, NULL) < 0)
       bench_die("lookup: %s", td_last_error(c));
   }
   for (int i = 0; i < WARMUP_OPS; i++) {
@@ -278,7 +286,8 @@ int main(int argc, char **argv) {
     while (kind < NKINDS && strcmp(argv[2], kind_name[kind]) != 0)
       kind++;
     if (kind == NKINDS || n < 1 || n > MAXW)
-      bench_die("usage: bench_ops SOCKET [echo|lookup+rel|held 1-%d]", MAXW);
+      bench_die("usage: bench_ops SOCKET [echo|lookup+rel|held|ro-rw 1-%d]",
+                MAXW);
     double v =
         run((enum kind)kind, kind == ECHO ? epath : sock, n, seconds, sh);
     printf("%s, %d client(s): %.0f ops/s\n", kind_name[kind], n, v);
@@ -319,12 +328,13 @@ int main(int argc, char **argv) {
   printf("\nbench_ops: ops/s from N client processes for %.1f s each; "
          "ratios against echo\n\n",
          seconds);
-  printf("  %7s %12s %12s %7s %12s %7s\n", "clients", "echo ops/s",
-         "lookup+rel", "/echo", "held", "/echo");
+  printf("  %7s %11s %11s %6s %11s %6s %11s %6s\n", "clients", "echo ops/s",
+         "lookup+rel", "/echo", "held", "/echo", "ro-rw", "/echo");
   for (int k = 0; k < NCOUNTS; k++)
-    printf("  %7d %12.0f %12.0f %7.2f %12.0f %7.2f\n", nclients[k],
+    printf("  %7d %11.0f %11.0f %6.2f %11.0f %6.2f %11.0f %6.2f\n", nclients[k],
            ops[k][ECHO], ops[k][TD_FD], ops[k][TD_FD] / ops[k][ECHO],
-           ops[k][TD_HELD], ops[k][TD_HELD] / ops[k][ECHO]);
+           ops[k][TD_HELD], ops[k][TD_HELD] / ops[k][ECHO], ops[k][TD_RO_RW],
+           ops[k][TD_RO_RW] / ops[k][ECHO]);
   if (tst.storages != 1)
     printf("  note: tensord had %llu storages after the runs, 1 expected\n",
            (unsigned long long)tst.storages);

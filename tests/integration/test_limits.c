@@ -384,7 +384,7 @@ TDT_TEST(limits, bad_arguments_exit_2, .timeout = 30) {
       {"--capacity", "lots", NULL},  {"--capacity", "0", NULL},
       {"--capacity", "-5G", NULL},   {"--capacity", "12Q", NULL},
       {"--log-level", "loud", NULL}, {"--no-such-option", NULL},
-      {"unexpected", NULL},
+      {"unexpected", NULL},          {"--huge-pages", "maybe", NULL},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const char *argv[6] = {TENSORD_BIN};
@@ -422,6 +422,21 @@ TDT_TEST(limits, capacity_sizes_parse, .timeout = 30) {
     td_close(c);
     tdt_stop(&d);
   }
+}
+
+/* One info line at start says what the host offers in huge pages (the
+ * parsing is test_hugepages'); --huge-pages off says it did not look. */
+TDT_TEST(limits, huge_pages_are_logged_at_start, .timeout = 30) {
+  tdt_start(&d, NULL);
+  cr_assert(tdt_log_has(&d, "huge pages: shmem THP '"));
+  cr_assert(tdt_log_has(&d, "/dev/shm"));
+  tdt_stop(&d);
+  tdt_start(&d, (const char *const[]){"--huge-pages", "off", NULL});
+  cr_assert(tdt_log_has(&d, "huge pages: not looked at (--huge-pages off)"));
+  tdt_stop(&d);
+  tdt_start(&d, (const char *const[]){"--huge-pages", "auto", NULL});
+  cr_assert(tdt_log_has(&d, "huge pages: shmem THP '"));
+  tdt_stop(&d);
 }
 
 /* ---- many clients ---- */

@@ -218,6 +218,7 @@ int main(int argc, char **argv) {
       if (parse_count("--recycle-idle", optarg, 24ull * 3600 * 1000,
                       &o.recycle_idle_ms) < 0)
         return 2;
+      break;
     case OPT_HUGE_PAGES:
       if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "off") != 0) {
         fprintf(stderr, "tensord: --huge-pages '%s': use auto or off\n",

@@ -544,10 +544,32 @@ static int op_create(client *me) {
     o.nbytes += HDR; /* private ones say whose they are */
   if (o.nbytes < HDR)
     o.mode = 0666; /* a tiny payload cannot say who may read it */
+  /* A third of the creates leave the bytes to the caller (TD_UNINIT): a
+   * recycled segment then keeps what was written there last, which must be
+   * this uid's own. Every other create must read as zeros. */
+  if (below(me, 3) == 0)
+    o.flags = TD_UNINIT;
   td_storage *s;
   int err = td_storage_create_ex(me->c, &o, &s);
   if (outcome(me, OP_CREATE, err, K_ID, "") || err < 0)
     return err;
+  const uint8_t *fresh = td_storage_data(s);
+  if (!(o.flags & TD_UNINIT)) {
+    for (size_t i = 0; i < o.nbytes; i++)
+      if (fresh[i] != 0) {
+        violation("a new storage (%" PRIu64 ", %zu bytes) is not zero: byte "
+                  "%zu is 0x%02x",
+                  td_storage_id(s), o.nbytes, i, fresh[i]);
+        break;
+      }
+  } else if (o.nbytes >= HDR) {
+    payload_hdr h;
+    memcpy(&h, fresh, HDR);
+    if (h.magic == PAYLOAD_MAGIC && h.uid != me->uid)
+      violation("a new storage (%" PRIu64 ", %zu bytes) of uid %u holds "
+                "bytes uid %u wrote (mode %04o): recycled across uids",
+                td_storage_id(s), o.nbytes, (unsigned)me->uid, h.uid, h.mode);
+  }
   payload_write(td_storage_data(s), o.nbytes, rnd(me), o.mode, me->uid,
                 me->gid);
   uint32_t r = atomic_fetch_add(&sh->recent_next, 1) % RECENT;
@@ -1305,8 +1327,10 @@ static int list_all(listing *l) {
   return td_list(coord, list_cb, l);
 }
 
-/* Counts the /dev/shm segments of every instance this run saw. */
-static unsigned count_segments(void) {
+/* Counts the /dev/shm segments of every instance this run saw: their
+ * storages' ("tensord.<instance>.<id>"), or with pool their recycling
+ * pools' ("tensord.<instance>-pool.<n>"). */
+static unsigned count_files(int pool) {
   DIR *d = opendir("/dev/shm");
   if (d == NULL)
     return 0;
@@ -1315,7 +1339,8 @@ static unsigned count_segments(void) {
   while ((e = readdir(d)) != NULL) {
     for (unsigned i = 0; i < nseen; i++) {
       char prefix[48];
-      snprintf(prefix, sizeof(prefix), "tensord.%016" PRIx64 ".", seen[i]);
+      snprintf(prefix, sizeof(prefix), "tensord.%016" PRIx64 "%s", seen[i],
+               pool ? "-pool." : ".");
       if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) {
         n++;
         break;
@@ -1362,6 +1387,8 @@ static struct {
   uint64_t missing_from_list, missing_from_keys;
   unsigned segments;
   int segments_ok;
+  unsigned pooled; /* files of the recycling pool */
+  int pool_ok;
   int64_t rss_first, rss_last, rss_allowed;
   size_t rss_nfirst, rss_nlast;
   double rss_from;
@@ -1525,7 +1552,7 @@ static void final_checks(double run_s) {
    * thread pool: give them a moment). */
   deadline = bench_now_ns() + 5000000000ull;
   do {
-    end.segments = count_segments();
+    end.segments = count_files(0);
     if (end.segments == cur.storages)
       break;
     sleep_ms(50);
@@ -1535,6 +1562,16 @@ static void final_checks(double run_s) {
     violation("/dev/shm holds %u segment(s) of this run's instances; tensord "
               "has %" PRIu64 " storage(s)",
               end.segments, cur.storages);
+  /* 5b. The recycling pool: within its bound, and its files are the ones
+   * td_stat_get counts (pools of daemons killed before are swept by the
+   * start after them). */
+  end.pooled = count_files(1);
+  end.pool_ok = end.pooled == cur.pool_segments &&
+                cur.pool_bytes <= cur.pool_limit;
+  if (!end.pool_ok)
+    violation("the recycling pool: %u file(s) in /dev/shm, td_stat_get counts "
+              "%" PRIu64 " segment(s) of %" PRIu64 " bytes, bound %" PRIu64,
+              end.pooled, cur.pool_segments, cur.pool_bytes, cur.pool_limit);
 
   /* 6. RSS: the first and the last minute (20% of a shorter run). With
    * restarts, each daemon process is judged on its own life, first 20% of
@@ -1599,7 +1636,7 @@ static void final_checks(double run_s) {
     if (td_stat_get(coord, &cur) < 0)
       bench_die("stat after the clean-up: %s", td_last_error(coord));
     end.left_storages = cur.storages;
-    end.left_segments = count_segments();
+    end.left_segments = count_files(0);
     if ((end.left_storages == 0 && end.left_segments == 0) ||
         bench_now_ns() > deadline)
       break;
@@ -1708,6 +1745,11 @@ static void report(double run_s) {
          end.orphans, end.stray_holders);
   printf("  %-32s %u (%u instance(s))%s\n", "/dev/shm segments", end.segments,
          nseen, end.segments_ok ? "" : "  MISMATCH");
+  printf("  %-32s %u file(s); td_stat_get %" PRIu64 " segment(s), %" PRIu64
+         " of %" PRIu64 " bytes; %" PRIu64 " hit(s), %" PRIu64 " miss(es)%s\n",
+         "recycling pool", end.pooled, cur.pool_segments, cur.pool_bytes,
+         cur.pool_limit, cur.pool_hits, cur.pool_misses,
+         end.pool_ok ? "" : "  MISMATCH");
   printf("  %-32s %.1f MiB (first %.0f s, %zu samples) -> %.1f MiB (last "
          "%.0f s, %zu samples); allowed %.1f MiB (+25%% or +4 MiB, the "
          "larger)%s\n",

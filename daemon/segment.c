@@ -124,6 +124,75 @@ static void unlink_after(uv_work_t *w, int status) {
   td__work_done(srv);
 }
 
+/* Small unlinks, gathered during a loop turn and run as one job. */
+#define UNLINK_BATCH 256
+
+struct td__unlink_batch {
+  uv_work_t work;
+  td__server *srv;
+  size_t n;
+  const td__backend *backend[UNLINK_BATCH];
+  char name[UNLINK_BATCH][TD__SEGMENT_NAME_MAX];
+};
+
+static void batch_work(uv_work_t *w) {
+  struct td__unlink_batch *u =
+      td__container_of(w, struct td__unlink_batch, work);
+  for (size_t i = 0; i < u->n; i++)
+    u->backend[i]->unlink(u->name[i]);
+}
+
+static void batch_after(uv_work_t *w, int status) {
+  struct td__unlink_batch *u =
+      td__container_of(w, struct td__unlink_batch, work);
+  td__server *srv = u->srv;
+  if (status < 0) /* cancelled: unlink here rather than leak */
+    batch_work(w);
+  free(u);
+  td__work_done(srv);
+}
+
+void td__segment_unlink_flush(td__server *srv) {
+  struct td__unlink_batch *u = srv->unlinks;
+  if (u == NULL)
+    return;
+  srv->unlinks = NULL;
+  if (uv_queue_work(srv->loop, &u->work, batch_work, batch_after) == 0) {
+    srv->pending_work++;
+    return;
+  }
+  batch_work(&u->work);
+  free(u);
+}
+
+static void on_unlink_check(uv_check_t *h) {
+  td__server *srv = td__container_of(h, td__server, unlink_check);
+  uv_check_stop(h);
+  td__segment_unlink_flush(srv);
+}
+
+/* Adds name to the batch of this loop turn. Returns 0, or -1 if it cannot
+ * (not serving, or no memory): the caller unlinks it at once. */
+static int batch_add(td__server *srv, const td__backend *b,
+                     const char *name) {
+  if (!srv->listening || srv->stopping)
+    return -1;
+  struct td__unlink_batch *u = srv->unlinks;
+  if (u == NULL) {
+    if ((u = malloc(sizeof(*u))) == NULL)
+      return -1;
+    u->srv = srv;
+    u->n = 0;
+    srv->unlinks = u;
+    uv_check_start(&srv->unlink_check, on_unlink_check);
+  }
+  u->backend[u->n] = b;
+  snprintf(u->name[u->n], sizeof(u->name[u->n]), "%s", name);
+  if (++u->n == UNLINK_BATCH)
+    td__segment_unlink_flush(srv);
+  return 0;
+}
+
 void td__segment_unlink(td__server *srv, td_device device, const char *name,
                         uint64_t nbytes) {
   const td__backend *b = td__backend_for(device);
@@ -132,6 +201,8 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
               (int)device);
     return;
   }
+  if (nbytes <= SYNC_BYTES_MAX && batch_add(srv, b, name) == 0)
+    return;
   /* Unlinking frees the pages when no client maps them any more: a cost that
    * grows with bytes, so large segments go to the thread pool. */
   unlink_job *j = NULL;

@@ -450,6 +450,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
   uv_timer_init(loop, &srv->accept_timer);
   uv_timer_init(loop, &srv->pool_timer);
+  uv_check_init(loop, &srv->unlink_check);
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   uv_signal_init(loop, &srv->sigint);
   uv_signal_init(loop, &srv->sigterm);
@@ -515,6 +516,7 @@ void td__server_stop(td__server *srv) {
     uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, NULL);
     uv_close((uv_handle_t *)&srv->pool_timer, NULL);
+    uv_close((uv_handle_t *)&srv->unlink_check, NULL);
     uv_close((uv_handle_t *)&srv->sigint, NULL);
     uv_close((uv_handle_t *)&srv->sigterm, NULL);
     if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
@@ -535,6 +537,7 @@ void td__server_stop(td__server *srv) {
              (unsigned long long)srv->pool.count,
              (unsigned long long)srv->pool.bytes);
   td__pool_drain(srv);
+  td__segment_unlink_flush(srv);
   /* A job still running on the thread pool would find the state or the
    * registry freed under it: its completion finishes the stop instead. */
   if (srv->pending_work > 0) {

@@ -49,6 +49,8 @@ struct td__server {
   td__waits waits;       /* lookups waiting for keys */
   td__pool pool;         /* freed segments kept for reuse (segment.c) */
   uv_timer_t pool_timer; /* ages the pool out */
+  struct td__unlink_batch *unlinks; /* small unlinks not yet queued */
+  uv_check_t unlink_check;          /* queues them at the end of a turn */
   uint64_t pending_work; /* thread-pool jobs in flight: see td__work_done */
   td__state *state;      /* NULL without --state-dir */
   int keep_segments;     /* keyed segments stay: a stop with --state-dir, or a

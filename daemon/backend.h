@@ -50,7 +50,7 @@ typedef struct td__backend {
   int (*rename)(const char *from, const char *to);
   /* Serves a create of nbytes from the pooled segment from: renames it
    * to, sets its size to nbytes (freeing a tail, reserving pages that are
-   * missing) and, if zero, zeroes every byte through a populated mapping.
+   * missing) and, if zero, makes every byte read as zero again.
    * Returns a read-write fd the caller owns, or a negative code with msg
    * filled; on failure neither from nor to is left behind. */
   int (*reuse)(const char *from, const char *to, uint64_t nbytes, int zero,

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Mappings of at least this many bytes are populated (MADV_POPULATE_WRITE /
@@ -49,6 +51,23 @@
  * at least one huge page are madvised MADV_HUGEPAGE. */
 #define TD__HUGE_MIN ((size_t)2 << 20)
 
+/* Warm mappings. tensord recycles a freed segment for the next storage of
+ * the same uid, and the segment keeps its inode; so when a process lets go
+ * of a big mapping it keeps it a moment, warm, and a new handle on the same
+ * inode in the same mode takes it back: no mmap, no populate, no munmap,
+ * and no first touch of each page through new page-table entries, which
+ * costs more than the populate itself (64 MiB, this VM: memset through a
+ * fresh populated mapping 115 ms, through one already used 4 ms). Bounded:
+ * at most TD__WARM_MAX mappings and TENSORD_WARM_BYTES bytes (default
+ * 1 GiB; 0 turns it off), none kept past TD__WARM_MS, and those checked at
+ * every acquire and release: a warm mapping pins pages the daemon may
+ * already have unlinked, for that long at most while the process uses
+ * libtensord. */
+#define TD__WARM_MIN ((size_t)1 << 20)
+#define TD__WARM_MAX 8
+#define TD__WARM_MS 5000
+#define TD__WARM_BYTES ((size_t)1 << 30)
+
 struct td__mapping {
   td__hnode node;
   uint64_t instance, id;
@@ -57,7 +76,29 @@ struct td__mapping {
   size_t len;
   uint64_t handles;
   atomic_int populate; /* still to be populated, at the first td__map_addr */
+  dev_t dev;           /* the segment's inode, for a warm reuse (len >= */
+  ino_t ino;           /* TD__WARM_MIN; ino 0: unknown) */
 };
+
+typedef struct warm {
+  struct warm *next; /* newest first */
+  dev_t dev;
+  ino_t ino;
+  int readonly;
+  int populate;
+  void *addr;
+  size_t len;
+  int64_t since_ms;
+} warm;
+
+static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
+                       int *populate);
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 typedef struct mkey {
   uint64_t instance, id;
@@ -69,14 +110,16 @@ static td__htab maps;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static size_t populate_rw = TD__POPULATE_MIN_RW;
 static size_t populate_ro = TD__POPULATE_MIN_RO;
+static warm *warms;
+static size_t nwarm, warm_bytes;
+static size_t warm_max = TD__WARM_BYTES;
 /* /dev/shm is huge=advise and TENSORD_HUGE_PAGES is not "off". */
 static int huge_advise;
 
-/* Returns the bytes TENSORD_POPULATE_MIN asks for ("0", "64K", "1M": from
- * that size up; "off": SIZE_MAX, never), or dflt when it is unset or not
- * understood. */
-static size_t populate_env(size_t dflt) {
-  const char *s = getenv("TENSORD_POPULATE_MIN");
+/* Returns the bytes environment variable name asks for ("0", "64K", "1M";
+ * "off": SIZE_MAX), or dflt when it is unset or not understood. */
+static size_t size_env(const char *name, size_t dflt) {
+  const char *s = getenv(name);
   if (s == NULL || *s == '\0')
     return dflt;
   if (strcmp(s, "off") == 0)
@@ -101,13 +144,18 @@ static size_t populate_env(size_t dflt) {
 static void atfork_child(void) {
   pthread_mutex_init(&mu, NULL);
   td__htab_init(&maps);
+  warms = NULL; /* the parent's to use: left mapped, as the others */
+  nwarm = warm_bytes = 0;
 }
 
 static void cache_init(void) {
   td__htab_init(&maps);
   pthread_atfork(NULL, NULL, atfork_child);
-  populate_rw = populate_env(TD__POPULATE_MIN_RW);
-  populate_ro = populate_env(TD__POPULATE_MIN_RO);
+  populate_rw = size_env("TENSORD_POPULATE_MIN", TD__POPULATE_MIN_RW);
+  populate_ro = size_env("TENSORD_POPULATE_MIN", TD__POPULATE_MIN_RO);
+  warm_max = size_env("TENSORD_WARM_BYTES", TD__WARM_BYTES);
+  if (warm_max == SIZE_MAX) /* "off" */
+    warm_max = 0;
   const char *h = getenv("TENSORD_HUGE_PAGES");
   if (h == NULL || strcmp(h, "off") != 0) {
     td__huge_info hi;
@@ -177,7 +225,15 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
     goto out;
   }
   int populate;
-  void *addr = map_fd(fd, nbytes, readonly, &populate);
+  void *addr = NULL;
+  struct stat sb;
+  if (nbytes >= TD__WARM_MIN && warm_max > 0 && fstat(fd, &sb) == 0) {
+    m->dev = sb.st_dev;
+    m->ino = sb.st_ino;
+    addr = warm_take(m->dev, m->ino, readonly, nbytes, &populate);
+  }
+  if (addr == NULL)
+    addr = map_fd(fd, nbytes, readonly, &populate);
   if (addr == MAP_FAILED) {
     err = -errno;
     free(m);
@@ -213,9 +269,81 @@ static td__mapping *sibling(const td__mapping *m) {
   return n != NULL ? td__container_of(n, td__mapping, node) : NULL;
 }
 
+/* Unmaps the warm mappings past their time, or all if all. Called with mu
+ * held. */
+static void warm_expire(int all) {
+  int64_t now = now_ms();
+  for (warm **p = &warms, *w; (w = *p) != NULL;) {
+    if (all || now - w->since_ms >= TD__WARM_MS) {
+      *p = w->next;
+      munmap(w->addr, w->len);
+      nwarm--;
+      warm_bytes -= w->len;
+      free(w);
+    } else {
+      p = &w->next;
+    }
+  }
+}
+
+/* Takes the warm mapping of inode (dev, ino) in that mode and of len bytes.
+ * Returns its address, with *populate what it still needs, or NULL. Called
+ * with mu held. */
+static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
+                       int *populate) {
+  warm_expire(0);
+  for (warm **p = &warms, *w; (w = *p) != NULL; p = &w->next) {
+    if (w->ino != ino || w->dev != dev || w->readonly != readonly ||
+        w->len != len)
+      continue;
+    *p = w->next;
+    nwarm--;
+    warm_bytes -= w->len;
+    void *addr = w->addr;
+    *populate = w->populate;
+    free(w);
+    return addr;
+  }
+  return NULL;
+}
+
+/* Keeps m's pages mapped, warm, if it may; else unmaps them. Called with mu
+ * held. */
+static void warm_keep(const td__mapping *m) {
+  warm_expire(0);
+  warm *w = NULL;
+  if (m->ino != 0 && m->len <= warm_max && (w = malloc(sizeof(*w))) != NULL) {
+    /* Room first: the oldest go. */
+    while (nwarm >= TD__WARM_MAX || warm_bytes + m->len > warm_max) {
+      warm **p = &warms;
+      while ((*p)->next != NULL)
+        p = &(*p)->next;
+      warm *old = *p;
+      *p = NULL;
+      munmap(old->addr, old->len);
+      nwarm--;
+      warm_bytes -= old->len;
+      free(old);
+    }
+    w->dev = m->dev;
+    w->ino = m->ino;
+    w->readonly = m->readonly;
+    w->populate = atomic_load(&m->populate);
+    w->addr = m->addr;
+    w->len = m->len;
+    w->since_ms = now_ms();
+    w->next = warms;
+    warms = w;
+    nwarm++;
+    warm_bytes += w->len;
+    return;
+  }
+  munmap(m->addr, m->len);
+}
+
 static void unmap(td__mapping *m) {
   td__htab_remove(&maps, &m->node);
-  munmap(m->addr, m->len);
+  warm_keep(m);
   free(m);
 }
 
@@ -230,6 +358,7 @@ void td__map_release(td__mapping *m) {
   if (m == NULL)
     return;
   pthread_mutex_lock(&mu);
+  warm_expire(0);
   if (--m->handles == 0) {
     td__mapping *other = sibling(m);
     if (m->readonly) {

@@ -750,6 +750,7 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
   m.mode = o->mode;
   m.device = (Tensord__Device)o->device;
   m.uninitialized = (o->flags & TD_UNINIT) != 0;
+  m.client_zeroes = !m.uninitialized;
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
   req.create = &m;
   Tensord__Response *r;
@@ -759,8 +760,14 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
     err = expect(c, r, TENSORD__RESPONSE__BODY_STORAGE, fd);
   if (err < 0)
     return err;
+  int dirty = r->storage->dirty;
   err = make_handle(c, r->storage, fd, out);
   tensord__response__free_unpacked(r, NULL);
+  /* A recycled segment comes as its owner left it: zeroed here, through
+   * this process's mapping, often still warm from the storage that had it
+   * before (a memset of pages mapped already), before anyone sees it. */
+  if (err == 0 && dirty)
+    memset(td_storage_data(*out), 0, td_storage_nbytes(*out));
   return err;
 }
 

@@ -28,6 +28,7 @@ struct td__create {
   td__segment_req seg;
   td__conn *conn; /* NULL once the connection is gone */
   uint64_t seq;
+  int client_zeroes; /* the client zeroes a recycled segment itself */
   td__create *prev, *next; /* in conn->creates */
 };
 
@@ -191,7 +192,14 @@ static void create_finish(td__segment_req *req) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    send_storage(c, cr->seq, s, 0, fd);
+    Tensord__StorageReply m;
+    Tensord__Response r = TENSORD__RESPONSE__INIT;
+    storage_reply(s, 0, fd, &m);
+    m.dirty = cr->client_zeroes && req->reused;
+    r.seq = cr->seq;
+    r.body_case = TENSORD__RESPONSE__BODY_STORAGE;
+    r.storage = &m;
+    td__conn_send(c, &r, fd);
   }
   free(cr);
 }
@@ -280,7 +288,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   c->ncreates++;
   cr->seg.pooled = pooled;
   cr->seg.victims = victims;
-  cr->seg.zero = !m->uninitialized;
+  cr->client_zeroes = !m->uninitialized && m->client_zeroes;
+  cr->seg.zero = !m->uninitialized && !m->client_zeroes;
   td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
 }

@@ -52,6 +52,7 @@ static void create_work(uv_work_t *w) {
   if (e != NULL) {
     req->fd = b->reuse(e->name, s->name, s->nbytes, req->zero, req->msg,
                        sizeof(req->msg));
+    req->reused = req->fd >= 0;
     if (req->fd < 0) /* reuse left nothing: make a fresh one instead */
       td__warn("storage %llu: %s; making a fresh segment",
                (unsigned long long)s->id, req->msg);
@@ -79,6 +80,7 @@ void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
   req->srv = srv;
   req->s = s;
   req->fd = -1;
+  req->reused = 0;
   req->msg[0] = '\0';
   req->cb = cb;
   /* Unlinking victims frees their pages: a cost that grows with bytes. */

@@ -25,6 +25,7 @@ struct td__segment_req {
   td__pooled *pooled;  /* serve s from this pooled segment, or NULL */
   td__pooled *victims; /* pooled segments to unlink first (next-linked) */
   int zero;            /* the bytes must read as zeros */
+  int reused;          /* out: the segment is req->pooled's */
   int fd;
   char msg[256];
   td__segment_cb cb;

@@ -3,6 +3,7 @@
  * pool's bounds, give way to creates that need their space, age out, and
  * never outlive tensord. */
 #include "harness.h"
+#include "raw.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -11,6 +12,8 @@
 #include <unistd.h>
 #include <signal.h>
 #include <string.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -69,6 +72,14 @@ static td_stat pool_is(td_client *c, uint64_t n) {
   cr_assert_eq(st.pool_segments, n, "pool has %llu segment(s), not %llu",
                (unsigned long long)st.pool_segments, (unsigned long long)n);
   return st;
+}
+
+/* Polls until /dev/shm holds n of the pool's files (segments the pool lets
+ * go are unlinked on tensord's thread pool). Returns how many it holds. */
+static int pooled_files(int n) {
+  for (int i = 0; i < 2500 && tdt_pooled_of(d.instance) != n; i++)
+    sleep_ms(2);
+  return tdt_pooled_of(d.instance);
 }
 
 TDT_TEST(recycle, a_recycled_storage_reads_as_zeros, .timeout = 30) {
@@ -171,7 +182,7 @@ TDT_TEST(recycle, the_pool_stays_within_its_bounds, .timeout = 30) {
   td_stat st = pool_is(c, 3);
   cr_assert_eq(st.pool_bytes, 3 * MiB);
   cr_assert_eq(st.pool_limit, 3 * MiB);
-  cr_assert_eq(tdt_pooled_of(d.instance), 3);
+  cr_assert_eq(pooled_files(3), 3);
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
   /* Larger than the whole pool: never pooled. Smaller than the least it
    * keeps: never pooled either. */
@@ -219,7 +230,7 @@ TDT_TEST(recycle, idle_segments_age_out, .timeout = 30) {
   pool_is(c, 0);
   cr_assert(tdt_log_has(&d, "pooled as"), "the segment was never pooled");
   cr_assert(tdt_log_has(&d, "ms; unlinking it"), "it was not aged out");
-  cr_assert_eq(tdt_pooled_of(d.instance), 0);
+  cr_assert_eq(pooled_files(0), 0);
   td_close(c);
 }
 
@@ -365,5 +376,121 @@ TDT_TEST(recycle, a_segment_another_uid_mapped_is_never_recycled,
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
   td_stat st = pool_is(c, 1);
   cr_assert_eq(st.pool_bytes, MiB, "the segment B mapped was pooled");
+  td_close(c);
+}
+
+/* ---- who zeroes ---- */
+
+/* A Create over the wire; returns the reply, its fd in *fd. */
+static Tensord__Response *raw_create(tdt_raw *r, uint64_t n, int uninit,
+                                     int client_zeroes, int *fd) {
+  Tensord__Create m = TENSORD__CREATE__INIT;
+  Tensord__Request q = TENSORD__REQUEST__INIT;
+  m.nbytes = n;
+  m.uninitialized = uninit;
+  m.client_zeroes = client_zeroes;
+  q.body_case = TENSORD__REQUEST__BODY_CREATE;
+  q.create = &m;
+  tdt_raw_queue(r, &q);
+  tdt_raw_flush(r);
+  Tensord__Response *rep = tdt_raw_reply_fd(r, 10000, fd);
+  cr_assert_not_null(rep);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_STORAGE, "code %d",
+               tdt_raw_code(rep));
+  cr_assert_geq(*fd, 0);
+  return rep;
+}
+
+/* Maps fd (n bytes), checks that every byte is v, writes w into them all,
+ * and closes it. */
+static void check_and_fill(int fd, size_t n, int v, int w) {
+  uint8_t *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  cr_assert_neq(p, MAP_FAILED);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++)
+    bad += p[i] != (uint8_t)v;
+  cr_assert_eq(bad, 0, "%zu of %zu bytes are not 0x%02x", bad, n, v);
+  memset(p, w, n);
+  munmap(p, n);
+  close(fd);
+}
+
+TDT_TEST(recycle, tensord_zeroes_unless_the_client_says_it_will,
+         .timeout = 30) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  fill_release(make(c, MiB, TD_UNINIT), 0x77);
+  pool_is(c, 1);
+
+  /* A client that says nothing (an older one): tensord zeroes. */
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  int fd;
+  Tensord__Response *rep = raw_create(&r, MiB, 0, 0, &fd);
+  cr_assert_not(rep->storage->dirty);
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_eq(stat_of(c).pool_hits, 1);
+  check_and_fill(fd, MiB, 0, 0x55);
+  tdt_raw_close(&r); /* its reference goes: pooled again */
+  pool_is(c, 1);
+
+  /* One that zeroes for itself is told to, and gets the bytes as they
+   * were. */
+  tdt_raw_open(&r, &d);
+  rep = raw_create(&r, MiB, 0, 1, &fd);
+  cr_assert(rep->storage->dirty, "a recycled segment must come dirty");
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_eq(stat_of(c).pool_hits, 2);
+  check_and_fill(fd, MiB, 0x55, 0);
+  /* A fresh segment is never dirty. */
+  rep = raw_create(&r, 3 * MiB, 0, 1, &fd);
+  cr_assert_not(rep->storage->dirty);
+  tensord__response__free_unpacked(rep, NULL);
+  check_and_fill(fd, 3 * MiB, 0, 0);
+  tdt_raw_close(&r);
+  td_close(c);
+}
+
+/* ---- warm mappings ---- */
+
+/* Returns 1 if this process maps an address range that starts at p. */
+static int mapped_at(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  cr_assert_not_null(f);
+  char line[512];
+  int found = 0;
+  while (!found && fgets(line, sizeof(line), f) != NULL)
+    found = strtoull(line, NULL, 16) == (uintptr_t)p;
+  fclose(f);
+  return found;
+}
+
+TDT_TEST(recycle, a_recycled_segment_reuses_the_processes_mapping,
+         .timeout = 30) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s = make(c, 4 * MiB, 0);
+  uint8_t *was = td_storage_data(s);
+  fill_release(s, 0x3c);
+  pool_is(c, 1);
+  cr_assert(mapped_at(was), "the released mapping is kept, warm");
+  /* The next storage of the same segment takes it back: same address, no
+   * new mapping (and TD_UNINIT shows the bytes are the same pages). */
+  s = make(c, 4 * MiB, TD_UNINIT);
+  cr_assert_eq(stat_of(c).pool_hits, 1);
+  cr_assert_eq(td_storage_data(s), was, "the warm mapping was not reused");
+  cr_assert_eq(not_all(s, 0x3c), 0);
+  fill_release(s, 0x3d);
+  /* Zeroed: the same mapping again, zeroed by the library. */
+  s = make(c, 4 * MiB, 0);
+  cr_assert_eq(td_storage_data(s), was);
+  cr_assert_eq(not_all(s, 0), 0);
+  td_storage_release(s);
+  /* A warm mapping lasts 5 s at most: the next acquire or release after
+   * that unmaps it. */
+  sleep_ms(5200);
+  td_storage *other = make(c, 2 * MiB, 0);
+  cr_assert_not(mapped_at(was), "a warm mapping outlived its time");
+  td_storage_release(other);
   td_close(c);
 }

@@ -38,12 +38,22 @@ void tdt_raw_flush(tdt_raw *r) {
 }
 
 Tensord__Response *tdt_raw_reply(tdt_raw *r, int timeout_ms) {
+  return tdt_raw_reply_fd(r, timeout_ms, NULL);
+}
+
+Tensord__Response *tdt_raw_reply_fd(tdt_raw *r, int timeout_ms, int *fd) {
+  if (fd != NULL)
+    *fd = -1;
   for (;;) {
     td__frame f;
     int got = td__wire_frame(&r->w, &f);
     cr_assert_geq(got, 0, "a bad frame from tensord: %s", td_strerror(got));
     if (got == 1) {
       Tensord__Response *rep = tensord__response__unpack(NULL, f.len, f.data);
+      if (fd != NULL && f.nfds > 0) {
+        *fd = f.fds[0];
+        f.fds[0] = -1;
+      }
       td__close_fds(f.fds, f.nfds);
       td__wire_consume(&r->w, &f);
       cr_assert_not_null(rep, "a reply that does not decode");

@@ -28,6 +28,9 @@ void tdt_raw_flush(tdt_raw *r);
  * stream (r->eof set). Its fds are closed. Free it with
  * tensord__response__free_unpacked(reply, NULL). */
 Tensord__Response *tdt_raw_reply(tdt_raw *r, int timeout_ms);
+/* tdt_raw_reply, but the reply's first fd (if any, else -1) goes to *fd,
+ * which the caller then owns. */
+Tensord__Response *tdt_raw_reply_fd(tdt_raw *r, int timeout_ms, int *fd);
 
 /* Request builders: queue one request and return its seq. */
 uint64_t tdt_raw_create(tdt_raw *r, uint64_t nbytes);

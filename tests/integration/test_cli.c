@@ -518,6 +518,42 @@ TDT_TEST(cli, stat_json_is_one_object) {
   scene_free(&sc);
 }
 
+TDT_TEST(cli, stat_shows_the_pool_and_ls_does_not) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 2 << 20, &s), 0);
+  cr_assert_eq(td_storage_release(s), 0);
+  td_stat st;
+  for (int i = 0; i < 2500; i++) {
+    cr_assert_eq(td_stat_get(c, &st), 0);
+    if (st.pool_segments == 1)
+      break;
+    usleep(2000);
+  }
+  cr_assert_eq(st.pool_segments, 1);
+  run_result r;
+  ctl(&r, "stat");
+  expect_ok(&r, "stat");
+  cr_assert(strstr(r.out, "pool      1 segment(s), 2.0 MiB of ") != NULL, "%s",
+            r.out);
+  cr_assert(strstr(r.out, "0 hit(s), 1 miss(es)") != NULL, "%s", r.out);
+  run_free(&r);
+  ctl(&r, "stat", "--json");
+  expect_ok(&r, "stat --json");
+  expect_json_object(r.out);
+  cr_assert_eq(json_u64(r.out, "\"segments\":"), 1);
+  cr_assert_eq(json_u64(r.out, "\"bytes\":"), 2 << 20);
+  cr_assert_eq(json_u64(r.out, "\"misses\":"), 1);
+  cr_assert_gt(json_u64(r.out, "\"limit\":"), 0);
+  run_free(&r);
+  /* A pooled segment is not a storage. */
+  ctl(&r, "ls");
+  expect_ok(&r, "ls");
+  cr_assert_null(strstr(r.out, "MiB"), "ls lists a pooled segment: %s", r.out);
+  run_free(&r);
+  td_close(c);
+}
+
 /* ---- info ---- */
 
 TDT_TEST(cli, info_key_shows_the_view) {

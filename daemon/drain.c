@@ -9,12 +9,14 @@
 /* Drops one slice of h (see drain.h). Returns the storages h still holds. */
 static size_t slice(td__server *srv, td__holdings *h) {
   uint64_t t0 = uv_hrtime();
-  size_t left = h->refs.count;
-  for (size_t n = 0; n < TD__DRAIN_SLICE && left > 0; n += TD__DRAIN_STEP) {
+  size_t left, n = 0;
+  /* At least one call, even for holdings with no reference left: it frees
+   * their table. */
+  do {
     left = td__holdings_clear_some(&srv->reg, h, TD__DRAIN_STEP);
-    if (uv_hrtime() - t0 >= TD__DRAIN_SLICE_NS)
-      break;
-  }
+    n += TD__DRAIN_STEP;
+  } while (left > 0 && n < TD__DRAIN_SLICE &&
+           uv_hrtime() - t0 < TD__DRAIN_SLICE_NS);
   return left;
 }
 

@@ -257,43 +257,46 @@ static void pool_arm(td__server *srv) {
                  due < 10 ? 10 : (uint64_t)due, 0);
 }
 
-int td__segment_recycle(td__server *srv, td__storage *s) {
+int td__segment_pool(td__server *srv, td_device device, const char *name,
+                     uint64_t nbytes, uid_t uid) {
   td__pool *p = &srv->pool;
-  const td__backend *b = td__backend_for(s->device);
+  const td__backend *b = td__backend_for(device);
   if (srv->stopping || b == NULL || b->rename == NULL ||
-      !td__pool_wants(p, s->nbytes) || s->foreign)
+      !td__pool_wants(p, nbytes))
     return 0;
   /* Room first: the pool's bounds, and the capacity beside the storages
-   * (whose charge s has already given back). */
+   * (whose charge this segment's has already given back). */
   while (p->count > 0 &&
-         (p->count >= TD__POOL_MAX_SEGMENTS ||
-          p->bytes + s->nbytes > p->limit ||
-          srv->reg.bytes_committed + p->bytes + s->nbytes > srv->reg.capacity))
+         (p->count >= TD__POOL_MAX_SEGMENTS || p->bytes + nbytes > p->limit ||
+          srv->reg.bytes_committed + p->bytes + nbytes > srv->reg.capacity))
     evict(srv, td__pool_pop(p));
-  if (srv->reg.bytes_committed + s->nbytes > srv->reg.capacity)
+  if (srv->reg.bytes_committed + nbytes > srv->reg.capacity)
     return 0;
   td__pooled *e = calloc(1, sizeof(*e));
   if (e == NULL)
     return 0;
   td__pool_name(p, e->name);
-  int err = b->rename(s->name, e->name);
+  int err = b->rename(name, e->name);
   if (err < 0) {
-    td__warn("storage %llu: cannot pool %s as %s: %s; unlinking it",
-             (unsigned long long)s->id, s->name, e->name, td_strerror(err));
+    td__warn("cannot pool %s as %s: %s; unlinking it", name, e->name,
+             td_strerror(err));
     free(e);
     return 0;
   }
-  e->uid = s->owner.uid;
-  e->device = s->device;
-  e->nbytes = s->nbytes;
+  e->uid = uid;
+  e->device = device;
+  e->nbytes = nbytes;
   e->since_ms = td__now_ms();
   td__pool_put(p, e);
-  td__debug("storage %llu: last reference dropped; pooled as %s (%llu "
-            "segment(s), %llu bytes)",
-            (unsigned long long)s->id, e->name, (unsigned long long)p->count,
-            (unsigned long long)p->bytes);
+  td__debug("%s pooled as %s (%llu segment(s), %llu bytes)", name, e->name,
+            (unsigned long long)p->count, (unsigned long long)p->bytes);
   pool_arm(srv);
   return 1;
+}
+
+int td__segment_recycle(td__server *srv, td__storage *s) {
+  return !s->foreign &&
+         td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid);
 }
 
 void td__pool_drain(td__server *srv) {

@@ -65,6 +65,13 @@ void td__storage_gone(td__storage *s, void *arg);
  * it): recycling is off or stopping, the size is out of range, or an fd on
  * it ever went to a process of another uid (which may still map it). */
 int td__segment_recycle(td__server *srv, td__storage *s);
+/* td__segment_recycle for a segment known by its fields alone (a storage
+ * gone already, whose unlink the journal held): puts segment name of
+ * nbytes on device, whose owner is uid, in the pool. Returns 1 if it did,
+ * 0 if the caller is to unlink it. The caller has checked that no other
+ * uid ever had an fd on it. */
+int td__segment_pool(td__server *srv, td_device device, const char *name,
+                     uint64_t nbytes, uid_t uid);
 /* Unlinks every pooled segment (a stop). */
 void td__pool_drain(td__server *srv);
 /* Unlinks the pooled segments idle for longer than the pool's idle_ms, and

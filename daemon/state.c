@@ -52,6 +52,8 @@ typedef struct held_unlink {
   uint64_t ticket;
   uint64_t nbytes;
   td_device device;
+  uid_t owner;  /* for the recycling pool, once the unlink is free to go */
+  int foreign;  /* ... which it never enters (td__storage.foreign) */
   char name[TD__SEGMENT_NAME_MAX];
   struct held_unlink *next;
 } held_unlink;
@@ -775,6 +777,8 @@ int td__state_hold_unlink(td__state *st, const td__storage *s) {
   u->ticket = st->ticket;
   u->nbytes = s->nbytes;
   u->device = s->device;
+  u->owner = s->owner.uid;
+  u->foreign = s->foreign;
   snprintf(u->name, sizeof(u->name), "%s", s->name);
   if (st->utail)
     st->utail->next = u;
@@ -784,14 +788,17 @@ int td__state_hold_unlink(td__state *st, const td__storage *s) {
   return 1;
 }
 
-/* Unlinks the held segments whose key changes are on disk (all if all). */
+/* Recycles or unlinks the held segments whose key changes are on disk (all
+ * if all). */
 static void release_unlinks(td__state *st, int all) {
   while (st->uhead != NULL && (all || st->uhead->ticket <= st->durable)) {
     held_unlink *u = st->uhead;
     st->uhead = u->next;
     if (st->uhead == NULL)
       st->utail = NULL;
-    td__segment_unlink(st->srv, u->device, u->name, u->nbytes);
+    if (u->foreign ||
+        !td__segment_pool(st->srv, u->device, u->name, u->nbytes, u->owner))
+      td__segment_unlink(st->srv, u->device, u->name, u->nbytes);
     free(u);
   }
 }

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -259,4 +260,60 @@ int64_t bench_proc_status(pid_t pid, const char *key) {
 
 int64_t bench_meminfo(const char *key) {
   return kb_field("/proc/meminfo", key);
+}
+
+void bench_send_fd(int s, const void *buf, size_t len, int fd) {
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct iovec iov = {(void *)buf, len};
+  struct msghdr msg = {0};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    memset(ctl.buf, 0, sizeof(ctl.buf));
+    msg.msg_control = ctl.buf;
+    msg.msg_controllen = sizeof(ctl.buf);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  ssize_t n;
+  do
+    n = sendmsg(s, &msg, MSG_NOSIGNAL);
+  while (n < 0 && errno == EINTR);
+  if (n != (ssize_t)len)
+    bench_die("sendmsg: %s", n < 0 ? strerror(errno) : "short");
+}
+
+int bench_recv_fd(int s, void *buf, size_t len, int *fd) {
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct iovec iov = {buf, len};
+  struct msghdr msg = {0};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctl.buf;
+  msg.msg_controllen = sizeof(ctl.buf);
+  *fd = -1;
+  ssize_t n;
+  do
+    n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+  while (n < 0 && errno == EINTR);
+  if (n < 0)
+    bench_die("recvmsg: %s", strerror(errno));
+  if (n == 0)
+    return 0;
+  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+  if (c != NULL && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+    memcpy(fd, CMSG_DATA(c), sizeof(int));
+  if ((size_t)n < len &&
+      bench_read_full(s, (char *)buf + n, len - (size_t)n) != 1)
+    bench_die("recvmsg: a short message");
+  return 1;
 }

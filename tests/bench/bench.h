@@ -71,6 +71,14 @@ void *bench_shared(size_t len);
 void bench_write_full(int fd, const void *buf, size_t len);
 int bench_read_full(int fd, void *buf, size_t len);
 
+/* Sends the len bytes of buf over the Unix stream socket s, with fd (if
+ * >= 0) attached by SCM_RIGHTS; dies on failure. */
+void bench_send_fd(int s, const void *buf, size_t len, int fd);
+/* Receives exactly len bytes from s into buf, and the fd that came with
+ * them into *fd (-1 if none; close-on-exec). Returns 1, or 0 at end of
+ * stream before any byte; dies on errors and short messages. */
+int bench_recv_fd(int s, void *buf, size_t len, int *fd);
+
 /* Formats n bytes as "4 KiB", "64 MiB", "1 GiB" (or "123 B"); returns buf. */
 char *bench_size(uint64_t n, char *buf, size_t len);
 

@@ -108,39 +108,14 @@ static void drop_producer_ends(const consumer_arg *a) {
       close(a->mine[i]);
 }
 
-static int recv_fd(int s, cmd *m) {
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  struct iovec iov = {m, sizeof(*m)};
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctl.buf;
-  msg.msg_controllen = sizeof(ctl.buf);
-  ssize_t n;
-  do
-    n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
-  while (n < 0 && errno == EINTR);
-  if (n != (ssize_t)sizeof(*m))
-    return -2;
-  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-  if (c == NULL || c->cmsg_type != SCM_RIGHTS)
-    return -1;
-  int fd;
-  memcpy(&fd, CMSG_DATA(c), sizeof(fd));
-  return fd;
-}
-
 static int memfd_consumer(void *p) {
   consumer_arg *a = p;
   drop_producer_ends(a);
   pin(consumer_cpu);
   for (;;) {
     cmd m;
-    int fd = recv_fd(a->in, &m);
-    if (fd == -2 || m.nbytes == 0)
+    int fd;
+    if (bench_recv_fd(a->in, &m, sizeof(m), &fd) == 0 || m.nbytes == 0)
       return 0;
     if (fd < 0)
       bench_die("memfd consumer: no fd");
@@ -187,24 +162,7 @@ static uint64_t memfd_once(memfd_ctx *f, uint64_t n, uint8_t v) {
     bench_die("memfd: mmap: %s", strerror(errno));
   memset(map, v, n);
   cmd m = {n, 0, v};
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  memset(ctl.buf, 0, sizeof(ctl.buf));
-  struct iovec iov = {&m, sizeof(m)};
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctl.buf;
-  msg.msg_controllen = sizeof(ctl.buf);
-  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  if (sendmsg(f->sp, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(m))
-    bench_die("memfd: sendmsg: %s", strerror(errno));
+  bench_send_fd(f->sp, &m, sizeof(m), fd);
   munmap(map, n);
   close(fd);
   back b;

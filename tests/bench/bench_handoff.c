@@ -124,44 +124,13 @@ static void pin_consumer(void) {
 
 /* ---- consumers (forked) ---- */
 
-/* Receives one floor_msg and the fd that may come with it. Returns 0 at end
- * of stream. */
-static int floor_recv(int sp, floor_msg *m, int *fd) {
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  struct iovec iov = {m, sizeof(*m)};
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctl.buf;
-  msg.msg_controllen = sizeof(ctl.buf);
-  *fd = -1;
-  ssize_t n;
-  do
-    n = recvmsg(sp, &msg, MSG_CMSG_CLOEXEC);
-  while (n < 0 && errno == EINTR);
-  if (n < 0)
-    bench_die("floor consumer: recvmsg: %s", strerror(errno));
-  if (n == 0)
-    return 0;
-  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-  if (c != NULL && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-    memcpy(fd, CMSG_DATA(c), sizeof(int));
-  if ((size_t)n < sizeof(*m) &&
-      bench_read_full(sp, (char *)m + n, sizeof(*m) - (size_t)n) != 1)
-    bench_die("floor consumer: short message");
-  return 1;
-}
-
 static int floor_consumer(void *arg) {
   const consumer_arg *a = arg;
   floor_msg m;
   int fd;
   close(a->other); /* so that the producer's close is our end of file */
   pin_consumer();
-  while (floor_recv(a->sp, &m, &fd) == 1) {
+  while (bench_recv_fd(a->sp, &m, sizeof(m), &fd) == 1) {
     back_msg b;
     memset(&b, 0, sizeof(b));
     if (m.has_fd) {
@@ -300,33 +269,6 @@ static void floor_stop(floor_ctx *f) {
   close(f->statfd);
 }
 
-static void floor_send(int sp, const floor_msg *m, int fd) {
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  struct iovec iov = {(void *)m, sizeof(*m)};
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (fd >= 0) {
-    memset(ctl.buf, 0, sizeof(ctl.buf));
-    msg.msg_control = ctl.buf;
-    msg.msg_controllen = sizeof(ctl.buf);
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  }
-  ssize_t n;
-  do
-    n = sendmsg(sp, &msg, MSG_NOSIGNAL);
-  while (n < 0 && errno == EINTR);
-  if (n != (ssize_t)sizeof(*m))
-    bench_die("floor: sendmsg: %s", n < 0 ? strerror(errno) : "short");
-}
-
 /* One floor handoff: the memfd (with_fd) or the bare message. Returns its
  * latency in ns. */
 static uint64_t floor_once(floor_ctx *f, int with_fd, uint8_t v) {
@@ -341,7 +283,7 @@ static uint64_t floor_once(floor_ctx *f, int with_fd, uint8_t v) {
   }
   bench_wait_asleep(f->statfd, 1000);
   uint64_t t0 = bench_now_ns();
-  floor_send(f->sp, &m, with_fd ? f->mfd : -1);
+  bench_send_fd(f->sp, &m, sizeof(m), with_fd ? f->mfd : -1);
   back_msg bk;
   if (bench_read_full(f->back, &bk, sizeof(bk)) != 1)
     bench_die("floor consumer went away");

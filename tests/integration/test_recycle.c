@@ -280,6 +280,36 @@ TDT_TEST(recycle, no_pooled_segment_outlives_a_restart, .timeout = 60) {
   tdt_rmdir(state);
 }
 
+TDT_TEST(recycle, a_taken_key_recycles_its_segment_with_a_state_dir,
+         .timeout = 30) {
+  /* With --state-dir a taken key's segment waits for the journal's sync
+   * before it may go, then goes to the pool, not to unlink: the data
+   * loader's pattern under the systemd unit's options. */
+  char state[64];
+  snprintf(state, sizeof(state), "/tmp/tensord-state.XXXXXX");
+  cr_assert_not_null(mkdtemp(state));
+  const char *args[] = {"--state-dir", state, NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < 3; i++) {
+    td_storage *s = make(c, 2 * MiB, TD_UNINIT);
+    memset(td_storage_data(s), i + 1, 2 * MiB);
+    cr_assert_eq(td_publish(c, "batch", s, NULL), 0, "%s", td_last_error(c));
+    td_storage_release(s);
+    td_storage *t = NULL;
+    cr_assert_eq(td_lookup(c, "batch", TD_TAKE | TD_RDONLY, 0, &t, NULL), 0,
+                 "%s", td_last_error(c));
+    cr_assert_eq(not_all(t, i + 1), 0);
+    td_storage_release(t);
+    pool_is(c, 1);
+  }
+  cr_assert_eq(stat_of(c).pool_hits, 2, "the batches after the first were "
+               "not served from the pool");
+  td_close(c);
+  tdt_stop(&d);
+  tdt_rmdir(state);
+}
+
 /* ---- two uids ---- */
 
 #define UID_A 4301

@@ -317,3 +317,34 @@ int bench_recv_fd(int s, void *buf, size_t len, int *fd) {
     bench_die("recvmsg: a short message");
   return 1;
 }
+
+void bench_pin(int cpu) {
+  if (cpu < 0)
+    return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  sched_setaffinity(0, sizeof(set), &set);
+}
+
+int bench_pin_producer(int *producer) {
+  cpu_set_t set;
+  *producer = -1;
+  if (sched_getaffinity(0, sizeof(set), &set) < 0 || CPU_COUNT(&set) < 2)
+    return -1;
+  int a = -1, b = -1;
+  for (int i = 0; i < CPU_SETSIZE && b < 0; i++) {
+    if (!CPU_ISSET(i, &set))
+      continue;
+    if (a < 0)
+      a = i;
+    else
+      b = i;
+  }
+  CPU_ZERO(&set);
+  CPU_SET(a, &set);
+  if (sched_setaffinity(0, sizeof(set), &set) < 0)
+    return -1;
+  *producer = a;
+  return b;
+}

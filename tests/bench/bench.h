@@ -71,6 +71,13 @@ void *bench_shared(size_t len);
 void bench_write_full(int fd, const void *buf, size_t len);
 int bench_read_full(int fd, void *buf, size_t len);
 
+/* Pins this process (the producer) to the first CPU it may use and returns
+ * the second, for consumers to bench_pin; -1 (no pinning) if it may use
+ * only one. *producer gets the first, or -1. */
+int bench_pin_producer(int *producer);
+/* Pins this process to cpu (nothing if cpu < 0). */
+void bench_pin(int cpu);
+
 /* Sends the len bytes of buf over the Unix stream socket s, with fd (if
  * >= 0) attached by SCM_RIGHTS; dies on failure. */
 void bench_send_fd(int s, const void *buf, size_t len, int fd);

@@ -69,15 +69,6 @@ typedef struct back {
   uint8_t first, last;
 } back;
 
-static void pin(int cpu) {
-  if (cpu < 0)
-    return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  sched_setaffinity(0, sizeof(set), &set);
-}
-
 /* Reads every byte of p (n bytes, a multiple of 8); returns their sum. */
 static uint64_t read_all(const void *p, uint64_t n) {
   const uint64_t *w = p;
@@ -111,7 +102,7 @@ static void drop_producer_ends(const consumer_arg *a) {
 static int memfd_consumer(void *p) {
   consumer_arg *a = p;
   drop_producer_ends(a);
-  pin(consumer_cpu);
+  bench_pin(consumer_cpu);
   for (;;) {
     cmd m;
     int fd;
@@ -185,7 +176,7 @@ typedef struct td_ctx {
 static int td_consumer(void *p) {
   consumer_arg *a = p;
   drop_producer_ends(a);
-  pin(consumer_cpu);
+  bench_pin(consumer_cpu);
   td_client *c = bench_connect(sock);
   for (;;) {
     cmd m;
@@ -310,25 +301,6 @@ static int fits(td_client *c, uint64_t n, char *why, size_t len) {
   return 1;
 }
 
-static void pin_self(int *producer) {
-  cpu_set_t set;
-  *producer = -1;
-  if (sched_getaffinity(0, sizeof(set), &set) < 0 || CPU_COUNT(&set) < 2)
-    return;
-  int a = -1, b = -1;
-  for (int i = 0; i < CPU_SETSIZE && b < 0; i++) {
-    if (!CPU_ISSET(i, &set))
-      continue;
-    if (a < 0)
-      a = i;
-    else
-      b = i;
-  }
-  pin(a);
-  *producer = a;
-  consumer_cpu = b;
-}
-
 /* A 1 GiB create alone: a miss, then hits from the pool. */
 static void big_create(td_client *c) {
   uint64_t n = 1024 * MiB;
@@ -383,7 +355,7 @@ int main(int argc, char **argv) {
   sock = bench_socket(argc, argv);
   double scale = bench_scale();
   int producer;
-  pin_self(&producer);
+  consumer_cpu = bench_pin_producer(&producer);
   td_client *c = bench_connect(sock);
   td_stat st;
   if (td_stat_get(c, &st) < 0)

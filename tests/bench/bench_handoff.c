@@ -114,12 +114,7 @@ static double scale;
 static int consumer_cpu = -1; /* -1: not pinned */
 
 static void pin_consumer(void) {
-  if (consumer_cpu < 0)
-    return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(consumer_cpu, &set);
-  sched_setaffinity(0, sizeof(set), &set);
+  bench_pin(consumer_cpu);
 }
 
 /* ---- consumers (forked) ---- */
@@ -486,36 +481,12 @@ static void print_row(const char *size, const char *mode, const result *r,
          ratio(r->p50, msg->p50, m, sizeof(m)));
 }
 
-/* Pins the producer (this process) to the first CPU it may use and returns
- * the second, for the consumers; -1 (no pinning) if there is only one. */
-static int pin_producer(int *producer) {
-  cpu_set_t set;
-  *producer = -1;
-  if (sched_getaffinity(0, sizeof(set), &set) < 0 || CPU_COUNT(&set) < 2)
-    return -1;
-  int a = -1, b = -1;
-  for (int i = 0; i < CPU_SETSIZE && b < 0; i++) {
-    if (!CPU_ISSET(i, &set))
-      continue;
-    if (a < 0)
-      a = i;
-    else
-      b = i;
-  }
-  CPU_ZERO(&set);
-  CPU_SET(a, &set);
-  if (sched_setaffinity(0, sizeof(set), &set) < 0)
-    return -1;
-  *producer = a;
-  return b;
-}
-
 int main(int argc, char **argv) {
   bench_init("bench_handoff");
   const char *sock = bench_socket(argc, argv);
   scale = bench_scale();
   int cpu_producer;
-  consumer_cpu = pin_producer(&cpu_producer);
+  consumer_cpu = bench_pin_producer(&cpu_producer);
   td_client *c = bench_connect(sock);
   td_stat st;
   td_check(c, td_stat_get(c, &st), "stat");

@@ -269,12 +269,11 @@ static td__mapping *sibling(const td__mapping *m) {
   return n != NULL ? td__container_of(n, td__mapping, node) : NULL;
 }
 
-/* Unmaps the warm mappings past their time, or all if all. Called with mu
- * held. */
-static void warm_expire(int all) {
+/* Unmaps the warm mappings past their time. Called with mu held. */
+static void warm_expire(void) {
   int64_t now = now_ms();
   for (warm **p = &warms, *w; (w = *p) != NULL;) {
-    if (all || now - w->since_ms >= TD__WARM_MS) {
+    if (now - w->since_ms >= TD__WARM_MS) {
       *p = w->next;
       munmap(w->addr, w->len);
       nwarm--;
@@ -291,7 +290,7 @@ static void warm_expire(int all) {
  * with mu held. */
 static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
                        int *populate) {
-  warm_expire(0);
+  warm_expire();
   for (warm **p = &warms, *w; (w = *p) != NULL; p = &w->next) {
     if (w->ino != ino || w->dev != dev || w->readonly != readonly ||
         w->len != len)
@@ -310,7 +309,7 @@ static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
 /* Keeps m's pages mapped, warm, if it may; else unmaps them. Called with mu
  * held. */
 static void warm_keep(const td__mapping *m) {
-  warm_expire(0);
+  warm_expire();
   warm *w = NULL;
   if (m->ino != 0 && m->len <= warm_max && (w = malloc(sizeof(*w))) != NULL) {
     /* Room first: the oldest go. */
@@ -358,7 +357,7 @@ void td__map_release(td__mapping *m) {
   if (m == NULL)
     return;
   pthread_mutex_lock(&mu);
-  warm_expire(0);
+  warm_expire();
   if (--m->handles == 0) {
     td__mapping *other = sibling(m);
     if (m->readonly) {

@@ -28,7 +28,7 @@ struct td__create {
   td__segment_req seg;
   td__conn *conn; /* NULL once the connection is gone */
   uint64_t seq;
-  int client_zeroes; /* the client zeroes a recycled segment itself */
+  int client_zeroes;       /* the client zeroes a recycled segment itself */
   td__create *prev, *next; /* in conn->creates */
 };
 
@@ -133,11 +133,14 @@ static int send_ok(td__conn *c, uint64_t seq) {
   return 0;
 }
 
+/* Answers seq with s (dirty: a create's recycled bytes, for the client to
+ * zero) and fd, if >= 0. */
 static int send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
-                        int fd) {
+                        int dirty, int fd) {
   Tensord__StorageReply m;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
   storage_reply(s, ro, fd, &m);
+  m.dirty = dirty;
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_STORAGE;
   r.storage = &m;
@@ -192,14 +195,7 @@ static void create_finish(td__segment_req *req) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    Tensord__StorageReply m;
-    Tensord__Response r = TENSORD__RESPONSE__INIT;
-    storage_reply(s, 0, fd, &m);
-    m.dirty = cr->client_zeroes && req->reused;
-    r.seq = cr->seq;
-    r.body_case = TENSORD__RESPONSE__BODY_STORAGE;
-    r.storage = &m;
-    td__conn_send(c, &r, fd);
+    send_storage(c, cr->seq, s, 0, cr->client_zeroes && req->reused, fd);
   }
   free(cr);
 }
@@ -307,7 +303,7 @@ static int op_open(td__conn *c, uint64_t seq, const Tensord__Open *m) {
   if (err < 0)
     return reject(c, seq, err, "storage %llu: %s", (unsigned long long)m->id,
                   msg);
-  return send_storage(c, seq, s, m->readonly, fd);
+  return send_storage(c, seq, s, m->readonly, 0, fd);
 }
 
 static int op_release(td__conn *c, const Tensord__Release *m) {

@@ -65,7 +65,7 @@ static void create_work(uv_work_t *w) {
 
 static void create_after(uv_work_t *w, int status) {
   td__segment_req *req = td__container_of(w, td__segment_req, work);
-  td__server *srv = req->srv; /* cb frees req */
+  td__server *srv = req->srv;   /* cb frees req */
   if (status == UV_ECANCELED) { /* never ran */
     unlink_pooled(req);
     req->fd = td__msg(req->msg, sizeof(req->msg), TD_ECANCELED,
@@ -175,8 +175,7 @@ static void on_unlink_check(uv_check_t *h) {
 
 /* Adds name to the batch of this loop turn. Returns 0, or -1 if it cannot
  * (not serving, or no memory): the caller unlinks it at once. */
-static int batch_add(td__server *srv, const td__backend *b,
-                     const char *name) {
+static int batch_add(td__server *srv, const td__backend *b, const char *name) {
   if (!srv->listening || srv->stopping)
     return -1;
   struct td__unlink_batch *u = srv->unlinks;

@@ -343,8 +343,8 @@ static void record_instance(td__server *srv) {
   char tmp[sizeof(srv->run_path) + 8];
   snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
   FILE *f = fopen(tmp, "w");
-  int ok = f != NULL && fprintf(f, "%s\n%s\n", srv->prefix,
-                                srv->pool.prefix) > 0;
+  int ok =
+      f != NULL && fprintf(f, "%s\n%s\n", srv->prefix, srv->pool.prefix) > 0;
   char last[TD__PREFIX_MAX] = "";
   for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
     char p[TD__PREFIX_MAX];
@@ -400,10 +400,10 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
       o->recycle_set ? o->recycle_bytes : capacity / TD__RECYCLE_SHARE;
   if (recycle > capacity)
     recycle = capacity;
-  td__pool_init(&srv->pool, recycle,
-                (int64_t)(o->recycle_idle_ms ? o->recycle_idle_ms
-                                             : TD__RECYCLE_IDLE_MS),
-                srv->instance);
+  td__pool_init(
+      &srv->pool, recycle,
+      (int64_t)(o->recycle_idle_ms ? o->recycle_idle_ms : TD__RECYCLE_IDLE_MS),
+      srv->instance);
 }
 
 void td__server_pool_tick(uv_timer_t *t) {

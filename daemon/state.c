@@ -52,8 +52,8 @@ typedef struct held_unlink {
   uint64_t ticket;
   uint64_t nbytes;
   td_device device;
-  uid_t owner;  /* for the recycling pool, once the unlink is free to go */
-  int foreign;  /* ... which it never enters (td__storage.foreign) */
+  uid_t owner; /* for the recycling pool, once the unlink is free to go */
+  int foreign; /* ... which it never enters (td__storage.foreign) */
   char name[TD__SEGMENT_NAME_MAX];
   struct held_unlink *next;
 } held_unlink;
@@ -76,7 +76,7 @@ struct td__state {
   int werr;
   deferred *dhead, *dtail;
   uint64_t journal_bytes, snapshot_bytes;
-  int compacting; /* a snapshot is being built, then written */
+  int compacting;     /* a snapshot is being built, then written */
   struct snap *csnap; /* being built, a slice per loop turn */
   uv_idle_t *cidle;   /* drives the slices; freed by its close */
   uv_work_t cwork;

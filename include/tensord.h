@@ -45,12 +45,12 @@ const char *td_version_string(void);
  *   values, and existing values never change: expect codes you do not know
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
- *   td_create_opts, td_holder, td_storage_info, td_key_info and td_stat. A
- *   new field takes the place of reserved words. In what you pass in
- *   (td_create_opts) zero keeps the old behaviour, so "zero-initialise,
- *   then set" keeps working, and a library that does not know a field
- *   refuses it non-zero with TD_EINVAL rather than ignore it; in what the
- *   library fills in, reserved words are zero.
+ *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
+ *   td_key_info and td_stat. A new field takes the place of reserved
+ *   words. In what you pass in (td_create_opts, td_publish_opts) zero keeps the
+ * old behaviour, so "zero-initialise, then set" keeps working, and a library
+ * that does not know a field refuses it non-zero with TD_EINVAL rather than
+ * ignore it; in what the library fills in, reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
@@ -92,6 +92,7 @@ const char *td_version_string(void);
   XX(EIO, -EIO, "i/o error")                                                   \
   XX(ECANCELED, -ECANCELED, "operation canceled")                              \
   XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")                             \
+  XX(EEXIST, -EEXIST, "already exists")                                        \
   XX(EFORKED, -4001, "client was connected by the parent of a fork")
 
 typedef enum {
@@ -362,6 +363,19 @@ typedef struct td_storage td_storage;
  * storage served from tensord's recycling pool then keeps whatever its
  * owner uid last wrote there. Without it a create reads as zeros. */
 #define TD_UNINIT 0x4u
+/* td_storage_open, td_lookup: a read-only reference (TD_COW implies
+ * TD_RDONLY: the daemon sends an O_RDONLY descriptor) mapped copy-on-write
+ * (MAP_PRIVATE). The process may write through the mapping without a fault:
+ * each page it writes becomes a private copy, seen by no other process and
+ * by no other mode's mapping, and lost when the mapping goes. The shared
+ * pages stay as they are; the kernel still refuses writes to them. For
+ * bindings whose arrays cannot be marked read-only (PyTorch's tensors):
+ * a stray write changes only the writer's copy instead of killing it with
+ * SIGSEGV. td_storage_is_readonly is 1 for such a handle, and td_copy and
+ * td_publish refuse it like any read-only handle. Handles of one storage
+ * opened TD_COW in one process share one mapping (a write through one is
+ * seen through the others); it is never kept warm (see docs/design.md). */
+#define TD_COW 0x8u
 
 /* Returns the socket path the daemon, the library and tensorctl agree on:
  * $TENSORD_SOCKET, else $XDG_RUNTIME_DIR/tensord.sock, else
@@ -433,6 +447,40 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);
 int td_unpublish(td_client *c, const char *key);
+
+/* Scopes: keys in flight from one process to another, which must survive
+ * their publisher but not the process meant to receive them (a worker's
+ * batch on its way to the training process, a tensor in a
+ * torch.multiprocessing queue). A scope belongs to the connection that
+ * opened it and ends when that connection calls td_scope_close or closes,
+ * however it closes (a SIGKILL included). A key published into a scope
+ * (td_publish_ex) is an ordinary key while it lasts (lookup, wait, take,
+ * unpublish, listings), but it is never written to a --state-dir journal,
+ * and when its scope ends the daemon unpublishes it, dropping its reference.
+ * Replacing a scoped key with td_publish makes it an ordinary key. */
+
+/* Opens a scope owned by c; *token gets its name, 64 random bits, to hand
+ * to the processes that will publish into it (they must run as c's uid, or
+ * as root). Returns 0, TD_EMFILE past the daemon's scopes per connection. */
+int td_scope_open(td_client *c, uint64_t *token);
+/* Ends scope token, which c must own (TD_ENOENT if it does not, or if it has
+ * ended): every key still in it is unpublished. *dropped (if not NULL) gets
+ * how many. */
+int td_scope_close(td_client *c, uint64_t token, uint64_t *dropped);
+
+/* How td_publish_ex publishes. Zero-initialise, then set. */
+typedef struct td_publish_opts {
+  /* A td_scope_open token: the key goes when the scope ends, and the
+   * publish refuses with TD_EEXIST to replace a key that exists already
+   * (one-shot keys must not clobber others). TD_ENOENT if the scope has
+   * ended, TD_EACCES if its owner runs as another uid. 0: an ordinary key
+   * (td_publish). */
+  uint64_t scope;
+  uint64_t reserved[7]; /* zero (see ABI above); non-zero is TD_EINVAL */
+} td_publish_opts;
+/* td_publish with options; o NULL is td_publish. */
+int td_publish_ex(td_client *c, const char *key, const td_storage *s,
+                  const td_view *v, const td_publish_opts *o);
 /* Round trip to the daemon; *rtt_ns (if not NULL) gets the time it took. */
 int td_ping(td_client *c, uint64_t *rtt_ns);
 

@@ -9,6 +9,7 @@ CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
             protobuf-c-compiler libcriterion-dev libdlpack-dev \
             clang-14 libclang-rt-14-dev valgrind
+PYTHON   ?= /usr/bin/python3
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 FUZZ_SECONDS ?= 60
@@ -61,8 +62,19 @@ leakcheck: deps
 	cmake --build build-leak -j $(JOBS) --target $(LEAK_TARGETS)
 	tests/leakcheck.sh build-leak
 
+# The C benchmarks (tests/bench/run.sh), then the Python ones
+# (python/bench/run.py, with $(PYTHON)); each starts its own tensord.
+# TD_BENCH_ONLY="bench_ops bench_weights.py" runs only those: names ending in
+# .py are the Python benchmarks.
 bench: build
-	@tests/bench/run.sh $(BUILD)
+	@rc=0; only="$${TD_BENCH_ONLY:-}"; \
+	c=$$(for b in $$only; do case $$b in *.py) ;; *) echo $$b ;; esac; done); \
+	py=$$(for b in $$only; do case $$b in *.py) echo $$b ;; esac; done); \
+	if [ -z "$$only" ] || [ -n "$$c" ]; then \
+	  TD_BENCH_ONLY="$$c" tests/bench/run.sh $(BUILD) || rc=1; fi; \
+	if [ -z "$$only" ] || [ -n "$$py" ]; then \
+	  TD_BENCH_ONLY="$$py" $(PYTHON) python/bench/run.py $(BUILD) || rc=1; fi; \
+	exit $$rc
 
 # The soak test: 256 clients for SOAK_SECONDS against a private tensord, as
 # root. SOAK_ARGS=--restart also SIGKILLs and restarts the daemon every ~15 s.

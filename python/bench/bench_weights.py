@@ -1,0 +1,296 @@
+#!/usr/bin/python3
+"""bench_weights: K processes holding one model's weights, torch.load each vs tensord shared.
+
+Usage: /usr/bin/python3 python/bench/bench_weights.py [--quick]
+(starts its own tensord; see benchlib.py for where it finds the binary and the package).
+
+The model: a stack of LAYERS nn.Linear(2048, 2048) layers, float32, seeded:
+30 layers, 503.6 MB (--quick: 4 layers, 67.1 MB). A builder process makes it and
+hands it on; K = 4 reader processes, forked from the main process before any
+model exists (so that they share none of its pages through fork), then load it
+one after another:
+  torch    the builder torch.save()s the state dict to a file in /tmp (removed
+           at the end) and exits; each reader torch.load()s the file.
+  tensord  the builder publishes it with tensord.torch.publish_state_dict(), drops
+           its own state dict and stays (idle) until the end; each reader calls
+           tensord.torch.load_state_dict(client, prefix) (readonly=True).
+Every reader then reads every tensor once (a sum over each: every page touched,
+as serving the model would) and checks three elements of each against the
+builder's, and keeps its state dict while the PSS is read.
+
+Columns: "PSS" is the sum over the K readers of (Pss from /proc/PID/smaps_rollup
+holding the model - Pss before the first load), and "/copy" that sum over one
+copy's bytes. "+builder" adds the builder's growth over its own Pss before it
+built anything (tensord only: the builder maps the storage it filled). "load ms"
+is the wall time of torch.load / load_state_dict (the attach: no byte read), the
+median and the maximum over every load (tensord: each reader loads LOADS times,
+keeping the first), and "read ms" the median time of the first pass over the
+loaded tensors (a sum over each). Targets (issue 9): tensord's PSS <= 1.2x one
+copy, and its attach (load_state_dict) <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import benchlib
+
+K = 4
+WIDTH = 2048
+LOADS = 5
+PREFIX = "bench/weights/"
+
+
+def build_model(layers: int):
+    """Returns the seeded state dict of layers Linear(WIDTH, WIDTH) layers."""
+    import torch
+
+    torch.manual_seed(42)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    return model.state_dict()
+
+
+def probes(sd) -> dict[str, tuple]:
+    """Returns, per tensor, (dtype, shape, first, middle and last element) to check a copy by."""
+    out = {}
+    for k, v in sd.items():
+        f = v.reshape(-1)
+        n = f.numel()
+        out[k] = (str(v.dtype), tuple(v.shape), float(f[0]), float(f[n // 2]), float(f[n - 1]))
+    return out
+
+
+def read_all(sd) -> float:
+    """Reads every byte of every tensor once (a sum over each); returns the seconds it took."""
+    t0 = time.perf_counter()
+    for v in sd.values():
+        v.sum()
+    return time.perf_counter() - t0
+
+
+# ---- child processes ----
+
+def serve(conn, handlers) -> None:
+    """Answers (name, *args) commands on conn with handlers[name](*args) until "quit"."""
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", handlers[cmd[0]](*cmd[1:])))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+def builder_main(conn, layers: int, mode: str, path: str) -> None:
+    """Builds the model, saves (torch) or publishes (tensord) it, then serves "quit"."""
+    import torch
+
+    torch.set_num_threads(1)
+    client = None
+    try:
+        if mode == "tensord":
+            import tensord
+            import tensord.torch as tdt
+            client = tensord.connect(os.environ["TENSORD_SOCKET"])
+        gc.collect()
+        base = benchlib.pss_bytes(os.getpid())
+        sd = build_model(layers)
+        nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        info = {"nbytes": nbytes, "ntensors": len(sd), "probes": probes(sd), "pss0": base}
+        if mode == "torch":
+            torch.save(sd, path)
+        else:
+            tdt.publish_state_dict(client, PREFIX, sd)
+        del sd
+        gc.collect()
+        conn.send(("ok", info))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    if mode == "torch":
+        return
+    serve(conn, {})
+    client.close()
+
+
+def reader_main(conn, mode: str) -> None:
+    """Loads the model on command; keeps what it loaded until "drop"."""
+    import torch
+
+    torch.set_num_threads(1)
+    client = tdt = None
+    if mode == "tensord":
+        import tensord
+        import tensord.torch as tdt
+        client = tensord.connect(os.environ["TENSORD_SOCKET"])
+    held = []
+
+    def load(src: str, keep: bool, want: dict) -> tuple[float, float]:
+        gc.collect()
+        t0 = time.perf_counter()
+        if mode == "torch":
+            sd = torch.load(src)
+        else:
+            sd = tdt.load_state_dict(client, src, readonly=True)
+        dt = time.perf_counter() - t0
+        rt = read_all(sd)
+        got = probes(sd)
+        if got != want:
+            bad = [k for k in want if got.get(k) != want[k]][:3]
+            raise RuntimeError(f"loaded tensors differ from the builder's: {bad} "
+                               f"(of {len(want)}; {len(got)} loaded)")
+        if keep:
+            held.append(sd)
+        del sd
+        return dt, rt
+
+    def drop() -> None:
+        held.clear()
+        gc.collect()
+
+    gc.collect()
+    conn.send(("ok", None))  # ready: the main process reads the baseline Pss now
+    serve(conn, {"load": load, "drop": drop})
+    drop()
+    if client is not None:
+        client.close()
+
+
+class Child:
+    """A forked child answering commands over a pipe."""
+
+    def __init__(self, target, *args) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.conn, end = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(end, *args))
+        self.proc.start()
+        end.close()
+        self.pid = self.proc.pid
+
+    def reply(self, timeout: float = 600):
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"child {self.pid} did not answer in {timeout:.0f} s")
+        status, res = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"child {self.pid} failed:\n{res}")
+        return res
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("quit",))
+                self.reply(30)
+            except (OSError, EOFError, RuntimeError):
+                pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def run_mode(mode: str, layers: int) -> dict:
+    """Measures one mode; returns its numbers."""
+    readers: list[Child] = []
+    builder = None
+    fd, path = tempfile.mkstemp(prefix="tensord-bench-weights.", suffix=".pt", dir="/tmp")
+    os.close(fd)
+    try:
+        readers = [Child(reader_main, mode) for _ in range(K)]
+        for r in readers:
+            r.reply()
+        base = [benchlib.pss_bytes(r.pid) for r in readers]
+        builder = Child(builder_main, layers, mode, path)
+        info = builder.reply()
+        if mode == "torch":
+            builder.proc.join(60)
+            builder = None
+        src = path if mode == "torch" else PREFIX
+        loads, reads = [], []
+        for r in readers:
+            dt, rt = r.call("load", src, True, info["probes"])
+            loads.append(dt)
+            reads.append(rt)
+        held = [benchlib.pss_bytes(r.pid) for r in readers]
+        grown = sum(h - b for h, b in zip(held, base))
+        pub = None
+        if builder is not None:
+            pub = benchlib.pss_bytes(builder.pid) - info["pss0"]
+        if mode == "tensord":
+            for _ in range(LOADS - 1):
+                for r in readers:
+                    loads.append(r.call("load", src, False, info["probes"])[0])
+        for r in readers:
+            r.call("drop")
+        return {"nbytes": info["nbytes"], "ntensors": info["ntensors"], "pss": grown,
+                "builder": pub, "loads": loads, "reads": reads}
+    finally:
+        for c in readers + ([builder] if builder else []):
+            c.close()
+        os.unlink(path)
+
+
+def main() -> int:
+    args = benchlib.parse_args("shared weights: torch.load per process vs tensord")
+    import torch  # noqa: F401  (imported once here, before the children fork)
+
+    tensord, tdt, why = benchlib.import_tensord()
+    layers = 4 if args.quick else 30
+    need = (K + 3) * layers * WIDTH * (WIDTH + 1) * 4
+    avail = benchlib.meminfo("MemAvailable")
+    t_all = time.monotonic()
+    with benchlib.Daemon() as d:
+        print(d.header())
+        if 0 <= avail < need:
+            print(f"bench_weights: skipped: {benchlib.size_str(avail)} of memory available, "
+                  f"needs {benchlib.size_str(need)}")
+            return 1
+        if why:
+            print(f"bench_weights: tensord rows skipped: {why}")
+        res = {"torch": run_mode("torch", layers)}
+        if why is None:
+            res["tensord"] = run_mode("tensord", layers)
+        nbytes = res["torch"]["nbytes"]
+        print(f"\nbench_weights: {layers} x Linear({WIDTH}, {WIDTH}), float32, "
+              f"{res['torch']['ntensors']} tensors, {nbytes / 1e6:.1f} MB; "
+              f"K = {K} reader processes\n")
+        rows = []
+        for mode, label in (("torch", "torch.load(file)"), ("tensord", "load_state_dict")):
+            r = res.get(mode)
+            if r is None:
+                continue
+            plus = "-" if r["builder"] is None else f"{(r['pss'] + r['builder']) / nbytes:.2f}"
+            rows.append([label, str(K), f"{r['pss'] / 1e6:.1f} MB", f"{r['pss'] / nbytes:.2f}",
+                         plus, str(len(r["loads"])),
+                         f"{benchlib.median(r['loads']) * 1e3:.2f}",
+                         f"{max(r['loads']) * 1e3:.2f}",
+                         f"{benchlib.median(r['reads']) * 1e3:.1f}"])
+        benchlib.print_table(["way", "K", "PSS", "/copy", "+builder", "loads",
+                              "load ms p50", "load ms max", "read ms"], rows)
+        print("\n  targets (reported, not enforced):")
+        t = res.get("tensord")
+        if t is None:
+            print("    n/a (no tensord rows)")
+        else:
+            x = t["pss"] / nbytes
+            a = benchlib.median(t["loads"]) * 1e3
+            print(f"    tensord PSS <= 1.2x one copy: {x:.2f}x -> {'met' if x <= 1.2 else 'MISSED'}")
+            print(f"    tensord attach <= 10 ms (median): {a:.2f} ms -> "
+                  f"{'met' if a <= 10 else 'MISSED'}")
+        print(f"\n  (bench_weights.py: {time.monotonic() - t_all:.0f} s)")
+    return 1 if (d.failed or why) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -98,7 +98,7 @@ def main() -> int:
     import torch.utils.data
 
     tensord, tdt, why = benchlib.import_tensord()
-    batches = 20 if args.quick else 60
+    batches = 20 if args.quick else 80
     epochs = 3 if args.quick else 7
     t_all = time.monotonic()
     torch.set_num_threads(1)

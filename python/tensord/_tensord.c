@@ -14,14 +14,6 @@
 #include <string.h>
 #include <time.h>
 
-/* TEMPORARY, until libtensord has scopes (the lead's work on main): they
- * resolve weakly, and their calls fail with TD_ENOSYS where they are
- * missing. */
-#pragma weak td_scope_open
-#pragma weak td_scope_close
-#pragma weak td_publish_ex
-#define HAVE_SCOPES (&td_scope_open != NULL)
-
 /* A lookup that waits is cut into waits of at most this many ms, so that
  * Ctrl-C, close() and a cancelled alookup are seen within that long. */
 #define SLICE_MS 50
@@ -1009,8 +1001,6 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
     o.scope = PyLong_AsUnsignedLongLong(scopeobj);
     if (o.scope == (uint64_t)-1 && PyErr_Occurred())
       return NULL;
-    if (!HAVE_SCOPES)
-      return raise_err(TD_ENOSYS, "this libtensord has no scopes");
     if (o.scope == 0) {
       PyErr_SetString(PyExc_ValueError, "publish: scope 0 is no scope token");
       return NULL;
@@ -1071,8 +1061,6 @@ static PyObject *Client_scope_open(Client *self, PyObject *unused) {
   uint64_t token = 0;
   call x;
   int err;
-  if (!HAVE_SCOPES)
-    return raise_err(TD_ENOSYS, "this libtensord has no scopes");
   CALL(self, x, err, td_scope_open(x.c, &token));
   if (err < 0)
     return raise_err(err, x.msg);
@@ -1086,8 +1074,6 @@ static PyObject *Client_scope_close(Client *self, PyObject *args) {
   uint64_t dropped = 0;
   call x;
   int err;
-  if (!HAVE_SCOPES)
-    return raise_err(TD_ENOSYS, "this libtensord has no scopes");
   CALL(self, x, err, td_scope_close(x.c, token, &dropped));
   if (err < 0)
     return raise_err(err, x.msg);

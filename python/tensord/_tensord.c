@@ -898,12 +898,27 @@ static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
   if (keyobj != Py_None && (key = key_utf8(keyobj)) == NULL)
     return NULL;
   PyObject *k = keyobj == Py_None ? NULL : keyobj;
+  if (key != NULL && (key[0] == '\0' || strlen(key) > TD_KEY_MAX)) {
+    char m[128];
+    snprintf(m, sizeof(m), "share: key of %zu bytes (a key has 1 to %d)",
+             strlen(key), TD_KEY_MAX);
+    return raise_err(TD_EINVAL, m);
+  }
   if (PyObject_TypeCheck(obj, &TensorType))
     return share_tensor(self, (Tensor *)obj, key, k);
   if (PyObject_CheckBuffer(obj)) {
     Py_buffer b;
-    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0)
+    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0) {
+      /* numpy refuses datetimes, objects... as ValueError: a type error. */
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      PyErr_Format(PyExc_TypeError, "share: %.100s has no tensord dtype: %S",
+                   Py_TYPE(obj)->tp_name, value ? value : Py_None);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
       return NULL;
+    }
     PyObject *r = share_buffer(self, &b, key, k);
     PyBuffer_Release(&b);
     return r;

@@ -927,8 +927,6 @@ static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
     PyObject *src = obj, *u8 = NULL;
     int as_bool = is_torch_bool(obj);
     if (as_bool) { /* DLPack 0.6 has no bool: torch 1.13 refuses it */
-      if (torch_bool == NULL)
-        return PyErr_Format(PyExc_TypeError, "share: torch not imported");
       PyObject *torch = PyImport_ImportModule("torch");
       PyObject *uint8 = torch ? PyObject_GetAttrString(torch, "uint8") : NULL;
       Py_XDECREF(torch);

@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def test_ctrl_c_interrupts_a_forever_lookup(daemon):
     try:
         line = p.stdout.readline()
         assert line.startswith("waiting"), line + p.stderr.read()
-        time.sleep(0.2)  # well inside the lookup
+        time.sleep(0.2 + random.random() * 0.05)  # well inside the lookup
         sent = time.monotonic()
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=5)

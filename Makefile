@@ -8,8 +8,15 @@ JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
             protobuf-c-compiler libcriterion-dev libdlpack-dev \
-            clang-14 libclang-rt-14-dev valgrind
+            clang-14 libclang-rt-14-dev valgrind \
+            python3-dev python3-numpy python3-torch python3-pytest \
+            python3-pip python3-setuptools
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+# The interpreter the Python package is built and tested for: Debian's,
+# which has python3-numpy and python3-torch (the first python3 on PATH may be
+# another). PYTHON=... picks another; it needs numpy, torch and pytest.
+PYTHON   ?= /usr/bin/python3
 
 FUZZ_SECONDS ?= 60
 FUZZ_ARGS ?=
@@ -32,7 +39,7 @@ deps:
 	fi
 
 $(BUILD)/CMakeCache.txt: | deps
-	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DPython3_EXECUTABLE=$(PYTHON) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)

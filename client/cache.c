@@ -71,7 +71,7 @@
 struct td__mapping {
   td__hnode node;
   uint64_t instance, id;
-  int readonly;
+  int mode; /* TD__MAP_RW, _RO or _COW */
   void *addr;
   size_t len;
   uint64_t handles;
@@ -84,14 +84,14 @@ typedef struct warm {
   struct warm *next; /* newest first */
   dev_t dev;
   ino_t ino;
-  int readonly;
+  int mode; /* TD__MAP_RW or _RO: copy-on-write mappings are never kept */
   int populate;
   void *addr;
   size_t len;
   int64_t since_ms;
 } warm;
 
-static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
+static void *warm_take(dev_t dev, ino_t ino, int mode, size_t len,
                        int *populate);
 
 static int64_t now_ms(void) {
@@ -102,7 +102,7 @@ static int64_t now_ms(void) {
 
 typedef struct mkey {
   uint64_t instance, id;
-  int readonly;
+  int mode;
 } mkey;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -170,16 +170,23 @@ static void cache_init(void) {
 #define HAVE_MADV_POPULATE 0
 #endif
 
-/* Maps nbytes of fd shared, madvised for huge pages where /dev/shm asks for
- * that. Sets *populate when the mapping is to be populated at its first
- * td__map_addr (at or above the threshold of its mode); without
- * MADV_POPULATE_* (headers older than Linux 5.14) it is populated here
- * instead. Returns the address or MAP_FAILED with errno set. */
-static void *map_fd(int fd, size_t nbytes, int readonly, int *populate) {
-  *populate = nbytes >= (readonly ? populate_ro : populate_rw);
+/* Maps nbytes of fd in mode, madvised for huge pages where /dev/shm asks
+ * for that: shared, or for TD__MAP_COW private and writable over the
+ * read-only fd. Sets *populate when the mapping is to be populated at its
+ * first td__map_addr (at or above the threshold of its mode; a
+ * copy-on-write mapping counts as read-only). Without MADV_POPULATE_*
+ * (headers older than Linux 5.14) a shared mapping is populated here
+ * instead, and a copy-on-write one not at all: MAP_POPULATE of a private
+ * writable mapping write-faults every page, a private copy of all of it.
+ * Returns the address or MAP_FAILED with errno set. */
+static void *map_fd(int fd, size_t nbytes, int mode, int *populate) {
+  *populate = nbytes >= (mode == TD__MAP_RW ? populate_rw : populate_ro);
   int now = !HAVE_MADV_POPULATE && *populate;
-  void *addr = mmap(NULL, nbytes, PROT_READ | (readonly ? 0 : PROT_WRITE),
-                    MAP_SHARED | (now ? MAP_POPULATE : 0), fd, 0);
+  int prot = PROT_READ | (mode == TD__MAP_RO ? 0 : PROT_WRITE);
+  int flags = mode == TD__MAP_COW ? MAP_PRIVATE : MAP_SHARED;
+  if (now && mode != TD__MAP_COW)
+    flags |= MAP_POPULATE;
+  void *addr = mmap(NULL, nbytes, prot, flags, fd, 0);
   if (now)
     *populate = 0;
   /* Best effort: the advice comes before the first fault, so that the
@@ -190,21 +197,19 @@ static void *map_fd(int fd, size_t nbytes, int readonly, int *populate) {
 }
 
 static uint64_t mhash(const mkey *k) {
-  return td__hash_u64(k->id ^ td__hash_u64(k->instance) ^
-                      (uint64_t)k->readonly);
+  return td__hash_u64(k->id ^ td__hash_u64(k->instance) ^ (uint64_t)k->mode);
 }
 
 static int meq(const td__hnode *n, const void *key) {
   const td__mapping *m = td__container_of(n, td__mapping, node);
   const mkey *k = key;
-  return m->id == k->id && m->instance == k->instance &&
-         m->readonly == k->readonly;
+  return m->id == k->id && m->instance == k->instance && m->mode == k->mode;
 }
 
-int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
+int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
                     int fd, td__mapping **out) {
   pthread_once(&once, cache_init);
-  mkey k = {instance, id, readonly};
+  mkey k = {instance, id, mode};
   uint64_t h = mhash(&k);
   int err = 0;
   pthread_mutex_lock(&mu);
@@ -227,13 +232,16 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
   int populate;
   void *addr = NULL;
   struct stat sb;
-  if (nbytes >= TD__WARM_MIN && warm_max > 0 && fstat(fd, &sb) == 0) {
+  /* A copy-on-write mapping is never kept warm (ino 0): its private pages
+   * hold this process's writes, not the segment's bytes. */
+  if (mode != TD__MAP_COW && nbytes >= TD__WARM_MIN && warm_max > 0 &&
+      fstat(fd, &sb) == 0) {
     m->dev = sb.st_dev;
     m->ino = sb.st_ino;
-    addr = warm_take(m->dev, m->ino, readonly, nbytes, &populate);
+    addr = warm_take(m->dev, m->ino, mode, nbytes, &populate);
   }
   if (addr == NULL)
-    addr = map_fd(fd, nbytes, readonly, &populate);
+    addr = map_fd(fd, nbytes, mode, &populate);
   if (addr == MAP_FAILED) {
     err = -errno;
     free(m);
@@ -241,7 +249,7 @@ int td__map_acquire(uint64_t instance, uint64_t id, int readonly, size_t nbytes,
   }
   m->instance = instance;
   m->id = id;
-  m->readonly = readonly;
+  m->mode = mode;
   m->addr = addr;
   m->len = nbytes;
   m->handles = 1;
@@ -261,10 +269,10 @@ out:
   return err;
 }
 
-/* Returns the mapping of (instance, id) in the other mode, or NULL. Called
- * with mu held. */
+/* Returns the mapping of (instance, id) in the other shared mode (read-only
+ * for read-write and back), or NULL. Called with mu held. */
 static td__mapping *sibling(const td__mapping *m) {
-  mkey k = {m->instance, m->id, !m->readonly};
+  mkey k = {m->instance, m->id, m->mode == TD__MAP_RW ? TD__MAP_RO : TD__MAP_RW};
   td__hnode *n = td__htab_find(&maps, mhash(&k), meq, &k);
   return n != NULL ? td__container_of(n, td__mapping, node) : NULL;
 }
@@ -288,11 +296,11 @@ static void warm_expire(void) {
 /* Takes the warm mapping of inode (dev, ino) in that mode and of len bytes.
  * Returns its address, with *populate what it still needs, or NULL. Called
  * with mu held. */
-static void *warm_take(dev_t dev, ino_t ino, int readonly, size_t len,
+static void *warm_take(dev_t dev, ino_t ino, int mode, size_t len,
                        int *populate) {
   warm_expire();
   for (warm **p = &warms, *w; (w = *p) != NULL; p = &w->next) {
-    if (w->ino != ino || w->dev != dev || w->readonly != readonly ||
+    if (w->ino != ino || w->dev != dev || w->mode != mode ||
         w->len != len)
       continue;
     *p = w->next;
@@ -326,7 +334,7 @@ static void warm_keep(const td__mapping *m) {
     }
     w->dev = m->dev;
     w->ino = m->ino;
-    w->readonly = m->readonly;
+    w->mode = m->mode;
     w->populate = atomic_load(&m->populate);
     w->addr = m->addr;
     w->len = m->len;
@@ -359,11 +367,14 @@ void td__map_release(td__mapping *m) {
   pthread_mutex_lock(&mu);
   warm_expire();
   if (--m->handles == 0) {
-    td__mapping *other = sibling(m);
-    if (m->readonly) {
-      if (other == NULL)
+    td__mapping *other;
+    if (m->mode == TD__MAP_COW) {
+      unmap(m);
+    } else if (m->mode == TD__MAP_RO) {
+      if (sibling(m) == NULL)
         unmap(m);
     } else {
+      other = sibling(m);
       unmap(m);
       if (other != NULL && other->handles == 0)
         unmap(other);
@@ -382,7 +393,7 @@ void *td__map_addr(td__mapping *m) {
   if (atomic_load_explicit(&m->populate, memory_order_relaxed) &&
       atomic_exchange(&m->populate, 0))
     madvise(m->addr, m->len,
-            m->readonly ? MADV_POPULATE_READ : MADV_POPULATE_WRITE);
+            m->mode == TD__MAP_RW ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
 #endif
   return m->addr;
 }

@@ -68,7 +68,8 @@ struct td_storage {
   uint64_t id;
   size_t nbytes;
   td_device device;
-  int readonly;
+  int readonly; /* the reference is read-only (TD_RDONLY or TD_COW) */
+  int cow;      /* and mapped copy-on-write (TD_COW) */
   td__mapping *map;
 };
 
@@ -664,9 +665,12 @@ static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
 }
 
 /* Makes a handle for the reference the daemon just gave us (m, with fd or
- * -1). On failure the reference is released. */
+ * -1), mapped copy-on-write if cow (and m is read-only). On failure the
+ * reference is released. */
 static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
-                       td_storage **out) {
+                       int cow, td_storage **out) {
+  cow = cow && m->readonly;
+  int mode = m->readonly ? (cow ? TD__MAP_COW : TD__MAP_RO) : TD__MAP_RW;
   td_storage *s = calloc(1, sizeof(*s));
   if (s == NULL) {
     if (fd >= 0)
@@ -675,7 +679,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     return fail(c, TD_ENOMEM, "out of memory");
   }
   int err =
-      td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd, &s->map);
+      td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -684,8 +688,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     int fd2 = -1;
     err = open_call(c, m->id, m->readonly, 1, &r, &fd2);
     if (err == 0) {
-      err = td__map_acquire(c->instance, m->id, m->readonly, m->nbytes, fd2,
-                            &s->map);
+      err = td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2, &s->map);
       tensord__response__free_unpacked(r, NULL);
       send_release(c, m->id, m->readonly, 1, 1);
     }
@@ -703,6 +706,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   s->nbytes = (size_t)m->nbytes;
   s->device = (td_device)m->device;
   s->readonly = m->readonly;
+  s->cow = cow;
   pthread_mutex_lock(&c->mu);
   err = held_add(c, m->id, m->readonly);
   pthread_mutex_unlock(&c->mu);
@@ -761,7 +765,7 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
   if (err < 0)
     return err;
   int dirty = r->storage->dirty;
-  err = make_handle(c, r->storage, fd, out);
+  err = make_handle(c, r->storage, fd, 0, out);
   tensord__response__free_unpacked(r, NULL);
   /* A recycled segment comes as its owner left it: zeroed here, through
    * this process's mapping, often still warm from the storage that had it
@@ -774,14 +778,14 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
 int td_storage_open(td_client *c, uint64_t id, unsigned flags,
                     td_storage **out) {
   *out = NULL;
-  if (flags & ~TD_RDONLY)
+  if (flags & ~(TD_RDONLY | TD_COW))
     return fail(c, TD_EINVAL, "open: unknown flags 0x%x", flags);
   Tensord__Response *r;
   int fd = -1;
-  int err = open_call(c, id, (flags & TD_RDONLY) != 0, 0, &r, &fd);
+  int err = open_call(c, id, (flags & (TD_RDONLY | TD_COW)) != 0, 0, &r, &fd);
   if (err < 0)
     return err;
-  err = make_handle(c, r->storage, fd, out);
+  err = make_handle(c, r->storage, fd, (flags & TD_COW) != 0, out);
   tensord__response__free_unpacked(r, NULL);
   return err;
 }
@@ -849,6 +853,11 @@ static int check_key(td_client *c, const char *op, const char *key,
 
 int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v) {
+  return td_publish_ex(c, key, s, v, NULL);
+}
+
+int td_publish_ex(td_client *c, const char *key, const td_storage *s,
+                  const td_view *v, const td_publish_opts *o) {
   size_t len = 0;
   int err = check_key(c, "publish", key, &len);
   if (err < 0)
@@ -863,6 +872,14 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
   if (s->readonly)
     return fail(c, TD_EACCES, "publish '%s': storage %llu is open read-only",
                 key, (unsigned long long)s->id);
+  if (o != NULL)
+    for (size_t i = 0; i < sizeof(o->reserved) / sizeof(o->reserved[0]); i++)
+      if (o->reserved[i] != 0)
+        return fail(c, TD_EINVAL,
+                    "publish '%s' with reserved[%zu] = 0x%llx: libtensord %s "
+                    "knows no option there (zero-initialise td_publish_opts)",
+                    key, i, (unsigned long long)o->reserved[i],
+                    TD_VERSION_STRING);
   char msg[768];
   if (v != NULL &&
       (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
@@ -873,6 +890,7 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
   m.key.data = (uint8_t *)key;
   m.key.len = len;
   m.id = s->id;
+  m.scope = o != NULL ? o->scope : 0;
   if (v != NULL) {
     td__view_to_msg(v, &vm);
     m.view = &vm;
@@ -896,7 +914,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   int err = check_key(c, "lookup", key, &len);
   if (err < 0)
     return err;
-  if (flags & ~(TD_RDONLY | TD_TAKE))
+  if (flags & ~(TD_RDONLY | TD_TAKE | TD_COW))
     return fail(c, TD_EINVAL, "lookup '%s': unknown flags 0x%x", key, flags);
   if (timeout_ms < -1)
     return fail(c, TD_EINVAL,
@@ -907,7 +925,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.key.data = (uint8_t *)key;
   m.key.len = len;
-  m.readonly = (flags & TD_RDONLY) != 0;
+  m.readonly = (flags & (TD_RDONLY | TD_COW)) != 0;
   m.take = (flags & TD_TAKE) != 0;
   m.wait_ms = timeout_ms;
   req.body_case = TENSORD__REQUEST__BODY_LOOKUP;
@@ -931,7 +949,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     tensord__response__free_unpacked(r, NULL);
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }
-  err = make_handle(c, lr->storage, fd, s);
+  err = make_handle(c, lr->storage, fd, (flags & TD_COW) != 0, s);
   tensord__response__free_unpacked(r, NULL);
   if (err == 0 && v != NULL)
     *v = view;
@@ -954,6 +972,41 @@ int td_unpublish(td_client *c, const char *key) {
   if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1)) == 0)
     tensord__response__free_unpacked(r, NULL);
   return err;
+}
+
+static int scope_call(td_client *c, int close, uint64_t token,
+                      Tensord__Response **r) {
+  Tensord__Scope m = TENSORD__SCOPE__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.close = close;
+  m.token = token;
+  req.body_case = TENSORD__REQUEST__BODY_SCOPE;
+  req.scope = &m;
+  int err = call(c, &req, r, NULL);
+  if (err == 0)
+    err = expect(c, *r, TENSORD__RESPONSE__BODY_SCOPE, -1);
+  return err;
+}
+
+int td_scope_open(td_client *c, uint64_t *token) {
+  Tensord__Response *r;
+  int err = scope_call(c, 0, 0, &r);
+  if (err < 0)
+    return err;
+  *token = r->scope->token;
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int td_scope_close(td_client *c, uint64_t token, uint64_t *dropped) {
+  Tensord__Response *r;
+  int err = scope_call(c, 1, token, &r);
+  if (err < 0)
+    return err;
+  if (dropped != NULL)
+    *dropped = r->scope->dropped;
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
 }
 
 int td_ping(td_client *c, uint64_t *rtt_ns) {

@@ -37,6 +37,8 @@ struct td__conn {
   uint32_t nwaiters; /* in waiters: at most --max-waiters-per-client */
   td__create *creates;
   uint32_t ncreates; /* in creates: they count as storages held */
+  td__scope *scopes; /* it opened and has not ended */
+  uint32_t nscopes;
   td__conn *prev, *next;
 };
 

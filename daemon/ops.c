@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #define LIST_LIMIT_DEFAULT 256
@@ -364,6 +365,13 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     td__conn_send(c, &r, fd);
     return;
   }
+  if (k->scope != NULL) { /* never journaled: nothing to record */
+    td__debug("client %d took scoped key '%s'", (int)c->hold.peer.pid,
+              k->name);
+    td__key_remove(&c->srv->reg, k);
+    td__conn_send(c, &r, fd);
+    return;
+  }
   if (td__state_del(c->srv->state, k->name, k->len) < 0) {
     /* Give back what grant gave: the key stays, as if never asked. */
     if (fd >= 0)
@@ -443,6 +451,27 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     td_view_contiguous(TD_UINT8, 1, &shape, &v);
   }
   td__key *k = td__key_find(reg, key, m->key.len);
+  td__scope *scope = NULL;
+  if (m->scope != 0) {
+    scope = td__scope_find(reg, m->scope);
+    if (scope == NULL)
+      return reject(c, seq, TD_ENOENT,
+                    "publish '%s': scope %016llx has ended (or was never "
+                    "opened)",
+                    key, (unsigned long long)m->scope);
+    if (scope->uid != c->hold.peer.uid && c->hold.peer.uid != 0)
+      return reject(c, seq, TD_EACCES,
+                    "publish '%s': scope %016llx belongs to uid %u, not to "
+                    "uid %u",
+                    key, (unsigned long long)m->scope, (unsigned)scope->uid,
+                    (unsigned)c->hold.peer.uid);
+    if (k != NULL)
+      return reject(c, seq, TD_EEXIST,
+                    "publish '%s' into scope %016llx: the key exists "
+                    "(storage %llu); a scoped publish never replaces a key",
+                    key, (unsigned long long)m->scope,
+                    (unsigned long long)k->storage->id);
+  }
   if (k != NULL && check_access(c, k->storage, TD__MAY_WRITE, "replacing it",
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
@@ -467,7 +496,10 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                   key, (unsigned long long)s->id, s->refs);
   if (err < 0)
     return reject(c, seq, err, "publish '%s': out of memory", key);
-  if (td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
+  prep.scope = scope;
+  /* A scoped key is never journaled: it does not outlive its scope. */
+  if (scope == NULL &&
+      td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
     td__key_abort(reg, &prep);
     unrecorded(c, seq, "publish", key);
     return 0;
@@ -495,7 +527,7 @@ static int op_unpublish(td__conn *c, uint64_t seq,
                    sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
                   (unsigned long long)k->storage->id, msg);
-  if (td__state_del(c->srv->state, k->name, k->len) < 0) {
+  if (k->scope == NULL && td__state_del(c->srv->state, k->name, k->len) < 0) {
     unrecorded(c, seq, "unpublish", k->name);
     return 0;
   }
@@ -716,6 +748,67 @@ static int op_stat(td__conn *c, uint64_t seq) {
   return 0;
 }
 
+/* Scopes this connection may have open at once. */
+#define TD__SCOPES_PER_CONN 1024
+
+static void scope_unlink_from_conn(td__conn *c, td__scope *sc);
+
+static int send_scope(td__conn *c, uint64_t seq, uint64_t token,
+                      uint64_t dropped) {
+  Tensord__ScopeReply m = TENSORD__SCOPE_REPLY__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  m.token = token;
+  m.dropped = dropped;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_SCOPE;
+  r.scope = &m;
+  td__conn_send(c, &r, -1);
+  return 0;
+}
+
+static int op_scope(td__conn *c, uint64_t seq, const Tensord__Scope *m) {
+  td__registry *reg = &c->srv->reg;
+  if (m->close) {
+    td__scope *sc = td__scope_find(reg, m->token);
+    if (sc == NULL || sc->owner != c)
+      return reject(c, seq, TD_ENOENT,
+                    "scope %016llx: not open on this connection (ended, or "
+                    "another connection's)",
+                    (unsigned long long)m->token);
+    scope_unlink_from_conn(c, sc);
+    uint64_t n = td__scope_close(reg, sc);
+    td__debug("client %d closed scope %016llx: %llu key(s) dropped",
+              (int)c->hold.peer.pid, (unsigned long long)m->token,
+              (unsigned long long)n);
+    return send_scope(c, seq, m->token, n);
+  }
+  if (c->nscopes >= TD__SCOPES_PER_CONN)
+    return reject(c, seq, TD_EMFILE,
+                  "scope: this connection has %u scopes open, the most "
+                  "tensord allows (close some)",
+                  c->nscopes);
+  uint64_t token = 0;
+  td__scope *sc = NULL;
+  int err = TD_EEXIST;
+  for (int tries = 0; err == TD_EEXIST && tries < 8; tries++) {
+    if (getrandom(&token, sizeof(token), 0) != sizeof(token))
+      token = td__hash_u64((uint64_t)td__now_ms() ^ (uint64_t)c->nscopes ^
+                           (uint64_t)(uintptr_t)c ^ c->srv->instance);
+    if (token != 0)
+      err = td__scope_open(reg, token, c->hold.peer.uid, c, &sc);
+  }
+  if (err < 0)
+    return reject(c, seq, TD_ENOMEM, "scope: %s",
+                  err == TD_EEXIST ? "no unused token drawn in 8 tries"
+                                   : "out of memory");
+  sc->onext = c->scopes;
+  if (c->scopes != NULL)
+    c->scopes->oprev = sc;
+  c->scopes = sc;
+  c->nscopes++;
+  return send_scope(c, seq, token, 0);
+}
+
 static int op_ping(td__conn *c, uint64_t seq, const Tensord__Ping *m) {
   Tensord__Pong p = TENSORD__PONG__INIT;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
@@ -791,6 +884,8 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
     return op_info(c, seq, req->info);
   case TENSORD__REQUEST__BODY_PING:
     return op_ping(c, seq, req->ping);
+  case TENSORD__REQUEST__BODY_SCOPE:
+    return op_scope(c, seq, req->scope);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,
@@ -801,8 +896,29 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
   }
 }
 
+static void scope_unlink_from_conn(td__conn *c, td__scope *sc) {
+  if (sc->oprev)
+    sc->oprev->onext = sc->onext;
+  else
+    c->scopes = sc->onext;
+  if (sc->onext)
+    sc->onext->oprev = sc->oprev;
+  c->nscopes--;
+}
+
 void td__ops_conn_gone(td__conn *c) {
   td__wait_conn_gone(c);
   while (c->creates != NULL)
     create_unlink_from_conn(c->creates);
+  /* Its scopes end with it: keys still in flight to a process that never
+   * took them go now. */
+  while (c->scopes != NULL) {
+    td__scope *sc = c->scopes;
+    scope_unlink_from_conn(c, sc);
+    uint64_t n = td__scope_close(&c->srv->reg, sc);
+    if (n > 0)
+      td__debug("client %d gone: its scope %016llx dropped %llu key(s)",
+                (int)c->hold.peer.pid, (unsigned long long)sc->token,
+                (unsigned long long)n);
+  }
 }

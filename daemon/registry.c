@@ -127,6 +127,7 @@ void td__registry_init(td__registry *r, uint64_t capacity,
   memset(r, 0, sizeof(*r));
   td__htab_init(&r->storages);
   td__htab_init(&r->keys);
+  td__htab_init(&r->scopes);
   td__htab_init(&r->usage);
   r->next_id = 1;
   r->capacity = capacity;
@@ -161,6 +162,14 @@ void td__registry_drop_keys(td__registry *r) {
 
 void td__registry_free(td__registry *r) {
   td__registry_drop_keys(r);
+  /* Scopes their connections did not end (a stop): their keys are gone. */
+  for (size_t i = 0; i < r->scopes.nbuckets; i++) {
+    for (td__hnode *n = r->scopes.buckets[i], *next; n != NULL; n = next) {
+      next = n->next;
+      free(td__container_of(n, td__scope, node));
+    }
+  }
+  td__htab_free(&r->scopes);
   td__htab_free(&r->storages);
   td__htab_free(&r->keys);
   /* Creates still in flight find no entry and credit only the total. */
@@ -377,6 +386,29 @@ static void key_link(td__storage *s, td__key *k) {
   s->refs++;
 }
 
+static void scope_link(td__scope *sc, td__key *k) {
+  k->scope = sc;
+  k->cprev = NULL;
+  k->cnext = sc->keys;
+  if (sc->keys != NULL)
+    sc->keys->cprev = k;
+  sc->keys = k;
+  sc->nkeys++;
+}
+
+static void scope_unlink(td__key *k) {
+  td__scope *sc = k->scope;
+  if (k->cprev)
+    k->cprev->cnext = k->cnext;
+  else
+    sc->keys = k->cnext;
+  if (k->cnext)
+    k->cnext->cprev = k->cprev;
+  k->scope = NULL;
+  k->cprev = k->cnext = NULL;
+  sc->nkeys--;
+}
+
 static void key_unlink(td__key *k) {
   td__storage *s = k->storage;
   if (k->sprev)
@@ -391,6 +423,7 @@ int td__key_prepare(td__registry *r, const char *key, size_t len,
                     td__storage *s, uid_t uid, td__key_prep *p) {
   p->s = s;
   p->uid = uid;
+  p->scope = NULL;
   p->k = td__key_find(r, key, len);
   p->fresh = p->k == NULL;
   /* Commit links the key to s before it unlinks it from its old storage,
@@ -409,6 +442,8 @@ int td__key_prepare(td__registry *r, const char *key, size_t len,
   k->name[len] = '\0';
   k->len = len;
   k->storage = NULL;
+  k->scope = NULL;
+  k->cprev = k->cnext = NULL;
   if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
     free(k);
     goto nomem;
@@ -433,7 +468,14 @@ td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
     usage_put(r, was);
   }
   k->uid = p->uid;
-  p->s->named = 1;
+  /* A scoped key is never journaled, so it does not name its segment in
+   * a journal. A key replaced by an ordinary publish leaves its scope. */
+  if (p->scope == NULL)
+    p->s->named = 1;
+  if (k->scope != NULL)
+    scope_unlink(k);
+  if (p->scope != NULL)
+    scope_link(p->scope, k);
   /* The new storage gains its reference before the old one loses its, so
    * publishing a key onto its own storage frees nothing. */
   if (old != NULL)
@@ -473,8 +515,50 @@ void td__key_remove(td__registry *r, td__key *k) {
   usage_put(r, u);
   td__htab_remove(&r->keys, &k->node);
   key_unlink(k);
+  if (k->scope != NULL)
+    scope_unlink(k);
   free(k);
   storage_unref(r, s);
+}
+
+static int scope_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__scope, node)->token ==
+         *(const uint64_t *)key;
+}
+
+int td__scope_open(td__registry *r, uint64_t token, uid_t uid, void *owner,
+                   td__scope **out) {
+  if (td__scope_find(r, token) != NULL)
+    return TD_EEXIST;
+  td__scope *sc = calloc(1, sizeof(*sc));
+  if (sc == NULL)
+    return TD_ENOMEM;
+  sc->token = token;
+  sc->uid = uid;
+  sc->owner = owner;
+  if (td__htab_insert(&r->scopes, &sc->node, td__hash_u64(token)) < 0) {
+    free(sc);
+    return TD_ENOMEM;
+  }
+  *out = sc;
+  return 0;
+}
+
+td__scope *td__scope_find(const td__registry *r, uint64_t token) {
+  td__hnode *n =
+      td__htab_find(&r->scopes, td__hash_u64(token), scope_eq, &token);
+  return n ? td__container_of(n, td__scope, node) : NULL;
+}
+
+uint64_t td__scope_close(td__registry *r, td__scope *sc) {
+  uint64_t n = 0;
+  while (sc->keys != NULL) {
+    td__key_remove(r, sc->keys);
+    n++;
+  }
+  td__htab_remove(&r->scopes, &sc->node);
+  free(sc);
+  return n;
 }
 
 int td__key_validate(const char *key, size_t len, char *msg, size_t msglen) {

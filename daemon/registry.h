@@ -20,6 +20,7 @@ typedef struct td__peer {
 
 typedef struct td__storage td__storage;
 typedef struct td__key td__key;
+typedef struct td__scope td__scope;
 
 /* A connection's references to one storage, by mode. */
 typedef struct td__ref {
@@ -74,8 +75,23 @@ struct td__key {
   td__key *sprev, *snext; /* in storage->keys */
   td_view view;
   int64_t published_ms;
+  td__scope *scope;       /* the scope it goes with, or NULL */
+  td__key *cprev, *cnext; /* in scope->keys */
   size_t len;
   char name[]; /* len bytes, NUL-terminated */
+};
+
+/* A scope (td_scope_open): keys in flight that go when it ends. It belongs
+ * to one connection (owner, opaque here), which ends it by closing it or
+ * by going away. */
+struct td__scope {
+  td__hnode node; /* in registry.scopes, by token */
+  uint64_t token;
+  uid_t uid;   /* the owner's: who may publish into it (and root) */
+  void *owner; /* the connection that opened it */
+  td__key *keys;
+  uint64_t nkeys;
+  td__scope *oprev, *onext; /* in the owner's list */
 };
 
 /* Called when a storage's last reference goes: the owner of the registry
@@ -86,7 +102,8 @@ typedef struct td__registry {
   td__htab storages;
   td__storage *first, *last;
   td__htab keys;
-  td__htab usage; /* td__usage by uid */
+  td__htab scopes; /* td__scope by token */
+  td__htab usage;  /* td__usage by uid */
   uint64_t next_id;
   uint64_t bytes_used;      /* live storages */
   uint64_t bytes_committed; /* live storages and creates in flight */
@@ -167,6 +184,7 @@ typedef struct td__key_prep {
   td__storage *s;
   uid_t uid;      /* the publisher */
   int usage_made; /* uid's usage entry was made for this change */
+  td__scope *scope; /* the key goes with this scope (a fresh key only) */
 } td__key_prep;
 
 /* First half of naming view of s key, published by uid (replacing the
@@ -190,6 +208,17 @@ int td__key_publish(td__registry *r, const char *key, size_t len,
                     td__key **out);
 /* Unnames k; drops its reference (which may free the storage). */
 void td__key_remove(td__registry *r, td__key *k);
+
+/* Registers a scope named token (non-zero, unused: the caller draws it at
+ * random), owned by owner, a connection of uid. Returns 0, TD_EEXIST if
+ * token is taken, or TD_ENOMEM; *out gets the scope. */
+int td__scope_open(td__registry *r, uint64_t token, uid_t uid, void *owner,
+                   td__scope **out);
+td__scope *td__scope_find(const td__registry *r, uint64_t token);
+/* Ends sc: unpublishes every key in it (which may free storages) and frees
+ * it. Returns how many keys went. The owner unlinks sc from its list
+ * first. */
+uint64_t td__scope_close(td__registry *r, td__scope *sc);
 /* Checks a key: 1-255 bytes of UTF-8 without NUL. Returns 0 or TD_EINVAL
  * with the reason in msg. */
 int td__key_validate(const char *key, size_t len, char *msg, size_t msglen);

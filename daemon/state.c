@@ -230,6 +230,8 @@ static int snap_keys(td__server *srv, snap *sn, size_t max) {
     if (s->keys != NULL && snap_prefix(srv, sn, s) < 0)
       return TD_ENOMEM;
     for (const td__key *k = s->keys; k != NULL; k = k->snext, n++) {
+      if (k->scope != NULL) /* never journaled: gone at a restart */
+        continue;
       Tensord__StateKey m;
       Tensord__View vm;
       key_record(k->name, k->len, s, k->uid, &k->view, k->published_ms, &m,

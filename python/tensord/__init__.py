@@ -1,0 +1,144 @@
+"""tensord: tensors shared between processes through tensord, without copies.
+
+    import tensord
+    with tensord.connect() as c:          # the default socket, or path=...
+        t = c.empty((4, 3), "float32")    # a new storage, zeroed
+        t.numpy()[:] = 1                  # numpy over the same bytes
+        c.publish("weights", t)
+        u = c.lookup("weights", timeout=1.0, readonly=True)
+        u.torch()                         # torch over the same bytes
+
+Everything is documented in docs/python.md. The core (Client, Tensor, the
+errors) is the C extension tensord._tensord over libtensord; this module adds
+alookup() and the dtype helpers. tensord.torch has the PyTorch integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from typing import Optional
+
+from . import _tensord
+from ._tensord import (
+    Closed,
+    Error,
+    Exists,
+    NotFound,
+    OutOfMemory,
+    PermissionDenied,
+    QuotaExceeded,
+    Tensor,
+    Timeout,
+    default_socket_path,
+    dtype_name,
+    dtype_size,
+    find,
+)
+
+__all__ = [
+    "Client",
+    "Closed",
+    "Error",
+    "Exists",
+    "NotFound",
+    "OutOfMemory",
+    "PermissionDenied",
+    "QuotaExceeded",
+    "Tensor",
+    "Timeout",
+    "connect",
+    "default_socket_path",
+    "dtype_name",
+    "dtype_size",
+    "find",
+]
+
+__version__ = _tensord.libtensord_version
+
+# The threads alookup() waits in: a pool of its own, so that waits do not
+# take the event loop's default executor, remade in a forked child (a pool's
+# threads do not survive fork()).
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=64, thread_name_prefix="tensord-alookup"
+            )
+            _pool_pid = os.getpid()
+        return _pool
+
+
+if hasattr(os, "register_at_fork"):
+
+    def _reset_lock_in_child() -> None:
+        global _pool_lock
+        _pool_lock = threading.Lock()
+
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+class Client(_tensord.Client):
+    """A connection to tensord (see tensord.connect)."""
+
+    async def alookup(
+        self,
+        key: str,
+        timeout: Optional[float] = None,
+        readonly: bool = False,
+        take: bool = False,
+    ) -> Tensor:
+        """lookup() for asyncio: waits in a thread, not in the event loop.
+
+        Cancelling the awaiting task cancels the wait (within
+        tensord._tensord.SLICE_MS ms). If the lookup succeeded as it was
+        cancelled, the Tensor is released, and with take=True the key is
+        published again first (as an ordinary key), so nothing is lost.
+        """
+        cancel = threading.Event()
+        cf = _executor().submit(
+            self.lookup, key, timeout, readonly, take, _cancel=cancel
+        )
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            cancel.set()
+            cf.add_done_callback(
+                lambda f: _undo_lookup(self, key, take, f)
+            )
+            raise
+
+
+def _undo_lookup(
+    client: Client, key: str, take: bool, f: concurrent.futures.Future
+) -> None:
+    """Gives back what a cancelled alookup got after all."""
+    if f.cancelled() or f.exception() is not None:
+        return
+    t = f.result()
+    try:
+        if take:
+            client.publish(key, t)
+    except Error:
+        pass
+    finally:
+        t.release()
+
+
+def connect(path: Optional[str] = None) -> Client:
+    """Connects to tensord at path (None: $TENSORD_SOCKET, else
+    $XDG_RUNTIME_DIR/tensord.sock, else /tmp/tensord-<uid>/tensord.sock).
+
+    The Client is a context manager, may be used from several threads at
+    once, and reconnects by itself in a forked child.
+    """
+    return Client(path)
+

@@ -1,0 +1,2293 @@
+/* _tensord.c: the tensord Python extension, Client and Tensor over the public
+ * API of libtensord (tensord.h) and DLPack; see docs/python.md. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <dlpack/dlpack.h>
+#include <tensord.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* A lookup that waits is cut into waits of at most this many ms, so that
+ * Ctrl-C, close() and a cancelled alookup are seen within that long. */
+#define SLICE_MS 50
+
+/* ---- module state ---- */
+
+static PyObject *Error, *NotFound, *Timeout, *PermissionDenied, *OutOfMemory,
+    *QuotaExceeded, *Closed, *Exists;
+/* Imported at first use: the extension needs neither numpy nor torch. */
+static PyObject *np_asarray, *np_dtype, *torch_from_dlpack, *torch_bool;
+
+/* Clients' state (c, closed, inflight, gen). Taken only WITHOUT the GIL (or
+ * by a thread that never waits for the GIL while holding it), so that a
+ * thread holding it never waits for a thread holding the GIL. */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+/* Signalled when a closing Client's last call leaves. */
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+/* Bumped in every forked child: a Client made in another generation holds
+ * its parent's connection. */
+static atomic_uint g_forkgen;
+
+/* ---- storage references and the registry behind find() ---- */
+
+/* One td_storage reference, shared by the Tensors, numpy exporters and
+ * DLPack exports made from it, each of which counts in refs. Pure C: it may
+ * be dropped without the GIL (a DLPack deleter). */
+typedef struct store {
+  td_storage *s;
+  atomic_long refs;
+  char *base;
+  size_t len;
+  struct store *prev, *next; /* g_stores, under g_reg_mu */
+} store;
+
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static store *g_stores;
+
+static void atfork_child(void) {
+  pthread_mutex_init(&g_mu, NULL);
+  pthread_cond_init(&g_cv, NULL);
+  pthread_mutex_init(&g_reg_mu, NULL);
+  atomic_fetch_add(&g_forkgen, 1);
+}
+
+/* Returns a store holding s's reference (taken over), or NULL when out of
+ * memory, in which case s is released. */
+static store *store_new(td_storage *s) {
+  store *p = calloc(1, sizeof(*p));
+  if (p == NULL) {
+    td_storage_release(s);
+    return NULL;
+  }
+  p->s = s;
+  atomic_init(&p->refs, 1);
+  p->base = td_storage_data(s);
+  p->len = td_storage_nbytes(s);
+  pthread_mutex_lock(&g_reg_mu);
+  p->next = g_stores;
+  if (g_stores != NULL)
+    g_stores->prev = p;
+  g_stores = p;
+  pthread_mutex_unlock(&g_reg_mu);
+  return p;
+}
+
+static store *store_ref(store *p) {
+  atomic_fetch_add(&p->refs, 1);
+  return p;
+}
+
+/* Drops one reference; the last releases the td_storage (without the GIL
+ * if the caller holds it: a release may send a message). */
+static void store_unref(store *p) {
+  if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
+    return;
+  pthread_mutex_lock(&g_reg_mu);
+  if (p->prev != NULL)
+    p->prev->next = p->next;
+  else
+    g_stores = p->next;
+  if (p->next != NULL)
+    p->next->prev = p->prev;
+  pthread_mutex_unlock(&g_reg_mu);
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    Py_BEGIN_ALLOW_THREADS td_storage_release(p->s);
+    Py_END_ALLOW_THREADS
+  } else {
+    td_storage_release(p->s);
+  }
+  free(p);
+}
+
+/* ---- errors ---- */
+
+static PyObject *error_class(int err) {
+  switch (err) {
+  case TD_ENOENT:
+    return NotFound;
+  case TD_ETIMEDOUT:
+    return Timeout;
+  case TD_EACCES:
+  case TD_EPERM:
+    return PermissionDenied;
+  case TD_ENOMEM:
+  case TD_ENOSPC:
+    return OutOfMemory;
+  case TD_EDQUOT:
+    return QuotaExceeded;
+  case TD_ENOTCONN:
+  case TD_ECONNRESET:
+  case TD_EPIPE:
+    return Closed;
+  case TD_EEXIST:
+    return Exists;
+  default:
+    return Error;
+  }
+}
+
+/* Raises the tensord.Error subclass of err, with .code, .name and .message
+ * (msg, or td_strerror(err) when msg is empty). Returns NULL. */
+static PyObject *raise_err(int err, const char *msg) {
+  if (msg == NULL || *msg == '\0')
+    msg = td_strerror(err);
+  PyObject *cls = error_class(err);
+  PyObject *m = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+  if (m == NULL)
+    return NULL;
+  PyObject *e = PyObject_CallOneArg(cls, m);
+  PyObject *code = PyLong_FromLong(err);
+  PyObject *name = PyUnicode_FromString(td_err_name(err));
+  if (e != NULL && code != NULL && name != NULL &&
+      PyObject_SetAttrString(e, "code", code) == 0 &&
+      PyObject_SetAttrString(e, "name", name) == 0 &&
+      PyObject_SetAttrString(e, "message", m) == 0)
+    PyErr_SetObject(cls, e);
+  Py_XDECREF(e);
+  Py_XDECREF(code);
+  Py_XDECREF(name);
+  Py_DECREF(m);
+  return NULL;
+}
+
+/* A view operation failed: ValueError, or IndexError for an index or range
+ * outside its dimension, with libtensord's message. Returns NULL. */
+static PyObject *raise_view(int err) {
+  PyErr_SetString(err == TD_ERANGE ? PyExc_IndexError : PyExc_ValueError,
+                  td_view_last_error());
+  return NULL;
+}
+
+/* ---- dtypes ---- */
+
+static int import_numpy(void) {
+  if (np_asarray != NULL)
+    return 0;
+  PyObject *np = PyImport_ImportModule("numpy");
+  if (np == NULL)
+    return -1;
+  np_asarray = PyObject_GetAttrString(np, "asarray");
+  np_dtype = PyObject_GetAttrString(np, "dtype");
+  Py_DECREF(np);
+  if (np_asarray == NULL || np_dtype == NULL) {
+    Py_CLEAR(np_asarray);
+    Py_CLEAR(np_dtype);
+    return -1;
+  }
+  return 0;
+}
+
+/* Parses any dtype spelling: a string (torch's or numpy's names, numpy's
+ * type strings), a torch dtype, a numpy dtype or scalar type, a Python type
+ * numpy understands. Returns 0, or -1 with TypeError. */
+static int parse_dtype(PyObject *o, td_dtype *out) {
+  td_dtype d = TD_DTYPE_INVALID;
+  if (PyUnicode_Check(o)) {
+    const char *name = PyUnicode_AsUTF8(o);
+    if (name == NULL)
+      return -1;
+    d = td_dtype_from_name(name);
+  } else {
+    /* torch.float16 and np.dtype("float16") say their name in str(). */
+    PyObject *s = PyObject_Str(o);
+    if (s == NULL)
+      return -1;
+    const char *name = PyUnicode_AsUTF8(s);
+    if (name != NULL)
+      d = td_dtype_from_name(name);
+    Py_DECREF(s);
+    if (name == NULL)
+      return -1;
+    if (d == TD_DTYPE_INVALID && import_numpy() == 0) {
+      PyObject *nd = PyObject_CallOneArg(np_dtype, o);
+      PyObject *nn = nd ? PyObject_GetAttrString(nd, "name") : NULL;
+      const char *n = nn ? PyUnicode_AsUTF8(nn) : NULL;
+      if (n != NULL)
+        d = td_dtype_from_name(n);
+      Py_XDECREF(nn);
+      Py_XDECREF(nd);
+    }
+    PyErr_Clear();
+  }
+  if (d == TD_DTYPE_INVALID) {
+    PyErr_Format(PyExc_TypeError,
+                 "unknown dtype %R: give a torch or numpy dtype or its name "
+                 "(\"float32\", \"bfloat16\", \"uint8\", ...)",
+                 o);
+    return -1;
+  }
+  *out = d;
+  return 0;
+}
+
+/* numpy's array-protocol type string of d, or NULL where numpy has none. */
+static const char *np_typestr(td_dtype d) {
+  switch (d) {
+  case TD_BOOL:
+    return "|b1";
+  case TD_UINT8:
+    return "|u1";
+  case TD_INT8:
+    return "|i1";
+  case TD_INT16:
+    return "<i2";
+  case TD_INT32:
+    return "<i4";
+  case TD_INT64:
+    return "<i8";
+  case TD_FLOAT16:
+    return "<f2";
+  case TD_FLOAT32:
+    return "<f4";
+  case TD_FLOAT64:
+    return "<f8";
+  case TD_COMPLEX64:
+    return "<c8";
+  case TD_COMPLEX128:
+    return "<c16";
+  case TD_UINT16:
+    return "<u2";
+  case TD_UINT32:
+    return "<u4";
+  case TD_UINT64:
+    return "<u8";
+  default:
+    return NULL;
+  }
+}
+
+/* The struct-module format of d for the buffer protocol, or NULL. */
+static const char *buf_format(td_dtype d) {
+  switch (d) {
+  case TD_BOOL:
+    return "?";
+  case TD_UINT8:
+    return "B";
+  case TD_INT8:
+    return "b";
+  case TD_INT16:
+    return "h";
+  case TD_INT32:
+    return "i";
+  case TD_INT64:
+    return "q";
+  case TD_FLOAT16:
+    return "e";
+  case TD_FLOAT32:
+    return "f";
+  case TD_FLOAT64:
+    return "d";
+  case TD_COMPLEX64:
+    return "Zf";
+  case TD_COMPLEX128:
+    return "Zd";
+  case TD_UINT16:
+    return "H";
+  case TD_UINT32:
+    return "I";
+  case TD_UINT64:
+    return "Q";
+  default:
+    return NULL;
+  }
+}
+
+/* The dtype of a buffer's struct format ("<f", "Zd", "?"), or invalid. */
+static td_dtype dtype_of_format(const char *f, Py_ssize_t itemsize) {
+  if (f == NULL)
+    f = "B";
+  if (*f == '@' || *f == '=' || *f == '<')
+    f++;
+  td_dtype d = TD_DTYPE_INVALID;
+  if (strcmp(f, "Zf") == 0)
+    d = TD_COMPLEX64;
+  else if (strcmp(f, "Zd") == 0)
+    d = TD_COMPLEX128;
+  else if (strlen(f) == 1 && strchr("?bBhHiIlLqQefd", *f) != NULL)
+    d = td_dtype_from_name(f);
+  if (d != TD_DTYPE_INVALID && (Py_ssize_t)td_dtype_size(d) != itemsize)
+    return TD_DTYPE_INVALID;
+  return d;
+}
+
+/* The dtype of a DLPack type, or invalid. bool travels as uint8. */
+static td_dtype dtype_of_dl(DLDataType t) {
+  if (t.lanes != 1)
+    return TD_DTYPE_INVALID;
+  switch (t.code) {
+  case kDLUInt:
+    return t.bits == 8    ? TD_UINT8
+           : t.bits == 16 ? TD_UINT16
+           : t.bits == 32 ? TD_UINT32
+           : t.bits == 64 ? TD_UINT64
+                          : TD_DTYPE_INVALID;
+  case kDLInt:
+    return t.bits == 8    ? TD_INT8
+           : t.bits == 16 ? TD_INT16
+           : t.bits == 32 ? TD_INT32
+           : t.bits == 64 ? TD_INT64
+                          : TD_DTYPE_INVALID;
+  case kDLFloat:
+    return t.bits == 16   ? TD_FLOAT16
+           : t.bits == 32 ? TD_FLOAT32
+           : t.bits == 64 ? TD_FLOAT64
+                          : TD_DTYPE_INVALID;
+  case kDLBfloat:
+    return t.bits == 16 ? TD_BFLOAT16 : TD_DTYPE_INVALID;
+  case kDLComplex:
+    return t.bits == 64    ? TD_COMPLEX64
+           : t.bits == 128 ? TD_COMPLEX128
+                           : TD_DTYPE_INVALID;
+  case 6: /* kDLBool of DLPack 0.8 */
+    return t.bits == 8 ? TD_BOOL : TD_DTYPE_INVALID;
+  }
+  return TD_DTYPE_INVALID;
+}
+
+/* ---- time ---- */
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int64_t real_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- types ---- */
+
+typedef struct Client {
+  PyObject_HEAD td_client *c; /* NULL once closed */
+  char *path;                 /* the socket, resolved at connect */
+  unsigned gen;               /* g_forkgen of c's process */
+  int closed;
+  long inflight; /* calls on c in progress */
+  PyObject *weakrefs;
+} Client;
+
+typedef struct Tensor {
+  PyObject_HEAD store *st; /* this Tensor's reference; NULL once dropped */
+  td_view v;
+  PyObject *key;    /* str or NULL */
+  PyObject *client; /* Client or NULL */
+  uint64_t sid;
+  size_t snbytes;
+  int readonly;
+  int released;  /* release() was called */
+  int exports;   /* buffers exported and not yet released */
+  int interface; /* __array_interface__ was handed out */
+  Py_ssize_t bshape[TD_MAX_DIMS], bstrides[TD_MAX_DIMS];
+  PyObject *weakrefs;
+} Tensor;
+
+/* What numpy() hands numpy: its own reference and __array_interface__. */
+typedef struct Exporter {
+  PyObject_HEAD store *st;
+  PyObject *iface;
+} Exporter;
+
+static PyTypeObject ClientType, TensorType, ExporterType;
+
+/* ---- Client: calls, fork and close ---- */
+
+/* Room for a failed call's message, read right after the call. */
+typedef struct call {
+  td_client *c;
+  char msg[1024];
+} call;
+
+/* Called WITHOUT the GIL. Counts a call in flight on self and sets x->c, or
+ * returns TD_ENOTCONN if self is closed. In a forked child the first call
+ * closes the child's copy of the parent's connection (which leaves the
+ * parent's alone) and connects again to the same path; its failure is
+ * returned. */
+static int cl_enter(Client *self, call *x) {
+  int err = 0;
+  x->msg[0] = '\0';
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    snprintf(x->msg, sizeof(x->msg), "client of %s is closed", self->path);
+    err = TD_ENOTCONN;
+  } else if (self->gen != atomic_load(&g_forkgen)) {
+    /* The parent's threads are not here: none of its calls is ours. */
+    td_client *old = self->c, *c = NULL;
+    self->c = NULL;
+    self->inflight = 0;
+    td_close(old);
+    err = td_connect(self->path, &c);
+    if (err < 0)
+      snprintf(x->msg, sizeof(x->msg), "after fork(): %s", td_last_error(NULL));
+    else {
+      self->c = c;
+      self->gen = atomic_load(&g_forkgen);
+    }
+  }
+  if (err == 0) {
+    self->inflight++;
+    x->c = self->c;
+  }
+  pthread_mutex_unlock(&g_mu);
+  return err;
+}
+
+/* Called WITHOUT the GIL: the call cl_enter counted is over. */
+static void cl_leave(Client *self) {
+  pthread_mutex_lock(&g_mu);
+  if (--self->inflight == 0 && self->closed)
+    pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* Called WITHOUT the GIL. Marks self closed, waits for the calls in flight
+ * to leave (a waiting lookup leaves within SLICE_MS) and closes the
+ * connection. No call begins on it afterwards. */
+static void cl_close(Client *self) {
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    pthread_mutex_unlock(&g_mu);
+    return;
+  }
+  self->closed = 1;
+  while (self->inflight > 0 && self->gen == atomic_load(&g_forkgen))
+    pthread_cond_wait(&g_cv, &g_mu);
+  td_client *c = self->c;
+  self->c = NULL;
+  pthread_mutex_unlock(&g_mu);
+  td_close(c); /* in a forked child: its own copy of the socket only */
+}
+
+/* Runs expr (which may use x.c) as a call on self without the GIL; err gets
+ * its result and x.msg the message of a failure. */
+#define CALL(self, x, err, expr)                                               \
+  do {                                                                         \
+    Py_BEGIN_ALLOW_THREADS(err) = cl_enter((self), &(x));                      \
+    if ((err) == 0) {                                                          \
+      (err) = (expr);                                                          \
+      if ((err) < 0)                                                           \
+        snprintf((x).msg, sizeof((x).msg), "%s", td_last_error((x).c));        \
+      cl_leave(self);                                                          \
+    }                                                                          \
+    Py_END_ALLOW_THREADS                                                       \
+  } while (0)
+
+/* ---- Tensor construction ---- */
+
+static void tensor_fill_buffer_dims(Tensor *t) {
+  size_t es = td_dtype_size(t->v.dtype);
+  for (int i = 0; i < t->v.ndim; i++) {
+    t->bshape[i] = (Py_ssize_t)t->v.shape[i];
+    t->bstrides[i] = (Py_ssize_t)(t->v.stride[i] * (int64_t)es);
+  }
+}
+
+/* Returns a new Tensor over view v of p, taking over the caller's reference
+ * on p (dropped on failure). */
+static PyObject *tensor_new(store *p, const td_view *v, PyObject *key,
+                            PyObject *client) {
+  Tensor *t = PyObject_GC_New(Tensor, &TensorType);
+  if (t == NULL) {
+    store_unref(p);
+    return NULL;
+  }
+  t->st = p;
+  t->v = *v;
+  t->key = key;
+  Py_XINCREF(key);
+  t->client = client;
+  Py_XINCREF(client);
+  t->sid = td_storage_id(p->s);
+  t->snbytes = td_storage_nbytes(p->s);
+  t->readonly = td_storage_is_readonly(p->s) != 0;
+  t->released = 0;
+  t->exports = 0;
+  t->interface = 0;
+  t->weakrefs = NULL;
+  tensor_fill_buffer_dims(t);
+  PyObject_GC_Track(t);
+  return (PyObject *)t;
+}
+
+/* Returns a new Tensor over handle s (its reference taken over). */
+static PyObject *tensor_of_handle(td_storage *s, const td_view *v,
+                                  PyObject *key, PyObject *client) {
+  store *p = store_new(s);
+  if (p == NULL)
+    return PyErr_NoMemory();
+  return tensor_new(p, v, key, client);
+}
+
+static int tensor_live(Tensor *t) {
+  if (t->released || t->st == NULL) {
+    PyErr_SetString(PyExc_ValueError,
+                    "tensord.Tensor: released (release() or the end of its "
+                    "'with' block); its bytes are no longer reachable");
+    return -1;
+  }
+  return 0;
+}
+
+static char *tensor_data(const Tensor *t) {
+  return t->st->base + t->v.offset * (int64_t)td_dtype_size(t->v.dtype);
+}
+
+/* Drops the Tensor's storage reference if nothing defers it. */
+static void tensor_maybe_drop(Tensor *t) {
+  if (t->released && t->exports == 0 && !t->interface && t->st != NULL) {
+    store *p = t->st;
+    t->st = NULL;
+    store_unref(p);
+  }
+}
+
+/* ---- Client methods ---- */
+
+static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"path", NULL};
+  PyObject *pathobj = Py_None, *bytes = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:Client", kwlist, &pathobj))
+    return NULL;
+  char dflt[4096];
+  const char *path;
+  if (pathobj == Py_None) {
+    int err = td_default_socket_path(dflt, sizeof(dflt));
+    if (err < 0)
+      return raise_err(err, td_last_error(NULL));
+    path = dflt;
+  } else {
+    if (!PyUnicode_FSConverter(pathobj, &bytes))
+      return NULL;
+    path = PyBytes_AS_STRING(bytes);
+  }
+  Client *self = (Client *)type->tp_alloc(type, 0);
+  if (self == NULL || (self->path = strdup(path)) == NULL) {
+    Py_XDECREF(bytes);
+    Py_XDECREF(self);
+    return PyErr_NoMemory();
+  }
+  Py_XDECREF(bytes);
+  self->closed = 1; /* until connected: dealloc has nothing to close */
+  td_client *c = NULL;
+  int err;
+  char msg[1024] = "";
+  Py_BEGIN_ALLOW_THREADS err = td_connect(self->path, &c);
+  if (err < 0)
+    snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
+  Py_END_ALLOW_THREADS if (err < 0) {
+    Py_DECREF(self);
+    return raise_err(err, msg);
+  }
+  self->c = c;
+  self->gen = atomic_load(&g_forkgen);
+  self->closed = 0;
+  return (PyObject *)self;
+}
+
+static void Client_dealloc(Client *self) {
+  if (self->weakrefs != NULL)
+    PyObject_ClearWeakRefs((PyObject *)self);
+  Py_BEGIN_ALLOW_THREADS cl_close(self);
+  Py_END_ALLOW_THREADS free(self->path);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Client_close(Client *self, PyObject *unused) {
+  Py_BEGIN_ALLOW_THREADS cl_close(self);
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *Client_enter(Client *self, PyObject *unused) {
+  Py_INCREF(self);
+  return (PyObject *)self;
+}
+
+static PyObject *Client_exit(Client *self, PyObject *args) {
+  return Client_close(self, NULL);
+}
+
+static PyObject *Client_get_closed(Client *self, void *unused) {
+  return PyBool_FromLong(self->closed);
+}
+
+static PyObject *Client_get_path(Client *self, void *unused) {
+  return PyUnicode_DecodeFSDefault(self->path);
+}
+
+static PyObject *Client_repr(Client *self) {
+  return PyUnicode_FromFormat("<tensord.Client %s%s>", self->path,
+                              self->closed ? " (closed)" : "");
+}
+
+static PyObject *Client_ping(Client *self, PyObject *unused) {
+  call x;
+  int err;
+  uint64_t rtt = 0;
+  CALL(self, x, err, td_ping(x.c, &rtt));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return PyFloat_FromDouble((double)rtt / 1e9);
+}
+
+/* Parses an int or a sequence of ints into shape; returns ndim or -1. */
+static int parse_shape(PyObject *o, int64_t *shape, const char *what) {
+  if (PyIndex_Check(o)) {
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: size %R does not fit int64", what,
+                     o);
+      }
+      return -1;
+    }
+    shape[0] = v;
+    return 1;
+  }
+  PyObject *seq = PySequence_Fast(o, "shape must be an int or a sequence of "
+                                     "ints");
+  if (seq == NULL)
+    return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n > TD_MAX_DIMS) {
+    Py_DECREF(seq);
+    PyErr_Format(PyExc_ValueError,
+                 "%s: %zd dims; tensord views have at most "
+                 "%d",
+                 what, n, TD_MAX_DIMS);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject *idx = PyNumber_Index(item);
+    long long v = idx ? PyLong_AsLongLong(idx) : -1;
+    Py_XDECREF(idx);
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: size %R does not fit int64", what,
+                     item);
+      }
+      Py_DECREF(seq);
+      return -1;
+    }
+    shape[i] = v;
+  }
+  Py_DECREF(seq);
+  return (int)n;
+}
+
+static PyObject *Client_empty(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"shape", "dtype", "uninit", "mode", NULL};
+  PyObject *shapeobj, *dtypeobj = NULL;
+  int uninit = 0;
+  unsigned int mode = 0600;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpI:empty", kwlist, &shapeobj,
+                                   &dtypeobj, &uninit, &mode))
+    return NULL;
+  td_dtype dt = TD_FLOAT32;
+  if (dtypeobj != NULL && dtypeobj != Py_None && parse_dtype(dtypeobj, &dt) < 0)
+    return NULL;
+  int64_t shape[TD_MAX_DIMS];
+  int ndim = parse_shape(shapeobj, shape, "empty");
+  if (ndim < 0)
+    return NULL;
+  td_view v;
+  int err = td_view_contiguous(dt, ndim, shape, &v);
+  if (err < 0)
+    return raise_view(err);
+  int64_t numel = td_view_numel(&v);
+  size_t nbytes = (size_t)numel * td_dtype_size(dt);
+  td_create_opts o = {.nbytes = nbytes ? nbytes : 1, .mode = mode};
+  if (uninit)
+    o.flags = TD_UNINIT;
+  td_storage *s = NULL;
+  call x;
+  CALL(self, x, err, td_storage_create_ex(x.c, &o, &s));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return tensor_of_handle(s, &v, NULL, (PyObject *)self);
+}
+
+/* Key argument as UTF-8; NULL with an exception on a bad one. */
+static const char *key_utf8(PyObject *key) {
+  if (!PyUnicode_Check(key)) {
+    PyErr_Format(PyExc_TypeError, "key must be a str, not %.100s",
+                 Py_TYPE(key)->tp_name);
+    return NULL;
+  }
+  Py_ssize_t n;
+  const char *k = PyUnicode_AsUTF8AndSize(key, &n);
+  if (k != NULL && (Py_ssize_t)strlen(k) != n) {
+    PyErr_SetString(PyExc_ValueError, "key contains a NUL character");
+    return NULL;
+  }
+  return k;
+}
+
+/* The DLPack capsule protocol of the consumer: the capsule is renamed
+ * "used_dltensor" once its tensor is ours, and we call its deleter. */
+static DLManagedTensor *take_capsule(PyObject *cap) {
+  DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+  if (m == NULL)
+    return NULL;
+  if (PyCapsule_SetName(cap, "used_dltensor") < 0)
+    return NULL;
+  return m;
+}
+
+/* Copies src (a DLPack tensor) into a new storage of self, publishing it
+ * under key if not NULL; returns the new Tensor of dtype dt. */
+static PyObject *share_dl(Client *self, DLManagedTensor *m, td_dtype dt,
+                          const char *key, PyObject *keyobj) {
+  DLTensor *t = &m->dl_tensor;
+  td_view v;
+  int err;
+  if (t->ndim < 0 || t->ndim > TD_MAX_DIMS) {
+    PyErr_Format(PyExc_ValueError,
+                 "share: %d dims; tensord views have at "
+                 "most %d",
+                 t->ndim, TD_MAX_DIMS);
+    return NULL;
+  }
+  if ((err = td_view_contiguous(dt, t->ndim, t->shape, &v)) < 0)
+    return raise_view(err);
+  td_storage *s = NULL;
+  call x;
+  CALL(self, x, err, td_from_dlpack(x.c, m, key, 0, &s));
+  if (err < 0) {
+    if (err == TD_EINVAL || err == TD_ENODEV) {
+      PyErr_SetString(PyExc_ValueError, x.msg);
+      return NULL;
+    }
+    return raise_err(err, x.msg);
+  }
+  return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
+}
+
+/* share() of a tensord.Tensor: td_copy, for every dtype (DLPack 0.6 lacks
+ * float8). */
+static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
+                              PyObject *keyobj) {
+  if (tensor_live(src) < 0)
+    return NULL;
+  td_view v;
+  int err = td_view_contiguous(src->v.dtype, src->v.ndim, src->v.shape, &v);
+  if (err < 0)
+    return raise_view(err);
+  size_t nbytes = (size_t)td_view_numel(&v) * td_dtype_size(v.dtype);
+  td_create_opts o = {.nbytes = nbytes ? nbytes : 1, .flags = TD_UNINIT};
+  td_storage *s = NULL;
+  call x;
+  store *sp = store_ref(src->st);
+  td_view sv = src->v;
+  Py_BEGIN_ALLOW_THREADS err = cl_enter(self, &x);
+  if (err == 0) {
+    err = td_storage_create_ex(x.c, &o, &s);
+    if (err < 0)
+      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+    if (err == 0 && (err = td_copy(s, &v, sp->s, &sv)) < 0)
+      snprintf(x.msg, sizeof(x.msg), "%s", td_view_last_error());
+    if (err == 0 && key != NULL && (err = td_publish(x.c, key, s, &v)) < 0)
+      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+    if (err < 0 && s != NULL) {
+      td_storage_release(s);
+      s = NULL;
+    }
+    cl_leave(self);
+  }
+  Py_END_ALLOW_THREADS store_unref(sp);
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
+}
+
+static int is_torch_bool(PyObject *obj) {
+  PyObject *d = PyObject_GetAttrString(obj, "dtype");
+  if (d == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  PyObject *s = PyObject_Str(d);
+  Py_DECREF(d);
+  if (s == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  int r = PyUnicode_CompareWithASCIIString(s, "torch.bool") == 0;
+  Py_DECREF(s);
+  return r;
+}
+
+static PyObject *share_buffer(Client *self, Py_buffer *b, const char *key,
+                              PyObject *keyobj) {
+  td_dtype dt = dtype_of_format(b->format, b->itemsize);
+  if (dt == TD_DTYPE_INVALID) {
+    PyErr_Format(PyExc_TypeError,
+                 "share: buffer format '%s' of %zd-byte items has no tensord "
+                 "dtype",
+                 b->format ? b->format : "B", b->itemsize);
+    return NULL;
+  }
+  if (b->ndim > TD_MAX_DIMS) {
+    PyErr_Format(PyExc_ValueError,
+                 "share: %d dims; tensord views have at "
+                 "most %d",
+                 b->ndim, TD_MAX_DIMS);
+    return NULL;
+  }
+  int64_t shape[TD_MAX_DIMS], strides[TD_MAX_DIMS];
+  for (int i = 0; i < b->ndim; i++) {
+    shape[i] = b->shape ? b->shape[i] : b->len / b->itemsize;
+    if (b->strides != NULL) {
+      if (b->strides[i] % b->itemsize != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "share: dim %d: stride of %zd bytes is not a multiple of "
+                     "the %zd-byte item",
+                     i, b->strides[i], b->itemsize);
+        return NULL;
+      }
+      strides[i] = b->strides[i] / b->itemsize;
+    }
+  }
+  DLManagedTensor m = {0};
+  m.dl_tensor.data = b->buf;
+  m.dl_tensor.device.device_type = kDLCPU;
+  m.dl_tensor.ndim = b->ndim;
+  m.dl_tensor.shape = shape;
+  m.dl_tensor.strides = b->strides ? strides : NULL;
+  /* The DLPack type of dt: only code and bits matter to td_from_dlpack. */
+  static const uint8_t codes[TD_DTYPE_COUNT_] = {
+      [TD_BOOL] = 6,
+      [TD_UINT8] = kDLUInt,
+      [TD_INT8] = kDLInt,
+      [TD_INT16] = kDLInt,
+      [TD_INT32] = kDLInt,
+      [TD_INT64] = kDLInt,
+      [TD_FLOAT16] = kDLFloat,
+      [TD_FLOAT32] = kDLFloat,
+      [TD_FLOAT64] = kDLFloat,
+      [TD_COMPLEX64] = kDLComplex,
+      [TD_COMPLEX128] = kDLComplex,
+      [TD_UINT16] = kDLUInt,
+      [TD_UINT32] = kDLUInt,
+      [TD_UINT64] = kDLUInt,
+  };
+  m.dl_tensor.dtype.code = codes[dt];
+  m.dl_tensor.dtype.bits = (uint8_t)(td_dtype_size(dt) * 8);
+  m.dl_tensor.dtype.lanes = 1;
+  return share_dl(self, &m, dt, key, keyobj);
+}
+
+static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"obj", "key", NULL};
+  PyObject *obj, *keyobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:share", kwlist, &obj,
+                                   &keyobj))
+    return NULL;
+  const char *key = NULL;
+  if (keyobj != Py_None && (key = key_utf8(keyobj)) == NULL)
+    return NULL;
+  PyObject *k = keyobj == Py_None ? NULL : keyobj;
+  if (PyObject_TypeCheck(obj, &TensorType))
+    return share_tensor(self, (Tensor *)obj, key, k);
+  if (PyObject_CheckBuffer(obj)) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0)
+      return NULL;
+    PyObject *r = share_buffer(self, &b, key, k);
+    PyBuffer_Release(&b);
+    return r;
+  }
+  if (PyObject_HasAttrString(obj, "__dlpack__")) {
+    PyObject *src = obj, *u8 = NULL;
+    int as_bool = is_torch_bool(obj);
+    if (as_bool) { /* DLPack 0.6 has no bool: torch 1.13 refuses it */
+      if (torch_bool == NULL)
+        return PyErr_Format(PyExc_TypeError, "share: torch not imported");
+      PyObject *torch = PyImport_ImportModule("torch");
+      PyObject *uint8 = torch ? PyObject_GetAttrString(torch, "uint8") : NULL;
+      Py_XDECREF(torch);
+      u8 = uint8 ? PyObject_CallMethod(obj, "view", "O", uint8) : NULL;
+      Py_XDECREF(uint8);
+      if (u8 == NULL)
+        return NULL;
+      src = u8;
+    }
+    PyObject *cap = PyObject_CallMethod(src, "__dlpack__", NULL);
+    Py_XDECREF(u8);
+    if (cap == NULL)
+      return NULL;
+    DLManagedTensor *m = take_capsule(cap);
+    if (m == NULL) {
+      Py_DECREF(cap);
+      return NULL;
+    }
+    td_dtype dt = as_bool ? TD_BOOL : dtype_of_dl(m->dl_tensor.dtype);
+    PyObject *r;
+    if (dt == TD_DTYPE_INVALID)
+      r = PyErr_Format(PyExc_TypeError,
+                       "share: DLPack type code %u of %u bits, %u lanes has "
+                       "no tensord dtype",
+                       m->dl_tensor.dtype.code, m->dl_tensor.dtype.bits,
+                       m->dl_tensor.dtype.lanes);
+    else
+      r = share_dl(self, m, dt, key, k);
+    if (m->deleter != NULL)
+      m->deleter(m); /* with the GIL: numpy's and torch's may need it */
+    Py_DECREF(cap);
+    return r;
+  }
+  if (PyObject_HasAttrString(obj, "__array_interface__")) {
+    if (import_numpy() < 0)
+      return NULL;
+    PyObject *a = PyObject_CallOneArg(np_asarray, obj);
+    if (a == NULL)
+      return NULL;
+    PyObject *r = NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(a, &b, PyBUF_RECORDS_RO) == 0) {
+      r = share_buffer(self, &b, key, k);
+      PyBuffer_Release(&b);
+    }
+    Py_DECREF(a);
+    return r;
+  }
+  return PyErr_Format(PyExc_TypeError,
+                      "share: %.100s has neither __dlpack__, the buffer "
+                      "protocol nor __array_interface__",
+                      Py_TYPE(obj)->tp_name);
+}
+
+static PyObject *Client_open(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"storage_id", "readonly", NULL};
+  unsigned long long id;
+  int ro = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "K|p:open", kwlist, &id, &ro))
+    return NULL;
+  td_storage *s = NULL;
+  call x;
+  int err;
+  CALL(self, x, err, td_storage_open(x.c, id, ro ? TD_RDONLY | TD_COW : 0, &s));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  int64_t n = (int64_t)td_storage_nbytes(s);
+  td_view v;
+  td_view_contiguous(TD_UINT8, 1, &n, &v);
+  return tensor_of_handle(s, &v, NULL, (PyObject *)self);
+}
+
+static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"key", "tensor", "scope", NULL};
+  PyObject *keyobj, *scopeobj = Py_None;
+  Tensor *t;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O:publish", kwlist, &keyobj,
+                                   &TensorType, &t, &scopeobj))
+    return NULL;
+  const char *key = key_utf8(keyobj);
+  if (key == NULL || tensor_live(t) < 0)
+    return NULL;
+  td_publish_opts o = {0};
+  if (scopeobj != Py_None) {
+    o.scope = PyLong_AsUnsignedLongLong(scopeobj);
+    if (o.scope == (uint64_t)-1 && PyErr_Occurred())
+      return NULL;
+    if (o.scope == 0) {
+      PyErr_SetString(PyExc_ValueError, "publish: scope 0 is no scope token");
+      return NULL;
+    }
+  }
+  if (t->readonly) {
+    char m[512];
+    snprintf(m, sizeof(m),
+             "publish '%s': storage %llu is open read-only in this process",
+             key, (unsigned long long)t->sid);
+    return raise_err(TD_EACCES, m);
+  }
+  store *sp = store_ref(t->st);
+  td_view v = t->v;
+  call x;
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = cl_enter(self, &x);
+  if (err == 0) {
+    td_storage *s = sp->s, *tmp = NULL;
+    if (td_storage_client(s) != x.c) {
+      /* Another client's handle (another Client, or the parent's before a
+       * fork): a reference of our own for the publish, no copy. */
+      err = td_storage_open(x.c, td_storage_id(s), 0, &tmp);
+      s = tmp;
+    }
+    if (err == 0)
+      err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
+                    : td_publish(x.c, key, s, &v);
+    if (err < 0)
+      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+    td_storage_release(tmp);
+    cl_leave(self);
+  }
+  Py_END_ALLOW_THREADS store_unref(sp);
+  if (err < 0)
+    return raise_err(err, x.msg);
+  Py_INCREF(keyobj);
+  Py_XSETREF(t->key, keyobj);
+  Py_RETURN_NONE;
+}
+
+static PyObject *Client_unpublish(Client *self, PyObject *args) {
+  PyObject *keyobj;
+  if (!PyArg_ParseTuple(args, "O:unpublish", &keyobj))
+    return NULL;
+  const char *key = key_utf8(keyobj);
+  if (key == NULL)
+    return NULL;
+  call x;
+  int err;
+  CALL(self, x, err, td_unpublish(x.c, key));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  Py_RETURN_NONE;
+}
+
+static PyObject *Client_scope_open(Client *self, PyObject *unused) {
+  uint64_t token = 0;
+  call x;
+  int err;
+  CALL(self, x, err, td_scope_open(x.c, &token));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return PyLong_FromUnsignedLongLong(token);
+}
+
+static PyObject *Client_scope_close(Client *self, PyObject *args) {
+  unsigned long long token;
+  if (!PyArg_ParseTuple(args, "K:scope_close", &token))
+    return NULL;
+  uint64_t dropped = 0;
+  call x;
+  int err;
+  CALL(self, x, err, td_scope_close(x.c, token, &dropped));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return PyLong_FromUnsignedLongLong(dropped);
+}
+
+static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"key",  "timeout", "readonly",
+                           "take", "_cancel", NULL};
+  PyObject *keyobj, *timeoutobj = Py_None, *cancel = Py_None;
+  int ro = 0, take = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OppO:lookup", kwlist, &keyobj,
+                                   &timeoutobj, &ro, &take, &cancel))
+    return NULL;
+  const char *key = key_utf8(keyobj);
+  if (key == NULL)
+    return NULL;
+  int forever = timeoutobj == Py_None;
+  double timeout = 0;
+  if (!forever) {
+    timeout = PyFloat_AsDouble(timeoutobj);
+    if (timeout == -1.0 && PyErr_Occurred())
+      return NULL;
+    if (!(timeout >= 0) || timeout > 1e9) {
+      PyErr_Format(PyExc_ValueError,
+                   "lookup '%s': timeout %R (seconds, >= 0; None waits "
+                   "forever)",
+                   key, timeoutobj);
+      return NULL;
+    }
+  }
+  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0);
+  int64_t start = mono_ms();
+  int64_t deadline = start + (int64_t)(timeout * 1000.0 + 0.999);
+  int first = 1;
+  for (;;) {
+    int slice = SLICE_MS;
+    if (!forever) {
+      int64_t left = deadline - mono_ms();
+      if (left <= 0 && !first) {
+        char m[512];
+        snprintf(m, sizeof(m), "key '%s': not published (waited %lld ms)", key,
+                 (long long)(mono_ms() - start));
+        return raise_err(TD_ETIMEDOUT, m);
+      }
+      slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
+    }
+    first = 0;
+    td_storage *s = NULL;
+    td_view v;
+    call x;
+    int err;
+    CALL(self, x, err, td_lookup(x.c, key, flags, slice, &s, &v));
+    if (err == 0)
+      return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
+    if (err != TD_ETIMEDOUT || (!forever && timeout == 0))
+      return raise_err(err, x.msg);
+    if (PyErr_CheckSignals() < 0)
+      return NULL;
+    if (cancel != Py_None) {
+      PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
+      int set = r ? PyObject_IsTrue(r) : -1;
+      Py_XDECREF(r);
+      if (set < 0)
+        return NULL;
+      if (set) {
+        char m[512];
+        snprintf(m, sizeof(m), "lookup '%s': cancelled", key);
+        return raise_err(TD_ECANCELED, m);
+      }
+    }
+  }
+}
+
+/* ls(): the listing is copied out of the callback (which runs without the
+ * GIL) and turned into dicts afterwards. */
+typedef struct ls_item {
+  td_storage_info info;
+  td_holder *holders;
+  char **keys;
+} ls_item;
+
+typedef struct ls_acc {
+  ls_item *items;
+  size_t n, cap;
+} ls_acc;
+
+static void ls_free(ls_acc *a) {
+  for (size_t i = 0; i < a->n; i++) {
+    free(a->items[i].holders);
+    for (size_t k = 0; k < a->items[i].info.nkeys; k++)
+      free(a->items[i].keys[k]);
+    free(a->items[i].keys);
+  }
+  free(a->items);
+}
+
+static int ls_cb(const td_storage_info *info, void *arg) {
+  ls_acc *a = arg;
+  if (a->n == a->cap) {
+    size_t cap = a->cap ? 2 * a->cap : 64;
+    ls_item *n = realloc(a->items, cap * sizeof(*n));
+    if (n == NULL)
+      return TD_ENOMEM;
+    a->items = n;
+    a->cap = cap;
+  }
+  ls_item *it = &a->items[a->n];
+  memset(it, 0, sizeof(*it));
+  it->info = *info;
+  it->info.nkeys = 0;
+  it->holders = calloc(info->nholders + 1, sizeof(td_holder));
+  it->keys = calloc(info->nkeys + 1, sizeof(char *));
+  a->n++;
+  if (it->holders == NULL || it->keys == NULL)
+    return TD_ENOMEM;
+  memcpy(it->holders, info->holders, info->nholders * sizeof(td_holder));
+  for (size_t k = 0; k < info->nkeys; k++) {
+    if ((it->keys[k] = strdup(info->keys[k])) == NULL)
+      return TD_ENOMEM;
+    it->info.nkeys = k + 1;
+  }
+  return 0;
+}
+
+/* Sets d[name] = v, stealing v; returns -1 on failure. */
+static int set_item(PyObject *d, const char *name, PyObject *v) {
+  if (v == NULL)
+    return -1;
+  int r = PyDict_SetItemString(d, name, v);
+  Py_DECREF(v);
+  return r;
+}
+
+static PyObject *storage_dict(const ls_item *it, int64_t now) {
+  const td_storage_info *s = &it->info;
+  PyObject *d = PyDict_New();
+  if (d == NULL)
+    return NULL;
+  char mode[8];
+  snprintf(mode, sizeof(mode), "%04o", s->mode);
+  PyObject *holders = PyList_New((Py_ssize_t)s->nholders);
+  PyObject *keys = PyList_New((Py_ssize_t)s->nkeys);
+  int ok = holders && keys;
+  for (size_t i = 0; ok && i < s->nholders; i++) {
+    PyObject *h =
+        Py_BuildValue("{s:i,s:I,s:I}", "pid", it->holders[i].pid, "uid",
+                      it->holders[i].uid, "refs", it->holders[i].refs);
+    ok = h != NULL;
+    if (ok)
+      PyList_SET_ITEM(holders, (Py_ssize_t)i, h);
+  }
+  for (size_t i = 0; ok && i < s->nkeys; i++) {
+    PyObject *k = PyUnicode_DecodeUTF8(
+        it->keys[i], (Py_ssize_t)strlen(it->keys[i]), "replace");
+    ok = k != NULL;
+    if (ok)
+      PyList_SET_ITEM(keys, (Py_ssize_t)i, k);
+  }
+  if (!ok || set_item(d, "id", PyLong_FromUnsignedLongLong(s->id)) < 0 ||
+      set_item(d, "device",
+               PyUnicode_FromString(s->device == TD_CUDA ? "cuda" : "cpu")) <
+          0 ||
+      set_item(d, "nbytes", PyLong_FromUnsignedLongLong(s->nbytes)) < 0 ||
+      set_item(d, "refs", PyLong_FromUnsignedLong(s->refs)) < 0 ||
+      set_item(d, "owner_pid", PyLong_FromLong(s->owner_pid)) < 0 ||
+      set_item(d, "owner_uid", PyLong_FromUnsignedLong(s->owner_uid)) < 0 ||
+      set_item(d, "owner_gid", PyLong_FromUnsignedLong(s->owner_gid)) < 0 ||
+      set_item(d, "mode", PyUnicode_FromString(mode)) < 0 ||
+      set_item(d, "created_unix_ms", PyLong_FromLongLong(s->created_unix_ms)) <
+          0 ||
+      set_item(d, "age_ms", PyLong_FromLongLong(now - s->created_unix_ms)) <
+          0 ||
+      PyDict_SetItemString(d, "holders", holders) < 0 ||
+      PyDict_SetItemString(d, "keys", keys) < 0 ||
+      set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0) {
+    Py_XDECREF(holders);
+    Py_XDECREF(keys);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(holders);
+  Py_DECREF(keys);
+  return d;
+}
+
+static PyObject *Client_ls(Client *self, PyObject *unused) {
+  ls_acc a = {0};
+  call x;
+  int err;
+  CALL(self, x, err, td_list(x.c, ls_cb, &a));
+  if (err < 0) {
+    ls_free(&a);
+    return raise_err(err, x.msg);
+  }
+  int64_t now = real_ms();
+  PyObject *list = PyList_New((Py_ssize_t)a.n);
+  for (size_t i = 0; list != NULL && i < a.n; i++) {
+    PyObject *d = storage_dict(&a.items[i], now);
+    if (d == NULL)
+      Py_CLEAR(list);
+    else
+      PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+  }
+  ls_free(&a);
+  return list;
+}
+
+static PyObject *Client_stat(Client *self, PyObject *unused) {
+  td_stat st;
+  call x;
+  int err;
+  CALL(self, x, err, td_stat_get(x.c, &st));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return Py_BuildValue(
+      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:L,s:i,s:K,s:I,s:I,s:s,s:s,s:s,"
+      "s:{s:K,s:K,s:K,s:K,s:K},s:K}",
+      "storages", st.storages, "bytes_used", st.bytes_used, "capacity",
+      st.capacity, "shm_free", st.shm_free, "clients", st.clients, "keys",
+      st.keys, "waiters", st.waiters, "uptime_ms", st.uptime_ms, "pid", st.pid,
+      "quota", st.quota, "max_clients", st.max_clients,
+      "max_storages_per_client", st.max_storages_per_client, "version",
+      st.version, "socket", st.socket, "state_dir", st.state_dir, "pool",
+      "segments", st.pool_segments, "bytes", st.pool_bytes, "limit",
+      st.pool_limit, "hits", st.pool_hits, "misses", st.pool_misses, "instance",
+      st.instance);
+}
+
+static PyMethodDef Client_methods[] = {
+    {"close", (PyCFunction)Client_close, METH_NOARGS,
+     "close(): ends the connection; the daemon drops every reference it "
+     "held. Calls waiting in other threads raise tensord.Closed. Idempotent."},
+    {"__enter__", (PyCFunction)Client_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Client_exit, METH_VARARGS, NULL},
+    {"ping", (PyCFunction)Client_ping, METH_NOARGS,
+     "ping() -> float: a round trip to tensord, in seconds."},
+    {"empty", (PyCFunction)(void (*)(void))Client_empty,
+     METH_VARARGS | METH_KEYWORDS,
+     "empty(shape, dtype='float32', uninit=False, mode=0o600) -> Tensor: a "
+     "new storage and its contiguous view; zeroed unless uninit."},
+    {"share", (PyCFunction)(void (*)(void))Client_share,
+     METH_VARARGS | METH_KEYWORDS,
+     "share(obj, key=None) -> Tensor: one copy of obj (DLPack, buffer "
+     "protocol or __array_interface__) into a new storage, contiguous; "
+     "published under key if given."},
+    {"open", (PyCFunction)(void (*)(void))Client_open,
+     METH_VARARGS | METH_KEYWORDS,
+     "open(storage_id, readonly=False) -> Tensor: a new reference to a "
+     "storage, as uint8[nbytes]. readonly maps it copy-on-write."},
+    {"publish", (PyCFunction)(void (*)(void))Client_publish,
+     METH_VARARGS | METH_KEYWORDS,
+     "publish(key, tensor, scope=None): publishes the tensor's view of its "
+     "storage under key (replacing it; with a scope token from scope_open() "
+     "the key goes when the scope ends, and an existing key is not "
+     "replaced)."},
+    {"unpublish", (PyCFunction)Client_unpublish, METH_VARARGS,
+     "unpublish(key): removes key."},
+    {"scope_open", (PyCFunction)Client_scope_open, METH_NOARGS,
+     "scope_open() -> int: a scope token owned by this client."},
+    {"scope_close", (PyCFunction)Client_scope_close, METH_VARARGS,
+     "scope_close(token) -> int: ends the scope; returns how many keys it "
+     "dropped."},
+    {"lookup", (PyCFunction)(void (*)(void))Client_lookup,
+     METH_VARARGS | METH_KEYWORDS,
+     "lookup(key, timeout=None, readonly=False, take=False) -> Tensor: the "
+     "tensor published under key, waiting up to timeout seconds (None: "
+     "forever; 0: not at all) for it. readonly maps it copy-on-write; take "
+     "unpublishes it atomically."},
+    {"ls", (PyCFunction)Client_ls, METH_NOARGS,
+     "ls() -> list[dict]: every live storage, as `tensorctl ls --json`."},
+    {"stat", (PyCFunction)Client_stat, METH_NOARGS,
+     "stat() -> dict: the daemon's counters, as `tensorctl stat --json`, "
+     "and its instance."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Client_getset[] = {
+    {"closed", (getter)Client_get_closed, NULL, "True once close()d", NULL},
+    {"path", (getter)Client_get_path, NULL, "the daemon's socket", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ClientType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensord._tensord.Client",
+    .tp_basicsize = sizeof(Client),
+    .tp_dealloc = (destructor)Client_dealloc,
+    .tp_repr = (reprfunc)Client_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Client(path=None): a connection to tensord, safe to share "
+              "between threads, reconnected transparently in a forked child.",
+    .tp_weaklistoffset = offsetof(Client, weakrefs),
+    .tp_methods = Client_methods,
+    .tp_getset = Client_getset,
+    .tp_new = Client_new,
+};
+
+/* ---- Exporter ---- */
+
+static void Exporter_dealloc(Exporter *self) {
+  Py_XDECREF(self->iface);
+  store_unref(self->st);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Exporter_members[] = {
+    {"__array_interface__", T_OBJECT_EX, offsetof(Exporter, iface), READONLY,
+     NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ExporterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensord._tensord._Exporter",
+    .tp_basicsize = sizeof(Exporter),
+    .tp_dealloc = (destructor)Exporter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The owner of a numpy array made by Tensor.numpy(): it holds a "
+              "reference to the storage.",
+    .tp_members = Exporter_members,
+};
+
+/* ---- Tensor ---- */
+
+static int Tensor_traverse(Tensor *self, visitproc visit, void *arg) {
+  Py_VISIT(self->key);
+  Py_VISIT(self->client);
+  return 0;
+}
+
+static int Tensor_clear(Tensor *self) {
+  Py_CLEAR(self->key);
+  Py_CLEAR(self->client);
+  return 0;
+}
+
+static void Tensor_dealloc(Tensor *self) {
+  PyObject_GC_UnTrack(self);
+  if (self->weakrefs != NULL)
+    PyObject_ClearWeakRefs((PyObject *)self);
+  store *p = self->st;
+  self->st = NULL;
+  store_unref(p);
+  Tensor_clear(self);
+  PyObject_GC_Del(self);
+}
+
+static PyObject *no_numpy_dtype(td_dtype d) {
+  return PyErr_Format(PyExc_TypeError,
+                      "numpy has no %s: use t.view_dtype('uint8') (or an int "
+                      "of the same size) for the raw bytes, or t.torch()",
+                      td_dtype_name(d));
+}
+
+/* The __array_interface__ dict of t (version 3, strides in bytes). */
+static PyObject *iface_dict(Tensor *t) {
+  const char *ts = np_typestr(t->v.dtype);
+  if (ts == NULL)
+    return no_numpy_dtype(t->v.dtype);
+  PyObject *shape = PyTuple_New(t->v.ndim);
+  PyObject *strides = PyTuple_New(t->v.ndim);
+  if (shape == NULL || strides == NULL)
+    goto fail;
+  for (int i = 0; i < t->v.ndim; i++) {
+    PyObject *a = PyLong_FromLongLong(t->v.shape[i]);
+    PyObject *b = PyLong_FromSsize_t(t->bstrides[i]);
+    if (a == NULL || b == NULL) {
+      Py_XDECREF(a);
+      Py_XDECREF(b);
+      goto fail;
+    }
+    PyTuple_SET_ITEM(shape, i, a);
+    PyTuple_SET_ITEM(strides, i, b);
+  }
+  PyObject *d = Py_BuildValue(
+      "{s:i,s:s,s:N,s:N,s:(NO),s:[(ss)]}", "version", 3, "typestr", ts, "shape",
+      shape, "strides", strides, "data", PyLong_FromVoidPtr(tensor_data(t)),
+      t->readonly ? Py_True : Py_False, "descr", "", ts);
+  return d;
+fail:
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  return NULL;
+}
+
+static PyObject *Tensor_numpy(Tensor *self, PyObject *unused) {
+  if (tensor_live(self) < 0)
+    return NULL;
+  if (np_typestr(self->v.dtype) == NULL)
+    return no_numpy_dtype(self->v.dtype);
+  if (import_numpy() < 0)
+    return NULL;
+  Exporter *e = PyObject_New(Exporter, &ExporterType);
+  if (e == NULL)
+    return NULL;
+  e->st = store_ref(self->st);
+  e->iface = iface_dict(self);
+  if (e->iface == NULL) {
+    Py_DECREF(e);
+    return NULL;
+  }
+  PyObject *a = PyObject_CallOneArg(np_asarray, (PyObject *)e);
+  Py_DECREF(e);
+  return a;
+}
+
+static PyObject *Tensor_get_iface(Tensor *self, void *unused) {
+  if (tensor_live(self) < 0)
+    return NULL;
+  PyObject *d = iface_dict(self);
+  if (d != NULL)
+    self->interface = 1; /* whoever reads the pointer must keep us */
+  return d;
+}
+
+/* DLPack: our own DLManagedTensor around td_to_dlpack's, so that the export
+ * also holds a store reference (find() sees its bytes). */
+typedef struct dlwrap {
+  DLManagedTensor m;
+  DLManagedTensor *inner;
+  store *st;
+} dlwrap;
+
+static void dlwrap_deleter(DLManagedTensor *m) {
+  dlwrap *w = m->manager_ctx;
+  w->inner->deleter(w->inner);
+  store_unref(w->st);
+  free(w);
+}
+
+static void capsule_destructor(PyObject *cap) {
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m != NULL && m->deleter != NULL)
+      m->deleter(m);
+  }
+}
+
+/* A new "dltensor" capsule of view v of t's storage. */
+static PyObject *make_capsule(Tensor *t, const td_view *v) {
+  DLManagedTensor *inner = NULL;
+  int err = td_to_dlpack(t->st->s, v, &inner);
+  if (err < 0) {
+    PyErr_SetString(err == TD_EINVAL ? PyExc_TypeError : PyExc_ValueError,
+                    td_view_last_error());
+    return NULL;
+  }
+  dlwrap *w = calloc(1, sizeof(*w));
+  if (w == NULL) {
+    inner->deleter(inner);
+    return PyErr_NoMemory();
+  }
+  w->inner = inner;
+  w->st = store_ref(t->st);
+  w->m.dl_tensor = inner->dl_tensor;
+  w->m.manager_ctx = w;
+  w->m.deleter = dlwrap_deleter;
+  PyObject *cap = PyCapsule_New(&w->m, "dltensor", capsule_destructor);
+  if (cap == NULL)
+    dlwrap_deleter(&w->m);
+  return cap;
+}
+
+static PyObject *Tensor_dlpack(Tensor *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"stream", NULL};
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:__dlpack__", kwlist, &stream))
+    return NULL;
+  if (stream != Py_None) {
+    PyErr_SetString(PyExc_ValueError,
+                    "__dlpack__: stream must be None for a CPU tensor");
+    return NULL;
+  }
+  if (tensor_live(self) < 0)
+    return NULL;
+  return make_capsule(self, &self->v);
+}
+
+static PyObject *Tensor_dlpack_device(Tensor *self, PyObject *unused) {
+  return Py_BuildValue("(ii)", kDLCPU, 0);
+}
+
+static int import_torch(void) {
+  if (torch_from_dlpack != NULL)
+    return 0;
+  PyObject *m = PyImport_ImportModule("torch.utils.dlpack");
+  if (m == NULL)
+    return -1;
+  torch_from_dlpack = PyObject_GetAttrString(m, "from_dlpack");
+  Py_DECREF(m);
+  PyObject *torch = PyImport_ImportModule("torch");
+  if (torch != NULL) {
+    torch_bool = PyObject_GetAttrString(torch, "bool");
+    Py_DECREF(torch);
+  }
+  if (torch_from_dlpack == NULL || torch_bool == NULL) {
+    Py_CLEAR(torch_from_dlpack);
+    Py_CLEAR(torch_bool);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *Tensor_torch(Tensor *self, PyObject *unused) {
+  if (tensor_live(self) < 0)
+    return NULL;
+  td_dtype d = self->v.dtype;
+  switch (d) {
+  case TD_UINT16:
+  case TD_UINT32:
+  case TD_UINT64:
+  case TD_FLOAT8_E4M3FN:
+  case TD_FLOAT8_E5M2:
+    return PyErr_Format(PyExc_TypeError,
+                        "torch %s has no %s: use t.view_dtype('int%d') for the "
+                        "same bytes, or t.numpy()",
+                        "1.13", td_dtype_name(d), (int)td_dtype_size(d) * 8);
+  default:
+    break;
+  }
+  if (import_torch() < 0)
+    return NULL;
+  PyObject *cap = make_capsule(self, &self->v);
+  if (cap == NULL)
+    return NULL;
+  PyObject *t = PyObject_CallOneArg(torch_from_dlpack, cap);
+  Py_DECREF(cap);
+  if (t != NULL && d == TD_BOOL) {
+    PyObject *b = PyObject_CallMethod(t, "view", "O", torch_bool);
+    Py_DECREF(t);
+    t = b;
+  }
+  return t;
+}
+
+static PyObject *Tensor_release(Tensor *self, PyObject *unused) {
+  self->released = 1;
+  tensor_maybe_drop(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *Tensor_enter(Tensor *self, PyObject *unused) {
+  Py_INCREF(self);
+  return (PyObject *)self;
+}
+
+static PyObject *Tensor_exit(Tensor *self, PyObject *args) {
+  return Tensor_release(self, NULL);
+}
+
+static PyObject *Tensor_reduce(Tensor *self, PyObject *args) {
+  PyErr_SetString(PyExc_TypeError,
+                  "tensord.Tensor cannot be pickled: publish it under a key, "
+                  "or send its torch() tensor after tensord.torch.install()");
+  return NULL;
+}
+
+/* ---- views ---- */
+
+static PyObject *derive(Tensor *self, const td_view *v) {
+  return tensor_new(store_ref(self->st), v, NULL, self->client);
+}
+
+/* Parses "*dims" or one sequence of them; returns the count or -1. */
+static int parse_dims(PyObject *args, int64_t *out, const char *what) {
+  PyObject *src = args;
+  if (PyTuple_GET_SIZE(args) == 1 && !PyIndex_Check(PyTuple_GET_ITEM(args, 0)))
+    src = PyTuple_GET_ITEM(args, 0);
+  return parse_shape(src, out, what);
+}
+
+static int as_dim(PyObject *o, int32_t *d) {
+  long v = PyLong_AsLong(o);
+  if (v == -1 && PyErr_Occurred())
+    return -1;
+  if (v < INT32_MIN || v > INT32_MAX) {
+    PyErr_Format(PyExc_IndexError, "dim %ld out of range", v);
+    return -1;
+  }
+  *d = (int32_t)v;
+  return 0;
+}
+
+static PyObject *Tensor_transpose(Tensor *self, PyObject *args) {
+  int d0, d1;
+  if (!PyArg_ParseTuple(args, "ii:transpose", &d0, &d1) ||
+      tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_transpose(&v, d0, d1);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_permute(Tensor *self, PyObject *args) {
+  int64_t d[TD_MAX_DIMS];
+  int n = parse_dims(args, d, "permute");
+  if (n < 0 || tensor_live(self) < 0)
+    return NULL;
+  if (n != self->v.ndim) {
+    PyErr_Format(PyExc_ValueError,
+                 "permute: %d dims given for a view of %d dims", n,
+                 self->v.ndim);
+    return NULL;
+  }
+  int32_t dims[TD_MAX_DIMS];
+  for (int i = 0; i < n; i++) {
+    if (d[i] < INT32_MIN || d[i] > INT32_MAX) {
+      PyErr_Format(PyExc_IndexError, "permute: dim %lld out of range",
+                   (long long)d[i]);
+      return NULL;
+    }
+    dims[i] = (int32_t)d[i];
+  }
+  td_view v = self->v;
+  int err = td_view_permute(&v, dims);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_view(Tensor *self, PyObject *args) {
+  int64_t shape[TD_MAX_DIMS];
+  int n = parse_dims(args, shape, "view");
+  if (n < 0 || tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_reshape(&v, n, shape);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_view_dtype(Tensor *self, PyObject *arg) {
+  td_dtype d;
+  if (parse_dtype(arg, &d) < 0 || tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_reinterpret(&v, d);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_expand(Tensor *self, PyObject *args) {
+  int64_t shape[TD_MAX_DIMS];
+  int n = parse_dims(args, shape, "expand");
+  if (n < 0 || tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_expand(&v, n, shape);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_unsqueeze(Tensor *self, PyObject *args) {
+  int d;
+  if (!PyArg_ParseTuple(args, "i:unsqueeze", &d) || tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_unsqueeze(&v, d);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_squeeze(Tensor *self, PyObject *args) {
+  PyObject *dobj = Py_None;
+  if (!PyArg_ParseTuple(args, "|O:squeeze", &dobj) || tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err;
+  if (dobj == Py_None) {
+    err = td_view_squeeze_all(&v);
+  } else {
+    int32_t d;
+    if (as_dim(dobj, &d) < 0)
+      return NULL;
+    err = td_view_squeeze(&v, d);
+  }
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_narrow(Tensor *self, PyObject *args) {
+  int d;
+  long long start, len;
+  if (!PyArg_ParseTuple(args, "iLL:narrow", &d, &start, &len) ||
+      tensor_live(self) < 0)
+    return NULL;
+  td_view v = self->v;
+  int err = td_view_narrow(&v, d, start, len);
+  return err < 0 ? raise_view(err) : derive(self, &v);
+}
+
+static PyObject *Tensor_as_strided(Tensor *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"shape", "strides", "offset", "dtype", NULL};
+  PyObject *shapeobj, *strideobj, *offobj = Py_None, *dtobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO:as_strided", kwlist,
+                                   &shapeobj, &strideobj, &offobj, &dtobj) ||
+      tensor_live(self) < 0)
+    return NULL;
+  int64_t shape[TD_MAX_DIMS], strides[TD_MAX_DIMS];
+  int n = parse_shape(shapeobj, shape, "as_strided");
+  if (n < 0)
+    return NULL;
+  int m = parse_shape(strideobj, strides, "as_strided");
+  if (m < 0)
+    return NULL;
+  if (m != n) {
+    PyErr_Format(PyExc_ValueError, "as_strided: %d sizes but %d strides", n, m);
+    return NULL;
+  }
+  td_view v = self->v;
+  if (dtobj != Py_None && parse_dtype(dtobj, &v.dtype) < 0)
+    return NULL;
+  int64_t offset;
+  if (offobj != Py_None) {
+    offset = PyLong_AsLongLong(offobj);
+    if (offset == -1 && PyErr_Occurred())
+      return NULL;
+  } else {
+    /* The same first byte, in elements of the new dtype. */
+    int64_t byte = self->v.offset * (int64_t)td_dtype_size(self->v.dtype);
+    int64_t es = (int64_t)td_dtype_size(v.dtype);
+    if (byte % es != 0) {
+      PyErr_Format(PyExc_ValueError,
+                   "as_strided: offset of %lld bytes is not a whole number of "
+                   "%s elements; give offset",
+                   (long long)byte, td_dtype_name(v.dtype));
+      return NULL;
+    }
+    offset = byte / es;
+  }
+  int err = td_view_as_strided(&v, n, shape, strides, offset);
+  if (err == 0)
+    err = td_view_check(&v, self->snbytes);
+  if (err < 0) {
+    if (err == TD_ERANGE) {
+      char buf[600];
+      PyErr_Format(PyExc_ValueError,
+                   "as_strided: %s reaches outside storage %llu of %zu bytes",
+                   td_view_format(&v, buf, sizeof(buf)),
+                   (unsigned long long)self->sid, self->snbytes);
+      return NULL;
+    }
+    return raise_view(err);
+  }
+  return derive(self, &v);
+}
+
+/* t[idx]: ints, slices with positive steps, None, Ellipsis, tuples. */
+static PyObject *Tensor_getitem(Tensor *self, PyObject *idx) {
+  if (tensor_live(self) < 0)
+    return NULL;
+  PyObject *items;
+  if (PyTuple_Check(idx)) {
+    items = idx;
+    Py_INCREF(items);
+  } else {
+    items = PyTuple_Pack(1, idx);
+    if (items == NULL)
+      return NULL;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(items);
+  int consuming = 0, ellipses = 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *it = PyTuple_GET_ITEM(items, i);
+    if (it == Py_Ellipsis) {
+      ellipses++;
+    } else if (it == Py_None) {
+    } else if (PySlice_Check(it) || (PyIndex_Check(it) && !PyBool_Check(it))) {
+      consuming++;
+    } else {
+      Py_DECREF(items);
+      return PyErr_Format(PyExc_IndexError,
+                          "only integers, slices (`:`), ellipsis (`...`) and "
+                          "None are valid indices of a tensord.Tensor, not "
+                          "%.100s",
+                          Py_TYPE(it)->tp_name);
+    }
+  }
+  if (ellipses > 1) {
+    Py_DECREF(items);
+    PyErr_SetString(PyExc_IndexError,
+                    "an index can only have a single ellipsis ('...')");
+    return NULL;
+  }
+  if (consuming > self->v.ndim) {
+    Py_DECREF(items);
+    return PyErr_Format(PyExc_IndexError,
+                        "too many indices for tensor: tensor is %d-"
+                        "dimensional, but %d were indexed",
+                        self->v.ndim, consuming);
+  }
+  td_view v = self->v;
+  int d = 0, left = consuming, err = 0;
+  for (Py_ssize_t i = 0; i < n && err == 0; i++) {
+    PyObject *it = PyTuple_GET_ITEM(items, i);
+    if (it == Py_Ellipsis) {
+      d = v.ndim - left;
+    } else if (it == Py_None) {
+      err = td_view_unsqueeze(&v, d);
+      d++;
+    } else if (PySlice_Check(it)) {
+      Py_ssize_t start, stop, step;
+      if (PySlice_Unpack(it, &start, &stop, &step) < 0) {
+        Py_DECREF(items);
+        return NULL;
+      }
+      if (step <= 0) {
+        Py_DECREF(items);
+        PyErr_SetString(PyExc_ValueError,
+                        "slice step must be positive (tensord views, like "
+                        "torch's, cannot run backwards)");
+        return NULL;
+      }
+      err = td_view_slice(&v, d, start, stop, step);
+      d++;
+      left--;
+    } else {
+      Py_ssize_t k = PyNumber_AsSsize_t(it, PyExc_IndexError);
+      if (k == -1 && PyErr_Occurred()) {
+        Py_DECREF(items);
+        return NULL;
+      }
+      if (k < -v.shape[d] || k >= v.shape[d]) {
+        Py_DECREF(items);
+        return PyErr_Format(PyExc_IndexError,
+                            "index %zd is out of bounds for dimension %d "
+                            "with size %lld",
+                            k, d, (long long)v.shape[d]);
+      }
+      err = td_view_select(&v, d, k);
+      left--;
+    }
+  }
+  Py_DECREF(items);
+  if (err < 0)
+    return raise_view(err);
+  return derive(self, &v);
+}
+
+/* The buffer protocol, for memoryview() and np.asarray(). */
+static int f_contiguous(const td_view *v) {
+  int64_t expect = 1;
+  for (int i = 0; i < v->ndim; i++) {
+    if (v->shape[i] == 0)
+      return 1;
+  }
+  for (int i = 0; i < v->ndim; i++) {
+    if (v->shape[i] != 1 && v->stride[i] != expect)
+      return 0;
+    expect *= v->shape[i];
+  }
+  return 1;
+}
+
+static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
+  if (self->released || self->st == NULL) {
+    PyErr_SetString(PyExc_BufferError, "tensord.Tensor: released");
+    return -1;
+  }
+  const char *fmt = buf_format(self->v.dtype);
+  if (fmt == NULL) {
+    PyErr_Format(PyExc_BufferError,
+                 "tensord.Tensor of %s: the buffer protocol has no such type "
+                 "(use view_dtype('uint8') or torch())",
+                 td_dtype_name(self->v.dtype));
+    return -1;
+  }
+  if ((flags & PyBUF_WRITABLE) && self->readonly) {
+    PyErr_SetString(PyExc_BufferError, "tensord.Tensor: read-only");
+    return -1;
+  }
+  int c = td_view_is_contiguous(&self->v) == 1;
+  int f = f_contiguous(&self->v);
+  if ((flags & PyBUF_STRIDES) != PyBUF_STRIDES && !c) {
+    PyErr_SetString(PyExc_BufferError,
+                    "tensord.Tensor: not C-contiguous (ask for strides)");
+    return -1;
+  }
+  if (((flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS && !c) ||
+      ((flags & PyBUF_F_CONTIGUOUS) == PyBUF_F_CONTIGUOUS && !f) ||
+      ((flags & PyBUF_ANY_CONTIGUOUS) == PyBUF_ANY_CONTIGUOUS && !c && !f)) {
+    PyErr_SetString(PyExc_BufferError,
+                    "tensord.Tensor: not contiguous as asked");
+    return -1;
+  }
+  size_t es = td_dtype_size(self->v.dtype);
+  b->buf = tensor_data(self);
+  b->obj = (PyObject *)self;
+  Py_INCREF(self);
+  b->len = (Py_ssize_t)(td_view_numel(&self->v) * (int64_t)es);
+  b->readonly = self->readonly;
+  b->itemsize = (Py_ssize_t)es;
+  b->format = (flags & PyBUF_FORMAT) ? (char *)fmt : NULL;
+  b->ndim = self->v.ndim;
+  b->shape = (flags & PyBUF_ND) ? self->bshape : NULL;
+  b->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? self->bstrides : NULL;
+  b->suboffsets = NULL;
+  b->internal = NULL;
+  self->exports++;
+  return 0;
+}
+
+static void Tensor_releasebuffer(Tensor *self, Py_buffer *b) {
+  self->exports--;
+  tensor_maybe_drop(self);
+}
+
+static PyBufferProcs Tensor_as_buffer = {
+    (getbufferproc)Tensor_getbuffer,
+    (releasebufferproc)Tensor_releasebuffer,
+};
+
+static PyMappingMethods Tensor_as_mapping = {
+    .mp_subscript = (binaryfunc)Tensor_getitem,
+};
+
+static PyObject *tuple_of(const int64_t *a, int n) {
+  PyObject *t = PyTuple_New(n);
+  for (int i = 0; t != NULL && i < n; i++) {
+    PyObject *x = PyLong_FromLongLong(a[i]);
+    if (x == NULL)
+      Py_CLEAR(t);
+    else
+      PyTuple_SET_ITEM(t, i, x);
+  }
+  return t;
+}
+
+static PyObject *Tensor_get_shape(Tensor *s, void *u) {
+  return tuple_of(s->v.shape, s->v.ndim);
+}
+static PyObject *Tensor_get_strides(Tensor *s, void *u) {
+  return tuple_of(s->v.stride, s->v.ndim);
+}
+static PyObject *Tensor_get_offset(Tensor *s, void *u) {
+  return PyLong_FromLongLong(s->v.offset);
+}
+static PyObject *Tensor_get_dtype(Tensor *s, void *u) {
+  return PyUnicode_FromString(td_dtype_name(s->v.dtype));
+}
+static PyObject *Tensor_get_itemsize(Tensor *s, void *u) {
+  return PyLong_FromSize_t(td_dtype_size(s->v.dtype));
+}
+static PyObject *Tensor_get_ndim(Tensor *s, void *u) {
+  return PyLong_FromLong(s->v.ndim);
+}
+static PyObject *Tensor_get_numel(Tensor *s, void *u) {
+  return PyLong_FromLongLong(td_view_numel(&s->v));
+}
+static PyObject *Tensor_get_nbytes(Tensor *s, void *u) {
+  return PyLong_FromLongLong(td_view_numel(&s->v) *
+                             (int64_t)td_dtype_size(s->v.dtype));
+}
+static PyObject *Tensor_get_storage_id(Tensor *s, void *u) {
+  return PyLong_FromUnsignedLongLong(s->sid);
+}
+static PyObject *Tensor_get_storage_nbytes(Tensor *s, void *u) {
+  return PyLong_FromSize_t(s->snbytes);
+}
+static PyObject *Tensor_get_readonly(Tensor *s, void *u) {
+  return PyBool_FromLong(s->readonly);
+}
+static PyObject *Tensor_get_released(Tensor *s, void *u) {
+  return PyBool_FromLong(s->released);
+}
+static PyObject *Tensor_get_key(Tensor *s, void *u) {
+  PyObject *k = s->key ? s->key : Py_None;
+  Py_INCREF(k);
+  return k;
+}
+static PyObject *Tensor_get_client(Tensor *s, void *u) {
+  PyObject *c = s->client ? s->client : Py_None;
+  Py_INCREF(c);
+  return c;
+}
+static PyObject *Tensor_get_data_ptr(Tensor *s, void *u) {
+  if (tensor_live(s) < 0)
+    return NULL;
+  return PyLong_FromVoidPtr(tensor_data(s));
+}
+
+static PyObject *Tensor_repr(Tensor *self) {
+  char buf[700];
+  td_view_format(&self->v, buf, sizeof(buf));
+  if (self->key != NULL)
+    return PyUnicode_FromFormat("tensord.Tensor(%s, storage %llu, key %R%s)",
+                                buf, (unsigned long long)self->sid, self->key,
+                                self->released ? ", released" : "");
+  return PyUnicode_FromFormat("tensord.Tensor(%s, storage %llu%s)", buf,
+                              (unsigned long long)self->sid,
+                              self->released ? ", released" : "");
+}
+
+static Py_ssize_t Tensor_len(Tensor *self) {
+  if (self->v.ndim == 0) {
+    PyErr_SetString(PyExc_TypeError, "len() of a 0-d tensor");
+    return -1;
+  }
+  return (Py_ssize_t)self->v.shape[0];
+}
+
+static PySequenceMethods Tensor_as_sequence = {
+    .sq_length = (lenfunc)Tensor_len,
+};
+
+static PyMethodDef Tensor_methods[] = {
+    {"numpy", (PyCFunction)Tensor_numpy, METH_NOARGS,
+     "numpy() -> np.ndarray over the same bytes (not writeable if read-only); "
+     "it keeps the storage alive."},
+    {"torch", (PyCFunction)Tensor_torch, METH_NOARGS,
+     "torch() -> torch.Tensor over the same bytes; it keeps the storage "
+     "alive."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Tensor_dlpack,
+     METH_VARARGS | METH_KEYWORDS, "A DLPack capsule of this view."},
+    {"__dlpack_device__", (PyCFunction)Tensor_dlpack_device, METH_NOARGS,
+     "(kDLCPU, 0)"},
+    {"release", (PyCFunction)Tensor_release, METH_NOARGS,
+     "release(): drops this Tensor's reference (idempotent; deferred while "
+     "buffers are exported)."},
+    {"__enter__", (PyCFunction)Tensor_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Tensor_exit, METH_VARARGS, NULL},
+    {"__reduce__", (PyCFunction)Tensor_reduce, METH_NOARGS, NULL},
+    {"__reduce_ex__", (PyCFunction)Tensor_reduce, METH_VARARGS, NULL},
+    {"transpose", (PyCFunction)Tensor_transpose, METH_VARARGS,
+     "transpose(d0, d1) -> Tensor"},
+    {"permute", (PyCFunction)Tensor_permute, METH_VARARGS,
+     "permute(*dims) -> Tensor"},
+    {"view", (PyCFunction)Tensor_view, METH_VARARGS,
+     "view(*shape) -> Tensor, as torch's Tensor.view(shape)"},
+    {"view_dtype", (PyCFunction)Tensor_view_dtype, METH_O,
+     "view_dtype(dtype) -> Tensor, as torch's Tensor.view(dtype)"},
+    {"as_strided", (PyCFunction)(void (*)(void))Tensor_as_strided,
+     METH_VARARGS | METH_KEYWORDS,
+     "as_strided(shape, strides, offset=None, dtype=None) -> Tensor, checked "
+     "against the storage"},
+    {"expand", (PyCFunction)Tensor_expand, METH_VARARGS,
+     "expand(*shape) -> Tensor"},
+    {"unsqueeze", (PyCFunction)Tensor_unsqueeze, METH_VARARGS,
+     "unsqueeze(dim) -> Tensor"},
+    {"squeeze", (PyCFunction)Tensor_squeeze, METH_VARARGS,
+     "squeeze(dim=None) -> Tensor"},
+    {"narrow", (PyCFunction)Tensor_narrow, METH_VARARGS,
+     "narrow(dim, start, length) -> Tensor"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Tensor_getset[] = {
+    {"shape", (getter)Tensor_get_shape, NULL, "sizes", NULL},
+    {"strides", (getter)Tensor_get_strides, NULL, "strides in elements", NULL},
+    {"offset", (getter)Tensor_get_offset, NULL, "offset in elements", NULL},
+    {"dtype", (getter)Tensor_get_dtype, NULL, "torch's name", NULL},
+    {"itemsize", (getter)Tensor_get_itemsize, NULL, NULL, NULL},
+    {"ndim", (getter)Tensor_get_ndim, NULL, NULL, NULL},
+    {"numel", (getter)Tensor_get_numel, NULL, NULL, NULL},
+    {"nbytes", (getter)Tensor_get_nbytes, NULL, "numel * itemsize", NULL},
+    {"storage_id", (getter)Tensor_get_storage_id, NULL, NULL, NULL},
+    {"storage_nbytes", (getter)Tensor_get_storage_nbytes, NULL, NULL, NULL},
+    {"readonly", (getter)Tensor_get_readonly, NULL, NULL, NULL},
+    {"released", (getter)Tensor_get_released, NULL, NULL, NULL},
+    {"key", (getter)Tensor_get_key, NULL,
+     "the key it was looked up or published under, or None", NULL},
+    {"client", (getter)Tensor_get_client, NULL, NULL, NULL},
+    {"data_ptr", (getter)Tensor_get_data_ptr, NULL,
+     "address of the view's first element", NULL},
+    {"__array_interface__", (getter)Tensor_get_iface, NULL,
+     "numpy's array interface (version 3); reading it defers release() to "
+     "garbage collection",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TensorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensord._tensord.Tensor",
+    .tp_basicsize = sizeof(Tensor),
+    .tp_dealloc = (destructor)Tensor_dealloc,
+    .tp_repr = (reprfunc)Tensor_repr,
+    .tp_as_sequence = &Tensor_as_sequence,
+    .tp_as_mapping = &Tensor_as_mapping,
+    .tp_as_buffer = &Tensor_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A view (dtype, shape, strides, offset in elements) of a "
+              "tensord storage, holding a reference to it.",
+    .tp_traverse = (traverseproc)Tensor_traverse,
+    .tp_clear = (inquiry)Tensor_clear,
+    .tp_weaklistoffset = offsetof(Tensor, weakrefs),
+    .tp_methods = Tensor_methods,
+    .tp_getset = Tensor_getset,
+};
+
+/* ---- module functions ---- */
+
+static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
+  return PyObject_Call((PyObject *)&ClientType, args, kw);
+}
+
+static PyObject *mod_find(PyObject *m, PyObject *arg) {
+  void *ptr = PyLong_AsVoidPtr(arg);
+  if (ptr == NULL && PyErr_Occurred())
+    return NULL;
+  store *hit = NULL;
+  char *p = ptr;
+  pthread_mutex_lock(&g_reg_mu);
+  for (store *s = g_stores; s != NULL; s = s->next)
+    if (p >= s->base && p < s->base + s->len) {
+      hit = store_ref(s);
+      break;
+    }
+  pthread_mutex_unlock(&g_reg_mu);
+  if (hit == NULL)
+    Py_RETURN_NONE;
+  int64_t off = p - hit->base, n = (int64_t)hit->len;
+  td_view v;
+  td_view_contiguous(TD_UINT8, 1, &n, &v);
+  PyObject *t = tensor_new(hit, &v, NULL, NULL);
+  if (t == NULL)
+    return NULL;
+  return Py_BuildValue("(NL)", t, (long long)off);
+}
+
+static PyObject *mod_dtype_size(PyObject *m, PyObject *arg) {
+  td_dtype d;
+  if (parse_dtype(arg, &d) < 0)
+    return NULL;
+  return PyLong_FromSize_t(td_dtype_size(d));
+}
+
+static PyObject *mod_dtype_name(PyObject *m, PyObject *arg) {
+  td_dtype d;
+  if (parse_dtype(arg, &d) < 0)
+    return NULL;
+  return PyUnicode_FromString(td_dtype_name(d));
+}
+
+static PyObject *mod_default_socket_path(PyObject *m, PyObject *unused) {
+  char buf[4096];
+  int err = td_default_socket_path(buf, sizeof(buf));
+  if (err < 0)
+    return raise_err(err, td_last_error(NULL));
+  return PyUnicode_DecodeFSDefault(buf);
+}
+
+static PyMethodDef module_methods[] = {
+    {"connect", (PyCFunction)(void (*)(void))mod_connect,
+     METH_VARARGS | METH_KEYWORDS,
+     "connect(path=None) -> Client (None: $TENSORD_SOCKET, "
+     "$XDG_RUNTIME_DIR/tensord.sock, /tmp/tensord-<uid>/tensord.sock)"},
+    {"find", (PyCFunction)mod_find, METH_O,
+     "find(ptr) -> (Tensor, offset) | None: the storage this process maps "
+     "at address ptr, as a uint8 Tensor of the whole storage holding its own "
+     "reference, and ptr's byte offset in it."},
+    {"dtype_size", (PyCFunction)mod_dtype_size, METH_O,
+     "dtype_size(dtype) -> int"},
+    {"dtype_name", (PyCFunction)mod_dtype_name, METH_O,
+     "dtype_name(dtype) -> str: torch's name of any dtype spelling"},
+    {"default_socket_path", (PyCFunction)mod_default_socket_path, METH_NOARGS,
+     "default_socket_path() -> str"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tensord._tensord",
+    .m_doc =
+        "The C core of the tensord package (see tensord's docs/python.md).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+/* Makes exception class name under base with the code/name/message
+ * attributes defaulting to None, and adds it to m. */
+static PyObject *add_error(PyObject *m, const char *name, PyObject *base,
+                           const char *doc) {
+  char full[64];
+  snprintf(full, sizeof(full), "tensord.%s", name);
+  PyObject *dict = Py_BuildValue("{s:O,s:O,s:O}", "code", Py_None, "name",
+                                 Py_None, "message", Py_None);
+  if (dict == NULL)
+    return NULL;
+  PyObject *cls = PyErr_NewExceptionWithDoc(full, doc, base, dict);
+  Py_DECREF(dict);
+  if (cls == NULL || PyModule_AddObjectRef(m, name, cls) < 0) {
+    Py_XDECREF(cls);
+    return NULL;
+  }
+  return cls;
+}
+
+PyMODINIT_FUNC PyInit__tensord(void) {
+  if (PyType_Ready(&ClientType) < 0 || PyType_Ready(&TensorType) < 0 ||
+      PyType_Ready(&ExporterType) < 0)
+    return NULL;
+  PyObject *m = PyModule_Create(&module);
+  if (m == NULL)
+    return NULL;
+  if (!(Error = add_error(m, "Error", PyExc_Exception,
+                          "A libtensord call failed: .code (negative TD_E*), "
+                          ".name ('ENOENT'), .message")) ||
+      !(NotFound = add_error(m, "NotFound", Error, "TD_ENOENT")) ||
+      !(Timeout = add_error(m, "Timeout", Error, "TD_ETIMEDOUT")) ||
+      !(PermissionDenied =
+            add_error(m, "PermissionDenied", Error, "TD_EACCES, TD_EPERM")) ||
+      !(OutOfMemory =
+            add_error(m, "OutOfMemory", Error, "TD_ENOMEM, TD_ENOSPC")) ||
+      !(QuotaExceeded = add_error(m, "QuotaExceeded", Error, "TD_EDQUOT")) ||
+      !(Closed = add_error(m, "Closed", Error,
+                           "TD_ENOTCONN, TD_ECONNRESET, TD_EPIPE")) ||
+      !(Exists = add_error(m, "Exists", Error, "TD_EEXIST"))) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  if (PyModule_AddObjectRef(m, "Client", (PyObject *)&ClientType) < 0 ||
+      PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
+      PyModule_AddStringConstant(m, "libtensord_version", td_version_string()) <
+          0 ||
+      PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  static int atfork_done;
+  if (!atfork_done) {
+    pthread_atfork(NULL, NULL, atfork_child);
+    atfork_done = 1;
+  }
+  return m;
+}

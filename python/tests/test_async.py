@@ -99,3 +99,26 @@ def test_cancel_after_the_take_succeeded_gives_the_key_back(daemon, client):
     u.release()
     # No Tensor of the race is left holding the storage.
     assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_cancelled_take_does_not_clobber_a_newer_value(daemon, client):
+    t = client.share(b"old", key="race2")
+    t.release()
+
+    async def main():
+        task = asyncio.ensure_future(client.alookup("race2", take=True))
+        await asyncio.sleep(0)
+        time.sleep(0.3)  # the take completes meanwhile...
+        newer = client.share(b"new", key="race2")  # ...and a new value comes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return newer
+
+    newer = run(main())
+    u = client.lookup("race2", timeout=0)
+    assert u.storage_id == newer.storage_id and bytes(u.numpy()) == b"new"
+    client.unpublish("race2")
+    u.release()
+    newer.release()
+    assert wait_storages(daemon, lambda ls: not ls) == []

@@ -58,7 +58,7 @@ def test_cancel_cancels_the_wait(daemon, client):
         return time.monotonic() - t0
 
     took = run(main())
-    assert took < 1.0
+    assert took < 2.0
     # The thread's wait ends within a slice; then nothing waits on the key.
     assert wait_storages(daemon, lambda ls: True) is not None
     deadline = time.monotonic() + 2

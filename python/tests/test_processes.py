@@ -189,22 +189,20 @@ def test_close_wakes_a_waiting_thread(daemon):
 
 
 def test_waits_release_the_gil(client):
-    """A thread blocked in lookup lets others run Python."""
-    done = threading.Event()
+    """A thread blocked in a forever lookup lets this one run Python: were
+    the GIL held while waiting, the publish below could never run."""
+    got = []
 
     def waiter():
-        try:
-            client.lookup("gil", timeout=0.6)
-        except tensord.Timeout:
-            pass
-        done.set()
+        got.append(client.lookup("gil"))
 
     th = threading.Thread(target=waiter)
     th.start()
-    n = 0
-    deadline = time.monotonic() + 0.3
-    while time.monotonic() < deadline:
-        n += 1
-    assert n > 10000  # this thread ran all along
-    th.join(3)
-    assert done.is_set()
+    time.sleep(0.1)  # the waiter is inside lookup
+    squares = sum(i * i for i in range(10000))  # Python, on this thread
+    t = client.share(np.array([squares]), key="gil")
+    th.join(5)
+    assert not th.is_alive() and got[0].storage_id == t.storage_id
+    client.unpublish("gil")
+    t.release()
+    got[0].release()

@@ -365,7 +365,10 @@ def _storage_view(client, t: torch.Tensor):
     base, off = hit
     try:
         isz = t.element_size()
-        if base.readonly or off % isz or base.client.path != client.path:
+        if base.readonly or off % isz:
+            return None
+        owner = base.client  # None when find() cannot tell: assume client's
+        if owner is not None and owner.path != client.path:
             return None
         try:
             return base.as_strided(
@@ -629,6 +632,16 @@ _TORCH_DTYPES = {
 }
 
 
+_ITEMSIZES: Dict[torch.dtype, int] = {}
+
+
+def _itemsize(d: torch.dtype) -> int:
+    n = _ITEMSIZES.get(d)
+    if n is None:
+        n = _ITEMSIZES[d] = torch.empty((), dtype=d).element_size()
+    return n
+
+
 def _dtype_name(d: torch.dtype) -> str:
     return str(d)[len("torch.") :]
 
@@ -766,7 +779,7 @@ def load_state_dict(
             if base is None:
                 r = regions[ri]
                 if dt != torch.uint8:
-                    isz = torch.empty((), dtype=dt).element_size()
+                    isz = _itemsize(dt)
                     r = r[: r.numel() // isz * isz].view(dt)
                 base = typed[(ri, dt)] = r
             out[name] = torch.as_strided(

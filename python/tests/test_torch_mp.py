@@ -121,6 +121,7 @@ def test_parameter_and_requires_grad_survive(installed):
     del q, l2
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf")
 def test_tensors_tensord_cannot_hold_go_through_torch(installed):
     c = installed
     x = torch.arange(3, dtype=torch.float32).to(torch.complex32)

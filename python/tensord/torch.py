@@ -133,6 +133,7 @@ from tensord import _tensord
 __all__ = [
     "install",
     "uninstall",
+    "installed",
     "client_for",
     "DataLoader",
     "default_collate",

@@ -108,6 +108,23 @@ def test_foreign_tensor_is_copied_once(installed):
     del y
 
 
+def test_tensor_of_a_readonly_lookup_is_copied_as_its_reader_sees_it(installed):
+    c = installed
+    t, x = tensord_tensor(c, torch.arange(8, dtype=torch.int16))
+    c.publish("mp/ro", t)
+    ro = c.lookup("mp/ro", timeout=0, readonly=True)
+    y = ro.torch()
+    y[0] = 99  # a private copy-on-write page: only this process sees it
+    z = ForkingPickler.loads(ForkingPickler.dumps(y))
+    assert storage_of(z)[0] not in (t.storage_id, None)  # copied
+    assert z.tolist() == [99] + list(range(1, 8))
+    assert x.tolist() == list(range(8))  # the shared pages never changed
+    c.unpublish("mp/ro")
+    del x, y, z
+    ro.release()
+    t.release()
+
+
 def test_parameter_and_requires_grad_survive(installed):
     p = torch.nn.Parameter(torch.randn(3, 2))
     leaf = torch.randn(4, requires_grad=True)

@@ -96,7 +96,9 @@ def main() -> None:
     updated = ctx.Event()
     results = ctx.Queue()
     servers = [
-        ctx.Process(target=serve, args=(r, tokens, expected, loaded[r], updated, results))
+        ctx.Process(
+            target=serve, args=(r, tokens, expected, loaded[r], updated, results)
+        )
         for r in range(K)
     ]
     for s in servers:

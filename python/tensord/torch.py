@@ -114,12 +114,11 @@ publish does not change them.
 
 from __future__ import annotations
 
-import collections.abc
 import itertools
 import json
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 import torch.utils.data
@@ -629,7 +628,9 @@ class DataLoader(torch.utils.data.DataLoader):
 _MAGIC = b"TDSTATE1"
 _ALIGN = 64
 _TORCH_DTYPES = {
-    str(d)[len("torch.") :]: d for d in vars(torch).values() if isinstance(d, torch.dtype)
+    str(d)[len("torch.") :]: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
 }
 
 
@@ -657,7 +658,9 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def publish_state_dict(client, prefix: str, state_dict: Mapping[str, torch.Tensor]) -> int:
+def publish_state_dict(
+    client, prefix: str, state_dict: Mapping[str, torch.Tensor]
+) -> int:
     """Publishes state_dict under the key ``prefix`` as one packed storage.
 
     Every distinct torch storage behind the tensors is copied once (whole, so

@@ -99,5 +99,6 @@ setup(
     version=version(),
     packages=["tensord"],
     package_dir={"tensord": "tensord"},
+    exclude_package_data={"tensord": ["*.c"]},
     ext_modules=[ext],
 )

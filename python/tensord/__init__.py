@@ -120,15 +120,25 @@ class Client(_tensord.Client):
 def _undo_lookup(
     client: Client, key: str, take: bool, f: concurrent.futures.Future
 ) -> None:
-    """Gives back what a cancelled alookup got after all."""
+    """Gives back what a cancelled alookup got after all: releases the
+    Tensor and, for a take, publishes the key again first. A value published
+    under the key meanwhile is newer than ours and stays (a scoped publish
+    never replaces); ours then goes with the Tensor."""
     if f.cancelled() or f.exception() is not None:
         return
     t = f.result()
     try:
         if take:
-            client.publish(key, t)
+            token = client.scope_open()
+            try:
+                client.publish(key, t, scope=token)
+                client.publish(key, t)  # an ordinary key again
+            except Exists:
+                pass
+            finally:
+                client.scope_close(token)
     except Error:
-        pass
+        pass  # the client closed meanwhile: its keys went with it
     finally:
         t.release()
 

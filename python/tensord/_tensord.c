@@ -98,7 +98,8 @@ static void store_unref(store *p) {
     p->next->prev = p->prev;
   pthread_mutex_unlock(&g_reg_mu);
   if (Py_IsInitialized() && PyGILState_Check()) {
-    Py_BEGIN_ALLOW_THREADS td_storage_release(p->s);
+    Py_BEGIN_ALLOW_THREADS
+      td_storage_release(p->s);
     Py_END_ALLOW_THREADS
   } else {
     td_storage_release(p->s);
@@ -471,13 +472,14 @@ static void cl_close(Client *self) {
  * its result and x.msg the message of a failure. */
 #define CALL(self, x, err, expr)                                               \
   do {                                                                         \
-    Py_BEGIN_ALLOW_THREADS(err) = cl_enter((self), &(x));                      \
-    if ((err) == 0) {                                                          \
-      (err) = (expr);                                                          \
-      if ((err) < 0)                                                           \
-        snprintf((x).msg, sizeof((x).msg), "%s", td_last_error((x).c));        \
-      cl_leave(self);                                                          \
-    }                                                                          \
+    Py_BEGIN_ALLOW_THREADS                                                     \
+      err = cl_enter((self), &(x));                                            \
+      if (err == 0) {                                                          \
+        err = (expr);                                                          \
+        if (err < 0)                                                           \
+          snprintf((x).msg, sizeof((x).msg), "%s", td_last_error((x).c));      \
+        cl_leave(self);                                                        \
+      }                                                                        \
     Py_END_ALLOW_THREADS                                                       \
   } while (0)
 
@@ -580,10 +582,12 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   td_client *c = NULL;
   int err;
   char msg[1024] = "";
-  Py_BEGIN_ALLOW_THREADS err = td_connect(self->path, &c);
-  if (err < 0)
-    snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
-  Py_END_ALLOW_THREADS if (err < 0) {
+  Py_BEGIN_ALLOW_THREADS
+    err = td_connect(self->path, &c);
+    if (err < 0)
+      snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
+  Py_END_ALLOW_THREADS
+  if (err < 0) {
     Py_DECREF(self);
     return raise_err(err, msg);
   }
@@ -596,14 +600,18 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static void Client_dealloc(Client *self) {
   if (self->weakrefs != NULL)
     PyObject_ClearWeakRefs((PyObject *)self);
-  Py_BEGIN_ALLOW_THREADS cl_close(self);
-  Py_END_ALLOW_THREADS free(self->path);
+  Py_BEGIN_ALLOW_THREADS
+    cl_close(self);
+  Py_END_ALLOW_THREADS
+  free(self->path);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *Client_close(Client *self, PyObject *unused) {
-  Py_BEGIN_ALLOW_THREADS cl_close(self);
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  Py_BEGIN_ALLOW_THREADS
+    cl_close(self);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
 }
 
 static PyObject *Client_enter(Client *self, PyObject *unused) {
@@ -790,22 +798,24 @@ static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
   call x;
   store *sp = store_ref(src->st);
   td_view sv = src->v;
-  Py_BEGIN_ALLOW_THREADS err = cl_enter(self, &x);
-  if (err == 0) {
-    err = td_storage_create_ex(x.c, &o, &s);
-    if (err < 0)
-      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
-    if (err == 0 && (err = td_copy(s, &v, sp->s, &sv)) < 0)
-      snprintf(x.msg, sizeof(x.msg), "%s", td_view_last_error());
-    if (err == 0 && key != NULL && (err = td_publish(x.c, key, s, &v)) < 0)
-      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
-    if (err < 0 && s != NULL) {
-      td_storage_release(s);
-      s = NULL;
+  Py_BEGIN_ALLOW_THREADS
+    err = cl_enter(self, &x);
+    if (err == 0) {
+      err = td_storage_create_ex(x.c, &o, &s);
+      if (err < 0)
+        snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+      if (err == 0 && (err = td_copy(s, &v, sp->s, &sv)) < 0)
+        snprintf(x.msg, sizeof(x.msg), "%s", td_view_last_error());
+      if (err == 0 && key != NULL && (err = td_publish(x.c, key, s, &v)) < 0)
+        snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+      if (err < 0 && s != NULL) {
+        td_storage_release(s);
+        s = NULL;
+      }
+      cl_leave(self);
     }
-    cl_leave(self);
-  }
-  Py_END_ALLOW_THREADS store_unref(sp);
+  Py_END_ALLOW_THREADS
+  store_unref(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
@@ -898,12 +908,27 @@ static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
   if (keyobj != Py_None && (key = key_utf8(keyobj)) == NULL)
     return NULL;
   PyObject *k = keyobj == Py_None ? NULL : keyobj;
+  if (key != NULL && (key[0] == '\0' || strlen(key) > TD_KEY_MAX)) {
+    char m[128];
+    snprintf(m, sizeof(m), "share: key of %zu bytes (a key has 1 to %d)",
+             strlen(key), TD_KEY_MAX);
+    return raise_err(TD_EINVAL, m);
+  }
   if (PyObject_TypeCheck(obj, &TensorType))
     return share_tensor(self, (Tensor *)obj, key, k);
   if (PyObject_CheckBuffer(obj)) {
     Py_buffer b;
-    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0)
+    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0) {
+      /* numpy refuses datetimes, objects... as ValueError: a type error. */
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      PyErr_Format(PyExc_TypeError, "share: %.100s has no tensord dtype: %S",
+                   Py_TYPE(obj)->tp_name, value ? value : Py_None);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
       return NULL;
+    }
     PyObject *r = share_buffer(self, &b, key, k);
     PyBuffer_Release(&b);
     return r;
@@ -912,8 +937,6 @@ static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
     PyObject *src = obj, *u8 = NULL;
     int as_bool = is_torch_bool(obj);
     if (as_bool) { /* DLPack 0.6 has no bool: torch 1.13 refuses it */
-      if (torch_bool == NULL)
-        return PyErr_Format(PyExc_TypeError, "share: torch not imported");
       PyObject *torch = PyImport_ImportModule("torch");
       PyObject *uint8 = torch ? PyObject_GetAttrString(torch, "uint8") : NULL;
       Py_XDECREF(torch);
@@ -1017,24 +1040,26 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
   td_view v = t->v;
   call x;
   int err;
-  Py_BEGIN_ALLOW_THREADS err = cl_enter(self, &x);
-  if (err == 0) {
-    td_storage *s = sp->s, *tmp = NULL;
-    if (td_storage_client(s) != x.c) {
-      /* Another client's handle (another Client, or the parent's before a
-       * fork): a reference of our own for the publish, no copy. */
-      err = td_storage_open(x.c, td_storage_id(s), 0, &tmp);
-      s = tmp;
+  Py_BEGIN_ALLOW_THREADS
+    err = cl_enter(self, &x);
+    if (err == 0) {
+      td_storage *s = sp->s, *tmp = NULL;
+      if (td_storage_client(s) != x.c) {
+        /* Another client's handle (another Client, or the parent's before a
+         * fork): a reference of our own for the publish, no copy. */
+        err = td_storage_open(x.c, td_storage_id(s), 0, &tmp);
+        s = tmp;
+      }
+      if (err == 0)
+        err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
+                      : td_publish(x.c, key, s, &v);
+      if (err < 0)
+        snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
+      td_storage_release(tmp);
+      cl_leave(self);
     }
-    if (err == 0)
-      err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
-                    : td_publish(x.c, key, s, &v);
-    if (err < 0)
-      snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
-    td_storage_release(tmp);
-    cl_leave(self);
-  }
-  Py_END_ALLOW_THREADS store_unref(sp);
+  Py_END_ALLOW_THREADS
+  store_unref(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   Py_INCREF(keyobj);

@@ -20,9 +20,18 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 
-echo "-- pip install --no-build-isolation --target $tmp/site ./python"
-TENSORD_BUILD_DIR=$build "$py" -m pip install --no-build-isolation --no-deps \
-  --no-index --no-cache-dir --target "$tmp/site" ./python >"$tmp/pip.log" 2>&1 ||
+# pip builds in the directory it is given (setuptools' build/ and
+# egg-info): a copy of ./python, so that suites running at once in other
+# build trees never share one. TENSORD_SOURCE_DIR leads setup.py back to
+# include/.
+mkdir "$tmp/src"
+cp -R python/setup.py python/pyproject.toml python/README.md python/tensord \
+  "$tmp/src/"
+rm -rf "$tmp/src/tensord/__pycache__" "$tmp"/src/tensord/*.so
+echo "-- pip install --no-build-isolation --target $tmp/site ./python (a copy)"
+TENSORD_SOURCE_DIR=$(pwd) TENSORD_BUILD_DIR=$build "$py" -m pip install \
+  --no-build-isolation --no-deps --no-index --no-cache-dir \
+  --target "$tmp/site" "$tmp/src" >"$tmp/pip.log" 2>&1 ||
   { cat "$tmp/pip.log"; fail "pip install"; }
 ls "$tmp"/site/tensord/_tensord*.so >/dev/null || fail "no extension installed"
 # Static: the installed module needs no libtensord.so.

@@ -1,0 +1,86 @@
+"""Read-only tensors never crash the interpreter and never reach the shared
+pages: their mappings are copy-on-write (TD_COW)."""
+
+import ctypes
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def publish_bytes(client, key, data):
+    t = client.share(np.frombuffer(data, np.uint8))
+    client.publish(key, t)
+    return t
+
+
+def test_readonly_numpy_is_not_writeable(client):
+    t = publish_bytes(client, "ro", b"\x01\x02\x03\x04")
+    r = client.lookup("ro", readonly=True)
+    assert r.readonly
+    a = r.numpy()
+    assert not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0] = 9
+    with pytest.raises(ValueError):
+        a.setflags(write=True)
+    m = memoryview(r)
+    assert m.readonly
+    with pytest.raises(TypeError):
+        m[0] = 9
+    with pytest.raises((BufferError, TypeError), match="writ"):
+        ctypes.c_char.from_buffer(r)  # wants a writable buffer
+    assert r.__array_interface__["data"] == (r.data_ptr, True)
+    m.release()
+    client.unpublish("ro")
+    t.release()
+    r.release()
+
+
+def test_forced_write_stays_private(daemon, client):
+    t = publish_bytes(client, "cow", b"old bytes!")
+    r = client.lookup("cow", readonly=True)
+    # What numpy forbids, ctypes does anyway: no SIGSEGV, a private copy.
+    ctypes.memmove(r.data_ptr, b"NEW BYTES!", 10)
+    assert bytes(r.numpy()) == b"NEW BYTES!"  # the writer sees its copy
+    assert bytes(t.numpy()) == b"old bytes!"  # the shared pages do not
+    w = client.lookup("cow")  # a new read-write lookup: the shared pages
+    assert bytes(w.numpy()) == b"old bytes!"
+    # Another process sees the shared pages too.
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, tensord\n"
+         "c = tensord.connect(sys.argv[1])\n"
+         "print(bytes(c.lookup('cow', readonly=True).numpy()).decode())",
+         daemon],
+        capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.strip() == "old bytes!"
+    client.unpublish("cow")
+    for x in (t, r, w):
+        x.release()
+
+
+def test_readonly_torch_write_does_not_crash(client):
+    torch = pytest.importorskip("torch")
+    t = publish_bytes(client, "cowt", bytes(range(16)))
+    r = client.lookup("cowt", readonly=True)
+    x = r.view_dtype("int32").torch()
+    x.fill_(-1)  # torch cannot mark it read-only: the mapping is private
+    assert x.tolist() == [-1] * 4
+    assert bytes(t.numpy()) == bytes(range(16))
+    assert bytes(client.lookup("cowt").numpy()) == bytes(range(16))
+    client.unpublish("cowt")
+    del x
+    t.release()
+    r.release()
+    assert torch is not None
+
+
+def test_open_readonly_is_cow_too(client):
+    t = client.share(b"abc")
+    r = client.open(t.storage_id, readonly=True)
+    ctypes.memmove(r.data_ptr, b"xyz", 3)
+    assert bytes(t.numpy()) == b"abc"
+    t.release()
+    r.release()

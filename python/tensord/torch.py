@@ -26,11 +26,14 @@ non-leaf that requires grad, without named dimensions, the reducer
    in a tensord storage this process holds (a tensor made by ``.torch()``, a
    DataLoader batch, a tensor received from another process). If they do, the
    storage is writable (not a read-only or copy-on-write mapping, whose
-   private pages other processes could not see), the element offset is whole
-   and the storage belongs to the installed client's daemon, the tensor is
-   sent as that storage with its exact view (dtype, shape, strides, offset):
-   no byte is copied. Otherwise the tensor is copied once into a new storage
-   (contiguous, uninitialised before the copy, so recycled by the daemon).
+   private pages other processes could not see) and the element offset is
+   whole, the tensor is sent as that storage with its exact view (dtype,
+   shape, strides, offset): no byte is copied. Otherwise the tensor is copied
+   once into a new storage (contiguous, uninitialised before the copy, so
+   recycled by the daemon). ``find()`` does not say which daemon a storage
+   belongs to, so the storage is taken to be the installed client's daemon's:
+   a process that holds storages of two daemons at once should send only
+   through the daemon its tensors came from.
 2. publishes the view under a one-shot key ``tensord.mp/<scope>/<pid>.<n>``
    into a *scope* (below), and pickles ``(socket path, key, requires_grad,
    is Parameter)``.

@@ -250,3 +250,22 @@ def test_dropped_batches_are_recycled(clean):
     assert n == 6
     # Batch k is dropped before batch k + 2 is made: its segment serves it.
     assert c.stat()["pool"]["hits"] - hits >= 4
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset split between the workers by their ids."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(first, 21, step):
+            yield {"x": torch.full((2,), i), "i": i}
+
+
+def test_iterable_dataset(clean):
+    mine, theirs = loaders(clean, Stream(), batch_size=3, num_workers=2)
+    got, want = epoch(mine), epoch(theirs)
+    assert len(got) == len(want) == 8  # 11 and 10 samples: 4 + 4 batches
+    assert_same(got, want)
+    assert all(in_tensord(x) for x in tensors_in(got))
+    del got

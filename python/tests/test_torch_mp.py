@@ -242,6 +242,28 @@ def test_sender_that_exits_before_the_receiver_unpickles(installed, daemon):
     del y
 
 
+def _send_inherited(q, x):
+    q.put(x[1:])  # a tensor this forked child inherited, not received
+    q.close()
+    q.join_thread()
+
+
+def test_forked_child_sends_an_inherited_tensor_without_copy(installed):
+    c = installed
+    t, x = tensord_tensor(c, torch.arange(6, dtype=torch.int32))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_send_inherited, args=(q, x))  # fork: not pickled
+    p.start()
+    y = q.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0
+    assert storage_of(y) == (t.storage_id, 4)
+    assert y.tolist() == [1, 2, 3, 4, 5]
+    del x, y
+    t.release()
+
+
 def _never_reads(q):
     time.sleep(60)
 

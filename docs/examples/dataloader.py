@@ -22,7 +22,8 @@ class Blobs(torch.utils.data.Dataset):
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.centres = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 2
+        g = torch.Generator().manual_seed(0)
+        self.centres = torch.randn(3, 16, generator=g) * 2
 
     def __len__(self) -> int:
         return self.n

@@ -13,6 +13,8 @@ Run against a daemon (tensord --socket PATH) with TENSORD_SOCKET=PATH:
     PYTHONPATH=build/python /usr/bin/python3 docs/examples/shared_weights.py
 """
 
+import warnings
+
 import torch
 import torch.multiprocessing as mp
 from torch.nn.utils.stateless import functional_call
@@ -52,6 +54,9 @@ def storage_of(x: torch.Tensor) -> int:
 
 
 def serve(rank, tokens, expected, loaded, updated, results) -> None:
+    # torch 1.13's functional_call needs both names of a tied weight (it does
+    # not follow the tie), and warns about getting both.
+    warnings.filterwarnings("ignore", "functional_call was passed multiple values")
     client = tensord.connect()
     model = Net()  # its own random weights are never used
     answers = []
@@ -83,12 +88,17 @@ def main() -> None:
             p.add_(0.01 * torch.randn_like(p))
         expected.append(model(tokens))
 
-    ctx = mp.get_context("spawn")  # servers are processes of their own
+    # Servers are processes of their own, not forks of this one: forked from
+    # a clean server process that imported torch once for all of them.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensord.torch"])
     loaded = [ctx.Event() for _ in range(K)]
     updated = ctx.Event()
     results = ctx.Queue()
     servers = [
-        ctx.Process(target=serve, args=(r, tokens, expected, loaded[r], updated, results))
+        ctx.Process(
+            target=serve, args=(r, tokens, expected, loaded[r], updated, results)
+        )
         for r in range(K)
     ]
     for s in servers:

@@ -26,11 +26,14 @@ non-leaf that requires grad, without named dimensions, the reducer
    in a tensord storage this process holds (a tensor made by ``.torch()``, a
    DataLoader batch, a tensor received from another process). If they do, the
    storage is writable (not a read-only or copy-on-write mapping, whose
-   private pages other processes could not see), the element offset is whole
-   and the storage belongs to the installed client's daemon, the tensor is
-   sent as that storage with its exact view (dtype, shape, strides, offset):
-   no byte is copied. Otherwise the tensor is copied once into a new storage
-   (contiguous, uninitialised before the copy, so recycled by the daemon).
+   private pages other processes could not see) and the element offset is
+   whole, the tensor is sent as that storage with its exact view (dtype,
+   shape, strides, offset): no byte is copied. Otherwise the tensor is copied
+   once into a new storage (contiguous, uninitialised before the copy, so
+   recycled by the daemon). ``find()`` does not say which daemon a storage
+   belongs to, so the storage is taken to be the installed client's daemon's:
+   a process that holds storages of two daemons at once should send only
+   through the daemon its tensors came from.
 2. publishes the view under a one-shot key ``tensord.mp/<scope>/<pid>.<n>``
    into a *scope* (below), and pickles ``(socket path, key, requires_grad,
    is Parameter)``.
@@ -114,12 +117,11 @@ publish does not change them.
 
 from __future__ import annotations
 
-import collections.abc
 import itertools
 import json
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 import torch.utils.data
@@ -133,6 +135,7 @@ from tensord import _tensord
 __all__ = [
     "install",
     "uninstall",
+    "installed",
     "client_for",
     "DataLoader",
     "default_collate",
@@ -365,7 +368,10 @@ def _storage_view(client, t: torch.Tensor):
     base, off = hit
     try:
         isz = t.element_size()
-        if base.readonly or off % isz or base.client.path != client.path:
+        if base.readonly or off % isz:
+            return None
+        owner = base.client  # None when find() cannot tell: assume client's
+        if owner is not None and owner.path != client.path:
             return None
         try:
             return base.as_strided(
@@ -625,8 +631,20 @@ class DataLoader(torch.utils.data.DataLoader):
 _MAGIC = b"TDSTATE1"
 _ALIGN = 64
 _TORCH_DTYPES = {
-    str(d)[len("torch.") :]: d for d in vars(torch).values() if isinstance(d, torch.dtype)
+    str(d)[len("torch.") :]: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
 }
+
+
+_ITEMSIZES: Dict[torch.dtype, int] = {}
+
+
+def _itemsize(d: torch.dtype) -> int:
+    n = _ITEMSIZES.get(d)
+    if n is None:
+        n = _ITEMSIZES[d] = torch.empty((), dtype=d).element_size()
+    return n
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -643,7 +661,9 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def publish_state_dict(client, prefix: str, state_dict: Mapping[str, torch.Tensor]) -> int:
+def publish_state_dict(
+    client, prefix: str, state_dict: Mapping[str, torch.Tensor]
+) -> int:
     """Publishes state_dict under the key ``prefix`` as one packed storage.
 
     Every distinct torch storage behind the tensors is copied once (whole, so
@@ -766,7 +786,7 @@ def load_state_dict(
             if base is None:
                 r = regions[ri]
                 if dt != torch.uint8:
-                    isz = torch.empty((), dtype=dt).element_size()
+                    isz = _itemsize(dt)
                     r = r[: r.numel() // isz * isz].view(dt)
                 base = typed[(ri, dt)] = r
             out[name] = torch.as_strided(

@@ -82,7 +82,8 @@ def test_torch_round_trip_every_dtype(client, dtype):
     }
     for name, (v, want) in views.items():
         got = v.torch()
-        assert v.offset == want.storage_offset(), name
+        if want.numel():  # an empty view's offset means nothing (tensord: 0)
+            assert v.offset == want.storage_offset(), name
         assert v.strides == want.stride(), name
         check_same(got, want, ptr, v.offset, isz)
     # The tensor sees later writes through the storage: it is the same memory.

@@ -168,9 +168,14 @@ def test_persistent_workers_two_epochs(clean):
 
 
 def test_spawned_workers(clean):
-    mine, theirs = loaders(
-        clean, Nested(8), batch_size=4, num_workers=2,
-        multiprocessing_context="spawn",
+    mine = tdt.DataLoader(
+        Nested(8), batch_size=4, num_workers=2, multiprocessing_context="spawn",
+        client=clean, generator=torch.Generator().manual_seed(7),
+    )
+    # Worker seeds do not depend on the start method: compare with fork.
+    theirs = torch.utils.data.DataLoader(
+        Nested(8), batch_size=4, num_workers=2,
+        generator=torch.Generator().manual_seed(7),
     )
     got = epoch(mine)
     assert_same(got, epoch(theirs))
@@ -186,10 +191,16 @@ def test_worker_killed_mid_epoch_raises_like_torch_and_leaks_nothing(clean):
         torch.manual_seed(0)
         np.random.seed(0)
         got = []
-        with pytest.raises(RuntimeError) as info:
-            for b in loader:
+        it = iter(loader)
+        try:
+            for b in it:
                 got.append(b)
-        return got, str(info.value)
+        except RuntimeError as e:
+            error = str(e)
+        else:
+            pytest.fail("no error from a loader whose worker was killed")
+        del it  # no traceback keeps it: its workers are shut down now
+        return got, error
 
     want, their_error = consume(theirs)
     got, my_error = consume(mine)
@@ -202,4 +213,59 @@ def test_worker_killed_mid_epoch_raises_like_torch_and_leaks_nothing(clean):
         assert_same(g, w)
     # Worker 0 had prefetched batches into the scope: gone with it.
     assert clean.stat()["keys"] == 0
+    del got
+
+
+def test_iterator_dropped_mid_epoch_frees_batches_in_flight(clean):
+    c = clean
+    loader = tdt.DataLoader(Nested(40), batch_size=4, num_workers=2, client=c)
+    it = iter(loader)
+    first = next(it)
+    # The workers prefetch: batches wait in the pipe as keys of the scope,
+    # held by no process.
+    wait_until(lambda: c.stat()["keys"] > 0, "a prefetched batch in flight")
+    del it  # closes the scope: what was in flight goes
+    wait_until(lambda: c.stat()["keys"] == 0, "the keys in flight dropped")
+    assert all(in_tensord(x) for x in tensors_in(first))
+    del first
+
+
+class Images(torch.utils.data.Dataset):
+    """Samples big enough (48 KiB, 192 KiB a batch) for the daemon to pool."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((3, 64, 64), float(i))
+
+
+def test_dropped_batches_are_recycled(clean):
+    c = clean
+    hits = c.stat()["pool"]["hits"]
+    n = 0
+    for b in tdt.DataLoader(Images(), batch_size=4, client=c):
+        assert float(b[3, 0, 0, 0]) == 4 * n + 3
+        n += 1
+    assert n == 6
+    # Batch k is dropped before batch k + 2 is made: its segment serves it.
+    assert c.stat()["pool"]["hits"] - hits >= 4
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset split between the workers by their ids."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(first, 21, step):
+            yield {"x": torch.full((2,), i), "i": i}
+
+
+def test_iterable_dataset(clean):
+    mine, theirs = loaders(clean, Stream(), batch_size=3, num_workers=2)
+    got, want = epoch(mine), epoch(theirs)
+    assert len(got) == len(want) == 8  # 11 and 10 samples: 4 + 4 batches
+    assert_same(got, want)
+    assert all(in_tensord(x) for x in tensors_in(got))
     del got

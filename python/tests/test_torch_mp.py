@@ -108,6 +108,23 @@ def test_foreign_tensor_is_copied_once(installed):
     del y
 
 
+def test_tensor_of_a_readonly_lookup_is_copied_as_its_reader_sees_it(installed):
+    c = installed
+    t, x = tensord_tensor(c, torch.arange(8, dtype=torch.int16))
+    c.publish("mp/ro", t)
+    ro = c.lookup("mp/ro", timeout=0, readonly=True)
+    y = ro.torch()
+    y[0] = 99  # a private copy-on-write page: only this process sees it
+    z = ForkingPickler.loads(ForkingPickler.dumps(y))
+    assert storage_of(z)[0] not in (t.storage_id, None)  # copied
+    assert z.tolist() == [99] + list(range(1, 8))
+    assert x.tolist() == list(range(8))  # the shared pages never changed
+    c.unpublish("mp/ro")
+    del x, y, z
+    ro.release()
+    t.release()
+
+
 def test_parameter_and_requires_grad_survive(installed):
     p = torch.nn.Parameter(torch.randn(3, 2))
     leaf = torch.randn(4, requires_grad=True)
@@ -121,6 +138,7 @@ def test_parameter_and_requires_grad_survive(installed):
     del q, l2
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf")
 def test_tensors_tensord_cannot_hold_go_through_torch(installed):
     c = installed
     x = torch.arange(3, dtype=torch.float32).to(torch.complex32)
@@ -222,6 +240,28 @@ def test_sender_that_exits_before_the_receiver_unpickles(installed, daemon):
     assert y.stride() == (1, 4)
     assert torch.equal(y, torch.arange(12).reshape(3, 4).t())
     del y
+
+
+def _send_inherited(q, x):
+    q.put(x[1:])  # a tensor this forked child inherited, not received
+    q.close()
+    q.join_thread()
+
+
+def test_forked_child_sends_an_inherited_tensor_without_copy(installed):
+    c = installed
+    t, x = tensord_tensor(c, torch.arange(6, dtype=torch.int32))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_send_inherited, args=(q, x))  # fork: not pickled
+    p.start()
+    y = q.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0
+    assert storage_of(y) == (t.storage_id, 4)
+    assert y.tolist() == [1, 2, 3, 4, 5]
+    del x, y
+    t.release()
 
 
 def _never_reads(q):

@@ -55,7 +55,6 @@ case (a)'s time goes, step by step.
 
 from __future__ import annotations
 
-import gc
 import math
 import multiprocessing
 import os
@@ -181,7 +180,6 @@ class Producer:
         """Makes case (a)'s shared tensor of n bytes (case b needs nothing)."""
         torch = self.torch
         self.held = self.held_arr = None
-        gc.collect()
         if case != 1 or self.path == FLOOR:
             return
         if self.path in TORCH_PATHS:

@@ -1,0 +1,797 @@
+"""PyTorch integration: tensors through tensord across processes.
+
+Three pieces, all pure Python over the ``tensord._tensord`` extension:
+
+``install(client=None)`` / ``uninstall()``
+    Reducers for ``torch.multiprocessing``: CPU tensors put on a torch queue or
+    pipe, passed to a spawned process, or returned by a DataLoader worker
+    travel as a reference to a tensord storage plus a view, instead of
+    through torch's own shared-memory files.
+
+``DataLoader``
+    A drop-in ``torch.utils.data.DataLoader`` whose workers collate straight
+    into tensord storages and hand the main process only references.
+
+``publish_state_dict`` / ``load_state_dict``
+    A state dict as one packed storage under one key: many processes map the
+    same pages, loading is one lookup, updates are atomic for readers.
+
+Reducers (``install``)
+----------------------
+For a tensor that is on the CPU, dense and strided, of a dtype tensord has
+(everything torch 1.13 has but complex32 and the quantized types), not a
+non-leaf that requires grad, without named dimensions, the reducer
+
+1. asks ``tensord._tensord.find(t.data_ptr())`` whether the bytes already lie
+   in a tensord storage this process holds (a tensor made by ``.torch()``, a
+   DataLoader batch, a tensor received from another process). If they do, the
+   storage is writable (not a read-only or copy-on-write mapping, whose
+   private pages other processes could not see) and the element offset is
+   whole, the tensor is sent as that storage with its exact view (dtype,
+   shape, strides, offset): no byte is copied. Otherwise the tensor is copied
+   once into a new storage (contiguous, uninitialised before the copy, so
+   recycled by the daemon). ``find()`` does not say which daemon a storage
+   belongs to, so the storage is taken to be the installed client's daemon's:
+   a process that holds storages of two daemons at once should send only
+   through the daemon its tensors came from.
+2. publishes the view under a one-shot key ``tensord.mp/<scope>/<pid>.<n>``
+   into a *scope* (below), and pickles ``(socket path, key, requires_grad,
+   is Parameter)``.
+3. The receiver's unpickling takes the key (``lookup(take=True)``): it now
+   holds its own reference and the key is gone. Each pickle can therefore be
+   loaded once. Two views of one storage in one message arrive as two torch
+   tensors over the same bytes that do not share a torch storage object.
+
+Every other tensor (CUDA, sparse, quantized, complex32, non-leaf requiring
+grad, named) goes through torch's own reducer, unchanged.
+
+Who frees a tensor in flight: the key holds a reference from the moment the
+sender pickles it until a receiver takes it, so the sender may release its
+own at once and even exit before the receiver unpickles (a DataLoader worker
+that ends its epoch). A key that no one takes (the receiver died first, the
+message was never read) must not live forever either: one-shot keys are
+published into a scope, and the daemon drops every key of a scope when the
+scope ends. The first process of a process tree to call ``install()`` opens
+the scope with its own connection and exports it in the environment
+(``TENSORD_MP_SCOPE``: the token in hex, ``TENSORD_MP_SOCKET``: the daemon's
+socket path), so that forked and spawned descendants that call ``install()``
+publish into the same scope instead of opening their own. The scope ends
+when its owner's connection closes, however the owner ends (SIGKILL
+included), or at ``uninstall()``. So nothing outlives the root of the process
+tree, and nothing is released before a receiver could take it while the root
+lives. If a descendant finds the scope ended (its root is gone), it opens a
+scope of its own and becomes the root of its subtree.
+
+Forked children inherit the registered reducers with the rest of the
+process; a spawned child must call ``install()`` itself (as it must import
+its own modules) if it sends tensors; receiving needs nothing installed. One
+process-global client per socket path (``client_for``) serves all this; the
+extension's Client reconnects by itself in a forked child.
+
+DataLoader
+----------
+``DataLoader`` subclasses ``torch.utils.data.DataLoader`` and keeps its
+sampler, batch sampler, worker loop, seeding, ordering, prefetching,
+persistent workers and error handling: the same arguments give the same
+batches in the same order. What differs:
+
+- Without a ``collate_fn`` (or with torch's ``default_collate``) batches are
+  collated by ``default_collate`` below: torch's own ``collate`` with the
+  same rules (nested dicts, lists, tuples, namedtuples, numbers, numpy arrays
+  and scalars, strings), except that each tensor it makes is allocated in a
+  tensord storage (``client.empty(..., uninit=True)``) and filled by
+  ``torch.stack(..., out=)``. A user's ``collate_fn`` is called as is; the
+  tensors it returns that are not already in tensord are copied once by the
+  reducer, as torch copies them into its shared memory.
+- With workers, the iterator opens a scope before starting them and passes
+  it to them (a wrapper around ``worker_init_fn`` installs the reducers in
+  each worker with that scope). Batches travel as keys in that scope. When
+  the iterator shuts its workers down (end of epoch, deletion, a worker's
+  death raising in the main process, exactly as torch raises it) the main
+  process closes the scope: every batch still in flight is freed. A batch the
+  training loop drops releases its storage (the torch tensor's DLPack
+  deleter), and the daemon recycles it for the next uninitialised create.
+- With ``num_workers=0`` the same collate runs in the main process: batches
+  are tensord storages there too (so they can be sent on without a copy).
+
+State dicts
+-----------
+``publish_state_dict`` packs a state dict into ONE storage: the header
+``b"TDSTATE1"``, the manifest length (little-endian u64) and a JSON manifest
+(per tensor: dtype, shape, stride, storage_offset in elements and a region
+index; per region: byte offset in the packed storage and nbytes), then each
+distinct torch storage behind the tensors copied once, 64-byte aligned.
+Tensors that shared a torch storage (tied weights, views) share a region.
+The storage is published under the one key ``prefix``; publishing again
+replaces the key atomically, so a reader gets all old or all new tensors.
+
+``load_state_dict`` looks the key up once (read-only by default: a
+copy-on-write mapping, so a write through a loaded tensor changes only the
+writer's private copy and never crashes), exports one torch tensor per region
+(one DLPack export each, no daemon call), and makes every entry with
+``torch.as_strided`` over that region: dtype, shape, strides and storage
+offset are the original ones and entries that shared a torch storage share
+one again. The loaded tensors hold the version they were loaded from: a new
+publish does not change them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from typing import Any, Callable, Dict, Mapping, Optional
+
+import torch
+import torch.utils.data
+from multiprocessing.reduction import ForkingPickler
+from torch.utils.data import dataloader as _dataloader
+from torch.utils.data._utils import collate as _collate
+
+import tensord
+from tensord import _tensord
+
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "client_for",
+    "DataLoader",
+    "default_collate",
+    "publish_state_dict",
+    "load_state_dict",
+]
+
+ENV_SCOPE = "TENSORD_MP_SCOPE"
+ENV_SOCKET = "TENSORD_MP_SOCKET"
+KEY_PREFIX = "tensord.mp/"
+
+# torch dtypes that tensord has (the others go through torch's reducer).
+_TD_DTYPES = frozenset(
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    ]
+)
+
+# --------------------------------------------------------------------------
+# Process-global clients.
+
+_clients_lock = threading.Lock()
+_clients: Dict[Optional[str], Any] = {}
+_own_clients: set = set()  # ids of the clients client_for() connected itself
+
+
+def client_for(path: Optional[str] = None) -> "tensord.Client":
+    """Returns this process's shared Client for socket ``path``.
+
+    ``path`` None means the default socket path (``$TENSORD_SOCKET`` and the
+    rest of libtensord's rule). The client is connected on first use and
+    reused afterwards, also by forked children (the Client reconnects by
+    itself after a fork). A closed client is replaced by a new connection.
+    """
+    with _clients_lock:
+        c = _clients.get(path)
+        if c is None or c.closed:
+            c = tensord.connect(path)
+            _clients[path] = c
+            _clients[c.path] = c
+            _own_clients.add(id(c))
+        return c
+
+
+def _adopt_client(c: "tensord.Client") -> None:
+    """Makes c the shared client for its socket path (install(client))."""
+    with _clients_lock:
+        _clients[c.path] = c
+
+
+def _forget_clients() -> None:
+    """Closes the clients client_for() connected and forgets them all."""
+    with _clients_lock:
+        for c in set(_clients.values()):
+            if id(c) in _own_clients:
+                try:
+                    c.close()
+                except tensord.Error:
+                    pass
+        _clients.clear()
+        _own_clients.clear()
+
+
+# --------------------------------------------------------------------------
+# Reducers and the scope of keys in flight.
+
+
+class _MPState:
+    """What install() set up in this process."""
+
+    def __init__(self) -> None:
+        self.client = None  # the client reducers publish through
+        self.scope: Optional[int] = None  # token keys are published into
+        self.owner_pid: Optional[int] = None  # pid that opened self.scope
+        self.installed = False
+
+
+_state = _MPState()
+_state_lock = threading.RLock()
+_counter = itertools.count()
+
+
+def _env_scope(path: str) -> Optional[int]:
+    """Returns the scope an ancestor exported for daemon ``path``, or None."""
+    token = os.environ.get(ENV_SCOPE)
+    if not token:
+        return None
+    sock = os.environ.get(ENV_SOCKET)
+    if sock is not None and sock != path:
+        return None
+    try:
+        return int(token, 16)
+    except ValueError:
+        return None
+
+
+def _open_scope(client) -> int:
+    """Opens a scope owned by this process and exports it. Needs the lock."""
+    token = client.scope_open()
+    _state.scope = token
+    _state.owner_pid = os.getpid()
+    os.environ[ENV_SCOPE] = "%016x" % token
+    os.environ[ENV_SOCKET] = client.path
+    return token
+
+
+def _end_scope() -> None:
+    """Closes the scope if this process opened it, then forgets it."""
+    st = _state
+    if st.scope is not None and st.owner_pid == os.getpid():
+        try:
+            st.client.scope_close(st.scope)
+        except tensord.Error:
+            pass  # it ended already (the daemon restarted, the client closed)
+        if os.environ.get(ENV_SCOPE) == "%016x" % st.scope:
+            os.environ.pop(ENV_SCOPE, None)
+            os.environ.pop(ENV_SOCKET, None)
+    st.scope = None
+    st.owner_pid = None
+
+
+def _register() -> None:
+    ForkingPickler.register(torch.Tensor, _reduce_tensor)
+    ForkingPickler.register(torch.nn.parameter.Parameter, _reduce_tensor)
+
+
+def install(client=None) -> None:
+    """Sends CPU tensors through tensord in torch.multiprocessing pickles.
+
+    Registers reducers for torch.Tensor and torch.nn.Parameter with
+    multiprocessing's ForkingPickler (which torch's queues, pipes and
+    DataLoader workers use). ``client``: the Client to publish through; None
+    takes the shared client of the socket an ancestor's install() exported
+    (``TENSORD_MP_SOCKET``), else of the default socket path. The first
+    install() of a process tree opens the scope that keys in flight live in
+    (see the module's documentation); a later one, or one in a descendant,
+    reuses it. Calling it again with another client moves to that client
+    (and its daemon). Raises tensord.Error if the daemon cannot be reached.
+    """
+    with _state_lock:
+        if client is None:
+            client = (
+                _state.client
+                if _state.client is not None and not _state.client.closed
+                else client_for(os.environ.get(ENV_SOCKET))
+            )
+        else:
+            _adopt_client(client)
+        if _state.client is not None and _state.client is not client:
+            if _state.client.path != client.path:
+                _end_scope()
+        _state.client = client
+        if _state.scope is None:
+            inherited = _env_scope(client.path)
+            if inherited is not None:
+                _state.scope = inherited
+                _state.owner_pid = None
+            else:
+                _open_scope(client)
+        _register()
+        _state.installed = True
+
+
+def uninstall() -> None:
+    """Undoes install(): torch's reducers again, and the scope closed.
+
+    Closes the scope only in the process that opened it (keys still in flight
+    in it are freed) and then removes it from the environment. Forgets and
+    closes the clients ``client_for`` connected (not a client passed to
+    install()). Safe to call when not installed.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    with _state_lock:
+        ForkingPickler.register(torch.Tensor, reduce_tensor)
+        ForkingPickler.register(torch.nn.parameter.Parameter, reduce_tensor)
+        _end_scope()
+        _state.client = None
+        _state.installed = False
+        _forget_clients()
+
+
+def installed() -> bool:
+    """True when this process's pickler sends tensors through tensord."""
+    return _state.installed
+
+
+def _worker_setup(path: Optional[str], scope: int) -> None:
+    """Installs the reducers in a DataLoader worker, publishing into scope."""
+    with _state_lock:
+        _state.client = client_for(path)
+        _state.scope = scope
+        _state.owner_pid = None
+        _register()
+        _state.installed = True
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    """True for the tensors the reducer sends through tensord."""
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        return False
+    if t.is_quantized or t.dtype not in _TD_DTYPES:
+        return False
+    if t.requires_grad and not t.is_leaf:
+        return False  # torch's reducer refuses it with its own message
+    if t.has_names():
+        return False
+    return True
+
+
+def _storage_view(client, t: torch.Tensor):
+    """Returns a tensord.Tensor of t's exact view if t's bytes already lie in
+    a writable tensord storage of client's daemon, else None."""
+    if t.numel() == 0 or t.is_conj() or t.is_neg():
+        return None
+    hit = _tensord.find(t.data_ptr())
+    if hit is None:
+        return None
+    base, off = hit
+    try:
+        isz = t.element_size()
+        if base.readonly or off % isz:
+            return None
+        owner = base.client  # None when find() cannot tell: assume client's
+        if owner is not None and owner.path != client.path:
+            return None
+        try:
+            return base.as_strided(
+                tuple(t.shape), tuple(t.stride()), offset=off // isz, dtype=t.dtype
+            )
+        except (ValueError, IndexError):
+            return None  # the view reaches outside the storage: copy it
+    finally:
+        base.release()
+
+
+def _copy_into(client, t: torch.Tensor):
+    """Copies t once into a new storage; returns its contiguous Tensor."""
+    out = client.empty(tuple(t.shape), t.dtype, uninit=True)
+    try:
+        with torch.no_grad():
+            out.torch().copy_(t)
+    except BaseException:
+        out.release()
+        raise
+    return out
+
+
+def _publish_in_flight(client, view) -> str:
+    """Publishes view under a new one-shot key in the scope; returns the key.
+
+    If the scope has ended (its owner is gone), opens one owned by this
+    process and publishes there.
+    """
+    for attempt in (0, 1):
+        with _state_lock:
+            token = _state.scope
+            if token is None:
+                token = _open_scope(client)
+        key = "%s%016x/%d.%d" % (KEY_PREFIX, token, os.getpid(), next(_counter))
+        try:
+            client.publish(key, view, scope=token)
+            return key
+        except tensord.NotFound:
+            if attempt:
+                raise
+            with _state_lock:
+                if _state.scope == token:
+                    _open_scope(client)
+    raise AssertionError("unreachable")
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """ForkingPickler reducer for torch.Tensor and torch.nn.Parameter."""
+    client = _state.client
+    if client is None or not _eligible(t):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(t)
+    view = _storage_view(client, t)
+    if view is None:
+        view = _copy_into(client, t)
+    try:
+        key = _publish_in_flight(client, view)
+    finally:
+        view.release()
+    is_param = isinstance(t, torch.nn.Parameter)
+    return (_rebuild_tensor, (client.path, key, bool(t.requires_grad), is_param))
+
+
+def _rebuild_tensor(path: str, key: str, requires_grad: bool, is_parameter: bool):
+    """Unpickles a tensor the reducer sent: takes its one-shot key."""
+    t = client_for(path).lookup(key, timeout=0, take=True)
+    try:
+        x = t.torch()
+    finally:
+        t.release()
+    if is_parameter:
+        return torch.nn.Parameter(x, requires_grad=requires_grad)
+    if requires_grad:
+        x.requires_grad_(True)
+    return x
+
+
+# --------------------------------------------------------------------------
+# Collate into tensord storages.
+
+
+def _into_tensord(client, t: torch.Tensor) -> torch.Tensor:
+    """Returns t copied into a new tensord storage (t if tensord lacks it)."""
+    if not _eligible(t) or t.requires_grad:
+        return t
+    out = client.empty(tuple(t.shape), t.dtype, uninit=True)
+    try:
+        o = out.torch()
+    finally:
+        out.release()
+    return o.copy_(t)
+
+
+def _collate_fn_map(client) -> dict:
+    """torch's default_collate_fn_map, with tensors made in tensord."""
+
+    def tensor_fn(batch, *, collate_fn_map=None):
+        elem = batch[0]
+        if (
+            not _eligible(elem)
+            or elem.requires_grad
+            or any(x.requires_grad for x in batch)
+        ):
+            return _collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        out = client.empty((len(batch),) + tuple(elem.shape), elem.dtype, uninit=True)
+        try:
+            o = out.torch()
+        finally:
+            out.release()
+        return torch.stack(batch, 0, out=o)
+
+    def numpy_scalar_fn(batch, *, collate_fn_map=None):
+        return _into_tensord(client, _collate.collate_numpy_scalar_fn(batch))
+
+    def float_fn(batch, *, collate_fn_map=None):
+        return _into_tensord(client, _collate.collate_float_fn(batch))
+
+    def int_fn(batch, *, collate_fn_map=None):
+        return _into_tensord(client, _collate.collate_int_fn(batch))
+
+    m = dict(_collate.default_collate_fn_map)
+    replace = {
+        _collate.collate_tensor_fn: tensor_fn,
+        _collate.collate_numpy_scalar_fn: numpy_scalar_fn,
+        _collate.collate_float_fn: float_fn,
+        _collate.collate_int_fn: int_fn,
+    }
+    for k, fn in m.items():
+        if fn in replace:
+            m[k] = replace[fn]
+    return m
+
+
+def default_collate(batch, client=None):
+    """torch's default_collate, with every tensor it makes in tensord.
+
+    Same rules and output types as ``torch.utils.data.default_collate``;
+    stacked tensors are allocated with ``client.empty(..., uninit=True)``
+    and filled by ``torch.stack(..., out=)``, numbers and numpy scalars are
+    copied into a tensord storage. Tensors of dtypes tensord lacks, non-CPU
+    tensors and tensors that require grad are collated by torch as usual.
+    ``client`` None: the shared client of the default socket.
+    """
+    if client is None:
+        client = client_for(None)
+    return _collate.collate(batch, collate_fn_map=_collate_fn_map(client))
+
+
+class _Collate:
+    """default_collate bound to a socket path (picklable for spawn)."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+
+    def __call__(self, batch):
+        return default_collate(batch, client_for(self.path))
+
+
+class _WorkerInit:
+    """Wraps worker_init_fn: installs the reducers with the iterator's scope."""
+
+    def __init__(self, fn: Optional[Callable[[int], None]], path: str, scope: int):
+        self.fn = fn
+        self.path = path
+        self.scope = scope
+
+    def __call__(self, worker_id: int) -> None:
+        _worker_setup(self.path, self.scope)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+
+class _LoaderOverride:
+    """The loader as the iterator sees it, with some attributes replaced."""
+
+    def __init__(self, loader, **overrides) -> None:
+        self.__dict__.update(overrides)
+        self.__dict__["_loader"] = loader
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_loader"], name)
+
+
+class _MultiProcessingIter(_dataloader._MultiProcessingDataLoaderIter):
+    """torch's multi-process iterator, with a tensord scope for its batches."""
+
+    def __init__(self, loader, client) -> None:
+        self._td_client = client
+        self._td_scope = client.scope_open()
+        init = _WorkerInit(loader.worker_init_fn, client.path, self._td_scope)
+        try:
+            super().__init__(_LoaderOverride(loader, worker_init_fn=init))
+        except BaseException:
+            self._td_close_scope()
+            raise
+
+    def _td_close_scope(self) -> None:
+        scope, self._td_scope = self._td_scope, None
+        if scope is None:
+            return
+        try:
+            self._td_client.scope_close(scope)
+        except Exception:
+            pass  # ended already: the client closed, or interpreter shutdown
+
+    def _next_data(self):
+        try:
+            return super()._next_data()
+        except RuntimeError as e:
+            # A worker died: torch's iterator cannot go on, so free what is
+            # in flight now rather than when the iterator is collected.
+            if "DataLoader worker" in str(e):
+                self._shutdown_workers()
+            raise
+
+    def _shutdown_workers(self) -> None:
+        try:
+            super()._shutdown_workers()
+        finally:
+            if getattr(self, "_td_scope", None) is not None:
+                self._td_close_scope()
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch.utils.data.DataLoader whose batches live in tensord storages.
+
+    Takes torch's arguments (positional and keyword) plus ``client``: the
+    tensord Client (None: the shared client of the default socket path).
+    Samplers, seeds, ordering, workers and errors are torch's; see the
+    module's documentation for what changes.
+    """
+
+    def __init__(self, dataset, *args, client=None, **kwargs) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self._td_client = client
+        if self.collate_fn is _collate.default_collate:
+            self.collate_fn = _Collate(client.path if client is not None else None)
+
+    def _tensord_client(self):
+        c = self._td_client
+        if c is None or c.closed:
+            c = client_for(None)
+        return c
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return _MultiProcessingIter(self, self._tensord_client())
+
+
+# --------------------------------------------------------------------------
+# State dicts.
+
+_MAGIC = b"TDSTATE1"
+_ALIGN = 64
+_TORCH_DTYPES = {
+    str(d)[len("torch.") :]: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+_ITEMSIZES: Dict[torch.dtype, int] = {}
+
+
+def _itemsize(d: torch.dtype) -> int:
+    n = _ITEMSIZES.get(d)
+    if n is None:
+        n = _ITEMSIZES[d] = torch.empty((), dtype=d).element_size()
+    return n
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d)[len("torch.") :]
+
+
+def _untyped_storage(t: torch.Tensor):
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage()
+    return t.storage().untyped()
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def publish_state_dict(
+    client, prefix: str, state_dict: Mapping[str, torch.Tensor]
+) -> int:
+    """Publishes state_dict under the key ``prefix`` as one packed storage.
+
+    Every distinct torch storage behind the tensors is copied once (whole, so
+    strides and storage offsets stay exact and tied weights stay tied); the
+    tensors may be on any device, and are loaded as CPU tensors. Publishing
+    again under the same prefix replaces the key atomically. Returns the new
+    storage's id. Raises TypeError for a value that is not a tensor or is
+    quantized, tensord.Error from the daemon (OutOfMemory, QuotaExceeded...).
+    """
+    regions: list = []  # [storage, nbytes]
+    region_of: dict = {}
+    tensors: dict = {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                "state dict entry %r is a %s, not a torch.Tensor"
+                % (name, type(t).__name__)
+            )
+        if t.is_quantized or t.layout != torch.strided or t.device.type == "meta":
+            raise TypeError(
+                "state dict entry %r: a %s %s tensor on %s cannot be packed"
+                % (name, t.layout, t.dtype, t.device)
+            )
+        st = _untyped_storage(t)
+        sk = (t.device, st.data_ptr(), st.nbytes())
+        idx = region_of.get(sk)
+        if idx is None:
+            idx = region_of[sk] = len(regions)
+            regions.append(st)
+        tensors[str(name)] = {
+            "dtype": _dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "storage_offset": t.storage_offset(),
+            "region": idx,
+        }
+    # The regions start after the manifest, whose length depends on their
+    # offsets: lay out, and again with more room until the manifest fits.
+    placed: list = []
+    manifest = {"tensors": tensors, "regions": placed}
+    need = 16
+    while True:
+        start = off = _align(need)
+        placed.clear()
+        for st in regions:
+            n = st.nbytes()
+            placed.append({"offset": off, "nbytes": n})
+            off = _align(off + n)
+        text = json.dumps(manifest, separators=(",", ":")).encode()
+        if 16 + len(text) <= start:
+            break
+        need = 16 + len(text)
+    total = off
+    header = bytearray(_MAGIC + len(text).to_bytes(8, "little") + text)
+
+    packed = client.empty((total,), "uint8", uninit=True)
+    try:
+        buf = packed.torch()
+        buf[: len(header)].copy_(torch.frombuffer(header, dtype=torch.uint8))
+        buf[len(header) : start].zero_()
+        with torch.no_grad():
+            for st, r in zip(regions, placed):
+                o, n = r["offset"], r["nbytes"]
+                if n:
+                    src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                    buf[o : o + n].copy_(src)
+                buf[o + n : _align(o + n)].zero_()
+        del buf
+        client.publish(prefix, packed)
+        return packed.storage_id
+    finally:
+        packed.release()
+
+
+def _read_manifest(t) -> dict:
+    mv = memoryview(t)
+    try:
+        if len(mv) < 16 or bytes(mv[:8]) != _MAGIC:
+            raise ValueError(
+                "key %r does not hold a state dict (no %r header)" % (t.key, _MAGIC)
+            )
+        n = int.from_bytes(bytes(mv[8:16]), "little")
+        if 16 + n > len(mv):
+            raise ValueError(
+                "key %r: manifest of %d bytes overruns the %d-byte storage"
+                % (t.key, n, len(mv))
+            )
+        return json.loads(bytes(mv[16 : 16 + n]))
+    finally:
+        mv.release()
+
+
+def load_state_dict(
+    client, prefix: str, readonly: bool = True, timeout: Optional[float] = 0
+) -> Dict[str, torch.Tensor]:
+    """Maps the state dict published under ``prefix``; returns its tensors.
+
+    One lookup (``timeout`` as for Client.lookup: 0 does not wait, None waits
+    forever) and no further daemon call. readonly=True maps copy-on-write: a
+    write through a returned tensor changes only this process's private copy
+    of the page and never crashes; readonly=False maps the shared pages
+    (writes reach every reader). Each tensor has its original dtype, shape,
+    strides and storage offset; entries that shared a torch storage share one
+    again. The tensors keep the version they were loaded from alive.
+    Raises tensord.NotFound, ValueError if the key holds no state dict.
+    """
+    t = client.lookup(prefix, timeout=timeout, readonly=readonly)
+    try:
+        manifest = _read_manifest(t)
+        regions = []
+        for r in manifest["regions"]:
+            o, n = r["offset"], r["nbytes"]
+            regions.append(t[o : o + n].torch())
+        typed: dict = {}
+        out: Dict[str, torch.Tensor] = {}
+        for name, e in manifest["tensors"].items():
+            ri = e["region"]
+            dt = _TORCH_DTYPES[e["dtype"]]
+            base = typed.get((ri, dt))
+            if base is None:
+                r = regions[ri]
+                if dt != torch.uint8:
+                    isz = _itemsize(dt)
+                    r = r[: r.numel() // isz * isz].view(dt)
+                base = typed[(ri, dt)] = r
+            out[name] = torch.as_strided(
+                base, e["shape"], e["stride"], e["storage_offset"]
+            )
+        return out
+    finally:
+        t.release()

@@ -1,0 +1,271 @@
+"""tensord.torch.DataLoader: torch's batches, collated into tensord storages."""
+
+import collections
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+import tensord.torch as tdt
+from tensord import _tensord
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+class Nested(torch.utils.data.Dataset):
+    """Nested samples of every kind default_collate handles. Uses the
+    worker's global RNG too, so equal batches need equal worker seeding.
+    With kill_at, worker 1 SIGKILLs itself on any index >= kill_at."""
+
+    def __init__(self, n, kill_at=None):
+        self.n = n
+        self.kill_at = kill_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.kill_at is not None and i >= self.kill_at:
+            info = torch.utils.data.get_worker_info()
+            if info is not None and info.id == 1:
+                time.sleep(0.3)  # let the batches already put reach the pipe
+                os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(i)
+        return {
+            "img": torch.rand(3, 4, generator=g) + torch.rand(()),
+            "label": i % 3,
+            "meta": (np.arange(4, dtype=np.int16) * i, i / 2, "s%d" % i),
+            "lst": [torch.tensor([i, -i]), np.float32(i) / 4, np.random.randint(100)],
+            "flag": torch.tensor(i % 2 == 0),
+            "pt": Point(x=torch.full((2,), i, dtype=torch.bfloat16), y=[i, i + 1]),
+        }
+
+
+def pairs_collate(batch):
+    """A user collate_fn: its tensors are torch's own, not tensord's."""
+    return torch.stack([b["img"] for b in batch]), [b["label"] for b in batch]
+
+
+def assert_same(a, b, where="batch"):
+    assert type(a) is type(b), "%s: %s vs %s" % (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], "%s[%r]" % (where, k))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, "%s[%d]" % (where, i))
+    else:
+        assert a == b, where
+
+
+def tensors_in(batch):
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from tensors_in(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from tensors_in(v)
+
+
+def in_tensord(x):
+    hit = _tensord.find(x.data_ptr())
+    if hit is None:
+        return False
+    hit[0].release()
+    return True
+
+
+def wait_until(pred, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
+        time.sleep(0.02)
+
+
+def nothing_left(client):
+    return not client.ls() and client.stat()["keys"] == 0
+
+
+@pytest.fixture
+def clean(client):
+    tdt.uninstall()
+    yield client
+    tdt.uninstall()
+    gc.collect()
+    wait_until(lambda: nothing_left(client), "no storage and no key left")
+
+
+def epoch(loader):
+    """All the loader's batches, from the same global RNG state each time
+    (with num_workers=0 the dataset draws from the main process's RNGs)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    return list(loader)
+
+
+def loaders(client, dataset, **kw):
+    """torch's DataLoader and tensord's, with equal seeds."""
+    mine = tdt.DataLoader(
+        dataset, client=client, generator=torch.Generator().manual_seed(7), **kw
+    )
+    theirs = torch.utils.data.DataLoader(
+        dataset, generator=torch.Generator().manual_seed(7), **kw
+    )
+    return mine, theirs
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_same_batches_as_torch_and_nothing_left(clean, num_workers):
+    c = clean
+    mine, theirs = loaders(
+        c, Nested(30), batch_size=4, shuffle=True, num_workers=num_workers
+    )
+    want = epoch(theirs)
+    got = epoch(mine)
+    assert len(got) == len(want) == 8
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, "batch %d" % i)
+        assert all(in_tensord(x) for x in tensors_in(g))
+    # Each tensor of each batch has a storage of its own, alive while held.
+    assert len(c.ls()) == sum(len(list(tensors_in(b))) for b in got) > 8
+    assert c.stat()["keys"] == 0  # every batch taken by this process
+    del got
+
+
+def test_user_collate_fn_result_passes_through(clean):
+    mine, theirs = loaders(
+        clean, Nested(12), batch_size=3, num_workers=2, collate_fn=pairs_collate
+    )
+    want, got = epoch(theirs), epoch(mine)
+    assert len(got) == 4
+    for g, w in zip(got, want):
+        assert_same(g, w)
+        assert in_tensord(g[0])  # copied once into tensord by the reducer
+    del got
+
+
+def test_persistent_workers_two_epochs(clean):
+    mine, theirs = loaders(
+        clean, Nested(10), batch_size=4, shuffle=True, num_workers=2,
+        persistent_workers=True,
+    )
+    for n in range(2):
+        assert_same(epoch(mine), epoch(theirs), "epoch %d" % n)
+    del mine  # its iterator, and the scope, go with it
+
+
+def test_spawned_workers(clean):
+    mine = tdt.DataLoader(
+        Nested(8), batch_size=4, num_workers=2, multiprocessing_context="spawn",
+        client=clean, generator=torch.Generator().manual_seed(7),
+    )
+    # Worker seeds do not depend on the start method: compare with fork.
+    theirs = torch.utils.data.DataLoader(
+        Nested(8), batch_size=4, num_workers=2,
+        generator=torch.Generator().manual_seed(7),
+    )
+    got = epoch(mine)
+    assert_same(got, epoch(theirs))
+    assert all(in_tensord(x) for x in tensors_in(got))
+    del got
+
+
+def test_worker_killed_mid_epoch_raises_like_torch_and_leaks_nothing(clean):
+    ds = Nested(40, kill_at=12)  # worker 1's second batch: indices 12..15
+    mine, theirs = loaders(clean, ds, batch_size=4, num_workers=2)
+
+    def consume(loader):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        got = []
+        it = iter(loader)
+        try:
+            for b in it:
+                got.append(b)
+        except RuntimeError as e:
+            error = str(e)
+        else:
+            pytest.fail("no error from a loader whose worker was killed")
+        del it  # no traceback keeps it: its workers are shut down now
+        return got, error
+
+    want, their_error = consume(theirs)
+    got, my_error = consume(mine)
+    assert "DataLoader worker (pid" in their_error
+    assert "DataLoader worker (pid" in my_error
+    # The batches before the dead worker's, as torch's (how many arrive
+    # before the SIGCHLD handler raises depends on timing, for torch too).
+    assert 1 <= len(got) <= 3 and 1 <= len(want) <= 3
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    # Worker 0 had prefetched batches into the scope: gone with it.
+    assert clean.stat()["keys"] == 0
+    del got
+
+
+def test_iterator_dropped_mid_epoch_frees_batches_in_flight(clean):
+    c = clean
+    loader = tdt.DataLoader(Nested(40), batch_size=4, num_workers=2, client=c)
+    it = iter(loader)
+    first = next(it)
+    # The workers prefetch: batches wait in the pipe as keys of the scope,
+    # held by no process.
+    wait_until(lambda: c.stat()["keys"] > 0, "a prefetched batch in flight")
+    del it  # closes the scope: what was in flight goes
+    wait_until(lambda: c.stat()["keys"] == 0, "the keys in flight dropped")
+    assert all(in_tensord(x) for x in tensors_in(first))
+    del first
+
+
+class Images(torch.utils.data.Dataset):
+    """Samples big enough (48 KiB, 192 KiB a batch) for the daemon to pool."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((3, 64, 64), float(i))
+
+
+def test_dropped_batches_are_recycled(clean):
+    c = clean
+    hits = c.stat()["pool"]["hits"]
+    n = 0
+    for b in tdt.DataLoader(Images(), batch_size=4, client=c):
+        assert float(b[3, 0, 0, 0]) == 4 * n + 3
+        n += 1
+    assert n == 6
+    # Batch k is dropped before batch k + 2 is made: its segment serves it.
+    assert c.stat()["pool"]["hits"] - hits >= 4
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset split between the workers by their ids."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(first, 21, step):
+            yield {"x": torch.full((2,), i), "i": i}
+
+
+def test_iterable_dataset(clean):
+    mine, theirs = loaders(clean, Stream(), batch_size=3, num_workers=2)
+    got, want = epoch(mine), epoch(theirs)
+    assert len(got) == len(want) == 8  # 11 and 10 samples: 4 + 4 batches
+    assert_same(got, want)
+    assert all(in_tensord(x) for x in tensors_in(got))
+    del got

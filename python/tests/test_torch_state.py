@@ -1,0 +1,187 @@
+"""publish_state_dict / load_state_dict: one packed storage per state dict."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tensord
+import tensord.torch as tdt
+from tensord import _tensord
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def storage_ptr(t):
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage().data_ptr()
+    return t.storage().untyped().data_ptr()
+
+
+def wait_until(pred, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
+        time.sleep(0.02)
+
+
+def nothing_left(client):
+    return not client.ls() and client.stat()["keys"] == 0
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.norm = torch.nn.BatchNorm1d(6)  # int64 num_batches_tracked
+        self.out = torch.nn.Linear(6, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied
+
+
+def sample_state(seed=0):
+    torch.manual_seed(seed)
+    sd = Tied().state_dict()
+    big = torch.randn(7, 9, dtype=torch.float64)
+    sd["strided"] = big[2:, 1::2]  # offset and steps into a larger storage
+    sd["strided_t"] = big.t()  # the same storage, another view: tied to it
+    sd["scalar"] = torch.tensor(3.5 + seed)
+    sd["empty"] = torch.empty(0, 3)
+    sd["mask"] = torch.rand(5) > 0.5
+    sd["half"] = torch.randn(4, 2).to(torch.bfloat16)
+    sd["cplx"] = torch.randn(3, dtype=torch.complex64)
+    sd["bytes_of_big"] = big.view(torch.uint8)[1]  # another dtype, same storage
+    return sd
+
+
+@pytest.fixture
+def clean(client):
+    yield client
+    wait_until(lambda: nothing_left(client), "no storage and no key left")
+
+
+def test_round_trip_exact_and_tied(clean):
+    c = clean
+    sd = sample_state()
+    sid = tdt.publish_state_dict(c, "models/a", sd)
+    (s,) = c.ls()  # one packed storage, under one key
+    assert s["id"] == sid and s["keys"] == ["models/a"]
+    got = tdt.load_state_dict(c, "models/a")
+    assert list(got) == list(sd)
+    for name, want in sd.items():
+        g = got[name]
+        assert g.dtype == want.dtype, name
+        assert g.shape == want.shape, name
+        assert g.stride() == want.stride(), name
+        assert g.storage_offset() == want.storage_offset(), name
+        assert torch.equal(g, want), name
+        hit = _tensord.find(storage_ptr(g)) if g.numel() else None
+        if hit is not None:
+            assert hit[0].storage_id == sid
+            hit[0].release()
+    # Tied stays tied, and only what was tied.
+    assert storage_ptr(got["emb.weight"]) == storage_ptr(got["out.weight"])
+    assert storage_ptr(got["strided"]) == storage_ptr(got["strided_t"])
+    assert storage_ptr(got["strided"]) == storage_ptr(got["bytes_of_big"])
+    assert storage_ptr(got["emb.weight"]) != storage_ptr(got["norm.weight"])
+    assert storage_ptr(got["norm.weight"]) != storage_ptr(got["norm.bias"])
+    c.unpublish("models/a")
+    assert len(c.ls()) == 1  # the loaded tensors hold it
+    del got
+
+
+def test_packed_layout(clean):
+    c = clean
+    sd = {"a": torch.arange(3, dtype=torch.int16), "b": torch.ones(2, 2)}
+    tdt.publish_state_dict(c, "models/layout", sd)
+    t = c.lookup("models/layout", timeout=0, readonly=True)
+    raw = bytes(memoryview(t))
+    assert raw[:8] == b"TDSTATE1"
+    n = int.from_bytes(raw[8:16], "little")
+    m = json.loads(raw[16 : 16 + n])
+    assert m["tensors"]["a"] == {
+        "dtype": "int16", "shape": [3], "stride": [1], "storage_offset": 0,
+        "region": 0,
+    }
+    assert [r["nbytes"] for r in m["regions"]] == [6, 16]
+    for r in m["regions"]:
+        assert r["offset"] % 64 == 0 and r["offset"] >= 16 + n
+    o = m["regions"][1]["offset"]
+    assert raw[o : o + 16] == torch.ones(4).numpy().tobytes()
+    t.release()
+    c.unpublish("models/layout")
+
+
+def test_readonly_load_writes_stay_private(clean):
+    c = clean
+    sd = {"w": torch.randn(256, 64)}
+    tdt.publish_state_dict(c, "models/ro", sd)
+    a = tdt.load_state_dict(c, "models/ro")
+    a["w"].mul_(0)  # no crash: copy-on-write
+    assert float(a["w"].abs().sum()) == 0
+    w = tdt.load_state_dict(c, "models/ro", readonly=False)
+    assert torch.equal(w["w"], sd["w"])  # the shared pages are untouched
+    w["w"][0, 0] = 123.0  # writable load: writes reach the shared pages
+    del a
+    b = tdt.load_state_dict(c, "models/ro")
+    assert float(b["w"][0, 0]) == 123.0
+    c.unpublish("models/ro")
+    del w, b
+
+
+def test_update_is_atomic_for_readers(clean):
+    c = clean
+    v1, v2 = sample_state(1), sample_state(2)
+    tdt.publish_state_dict(c, "models/live", v1)
+    old = tdt.load_state_dict(c, "models/live")
+    tdt.publish_state_dict(c, "models/live", v2)
+    assert len(c.ls()) == 2  # v1 lives on in its reader, v2 under the key
+    new = tdt.load_state_dict(c, "models/live")
+    for name in v1:
+        assert torch.equal(old[name], v1[name]), name
+        assert torch.equal(new[name], v2[name]), name
+    del old
+    assert len(c.ls()) == 1  # v1 went with its last reader
+    c.unpublish("models/live")
+    del new
+
+
+def test_errors(clean):
+    c = clean
+    with pytest.raises(tensord.NotFound):
+        tdt.load_state_dict(c, "models/none")
+    t = c.empty((64,), "uint8")
+    c.publish("models/junk", t)
+    with pytest.raises(ValueError, match="state dict"):
+        tdt.load_state_dict(c, "models/junk")
+    with pytest.raises(TypeError, match="'step'"):
+        tdt.publish_state_dict(c, "models/bad", {"w": torch.ones(2), "step": 3})
+    with pytest.raises(tensord.NotFound):
+        c.lookup("models/bad", timeout=0)  # nothing published on failure
+    c.unpublish("models/junk")
+    t.release()
+
+
+def run_example(daemon, name, timeout=120):
+    env = dict(os.environ, TENSORD_SOCKET=daemon)
+    p = subprocess.run(
+        [sys.executable, os.path.join(REPO, "docs", "examples", name)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert p.returncode == 0, "%s failed:\n%s%s" % (name, p.stdout, p.stderr)
+    return p.stdout
+
+
+def test_example_dataloader(clean, daemon):
+    out = run_example(daemon, "dataloader.py")
+    assert "accuracy" in out
+
+
+def test_example_shared_weights(clean, daemon):
+    out = run_example(daemon, "shared_weights.py")
+    lines = [l for l in out.splitlines() if l.startswith("server ")]
+    assert len(lines) == 3 and all("ok" in l for l in lines), out

@@ -179,8 +179,9 @@ static void cache_init(void) {
  * instead, and a copy-on-write one not at all: MAP_POPULATE of a private
  * writable mapping write-faults every page, a private copy of all of it.
  * Returns the address or MAP_FAILED with errno set. */
-static void *map_fd(int fd, size_t nbytes, int mode, int *populate) {
-  *populate = nbytes >= (mode == TD__MAP_RW ? populate_rw : populate_ro);
+static void *map_fd(int fd, size_t nbytes, int mode, int lazy, int *populate) {
+  *populate =
+      !lazy && nbytes >= (mode == TD__MAP_RW ? populate_rw : populate_ro);
   int now = !HAVE_MADV_POPULATE && *populate;
   int prot = PROT_READ | (mode == TD__MAP_RO ? 0 : PROT_WRITE);
   int flags = mode == TD__MAP_COW ? MAP_PRIVATE : MAP_SHARED;
@@ -207,7 +208,7 @@ static int meq(const td__hnode *n, const void *key) {
 }
 
 int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
-                    int fd, td__mapping **out) {
+                    int fd, int lazy, td__mapping **out) {
   pthread_once(&once, cache_init);
   mkey k = {instance, id, mode};
   uint64_t h = mhash(&k);
@@ -239,9 +240,11 @@ int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
     m->dev = sb.st_dev;
     m->ino = sb.st_ino;
     addr = warm_take(m->dev, m->ino, mode, nbytes, &populate);
+    if (lazy)
+      populate = 0;
   }
   if (addr == NULL)
-    addr = map_fd(fd, nbytes, mode, &populate);
+    addr = map_fd(fd, nbytes, mode, lazy, &populate);
   if (addr == MAP_FAILED) {
     err = -errno;
     free(m);
@@ -272,7 +275,8 @@ out:
 /* Returns the mapping of (instance, id) in the other shared mode (read-only
  * for read-write and back), or NULL. Called with mu held. */
 static td__mapping *sibling(const td__mapping *m) {
-  mkey k = {m->instance, m->id, m->mode == TD__MAP_RW ? TD__MAP_RO : TD__MAP_RW};
+  mkey k = {m->instance, m->id,
+            m->mode == TD__MAP_RW ? TD__MAP_RO : TD__MAP_RW};
   td__hnode *n = td__htab_find(&maps, mhash(&k), meq, &k);
   return n != NULL ? td__container_of(n, td__mapping, node) : NULL;
 }
@@ -300,8 +304,7 @@ static void *warm_take(dev_t dev, ino_t ino, int mode, size_t len,
                        int *populate) {
   warm_expire();
   for (warm **p = &warms, *w; (w = *p) != NULL; p = &w->next) {
-    if (w->ino != ino || w->dev != dev || w->mode != mode ||
-        w->len != len)
+    if (w->ino != ino || w->dev != dev || w->mode != mode || w->len != len)
       continue;
     *p = w->next;
     nwarm--;

@@ -668,7 +668,8 @@ static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
  * -1), mapped copy-on-write if cow (and m is read-only). On failure the
  * reference is released. */
 static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
-                       int cow, td_storage **out) {
+                       unsigned flags, td_storage **out) {
+  int cow = (flags & TD_COW) != 0, lazy = (flags & TD_LAZY) != 0;
   cow = cow && m->readonly;
   int mode = m->readonly ? (cow ? TD__MAP_COW : TD__MAP_RO) : TD__MAP_RW;
   td_storage *s = calloc(1, sizeof(*s));
@@ -679,7 +680,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     return fail(c, TD_ENOMEM, "out of memory");
   }
   int err =
-      td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, &s->map);
+      td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy, &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -688,7 +689,8 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     int fd2 = -1;
     err = open_call(c, m->id, m->readonly, 1, &r, &fd2);
     if (err == 0) {
-      err = td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2, &s->map);
+      err = td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2, lazy,
+                            &s->map);
       tensord__response__free_unpacked(r, NULL);
       send_release(c, m->id, m->readonly, 1, 1);
     }
@@ -778,14 +780,14 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
 int td_storage_open(td_client *c, uint64_t id, unsigned flags,
                     td_storage **out) {
   *out = NULL;
-  if (flags & ~(TD_RDONLY | TD_COW))
+  if (flags & ~(TD_RDONLY | TD_COW | TD_LAZY))
     return fail(c, TD_EINVAL, "open: unknown flags 0x%x", flags);
   Tensord__Response *r;
   int fd = -1;
   int err = open_call(c, id, (flags & (TD_RDONLY | TD_COW)) != 0, 0, &r, &fd);
   if (err < 0)
     return err;
-  err = make_handle(c, r->storage, fd, (flags & TD_COW) != 0, out);
+  err = make_handle(c, r->storage, fd, flags, out);
   tensord__response__free_unpacked(r, NULL);
   return err;
 }
@@ -832,6 +834,10 @@ int td_storage_is_readonly(const td_storage *s) {
 }
 td_client *td_storage_client(const td_storage *s) {
   return s->c;
+}
+
+uint64_t td_client_instance(const td_client *c) {
+  return c->instance;
 }
 
 /* ---- keys ---- */
@@ -914,7 +920,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   int err = check_key(c, "lookup", key, &len);
   if (err < 0)
     return err;
-  if (flags & ~(TD_RDONLY | TD_TAKE | TD_COW))
+  if (flags & ~(TD_RDONLY | TD_TAKE | TD_COW | TD_LAZY))
     return fail(c, TD_EINVAL, "lookup '%s': unknown flags 0x%x", key, flags);
   if (timeout_ms < -1)
     return fail(c, TD_EINVAL,
@@ -949,7 +955,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     tensord__response__free_unpacked(r, NULL);
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }
-  err = make_handle(c, lr->storage, fd, (flags & TD_COW) != 0, s);
+  err = make_handle(c, lr->storage, fd, flags, s);
   tensord__response__free_unpacked(r, NULL);
   if (err == 0 && v != NULL)
     *v = view;

@@ -257,8 +257,12 @@ static int import(td_client *c, const DLManagedTensor *src, const char *key,
                          "from_dlpack: a copy of %lld elements of %zu "
                          "bytes does not fit in size_t",
                          (long long)numel, es);
+  /* The copy writes every byte (it is contiguous), so a recycled segment
+   * need not be zeroed first; an empty tensor still takes one byte. */
+  td_create_opts o = {.nbytes = nbytes > 0 ? nbytes : 1,
+                      .flags = nbytes > 0 ? TD_UNINIT : 0};
   td_storage *s = NULL;
-  if ((err = td_storage_create(c, nbytes > 0 ? nbytes : 1, &s)) < 0)
+  if ((err = td_storage_create_ex(c, &o, &s)) < 0)
     return td__view_fail(err, "from_dlpack: %s", td_last_error(c));
   const char *base = (const char *)t->data + t->byte_offset;
   if ((err = td__copy_raw(td_storage_data(s), &dv, base, &sv, 0)) < 0)

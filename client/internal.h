@@ -42,11 +42,12 @@ typedef struct td__mapping td__mapping;
  * copy-on-write over a read-only fd (TD_COW). */
 enum { TD__MAP_RW = 0, TD__MAP_RO = 1, TD__MAP_COW = 2 };
 /* Finds the process's mapping of the storage in mode, or maps fd (nbytes)
- * if there is none. Adds one handle to it. Always closes fd (when >= 0).
+ * if there is none (never to be populated if lazy: TD_LAZY). Adds one
+ * handle to it. Always closes fd (when >= 0).
  * Returns 0, TD_ENOENT if there is no mapping and fd is -1, or the mmap
  * error. */
 int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
-                    int fd, td__mapping **out);
+                    int fd, int lazy, td__mapping **out);
 /* Drops one handle; the last unmaps. NULL ok. */
 void td__map_release(td__mapping *m);
 /* Returns the mapping's address; the first call populates it if it is at

@@ -366,8 +366,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     return;
   }
   if (k->scope != NULL) { /* never journaled: nothing to record */
-    td__debug("client %d took scoped key '%s'", (int)c->hold.peer.pid,
-              k->name);
+    td__debug("client %d took scoped key '%s'", (int)c->hold.peer.pid, k->name);
     td__key_remove(&c->srv->reg, k);
     td__conn_send(c, &r, fd);
     return;

@@ -522,8 +522,7 @@ void td__key_remove(td__registry *r, td__key *k) {
 }
 
 static int scope_eq(const td__hnode *n, const void *key) {
-  return td__container_of(n, td__scope, node)->token ==
-         *(const uint64_t *)key;
+  return td__container_of(n, td__scope, node)->token == *(const uint64_t *)key;
 }
 
 int td__scope_open(td__registry *r, uint64_t token, uid_t uid, void *owner,

@@ -52,13 +52,13 @@ struct td__storage {
   uint64_t id;
   uint64_t nbytes;
   td_device device;
-  uint32_t refs;  /* holders' references plus one per key */
-  uint32_t mode;  /* rw bits for owner, group, other: 0600 by default */
+  uint32_t refs; /* holders' references plus one per key */
+  uint32_t mode; /* rw bits for owner, group, other: 0600 by default */
   /* An fd on it went to a process of another uid (which may map it after
    * it is freed), or it was adopted at a start (no one knows who maps
    * it): its segment is never recycled. */
   int foreign;
-  int named; /* a key has named it: a journal may record its segment */
+  int named;      /* a key has named it: a journal may record its segment */
   td__peer owner; /* the creator: pid, and the uid and gid that own it */
   int64_t created_ms;
   td__ref *holders;
@@ -182,8 +182,8 @@ typedef struct td__key_prep {
   td__key *k; /* the key: an existing one, or a new one not yet linked */
   int fresh;  /* k is new */
   td__storage *s;
-  uid_t uid;      /* the publisher */
-  int usage_made; /* uid's usage entry was made for this change */
+  uid_t uid;        /* the publisher */
+  int usage_made;   /* uid's usage entry was made for this change */
   td__scope *scope; /* the key goes with this scope (a fresh key only) */
 } td__key_prep;
 

@@ -376,6 +376,13 @@ typedef struct td_storage td_storage;
  * opened TD_COW in one process share one mapping (a write through one is
  * seen through the others); it is never kept warm (see docs/design.md). */
 #define TD_COW 0x8u
+/* td_storage_open, td_lookup: map without populating: each page is mapped
+ * when first touched, instead of all of them at the first td_storage_data
+ * (see "Mappings" in docs/design.md). For a process that attaches far more
+ * than it reads soon (weights it serves, a state dict with many tensors):
+ * attaching costs no time that grows with the size. No effect when the
+ * process maps the storage in that mode already. */
+#define TD_LAZY 0x10u
 
 /* Returns the socket path the daemon, the library and tensorctl agree on:
  * $TENSORD_SOCKET, else $XDG_RUNTIME_DIR/tensord.sock, else
@@ -396,6 +403,11 @@ int td_connect(const char *socket_path, td_client **out);
  * Calls other threads are making on c return TD_ENOTCONN at once. Storage
  * handles made by c stay mapped until they are released. NULL ok. */
 void td_close(td_client *c);
+/* Returns the instance of the daemon c is connected to: a random 64-bit
+ * number drawn at each start of tensord (td_stat's instance). Storage ids
+ * are per instance: compare instances before using an id learnt through
+ * another client. */
+uint64_t td_client_instance(const td_client *c);
 /* Returns this thread's last failure of a call on c, or of any call when c
  * is NULL (see "Errors" above); "" if none. */
 const char *td_last_error(const td_client *c);

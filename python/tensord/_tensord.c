@@ -45,6 +45,7 @@ typedef struct store {
   atomic_long refs;
   char *base;
   size_t len;
+  uint64_t instance; /* the daemon's (td_client_instance): ids are per daemon */
   struct store *prev, *next; /* g_stores, under g_reg_mu */
 } store;
 
@@ -70,6 +71,7 @@ static store *store_new(td_storage *s) {
   atomic_init(&p->refs, 1);
   p->base = td_storage_data(s);
   p->len = td_storage_nbytes(s);
+  p->instance = td_client_instance(td_storage_client(s));
   pthread_mutex_lock(&g_reg_mu);
   p->next = g_stores;
   if (g_stores != NULL)
@@ -383,6 +385,7 @@ typedef struct Tensor {
   PyObject *key;    /* str or NULL */
   PyObject *client; /* Client or NULL */
   uint64_t sid;
+  uint64_t instance; /* the daemon's that sid belongs to */
   size_t snbytes;
   int readonly;
   int released;  /* release() was called */
@@ -509,6 +512,7 @@ static PyObject *tensor_new(store *p, const td_view *v, PyObject *key,
   t->client = client;
   Py_XINCREF(client);
   t->sid = td_storage_id(p->s);
+  t->instance = p->instance;
   t->snbytes = td_storage_nbytes(p->s);
   t->readonly = td_storage_is_readonly(p->s) != 0;
   t->released = 0;
@@ -992,15 +996,17 @@ static PyObject *Client_share(Client *self, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *Client_open(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"storage_id", "readonly", NULL};
+  static char *kwlist[] = {"storage_id", "readonly", "lazy", NULL};
   unsigned long long id;
-  int ro = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "K|p:open", kwlist, &id, &ro))
+  int ro = 0, lazy = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "K|pp:open", kwlist, &id, &ro,
+                                   &lazy))
     return NULL;
+  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (lazy ? TD_LAZY : 0);
   td_storage *s = NULL;
   call x;
   int err;
-  CALL(self, x, err, td_storage_open(x.c, id, ro ? TD_RDONLY | TD_COW : 0, &s));
+  CALL(self, x, err, td_storage_open(x.c, id, flags, &s));
   if (err < 0)
     return raise_err(err, x.msg);
   int64_t n = (int64_t)td_storage_nbytes(s);
@@ -1106,12 +1112,12 @@ static PyObject *Client_scope_close(Client *self, PyObject *args) {
 }
 
 static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"key",  "timeout", "readonly",
-                           "take", "_cancel", NULL};
+  static char *kwlist[] = {"key",  "timeout", "readonly", "take",
+                           "lazy", "_cancel",  NULL};
   PyObject *keyobj, *timeoutobj = Py_None, *cancel = Py_None;
-  int ro = 0, take = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OppO:lookup", kwlist, &keyobj,
-                                   &timeoutobj, &ro, &take, &cancel))
+  int ro = 0, take = 0, lazy = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpppO:lookup", kwlist, &keyobj,
+                                   &timeoutobj, &ro, &take, &lazy, &cancel))
     return NULL;
   const char *key = key_utf8(keyobj);
   if (key == NULL)
@@ -1130,7 +1136,8 @@ static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
       return NULL;
     }
   }
-  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0);
+  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0) |
+                   (lazy ? TD_LAZY : 0);
   int64_t start = mono_ms();
   int64_t deadline = start + (int64_t)(timeout * 1000.0 + 0.999);
   int first = 1;
@@ -1376,9 +1383,23 @@ static PyMethodDef Client_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Client_get_instance(Client *self, void *unused) {
+  (void)unused;
+  call x;
+  int err;
+  uint64_t inst = 0;
+  /* Through cl_enter: a forked child reconnects first (same daemon). */
+  CALL(self, x, err, (inst = td_client_instance(x.c), 0));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return PyLong_FromUnsignedLongLong(inst);
+}
+
 static PyGetSetDef Client_getset[] = {
     {"closed", (getter)Client_get_closed, NULL, "True once close()d", NULL},
     {"path", (getter)Client_get_path, NULL, "the daemon's socket", NULL},
+    {"instance", (getter)Client_get_instance, NULL,
+     "the daemon's instance: storage ids are per instance", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -2137,6 +2158,11 @@ static PyMethodDef Tensor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Tensor_get_instance(Tensor *t, void *u) {
+  (void)u;
+  return PyLong_FromUnsignedLongLong(t->instance);
+}
+
 static PyGetSetDef Tensor_getset[] = {
     {"shape", (getter)Tensor_get_shape, NULL, "sizes", NULL},
     {"strides", (getter)Tensor_get_strides, NULL, "strides in elements", NULL},
@@ -2147,6 +2173,9 @@ static PyGetSetDef Tensor_getset[] = {
     {"numel", (getter)Tensor_get_numel, NULL, NULL, NULL},
     {"nbytes", (getter)Tensor_get_nbytes, NULL, "numel * itemsize", NULL},
     {"storage_id", (getter)Tensor_get_storage_id, NULL, NULL, NULL},
+    {"instance", (getter)Tensor_get_instance, NULL,
+     "the instance of the daemon storage_id belongs to (Client.instance)",
+     NULL},
     {"storage_nbytes", (getter)Tensor_get_storage_nbytes, NULL, NULL, NULL},
     {"readonly", (getter)Tensor_get_readonly, NULL, NULL, NULL},
     {"released", (getter)Tensor_get_released, NULL, NULL, NULL},

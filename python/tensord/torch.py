@@ -30,10 +30,9 @@ non-leaf that requires grad, without named dimensions, the reducer
    whole, the tensor is sent as that storage with its exact view (dtype,
    shape, strides, offset): no byte is copied. Otherwise the tensor is copied
    once into a new storage (contiguous, uninitialised before the copy, so
-   recycled by the daemon). ``find()`` does not say which daemon a storage
-   belongs to, so the storage is taken to be the installed client's daemon's:
-   a process that holds storages of two daemons at once should send only
-   through the daemon its tensors came from.
+   recycled by the daemon). A storage of another daemon than the installed
+   client's (``Tensor.instance`` against ``Client.instance``: ids are per
+   daemon instance) is copied like a foreign tensor.
 2. publishes the view under a one-shot key ``tensord.mp/<scope>/<pid>.<n>``
    into a *scope* (below), and pickles ``(socket path, key, requires_grad,
    is Parameter)``.
@@ -370,9 +369,8 @@ def _storage_view(client, t: torch.Tensor):
         isz = t.element_size()
         if base.readonly or off % isz:
             return None
-        owner = base.client  # None when find() cannot tell: assume client's
-        if owner is not None and owner.path != client.path:
-            return None
+        if base.instance != client.instance:
+            return None  # another daemon's storage: its id means nothing here
         try:
             return base.as_strided(
                 tuple(t.shape), tuple(t.stride()), offset=off // isz, dtype=t.dtype
@@ -770,7 +768,9 @@ def load_state_dict(
     again. The tensors keep the version they were loaded from alive.
     Raises tensord.NotFound, ValueError if the key holds no state dict.
     """
-    t = client.lookup(prefix, timeout=timeout, readonly=readonly)
+    # Lazily mapped: attaching costs the same for 5 MB or 5 GB; each page is
+    # mapped when a forward pass first reads it.
+    t = client.lookup(prefix, timeout=timeout, readonly=readonly, lazy=True)
     try:
         manifest = _read_manifest(t)
         regions = []

@@ -84,3 +84,38 @@ def test_open_readonly_is_cow_too(client):
     assert bytes(t.numpy()) == b"abc"
     t.release()
     r.release()
+
+
+def _rss_kib(addr: int) -> int:
+    """Rss of the mapping of this process that holds addr, from smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds 0x%x" % addr)
+
+
+def test_lazy_lookup_maps_no_page_until_touched(client):
+    """lazy=True (TD_LAZY) skips the populate: attaching costs nothing that
+    grows with the size; the pages come as they are touched. Without it, a
+    mapping this big is populated when the Tensor is made. (Read-only: the
+    writer's read-write mapping in this process is another one.)"""
+    readonly = True
+    n = 4 << 20
+    with client.empty((n,), "uint8") as w:
+        w.numpy()[:] = 7
+        client.publish("lazy/big", w)
+        a = client.lookup("lazy/big", readonly=readonly, lazy=True)
+        assert _rss_kib(a.data_ptr) == 0
+        assert a.numpy()[4096 * 100] == 7  # one touch maps a few pages only
+        assert 0 < _rss_kib(a.data_ptr) < n // 1024
+        a.release()
+        b = client.lookup("lazy/big", readonly=readonly)  # populated
+        assert _rss_kib(b.data_ptr) == n // 1024
+        b.release()
+        client.unpublish("lazy/big")

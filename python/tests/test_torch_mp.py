@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 import tensord
 import tensord.torch as tdt
+from conftest import Daemon
 from tensord import _tensord
 
 
@@ -305,3 +306,27 @@ def test_receiver_that_dies_before_unpickling_leaks_nothing(clean, daemon):
     p.join(30)
     assert p.exitcode == 0
     wait_until(lambda: nothing_left(c), "the scope's keys dropped with its owner")
+
+
+def test_tensor_of_another_daemon_is_copied(installed):
+    """Storage ids are per daemon instance: a tensor whose storage belongs to
+    another tensord is copied, never sent as an id the installed daemon would
+    read as one of its own storages."""
+    c = installed
+    other = Daemon()
+    try:
+        with tensord.connect(other.sock) as oc:
+            assert oc.instance != c.instance
+            t, x = tensord_tensor(oc, torch.arange(16, dtype=torch.int64))
+            assert t.instance == oc.instance
+            mine = c.empty((16,), "int64")  # the same id may exist here
+            data = ForkingPickler.dumps(x)
+            (key,) = in_flight_keys(c)
+            y = ForkingPickler.loads(data)
+            assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+            assert storage_of(y)[0] not in (mine.storage_id, None)
+            del x, y
+            t.release()
+            mine.release()
+    finally:
+        other.stop()

@@ -235,6 +235,19 @@ static void cow_writes_stay_private(size_t n) {
   cr_assert(scribble(cow));
   cr_assert_eq(off_pattern(s, 5), 0, "the read-write mapping sees COW writes");
   run_child(ro_reader, &j);
+  /* A page the COW handle never wrote shows the segment as it is now; one
+   * it wrote keeps the process's copy. */
+  uint8_t *w = td_storage_data(s);
+  const uint8_t *r = td_storage_data(cow);
+  size_t untouched = 2 * PAGE + 5;
+  w[untouched] = 0x77;
+  w[0] = 0x66;
+  cr_assert_eq(r[untouched], 0x77,
+               "a later write is not seen on a page the "
+               "COW handle never wrote");
+  cr_assert_eq(r[0], 0xee, "the owner's write replaced the COW copy");
+  w[untouched] = pat(untouched, 5);
+  w[0] = pat(0, 5);
   cr_assert_eq(td_storage_release(cow), 0);
   cr_assert_eq(td_unpublish(c, "cow/k"), 0);
   td_storage_release(s);

@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -982,6 +983,9 @@ TDT_TEST(scopes, at_most_1024_scopes_per_connection) {
  * the pipe and waits to be killed, connected. */
 static int stays_connected(void *arg) {
   int *fd = arg;
+  /* Never outlive a test that failed before it killed us. */
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  alarm(30);
   close(fd[0]);
   td_client *c = child_connect();
   CHECK(c != NULL);

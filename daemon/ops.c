@@ -913,11 +913,12 @@ void td__ops_conn_gone(td__conn *c) {
    * took them go now. */
   while (c->scopes != NULL) {
     td__scope *sc = c->scopes;
+    uint64_t token = sc->token; /* td__scope_close frees sc */
     scope_unlink_from_conn(c, sc);
     uint64_t n = td__scope_close(&c->srv->reg, sc);
     if (n > 0)
       td__debug("client %d gone: its scope %016llx dropped %llu key(s)",
-                (int)c->hold.peer.pid, (unsigned long long)sc->token,
+                (int)c->hold.peer.pid, (unsigned long long)token,
                 (unsigned long long)n);
   }
 }

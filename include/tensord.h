@@ -346,7 +346,8 @@ typedef struct td_storage td_storage;
  * process holds it.
  *
  * Fork. A child of fork() inherits the parent's mappings, and they stay
- * valid and shared (writes are seen by everyone mapping the storage); it
+ * valid and shared (writes are seen by everyone mapping the storage; a
+ * TD_COW mapping stays private, the child's copy of the parent's); it
  * does not inherit the parent's references, nor its connections. A call in
  * the child on a client connected by the parent fails with TD_EFORKED
  * without touching the parent's connection; the child connects again with
@@ -430,7 +431,8 @@ typedef struct td_create_opts {
 int td_storage_create_ex(td_client *c, const td_create_opts *o,
                          td_storage **out);
 /* Takes a new reference to storage id; flags: TD_RDONLY maps it read-only
- * (the kernel refuses writes). */
+ * (the kernel refuses writes), TD_COW read-only and copy-on-write (above);
+ * any other bit is TD_EINVAL. */
 int td_storage_open(td_client *c, uint64_t id, unsigned flags,
                     td_storage **out);
 /* Takes one more reference on the same handle, for a holder that must outlive
@@ -454,8 +456,9 @@ td_client *td_storage_client(const td_storage *s);
 int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v);
 /* Looks key up; waits up to timeout_ms for it to be published (0: do not
- * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE. On success *s is a new
- * handle and *v (if not NULL) the published view. */
+ * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE, TD_COW (any other bit
+ * is TD_EINVAL). On success *s is a new handle and *v (if not NULL) the
+ * published view. */
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);
 int td_unpublish(td_client *c, const char *key);

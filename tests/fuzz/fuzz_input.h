@@ -43,6 +43,7 @@
 #ifndef TD_FUZZ_INPUT_H
 #define TD_FUZZ_INPUT_H
 
+#include <stdint.h>
 #include <sys/types.h>
 
 #define FZ_HELLO 0x01
@@ -70,6 +71,11 @@
 #define FZ_CAPACITY (8u << 20)
 #define FZ_QUOTA (1u << 20)
 #define FZ_MAX_STORAGES 3
+
+/* The scope tokens the harness's daemon draws: the nth scope opened in an
+ * input (from 0) is FZ_SCOPE_TOKEN(n), so that seeds and mutations can
+ * publish into it. */
+#define FZ_SCOPE_TOKEN(n) ((uint64_t)(n) + 1)
 
 /* Who a connection claims to be (its SO_PEERCRED, overridden): 1 and 2 share
  * a group, 3 is a stranger. Entry 0 is unused (the real credentials). */

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -78,6 +79,22 @@ static uint8_t hello[64];
 static size_t hello_len;
 static uint32_t serial;
 static int verbose; /* TD_FUZZ_VERBOSE=1: print every reply */
+/* The next scope token (see __wrap_getrandom); 0: between inputs. */
+static uint64_t next_token;
+
+/* Scope tokens: the daemon draws them with getrandom (ops.c), which the
+ * build wraps (-Wl,--wrap=getrandom, in tensord's own objects only) so that
+ * in an input they come as FZ_SCOPE_TOKEN(0), (1), ...: seeds and mutations
+ * can then publish into the scopes they open. */
+ssize_t __real_getrandom(void *buf, size_t len, unsigned flags);
+ssize_t __wrap_getrandom(void *buf, size_t len, unsigned flags);
+ssize_t __wrap_getrandom(void *buf, size_t len, unsigned flags) {
+  if (next_token == 0 || len != sizeof(next_token))
+    return __real_getrandom(buf, len, flags);
+  memcpy(buf, &next_token, sizeof(next_token));
+  next_token++;
+  return (ssize_t)len;
+}
 
 /* Reports a broken invariant and aborts, after unlinking the daemon's
  * segments so that a crash leaves nothing in /dev/shm. */
@@ -589,6 +606,8 @@ static void check_registry(void) {
   if (srv.conns != NULL || srv.nconns != 0)
     die("%llu connection(s) left after every client hung up",
         (unsigned long long)srv.nconns);
+  if (r->scopes.count != 0)
+    die("%zu scope(s) left with no client", r->scopes.count);
   if (srv.waits.count != 0 || srv.waits.queues.count != 0)
     die("%llu waiter(s) in %zu queue(s) left with no client",
         (unsigned long long)srv.waits.count, srv.waits.queues.count);
@@ -696,6 +715,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                  (++serial & 0xffffff);
   snprintf(srv.prefix, sizeof(srv.prefix), "/tensord.%016llx.",
            (unsigned long long)srv.instance);
+  next_token = FZ_SCOPE_TOKEN(0);
 
   int ticks = 0;
   nends = (f0 & FZ_MULTI) ? 2 : 1;
@@ -753,6 +773,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_registry();
   td__server_stop(&srv);
   run_to_idle();
+  next_token = 0;
   if (count_segments() > 0)
     die("the stopped daemon left segments in /dev/shm");
   int fds_after = count_fds();

@@ -145,6 +145,32 @@ static void publish(buf *o, uint64_t seq, const char *k, uint64_t id) {
   publish_view(o, seq, k, id, 0, -1, NULL, NULL, 0);
 }
 
+/* A publish into scope token (FZ_SCOPE_TOKEN: the harness draws them). */
+static void publish_in(buf *o, uint64_t seq, const char *k, uint64_t id,
+                       uint64_t token) {
+  Tensord__Publish m = TENSORD__PUBLISH__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  m.key = key(k);
+  m.id = id;
+  m.scope = token;
+  r.seq = seq;
+  r.body_case = TENSORD__REQUEST__BODY_PUBLISH;
+  r.publish = &m;
+  add(o, &r);
+}
+
+/* Opens a scope (close 0), or ends scope token. */
+static void scope(buf *o, uint64_t seq, int close, uint64_t token) {
+  Tensord__Scope m = TENSORD__SCOPE__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  m.close = close;
+  m.token = token;
+  r.seq = seq;
+  r.body_case = TENSORD__REQUEST__BODY_SCOPE;
+  r.scope = &m;
+  add(o, &r);
+}
+
 static void lookup(buf *o, uint64_t seq, const char *k, int ro, int32_t wait,
                    int take, int force) {
   Tensord__Lookup m = TENSORD__LOOKUP__INIT;
@@ -492,6 +518,29 @@ static void gen_bad(void) {
   ping(&in, 3, "still here");
   write_input("unknown_op", &in);
 
+  /* Scopes: keys that go when their scope ends; a scoped publish never
+   * replaces a key; an ordinary one takes a key out of its scope. */
+  single(0);
+  scope(&in, 2, 0, 0);
+  scope(&in, 3, 0, 0);
+  create(&in, 4, 4096, 0);
+  publish_in(&in, 5, "a", 1, FZ_SCOPE_TOKEN(0));
+  publish_in(&in, 6, "b", 1, FZ_SCOPE_TOKEN(0));
+  publish_in(&in, 7, "a", 1, FZ_SCOPE_TOKEN(1)); /* EEXIST */
+  publish(&in, 8, "b", 1);
+  publish_in(&in, 9, "c", 1, FZ_SCOPE_TOKEN(7));  /* never opened */
+  scope(&in, 10, 1, FZ_SCOPE_TOKEN(0));           /* drops "a" */
+  scope(&in, 11, 1, FZ_SCOPE_TOKEN(0));           /* ended */
+  publish_in(&in, 12, "d", 1, FZ_SCOPE_TOKEN(0)); /* ended */
+  publish_in(&in, 13, "d", 1, FZ_SCOPE_TOKEN(1));
+  lookup(&in, 14, "d", 1, 0, 1, 0);
+  publish_in(&in, 15, "e", 1, FZ_SCOPE_TOKEN(1));
+  unpublish(&in, 16, "e");
+  publish_in(&in, 17, "f", 1, FZ_SCOPE_TOKEN(1));
+  stat_(&in, 18);
+  release(&in, 1, 0, 1);
+  write_input("scope", &in); /* FZ_SCOPE_TOKEN(1) ends with the client */
+
   single(0); /* end of stream in the middle of a frame */
   create(&in, 2, 4096, 0);
   publish(&in, 3, "cut", 1);
@@ -555,6 +604,50 @@ static void gen_multi(void) {
   stat_(&s1, 5);
   segment(&in, 1, &s1);
   write_input("multi_creator_leaves", &in);
+
+  /* A key in flight: its publisher leaves, the scope's owner takes one
+   * key and leaves, and the other key goes with its scope. */
+  start(&in, FZ_HELLO | FZ_MULTI, 0);
+  s0.len = 0;
+  scope(&s0, 2, 0, 0);
+  segment(&in, 0, &s0);
+  s1.len = 0;
+  create(&s1, 2, 4096, 0);
+  publish_in(&s1, 3, "flight", 1, FZ_SCOPE_TOKEN(0));
+  publish_in(&s1, 4, "left", 1, FZ_SCOPE_TOKEN(0));
+  scope(&s1, 5, 1, FZ_SCOPE_TOKEN(0)); /* not its scope */
+  segment(&in, 1 | FZ_SEG_EOF, &s1);
+  s0.len = 0;
+  lookup(&s0, 3, "flight", 1, 0, 1, 0);
+  stat_(&s0, 4);
+  segment(&in, 0 | FZ_SEG_EOF, &s0);
+  write_input("multi_scope", &in);
+
+  /* A waiter is answered by a scoped publish. */
+  start(&in, FZ_HELLO | FZ_MULTI, 0);
+  s1.len = 0;
+  lookup(&s1, 2, "w", 0, -1, 1, 0);
+  segment(&in, 1, &s1);
+  s0.len = 0;
+  scope(&s0, 2, 0, 0);
+  create(&s0, 3, 4096, 0);
+  publish_in(&s0, 4, "w", 1, FZ_SCOPE_TOKEN(0));
+  stat_(&s0, 5);
+  segment(&in, 0, &s0);
+  write_input("multi_scope_wait", &in);
+
+  /* Only the owner's uid (and root) publish into a scope. */
+  start(&in, FZ_HELLO | FZ_MULTI | FZ_CLASS0(1) | FZ_CLASS1(3), 0);
+  s0.len = 0;
+  scope(&s0, 2, 0, 0);
+  segment(&in, 0, &s0);
+  s1.len = 0;
+  create(&s1, 2, 4096, 0);
+  publish_in(&s1, 3, "theirs", 1, FZ_SCOPE_TOKEN(0));
+  scope(&s1, 4, 0, 0);
+  publish_in(&s1, 5, "mine", 1, FZ_SCOPE_TOKEN(1));
+  segment(&in, 1, &s1);
+  write_input("multi_scope_uid", &in);
 
   /* Modes: 1 and 2 share a group; 3 is a stranger. */
   start(&in, FZ_HELLO | FZ_MULTI | FZ_CLASS0(1) | FZ_CLASS1(2), 0);

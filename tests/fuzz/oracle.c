@@ -19,6 +19,8 @@
 /* A create must succeed only with this much more free in /dev/shm than it
  * asks for: other processes use it too. */
 #define SHM_MARGIN (64ull << 20)
+/* Scopes one connection may have open (ops.c's TD__SCOPES_PER_CONN). */
+#define SCOPES_PER_CONN 1024
 /* A missing protocol-error reply is excused only if the client read this
  * much before it, or a cut frame after it: the daemon makes one attempt to
  * send it, and only a full socket stops that. */
@@ -92,10 +94,18 @@ typedef struct mstorage {
 typedef struct mkey {
   const ProtobufCBinaryData *name; /* in the request that published it */
   uint64_t id;
+  uint64_t scope; /* the scope it goes with, or 0 */
   td_view view;
   int view_known;
   int live;
 } mkey;
+
+/* A scope: its keys go when its connection ends it or goes. */
+typedef struct mscope {
+  uint64_t token;
+  int end; /* the connection that opened it */
+  int live;
+} mscope;
 
 typedef struct mwaiter {
   int end;
@@ -122,6 +132,8 @@ static struct {
   size_t nst, capst;
   mkey *keys;
   size_t nkeys, capkeys;
+  mscope *sc;
+  size_t nsc, capsc;
   mwaiter *w;
   size_t nw, capw;
   pool_charge *failed; /* failed thread-pool creates of this segment */
@@ -216,6 +228,7 @@ static void reset(void) {
   free(O.ev);
   free(O.st);
   free(O.keys);
+  free(O.sc);
   free(O.w);
   free(O.failed);
   free(O.pool);
@@ -541,6 +554,41 @@ static void key_remove(mkey *k) {
     st_unref(s, 1);
 }
 
+static mscope *scope_find(uint64_t token) {
+  for (size_t i = 0; i < O.nsc; i++)
+    if (O.sc[i].live && O.sc[i].token == token)
+      return &O.sc[i];
+  return NULL;
+}
+
+/* Scopes connection end has open. */
+static uint32_t scopes_of(int end) {
+  uint32_t n = 0;
+  for (size_t i = 0; i < O.nsc; i++)
+    n += O.sc[i].live && O.sc[i].end == end;
+  return n;
+}
+
+/* Ends sc: its keys go. Returns how many. */
+static uint64_t scope_end(mscope *sc) {
+  uint64_t n = 0;
+  for (size_t i = 0; i < O.nkeys; i++)
+    if (O.keys[i].live && O.keys[i].scope == sc->token) {
+      key_remove(&O.keys[i]);
+      n++;
+    }
+  sc->live = 0;
+  return n;
+}
+
+/* Whether e may publish into scope token: it is open, the key is new, and
+ * e runs as its owner's uid or as root. */
+static int scope_lets(const oend *e, uint64_t token, const mkey *old) {
+  const mscope *sc = scope_find(token);
+  return sc != NULL && old == NULL &&
+         (e->peer.uid == 0 || e->peer.uid == O.e[sc->end].peer.uid);
+}
+
 static void ref_add(oend *e, mstorage *s, int ro, uint32_t *had) {
   mref *r = ref_find(e, s->id);
   if (r == NULL) {
@@ -810,9 +858,11 @@ static void do_publish(oend *e, item *it) {
   mstorage *olds = old ? st_find(old->id) : NULL;
   td_view v;
   int held = s && r && r->rw > 0;
+  int scoped = m->scope != 0;
   int must = key_sure(&m->key) && held && !s->unsettled &&
              fz_view_sure(m->view, s->nbytes, &v) &&
-             (old == NULL || (olds && may(e, olds, WRITE)));
+             (old == NULL || (olds && may(e, olds, WRITE))) &&
+             (!scoped || scope_lets(e, m->scope, old));
   if (it->ambiguous || it->reply == NULL) {
     lose("a publish's outcome is unknown");
     return;
@@ -832,6 +882,12 @@ static void do_publish(oend *e, item *it) {
     FAIL("%s: published storage %llu, which the client does not hold "
          "read-write",
          what(e, it, a, sizeof(a)), (unsigned long long)m->id);
+  if (scoped && !scope_lets(e, m->scope, old))
+    FAIL("%s: published into scope %016llx, which %s",
+         what(e, it, a, sizeof(a)), (unsigned long long)m->scope,
+         scope_find(m->scope) == NULL ? "is not open"
+         : old != NULL ? "a scoped publish may not do: the key exists"
+                       : "belongs to another uid");
   if (s == NULL) {
     lose("a publish of a storage the model does not know");
     return;
@@ -840,6 +896,7 @@ static void do_publish(oend *e, item *it) {
   memset(k, 0, sizeof(*k));
   k->name = &m->key;
   k->id = s->id;
+  k->scope = m->scope;
   k->view_known = view_of(m->view, s->nbytes, &k->view);
   k->live = 1;
   s->refs++;
@@ -916,6 +973,57 @@ static void do_unpublish(oend *e, item *it) {
   if (k == NULL)
     FAIL("%s: removed a key that is not published", what(e, it, a, sizeof(a)));
   key_remove(k);
+}
+
+/* Opens a scope, or ends one the client owns (its keys go). */
+static void do_scope(oend *e, item *it) {
+  const Tensord__Scope *m = it->req->scope;
+  if (O.lost)
+    return;
+  int end = (int)(e - O.e);
+  mscope *sc = m->close ? scope_find(m->token) : NULL;
+  int must = m->close ? sc != NULL && sc->end == end
+                      : scopes_of(end) < SCOPES_PER_CONN;
+  if (it->ambiguous || it->reply == NULL) {
+    lose("a scope request's outcome is unknown");
+    return;
+  }
+  O.checked += must;
+  char a[200];
+  if (is_error(it->reply)) {
+    if (must)
+      refused(e, it,
+              m->close ? "the client owns the scope"
+                       : "the client has fewer scopes open than the limit");
+    return;
+  }
+  if (it->reply->body_case != TENSORD__RESPONSE__BODY_SCOPE)
+    refused(e, it, "a scope request gets a ScopeReply");
+  const Tensord__ScopeReply *r = it->reply->scope;
+  if (m->close) {
+    if (sc == NULL || sc->end != end)
+      FAIL("%s: ended scope %016llx, which %s", what(e, it, a, sizeof(a)),
+           (unsigned long long)m->token,
+           sc == NULL ? "is not open" : "another client owns");
+    uint64_t n = scope_end(sc);
+    if (r->token != m->token || r->dropped != n)
+      FAIL("%s: the reply names scope %016llx and %llu key(s) dropped; the "
+           "model ended %016llx with %llu",
+           what(e, it, a, sizeof(a)), (unsigned long long)r->token,
+           (unsigned long long)r->dropped, (unsigned long long)m->token,
+           (unsigned long long)n);
+    return;
+  }
+  if (!must || r->token == 0 || scope_find(r->token) != NULL)
+    FAIL("%s: opened scope %016llx%s", what(e, it, a, sizeof(a)),
+         (unsigned long long)r->token,
+         !must           ? " past the limit"
+         : r->token == 0 ? ", a token that names none"
+                         : ", a token already open");
+  mscope *n = PUSH(O.sc, O.nsc, O.capsc);
+  n->token = r->token;
+  n->end = end;
+  n->live = 1;
 }
 
 /* Requests that change nothing: only their reply is checked. */
@@ -1016,6 +1124,10 @@ static void close_conn(oend *e) {
   for (size_t i = 0; i < O.nw; i++)
     if (O.w[i].live && O.w[i].end == end)
       O.w[i].live = 0;
+  /* Its scopes end: keys still in flight to it go. */
+  for (size_t i = 0; i < O.nsc; i++)
+    if (O.sc[i].live && O.sc[i].end == end)
+      scope_end(&O.sc[i]);
   for (size_t i = 0; i < O.npool; i++)
     if (O.pool[i].end == end)
       e->items[O.pool[i].item].expect = X_MAYBE;
@@ -1048,6 +1160,9 @@ static void handle(oend *e, item *it) {
   case TENSORD__REQUEST__BODY_UNPUBLISH:
     do_unpublish(e, it);
     return;
+  case TENSORD__REQUEST__BODY_SCOPE:
+    do_scope(e, it);
+    return;
   default:
     do_query(e, it);
     return;
@@ -1071,7 +1186,7 @@ static void settled(const event *v) {
         int waiting = 0;
         for (size_t j = 0; j < O.nw; j++)
           waiting |= O.w[j].live && O.w[j].end == i;
-        if (e->nrefs > 0 || waiting)
+        if (e->nrefs > 0 || waiting || scopes_of(i) > 0)
           lose("a client dropped at a time the model cannot place");
       }
       close_conn(e);

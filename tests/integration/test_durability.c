@@ -709,7 +709,8 @@ TDT_TEST(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
   cr_assert_eq(kill(d.pid, SIGTERM), 0);
   cr_assert_eq(tdt_wait(d.pid), 0);
   d.pid = 0;
-  cr_assert_eq(tdt_segments_of(inst), 1, "a clean stop keeps the key's segment");
+  cr_assert_eq(tdt_segments_of(inst), 1,
+               "a clean stop keeps the key's segment");
 
   /* The next start serves the key, then cannot write its snapshot. */
   char tmp[96];
@@ -734,4 +735,154 @@ TDT_TEST(durability, start_that_cannot_write_its_snapshot_keeps_the_segments) {
   td_storage_release(s);
   td_close(c);
   finish((const char *const[]){"kept/k"}, 1);
+}
+
+/* ---- scopes: keys in flight are never journaled ---- */
+
+/* Whether any file in the state directory holds the bytes of needle. */
+static int state_has(const char *needle) {
+  DIR *dir = opendir(state_dir);
+  cr_assert_not_null(dir);
+  int found = 0;
+  struct dirent *e;
+  while (!found && (e = readdir(dir)) != NULL) {
+    char p[512];
+    snprintf(p, sizeof(p), "%s/%s", state_dir, e->d_name);
+    struct stat sb;
+    if (stat(p, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size == 0)
+      continue;
+    FILE *f = fopen(p, "rb");
+    cr_assert_not_null(f, "%s: %s", p, strerror(errno));
+    char *buf = malloc((size_t)sb.st_size);
+    cr_assert_not_null(buf);
+    size_t n = fread(buf, 1, (size_t)sb.st_size, f);
+    fclose(f);
+    found = memmem(buf, n, needle, strlen(needle)) != NULL;
+    free(buf);
+  }
+  closedir(dir);
+  return found;
+}
+
+static td_storage *scope_storage(td_client *c, uint8_t v) {
+  td_storage *s = NULL;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0, "%s", td_last_error(c));
+  memset(td_storage_data(s), v, 4096);
+  return s;
+}
+
+static void publish_scoped(td_client *c, const char *key, td_storage *s,
+                           uint64_t scope) {
+  td_publish_opts o = {0};
+  o.scope = scope;
+  cr_assert_eq(td_publish_ex(c, key, s, NULL, &o), 0, "publish '%s': %s", key,
+               td_last_error(c));
+}
+
+/* After a restart: "scope/kept" is served with its bytes, "scope/flight" is
+ * not, and of instance inst's segments only the kept key's is left. */
+static void only_the_ordinary_key_is_back(uint64_t inst) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "scope/kept", TD_RDONLY, 0, &s, NULL), 0,
+               "the ordinary key was lost: %s", td_last_error(c));
+  cr_assert_eq(((const uint8_t *)td_storage_data(s))[4095], 0x11);
+  td_storage_release(s);
+  cr_assert_eq(td_lookup(c, "scope/flight", TD_RDONLY, 0, &s, NULL), TD_ENOENT,
+               "a scoped key came back after a restart");
+  td_close(c);
+  cr_assert_eq(tdt_segments_of(inst), 1,
+               "%d segment(s) of the first instance left; the scoped key's "
+               "should be swept",
+               tdt_segments_of(inst));
+}
+
+TDT_TEST(durability, scoped_keys_are_never_journaled_and_gone_after_a_crash) {
+  start(NULL);
+  uint64_t inst = d.instance;
+  td_client *c = tdt_connect(&d);
+  uint64_t t = 0;
+  cr_assert_eq(td_scope_open(c, &t), 0, "%s", td_last_error(c));
+  td_storage *kept = scope_storage(c, 0x11), *flying = scope_storage(c, 0x22);
+  cr_assert_eq(td_publish(c, "scope/kept", kept, NULL), 0);
+  publish_scoped(c, "scope/flight", flying, t);
+  /* Taken and unpublished scoped keys leave no record either. */
+  publish_scoped(c, "scope/taken", flying, t);
+  publish_scoped(c, "scope/unpublished", flying, t);
+  td_storage *got;
+  cr_assert_eq(td_lookup(c, "scope/taken", TD_TAKE, 0, &got, NULL), 0, "%s",
+               td_last_error(c));
+  td_storage_release(got);
+  cr_assert_eq(td_unpublish(c, "scope/unpublished"), 0);
+  td_storage_release(kept);
+  td_storage_release(flying);
+  /* Every reply above came after its change reached the journal. */
+  cr_assert(state_has("scope/kept"), "the ordinary key is not journaled");
+  cr_assert(!state_has("scope/flight"), "a scoped key was journaled");
+  cr_assert(!state_has("scope/taken"));
+  cr_assert(!state_has("scope/unpublished"));
+  cr_assert_eq(tdt_segments(&d), 2);
+
+  kill9(); /* the scope's owner is still connected */
+  td_close(c);
+  restart();
+  only_the_ordinary_key_is_back(inst);
+  finish((const char *const[]){"scope/kept"}, 1);
+}
+
+TDT_TEST(durability, a_stop_drops_scoped_keys_and_keeps_ordinary_ones) {
+  start(NULL);
+  uint64_t inst = d.instance;
+  td_client *c = tdt_connect(&d);
+  uint64_t t = 0;
+  cr_assert_eq(td_scope_open(c, &t), 0, "%s", td_last_error(c));
+  td_storage *kept = scope_storage(c, 0x11), *flying = scope_storage(c, 0x22);
+  cr_assert_eq(td_publish(c, "scope/kept", kept, NULL), 0);
+  publish_scoped(c, "scope/flight", flying, t);
+  td_storage_release(kept);
+  td_storage_release(flying);
+  /* A stop with the scope's owner connected: the scope ends with it. */
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  cr_assert_eq(tdt_wait(d.pid), 0, "see %s", d.log);
+  d.pid = 0;
+  td_close(c);
+  cr_assert_eq(tdt_segments_of(inst), 1,
+               "the stop kept the scoped key's segment, or lost the other");
+  cr_assert(!state_has("scope/flight"), "the final snapshot has it");
+  restart();
+  only_the_ordinary_key_is_back(inst);
+  finish((const char *const[]){"scope/kept"}, 1);
+}
+
+/* A failed journal sync starts a compaction at once: its snapshot, built
+ * while the scoped key lives, must leave it out. */
+TDT_TEST(durability, a_compacted_snapshot_leaves_scoped_keys_out) {
+  start("%s/journal.*");
+  uint64_t inst = d.instance;
+  td_client *c = tdt_connect(&d);
+  uint64_t t = 0;
+  cr_assert_eq(td_scope_open(c, &t), 0, "%s", td_last_error(c));
+  td_storage *kept = scope_storage(c, 0x11), *flying = scope_storage(c, 0x22);
+  publish_scoped(c, "scope/flight", flying, t);
+  cr_assert_eq(td_publish(c, "scope/kept", kept, NULL), 0);
+  touch("fail");
+  cr_assert_eq(td_publish(c, "scope/failed", kept, NULL), TD_EIO);
+  rm("fail");
+  for (int i = 0; i < 5000 && !tdt_log_has(&d, "compacted into snapshot"); i++)
+    sleep_ms(2);
+  cr_assert(tdt_log_has(&d, "compacted into snapshot"), "see %s", d.log);
+  char snap[128];
+  snprintf(snap, sizeof(snap), "%s/snapshot", state_dir);
+  struct stat sb;
+  cr_assert_eq(stat(snap, &sb), 0, "no snapshot in %s", state_dir);
+  cr_assert(state_has("scope/kept"));
+  cr_assert(!state_has("scope/flight"), "the snapshot has the scoped key");
+  td_storage_release(kept);
+  td_storage_release(flying);
+
+  kill9();
+  td_close(c);
+  restart();
+  only_the_ordinary_key_is_back(inst);
+  finish((const char *const[]){"scope/kept", "scope/failed"}, 2);
 }

@@ -73,6 +73,10 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_create_opts, flags, 16); /* was reserved[0] (recycling) */
   FIELD(td_create_opts, reserved, 24);
 
+  SIZE(td_publish_opts, 64, 8);
+  FIELD(td_publish_opts, scope, 0);
+  FIELD(td_publish_opts, reserved, 8);
+
   SIZE(td_holder, 32, 8);
   FIELD(td_holder, uid, 4);
   FIELD(td_holder, refs, 8);
@@ -133,9 +137,12 @@ Test(abi, enum_values_never_change) {
   cr_expect_eq(TD_FLOAT8_E5M2, 17);
   cr_expect_eq(TD_EINVAL, -EINVAL);
   cr_expect_eq(TD_ENAMETOOLONG, -ENAMETOOLONG);
+  cr_expect_eq(TD_EEXIST, -EEXIST);
+  cr_expect_eq(TD_EFORKED, -4001);
   cr_expect_eq(TD_RDONLY, 0x1u);
   cr_expect_eq(TD_TAKE, 0x2u);
   cr_expect_eq(TD_UNINIT, 0x4u);
+  cr_expect_eq(TD_COW, 0x8u);
   cr_expect_eq(TD_DLPACK_CONSUME, 0x100u);
 }
 
@@ -148,4 +155,18 @@ Test(abi, zeroed_create_opts_have_zero_reserved_words) {
     cr_assert_eq(o.reserved[i], 0);
   cr_assert_eq(o.mode, 0);
   cr_assert_eq(o.device, TD_CPU);
+}
+
+Test(abi, zeroed_publish_opts_publish_an_ordinary_key) {
+  td_publish_opts o = {0};
+  cr_assert_eq(o.scope, 0, "scope 0: an ordinary key, as td_publish");
+  for (size_t i = 0; i < sizeof(o.reserved) / sizeof(o.reserved[0]); i++)
+    cr_assert_eq(o.reserved[i], 0);
+  cr_assert_eq(sizeof(o.reserved) / sizeof(o.reserved[0]), 7);
+}
+
+/* A new code is named like the others. */
+Test(abi, eexist_is_named) {
+  cr_assert_str_eq(td_err_name(TD_EEXIST), "EEXIST");
+  cr_assert_str_eq(td_strerror(TD_EEXIST), "already exists");
 }

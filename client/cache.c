@@ -76,6 +76,7 @@ struct td__mapping {
   size_t len;
   uint64_t handles;
   atomic_int populate; /* still to be populated, at the first td__map_addr */
+  int deferred;        /* a TD_LAZY acquire skipped the populate it was due */
   dev_t dev;           /* the segment's inode, for a warm reuse (len >= */
   ino_t ino;           /* TD__WARM_MIN; ino 0: unknown) */
 };
@@ -179,9 +180,11 @@ static void cache_init(void) {
  * instead, and a copy-on-write one not at all: MAP_POPULATE of a private
  * writable mapping write-faults every page, a private copy of all of it.
  * Returns the address or MAP_FAILED with errno set. */
-static void *map_fd(int fd, size_t nbytes, int mode, int lazy, int *populate) {
-  *populate =
-      !lazy && nbytes >= (mode == TD__MAP_RW ? populate_rw : populate_ro);
+static void *map_fd(int fd, size_t nbytes, int mode, int lazy, int *populate,
+                    int *deferred) {
+  int due = nbytes >= (mode == TD__MAP_RW ? populate_rw : populate_ro);
+  *populate = due && !lazy;
+  *deferred = due && lazy;
   int now = !HAVE_MADV_POPULATE && *populate;
   int prot = PROT_READ | (mode == TD__MAP_RO ? 0 : PROT_WRITE);
   int flags = mode == TD__MAP_COW ? MAP_PRIVATE : MAP_SHARED;
@@ -218,6 +221,11 @@ int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
   if (n != NULL) {
     td__mapping *m = td__container_of(n, td__mapping, node);
     m->handles++;
+    /* A handle that is not lazy gets the populate a lazy one skipped. */
+    if (!lazy && m->deferred) {
+      m->deferred = 0;
+      atomic_store(&m->populate, 1);
+    }
     *out = m;
     goto out;
   }
@@ -230,7 +238,7 @@ int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
     err = TD_ENOMEM;
     goto out;
   }
-  int populate;
+  int populate, deferred = 0;
   void *addr = NULL;
   struct stat sb;
   /* A copy-on-write mapping is never kept warm (ino 0): its private pages
@@ -240,11 +248,13 @@ int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
     m->dev = sb.st_dev;
     m->ino = sb.st_ino;
     addr = warm_take(m->dev, m->ino, mode, nbytes, &populate);
-    if (lazy)
+    if (lazy) {
+      deferred = populate;
       populate = 0;
+    }
   }
   if (addr == NULL)
-    addr = map_fd(fd, nbytes, mode, lazy, &populate);
+    addr = map_fd(fd, nbytes, mode, lazy, &populate, &deferred);
   if (addr == MAP_FAILED) {
     err = -errno;
     free(m);
@@ -257,6 +267,7 @@ int td__map_acquire(uint64_t instance, uint64_t id, int mode, size_t nbytes,
   m->len = nbytes;
   m->handles = 1;
   atomic_init(&m->populate, populate);
+  m->deferred = deferred;
   if (td__htab_insert(&maps, &m->node, h) < 0) {
     munmap(addr, nbytes);
     free(m);
@@ -338,7 +349,7 @@ static void warm_keep(const td__mapping *m) {
     w->dev = m->dev;
     w->ino = m->ino;
     w->mode = m->mode;
-    w->populate = atomic_load(&m->populate);
+    w->populate = atomic_load(&m->populate) || m->deferred;
     w->addr = m->addr;
     w->len = m->len;
     w->since_ms = now_ms();

@@ -995,6 +995,8 @@ static int scope_call(td_client *c, int close, uint64_t token,
 }
 
 int td_scope_open(td_client *c, uint64_t *token) {
+  if (token == NULL)
+    return fail(c, TD_EINVAL, "scope_open: token is NULL");
   Tensord__Response *r;
   int err = scope_call(c, 0, 0, &r);
   if (err < 0)

@@ -229,9 +229,10 @@ static int snap_keys(td__server *srv, snap *sn, size_t max) {
   for (; s != NULL && n < max; s = s->next) {
     if (s->keys != NULL && snap_prefix(srv, sn, s) < 0)
       return TD_ENOMEM;
-    for (const td__key *k = s->keys; k != NULL; k = k->snext, n++) {
+    for (const td__key *k = s->keys; k != NULL; k = k->snext) {
       if (k->scope != NULL) /* never journaled: gone at a restart */
         continue;
+      n++;
       Tensord__StateKey m;
       Tensord__View vm;
       key_record(k->name, k->len, s, k->uid, &k->view, k->published_ms, &m,

@@ -381,8 +381,9 @@ typedef struct td_storage td_storage;
  * when first touched, instead of all of them at the first td_storage_data
  * (see "Mappings" in docs/design.md). For a process that attaches far more
  * than it reads soon (weights it serves, a state dict with many tensors):
- * attaching costs no time that grows with the size. No effect when the
- * process maps the storage in that mode already. */
+ * attaching costs no time that grows with the size. Handles of one storage
+ * in one mode share a mapping: a later handle without TD_LAZY populates the
+ * mapping a lazy one made, and TD_LAZY does not undo a populate done. */
 #define TD_LAZY 0x10u
 
 /* Returns the socket path the daemon, the library and tensorctl agree on:

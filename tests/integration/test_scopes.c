@@ -303,17 +303,17 @@ TDT_TEST(cow, open_with_cow_shares_one_mapping_never_kept_warm) {
   segments_become(0);
 }
 
-TDT_TEST(cow, flags_beyond_rdonly_take_and_cow_are_einval) {
+TDT_TEST(cow, flags_beyond_rdonly_take_cow_and_lazy_are_einval) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, PAGE, 1), *t = NULL;
   cr_assert_eq(td_publish(c, "cow/flags", s, NULL), 0);
-  cr_assert_eq(td_storage_open(c, td_storage_id(s), TD_COW | 0x10, &t),
+  cr_assert_eq(td_storage_open(c, td_storage_id(s), TD_COW | 0x20, &t),
                TD_EINVAL);
   cr_assert_null(t);
   cr_assert_eq(td_storage_open(c, td_storage_id(s), TD_COW | TD_TAKE, &t),
                TD_EINVAL, "TD_TAKE is no open flag");
-  cr_assert_eq(td_lookup(c, "cow/flags", TD_COW | 0x10, 0, &t, NULL),
+  cr_assert_eq(td_lookup(c, "cow/flags", TD_COW | 0x20, 0, &t, NULL),
                TD_EINVAL);
   cr_assert_null(t);
   /* TD_COW | TD_TAKE takes the key, read-only and private. */
@@ -1125,4 +1125,82 @@ TDT_TEST(scopes, only_the_owners_uid_and_root_publish_into_a_scope) {
   segments_become(0);
   cr_assert_eq(td_scope_close(c, mine, NULL), 0);
   td_close(c);
+}
+
+/* ---- TD_LAZY and td_client_instance ---- */
+
+/* Returns the Rss, in KiB, of this process's mapping that holds addr. */
+static long rss_kib(const void *addr) {
+  FILE *f = fopen("/proc/self/smaps", "r");
+  cr_assert_not_null(f);
+  char line[512];
+  int inside = 0;
+  long rss = -1;
+  uintptr_t a = (uintptr_t)addr;
+  while (rss < 0 && fgets(line, sizeof(line), f) != NULL) {
+    unsigned long lo, hi;
+    char c;
+    if (sscanf(line, "%lx-%lx %c", &lo, &hi, &c) == 3)
+      inside = lo <= a && a < hi;
+    else if (inside && strncmp(line, "Rss:", 4) == 0)
+      rss = strtol(line + 4, NULL, 10);
+  }
+  fclose(f);
+  cr_assert_geq(rss, 0, "no mapping holds %p", addr);
+  return rss;
+}
+
+/* A lazy handle maps no page until one is touched; without TD_LAZY a
+ * mapping this big is populated at the first td_storage_data. Read-only and
+ * copy-on-write (the writer's read-write mapping here is another one). */
+TDT_TEST(cow, lazy_maps_no_page_until_touched) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *w = make(c, 4 * MiB, 5);
+  cr_assert_eq(td_publish(c, "lazy", w, NULL), 0, "%s", td_last_error(c));
+  const unsigned modes[] = {TD_RDONLY, TD_COW};
+  for (size_t i = 0; i < 2; i++) {
+    td_storage *s = NULL;
+    cr_assert_eq(td_lookup(c, "lazy", modes[i] | TD_LAZY, 0, &s, NULL), 0, "%s",
+                 td_last_error(c));
+    const uint8_t *p = td_storage_data(s);
+    cr_assert_eq(rss_kib(p), 0, "mode 0x%x: lazy, yet %ld KiB mapped", modes[i],
+                 rss_kib(p));
+    cr_assert_eq(p[100 * PAGE], pat(100 * PAGE, 5));
+    long touched = rss_kib(p);
+    cr_assert(touched > 0 && touched < (long)(4 * MiB / KiB), "%ld KiB",
+              touched);
+    td_storage_release(s);
+    cr_assert_eq(td_lookup(c, "lazy", modes[i], 0, &s, NULL), 0);
+    p = td_storage_data(s);
+    cr_assert_eq(rss_kib(p), (long)(4 * MiB / KiB), "mode 0x%x: populated",
+                 modes[i]);
+    td_storage_release(s);
+  }
+  /* td_storage_open too (copy-on-write: the idle read-only mapping this
+   * process keeps while it holds w is populated already, and stays so). */
+  td_storage *s = NULL, *s2 = NULL;
+  cr_assert_eq(td_storage_open(c, td_storage_id(w), TD_COW | TD_LAZY, &s), 0,
+               "%s", td_last_error(c));
+  cr_assert_eq(rss_kib(td_storage_data(s)), 0);
+  /* A handle without TD_LAZY on the same mapping gets the populate. */
+  cr_assert_eq(td_storage_open(c, td_storage_id(w), TD_COW, &s2), 0);
+  cr_assert_eq(td_storage_data(s2), td_storage_data(s));
+  cr_assert_eq(rss_kib(td_storage_data(s)), (long)(4 * MiB / KiB));
+  td_storage_release(s2);
+  td_storage_release(s);
+  cr_assert_eq(td_lookup(c, "lazy", 0x40, 0, &s, NULL), TD_EINVAL);
+  td_storage_release(w);
+  td_close(c);
+}
+
+TDT_TEST(scopes, client_instance_is_the_daemons) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d), *c2 = tdt_connect(&d);
+  cr_assert_neq(td_client_instance(c), 0);
+  cr_assert_eq(td_client_instance(c), stat_of(c).instance);
+  cr_assert_eq(td_client_instance(c2), td_client_instance(c));
+  cr_assert_eq(td_scope_open(c, NULL), TD_EINVAL);
+  td_close(c);
+  td_close(c2);
 }

@@ -152,6 +152,20 @@ def wait_storages(sock: str, pred, timeout: float = 2.0) -> list:
         time.sleep(0.01)
 
 
+def wait_until(pred, what: str, timeout: float = 10.0) -> None:
+    """Polls pred until it is true; fails the test naming what after timeout."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
+        time.sleep(0.02)
+
+
+def nothing_left(client: tensord.Client) -> bool:
+    """No storage and no key left in client's daemon."""
+    return not client.ls() and client.stat()["keys"] == 0
+
+
 @pytest.fixture
 def client(daemon: str) -> Iterator[tensord.Client]:
     """A client of the module's daemon. After the test: the keys the test

@@ -1,7 +1,6 @@
 """Tensor.torch(), torch.from_dlpack and share() of torch tensors (the torch
 integration itself, tensord.torch, is tested in test_torch*.py)."""
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -6,7 +6,6 @@ import random
 import numpy as np
 import pytest
 
-import tensord
 
 # Every numpy dtype tensord has, with torch's name.
 DTYPES = [

@@ -13,6 +13,7 @@ import torch.utils.data
 
 import tensord.torch as tdt
 from tensord import _tensord
+from conftest import nothing_left, wait_until
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -87,16 +88,6 @@ def in_tensord(x):
     return True
 
 
-def wait_until(pred, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
-        time.sleep(0.02)
-
-
-def nothing_left(client):
-    return not client.ls() and client.stat()["keys"] == 0
 
 
 @pytest.fixture

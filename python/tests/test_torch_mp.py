@@ -11,18 +11,8 @@ import torch.multiprocessing as mp
 
 import tensord
 import tensord.torch as tdt
-from conftest import Daemon
+from conftest import Daemon, nothing_left, wait_until
 from tensord import _tensord
-
-
-def wait_until(pred, what, timeout=10.0):
-    """Polls pred() until true: the daemon handles a closed connection
-    asynchronously, so what a dead process held goes a moment later."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
-        time.sleep(0.02)
 
 
 def in_flight_keys(client):
@@ -41,9 +31,6 @@ def storage_of(x):
     base.release()
     return sid, off
 
-
-def nothing_left(client):
-    return not client.ls() and client.stat()["keys"] == 0
 
 
 @pytest.fixture

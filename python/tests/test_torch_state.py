@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 import tensord
 import tensord.torch as tdt
 from tensord import _tensord
+from conftest import nothing_left, wait_until
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -22,16 +22,6 @@ def storage_ptr(t):
     return t.storage().untyped().data_ptr()
 
 
-def wait_until(pred, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail("still not true after %.0f s: %s" % (timeout, what))
-        time.sleep(0.02)
-
-
-def nothing_left(client):
-    return not client.ls() and client.stat()["keys"] == 0
 
 
 class Tied(torch.nn.Module):

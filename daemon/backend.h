@@ -77,7 +77,7 @@ typedef struct td__backend {
 } td__backend;
 
 extern const td__backend td__shm_backend;
-/* CUDA VMM allocations (cuda.c); without TENSORD_CUDA, one whose create
+/* CUDA VMM allocations (cudastore.c); without TENSORD_CUDA, one whose create
  * fails with TD_ENODEV. */
 extern const td__backend td__cuda_backend;
 

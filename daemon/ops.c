@@ -3,7 +3,7 @@
 #include "ops.h"
 
 #include "common.h"
-#include "cuda.h"
+#include "cudastore.h"
 #include "log.h"
 #include "segment.h"
 #include "server.h"

@@ -1,4 +1,4 @@
-/* cuda.c: the CUDA storage backend: one VMM allocation per storage
+/* cudastore.c: the CUDA storage backend: one VMM allocation per storage
  * (cuMemCreate), exported once as a POSIX fd that every open dups. The
  * driver is loaded, and each device's primary context retained, at the
  * first create on it; every call here that reaches the driver runs on the
@@ -8,7 +8,7 @@
  * flags (cuMemSetAccess), so a hostile client given a read-only reference
  * could still map the allocation read-write. docs/design.md, "CUDA". */
 #include "backend.h"
-#include "cuda.h"
+#include "cudastore.h"
 
 #include "common.h"
 #include "htab.h"
@@ -139,8 +139,8 @@ static int name_eq(const td__hnode *n, const void *key) {
 }
 
 static alloc *alloc_find(const char *name) {
-  td__hnode *n = td__htab_find(&allocs, td__hash_bytes(name, strlen(name)),
-                               name_eq, name);
+  td__hnode *n =
+      td__htab_find(&allocs, td__hash_bytes(name, strlen(name)), name_eq, name);
   return n ? td__container_of(n, alloc, node) : NULL;
 }
 
@@ -264,8 +264,8 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     if (memcmp(devs[i].uuid, uuid, 16) == 0)
       d = &devs[i];
   if (d == NULL || !d->allowed) {
-    err = td__msg(msg, len, TD_ENODEV,
-                  "%s: %s", td__cu_uuid_str(uuid, u, sizeof(u)),
+    err = td__msg(msg, len, TD_ENODEV, "%s: %s",
+                  td__cu_uuid_str(uuid, u, sizeof(u)),
                   d == NULL ? "no GPU of this tensord has that UUID"
                             : "that GPU is not in --cuda-devices");
     goto out;
@@ -319,8 +319,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     cu->CtxPopCurrent(&popped);
   }
   int fd = -1;
-  if (r == CUDA_SUCCESS &&
-      (fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+  if (r == CUDA_SUCCESS && (fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0)) < 0) {
     err = td__msg(msg, len, -errno, "dup of the exported fd: %s",
                   strerror(errno));
     goto unmake;
@@ -336,8 +335,8 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   snprintf(m->name, sizeof(m->name), "%s", name);
   m->d = d;
   m->size = size;
-  if (td__htab_insert(&allocs, &m->node,
-                      td__hash_bytes(name, strlen(name))) < 0) {
+  if (td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name))) <
+      0) {
     close(fd);
     err = td__msg(msg, len, TD_ENOMEM, "out of memory");
     goto unmake;
@@ -440,8 +439,7 @@ static int cuda_create(const char *name, uint64_t nbytes, char *msg,
 }
 
 /* Device memory dies with the daemon: nothing outlives it to unlink. */
-static int cuda_unlink_prefix(const char *prefix, td__keep_fn keep,
-                              void *arg) {
+static int cuda_unlink_prefix(const char *prefix, td__keep_fn keep, void *arg) {
   return 0;
 }
 

@@ -1,7 +1,7 @@
-/* cuda.h: the CUDA storage backend's settings and per-device figures. The
+/* cudastore.h: the CUDA storage backend's settings and per-device figures. The
  * backend itself is td__cuda_backend (backend.h). */
-#ifndef TD_DAEMON_CUDA_H
-#define TD_DAEMON_CUDA_H
+#ifndef TD_DAEMON_CUDASTORE_H
+#define TD_DAEMON_CUDASTORE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -29,4 +29,4 @@ typedef struct td__cuda_stat {
  * runs on the loop. */
 size_t td__cuda_stats(td__cuda_stat *out, size_t max);
 
-#endif /* TD_DAEMON_CUDA_H */
+#endif /* TD_DAEMON_CUDASTORE_H */

@@ -6,6 +6,8 @@
 #ifndef TD_CUDA_DRIVER_H
 #define TD_CUDA_DRIVER_H
 
+#include "tensord.h" /* the TD_E* codes */
+
 #include <cuda.h>
 
 #include <stddef.h>

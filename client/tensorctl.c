@@ -122,11 +122,10 @@ static const char *device_label(const td_storage_info *s, char *buf,
 }
 
 static void json_storage(const td_storage_info *s) {
-  char dl[32], us[48];
+  char us[48];
   if (s->device == TD_CUDA)
-    printf("{\"device_uuid\":\"%s\",\"device_label\":\"%s\",",
-           uuid_str(s->device_uuid, us, sizeof(us)),
-           device_label(s, dl, sizeof(dl)));
+    printf("{\"device_uuid\":\"%s\",",
+           uuid_str(s->device_uuid, us, sizeof(us)));
   else
     putchar('{');
   printf("\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64

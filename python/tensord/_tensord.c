@@ -1113,7 +1113,7 @@ static PyObject *Client_scope_close(Client *self, PyObject *args) {
 
 static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"key",  "timeout", "readonly", "take",
-                           "lazy", "_cancel",  NULL};
+                           "lazy", "_cancel", NULL};
   PyObject *keyobj, *timeoutobj = Py_None, *cancel = Py_None;
   int ro = 0, take = 0, lazy = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpppO:lookup", kwlist, &keyobj,
@@ -1240,6 +1240,15 @@ static int set_item(PyObject *d, const char *name, PyObject *v) {
   return r;
 }
 
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
+static PyObject *uuid_str(const uint8_t u[16]) {
+  return PyUnicode_FromFormat(
+      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x"
+      "%02x",
+      u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+      u[12], u[13], u[14], u[15]);
+}
+
 static PyObject *storage_dict(const ls_item *it, int64_t now) {
   const td_storage_info *s = &it->info;
   PyObject *d = PyDict_New();
@@ -1281,7 +1290,9 @@ static PyObject *storage_dict(const ls_item *it, int64_t now) {
           0 ||
       PyDict_SetItemString(d, "holders", holders) < 0 ||
       PyDict_SetItemString(d, "keys", keys) < 0 ||
-      set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0) {
+      set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0 ||
+      (s->device == TD_CUDA &&
+       set_item(d, "device_uuid", uuid_str(s->device_uuid)) < 0)) {
     Py_XDECREF(holders);
     Py_XDECREF(keys);
     Py_DECREF(d);
@@ -1321,9 +1332,33 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
   CALL(self, x, err, td_stat_get(x.c, &st));
   if (err < 0)
     return raise_err(err, x.msg);
+  td_device_stat ds[64];
+  size_t nd = 0;
+  CALL(self, x, err, td_stat_devices(x.c, ds, 64, &nd));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  if (nd > 64)
+    nd = 64;
+  PyObject *devices = PyList_New((Py_ssize_t)nd);
+  for (size_t i = 0; devices != NULL && i < nd; i++) {
+    char name[32];
+    snprintf(name, sizeof(name), "cuda:%d", ds[i].index);
+    PyObject *u = uuid_str(ds[i].uuid);
+    PyObject *e =
+        u ? Py_BuildValue("{s:s,s:N,s:K,s:K,s:K}", "device", name, "uuid", u,
+                          "bytes_used", ds[i].bytes_used, "capacity",
+                          ds[i].capacity, "storages", ds[i].storages)
+          : NULL;
+    if (e == NULL)
+      Py_CLEAR(devices);
+    else
+      PyList_SET_ITEM(devices, (Py_ssize_t)i, e);
+  }
+  if (devices == NULL)
+    return NULL;
   return Py_BuildValue(
       "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:L,s:i,s:K,s:I,s:I,s:s,s:s,s:s,"
-      "s:{s:K,s:K,s:K,s:K,s:K},s:K}",
+      "s:{s:K,s:K,s:K,s:K,s:K},s:K,s:N}",
       "storages", st.storages, "bytes_used", st.bytes_used, "capacity",
       st.capacity, "shm_free", st.shm_free, "clients", st.clients, "keys",
       st.keys, "waiters", st.waiters, "uptime_ms", st.uptime_ms, "pid", st.pid,
@@ -1332,7 +1367,7 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
       st.version, "socket", st.socket, "state_dir", st.state_dir, "pool",
       "segments", st.pool_segments, "bytes", st.pool_bytes, "limit",
       st.pool_limit, "hits", st.pool_hits, "misses", st.pool_misses, "instance",
-      st.instance);
+      st.instance, "devices", devices);
 }
 
 static PyMethodDef Client_methods[] = {

@@ -271,8 +271,7 @@ TDT_TEST(cuda, no_device_of_that_ordinal) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(create_on(c, 2, 1 * MiB, &s), TD_ENODEV);
-  cr_assert(strstr(td_last_error(c), "cuda:2") != NULL, "%s",
-            td_last_error(c));
+  cr_assert(strstr(td_last_error(c), "cuda:2") != NULL, "%s", td_last_error(c));
   td_create_opts o = {.nbytes = 4096, .device_index = 1};
   cr_assert_eq(td_storage_create_ex(c, &o, &s), TD_EINVAL,
                "a CPU create with a device index");
@@ -285,8 +284,8 @@ TDT_TEST(cuda, without_a_driver_the_client_says_why) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
-  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL,
-            "%s", td_last_error(c));
+  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
+            td_last_error(c));
   /* CPU storages are unaffected. */
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   td_storage_release(s);
@@ -303,8 +302,8 @@ TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
-  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL,
-            "%s", td_last_error(c));
+  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
+            td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   td_storage_release(s);
   td_close(c);
@@ -350,8 +349,7 @@ TDT_TEST(cuda, a_gpu_is_mapped_by_uuid_whatever_its_ordinal_here) {
   setenv("CUDA_VISIBLE_DEVICES", "1", 1); /* the daemon's cuda:1 is our 0 */
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(td_lookup(c, "on1", 0, 0, &s, NULL), 0, "%s",
-               td_last_error(c));
+  cr_assert_eq(td_lookup(c, "on1", 0, 0, &s, NULL), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_device_index(s), 0);
   cr_assert_eq(((unsigned char *)td_storage_data(s))[7], 77);
   /* DLPack names this process's ordinal. */
@@ -397,8 +395,7 @@ TDT_TEST(cuda, tensorctl_shows_the_device) {
   cr_assert_eq(ctl("--json ls", out, sizeof(out)), 0);
   cr_assert(strstr(out, "\"device_uuid\":\"GPU-") != NULL, "%s", out);
   cr_assert_eq(ctl("--json stat", out, sizeof(out)), 0);
-  cr_assert(strstr(out, "\"devices\":[{\"device\":\"cuda:") != NULL, "%s",
-            out);
+  cr_assert(strstr(out, "\"devices\":[{\"device\":\"cuda:") != NULL, "%s", out);
   td_storage_release(s);
   td_storage_release(h);
   td_close(c);

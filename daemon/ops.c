@@ -519,9 +519,13 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
   if (err < 0)
     return reject(c, seq, err, "publish '%s': out of memory", key);
   prep.scope = scope;
-  /* A scoped key is never journaled: it does not outlive its scope. */
+  /* A scoped key is never journaled: it does not outlive its scope. Nor is
+   * a key of a GPU's storage, whose memory dies with the daemon: its record
+   * says the key is gone, over whatever the journal said it was before. */
   if (scope == NULL &&
-      td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
+      (s->device == TD_CPU
+           ? td__state_put(c->srv->state, key, m->key.len, s, uid, &v)
+           : td__state_del(c->srv->state, key, m->key.len)) < 0) {
     td__key_abort(reg, &prep);
     unrecorded(c, seq, "publish", key);
     return 0;

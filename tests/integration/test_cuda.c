@@ -400,3 +400,46 @@ TDT_TEST(cuda, tensorctl_shows_the_device) {
   td_storage_release(h);
   td_close(c);
 }
+
+/* ---- --state-dir ---- */
+
+TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
+  char dir[64];
+  tdt_mkdtemp(dir);
+  const char *args[] = {"--state-dir", dir, NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *g, *h, *o;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_storage_create(c, 4096, &o), 0);
+  cr_assert_eq(td_publish(c, "gpu", g, NULL), 0);
+  cr_assert_eq(td_publish(c, "cpu", h, NULL), 0);
+  /* A CPU storage's key, then a GPU storage's under the same name: the
+   * journal must not serve the CPU one again. */
+  cr_assert_eq(td_publish(c, "x", o, NULL), 0);
+  cr_assert_eq(td_publish(c, "x", g, NULL), 0);
+  td_storage_release(g);
+  td_storage_release(h);
+  td_storage_release(o);
+  td_close(c);
+  cr_assert_eq(kill(d.pid, SIGKILL), 0);
+  cr_assert_eq(tdt_wait(d.pid), 128 + SIGKILL);
+  d.pid = 0;
+  tdt_restart(&d, args);
+  c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "cpu", 0, 0, &s, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  cr_assert_eq(td_lookup(c, "gpu", 0, 0, &s, NULL), TD_ENOENT);
+  cr_assert_eq(td_lookup(c, "x", 0, 0, &s, NULL), TD_ENOENT,
+               "the key came back as the CPU storage it named before");
+  /* Not journaled at all: the restart found no record of them to drop. */
+  cr_assert(tdt_log_has(&d, "serving 1 key(s) on 1 storage(s) again; 0 "
+                            "dropped"),
+            "the journal recorded a GPU storage's key");
+  cr_assert_eq(td_unpublish(c, "cpu"), 0);
+  td_close(c);
+  tdt_stop(&d);
+  tdt_rmdir(dir);
+}

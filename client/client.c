@@ -889,6 +889,9 @@ void *td_storage_data(const td_storage *s) {
 td_device td_storage_device(const td_storage *s) {
   return s->device;
 }
+td__cumap *td__storage_cumap(const td_storage *s) {
+  return s->device == TD_CUDA ? td__map_cumap(s->map) : NULL;
+}
 int td_storage_device_index(const td_storage *s) {
   return s->device == TD_CUDA ? s->device_index : 0;
 }

@@ -443,3 +443,63 @@ TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
   tdt_stop(&d);
   tdt_rmdir(dir);
 }
+
+/* ---- td_copy between host and device ---- */
+
+TDT_TEST(cuda, copy_between_host_and_device) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *h2, *g2;
+  int64_t shape[2] = {3, 4};
+  td_view v, t;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, shape, &v), 0);
+  cr_assert_eq(td_storage_create(c, 48, &h), 0);
+  cr_assert_eq(td_storage_create(c, 48, &h2), 0);
+  cr_assert_eq(create_on(c, 0, 48, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 1, 48, &g2), 0, "%s", td_last_error(c));
+  int32_t *hp = td_storage_data(h), *h2p = td_storage_data(h2);
+  /* The double's device pointers are host addresses: read them to check. */
+  int32_t *gp = td_storage_data(g), *g2p = td_storage_data(g2);
+  for (int i = 0; i < 12; i++)
+    hp[i] = i + 1;
+  /* Dense to dense: one copy each way. */
+  cr_assert_eq(td_copy(g, &v, h, &v), 0, "%s", td_view_last_error());
+  for (int i = 0; i < 12; i++)
+    cr_assert_eq(gp[i], i + 1);
+  cr_assert_eq(td_copy(h2, &v, g, &v), 0, "%s", td_view_last_error());
+  cr_assert_eq(memcmp(h2p, hp, 48), 0);
+  /* A transpose into the other GPU's storage, staged through the host. */
+  int64_t tshape[2] = {4, 3};
+  td_view dst;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, tshape, &dst), 0);
+  t = v;
+  cr_assert_eq(td_view_transpose(&t, 0, 1), 0);
+  cr_assert_eq(td_copy(g2, &dst, g, &t), 0, "%s", td_view_last_error());
+  for (int r = 0; r < 4; r++)
+    for (int k = 0; k < 3; k++)
+      cr_assert_eq(g2p[r * 3 + k], gp[k * 4 + r]);
+  /* A strided destination keeps the bytes between its elements. */
+  int64_t six = 6;
+  td_view col, every2;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 1, &six, &col), 0);
+  every2 = col;
+  every2.stride[0] = 2;
+  for (int i = 0; i < 12; i++)
+    hp[i] = -1 - i;
+  cr_assert_eq(td_copy(g, &every2, h, &col), 0, "%s", td_view_last_error());
+  for (int i = 0; i < 12; i++)
+    cr_assert_eq(gp[i], i % 2 ? i + 1 : -1 - i / 2, "element %d is %d", i,
+                 gp[i]);
+  /* Checks come first: shapes must agree, and a read-only destination is
+   * refused. */
+  cr_assert_eq(td_copy(g, &dst, h, &v), TD_EINVAL);
+  td_storage *ro;
+  cr_assert_eq(td_storage_open(c, td_storage_id(g), TD_RDONLY, &ro), 0);
+  cr_assert_eq(td_copy(ro, &v, h, &v), TD_EACCES);
+  td_storage_release(ro);
+  td_storage_release(h);
+  td_storage_release(h2);
+  td_storage_release(g);
+  td_storage_release(g2);
+  td_close(c);
+}

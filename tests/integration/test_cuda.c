@@ -25,7 +25,20 @@ static void setup(void) {
                  "names the driver's test double");
 }
 
-TestSuite(cuda, .init = setup, .fini = tdt_cleanup, .timeout = 30);
+/* A test with --state-dir: its directory, and the instance whose segments
+ * a restart adopted, for teardown to remove if the test fails half-way. */
+static char state_dir[64];
+static uint64_t first_instance;
+
+static void teardown(void) {
+  tdt_cleanup();
+  if (first_instance != 0)
+    tdt_unlink_segments(first_instance);
+  if (state_dir[0] != '\0')
+    tdt_rmdir(state_dir);
+}
+
+TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
 
 /* Creates nbytes on this process's cuda:index. */
 static int create_on(td_client *c, int64_t index, size_t nbytes,
@@ -404,10 +417,10 @@ TDT_TEST(cuda, tensorctl_shows_the_device) {
 /* ---- --state-dir ---- */
 
 TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
-  char dir[64];
-  tdt_mkdtemp(dir);
-  const char *args[] = {"--state-dir", dir, NULL};
+  tdt_mkdtemp(state_dir);
+  const char *args[] = {"--state-dir", state_dir, NULL};
   tdt_start(&d, args);
+  first_instance = d.instance;
   td_client *c = tdt_connect(&d);
   td_storage *g, *h, *o;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
@@ -441,7 +454,11 @@ TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
   cr_assert_eq(td_unpublish(c, "cpu"), 0);
   td_close(c);
   tdt_stop(&d);
-  tdt_rmdir(dir);
+  /* The CPU storage the restart adopted kept its first name: gone too. */
+  cr_assert_eq(tdt_segments_of(first_instance), 0);
+  first_instance = 0;
+  tdt_rmdir(state_dir);
+  state_dir[0] = '\0';
 }
 
 /* ---- td_copy between host and device ---- */

@@ -34,7 +34,6 @@ typedef struct sel {
   uint64_t bytes;
 } sel;
 
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int all_devices = 1;
 static sel allowed[MAX_DEVS];
 static size_t nallowed;
@@ -110,6 +109,7 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
  * and is never held across a driver call, so the loop (an open's dup, a
  * Stat) never waits on the GPU. */
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* One GPU the driver shows us. Set at the load (under init_mu, published
  * under mu with ndevs) but for what a device's first create sets (ctx, gran,

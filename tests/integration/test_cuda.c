@@ -232,6 +232,29 @@ TDT_TEST(cuda, the_creator_may_go_first) {
   td_close(c);
 }
 
+TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g;
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  td_device_stat ds[4];
+  size_t n = 9;
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
+  cr_assert_eq(n, 0, "the daemon lists %zu GPUs before any CUDA create", n);
+  cr_assert(!tdt_log_has(&d, "cuda: device"),
+            "the daemon loaded the driver early");
+  cr_assert_eq(create_on(c, 1, 4096, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
+  cr_assert_eq(n, 2, "the double has 2 GPUs; the daemon lists %zu", n);
+  cr_assert(tdt_log_has(&d, "cuda: device"));
+  /* A context on the GPU used, none on the other. */
+  cr_assert(tdt_log_has(&d, "cuda:1: context made"));
+  cr_assert(!tdt_log_has(&d, "cuda:0: context made"));
+  td_storage_release(g);
+  td_storage_release(h);
+  td_close(c);
+}
+
 /* ---- limits and errors ---- */
 
 TDT_TEST(cuda, capacity_is_per_device) {

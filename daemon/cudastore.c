@@ -216,9 +216,20 @@ static int load(char *msg, size_t len) {
 static int dev_open(dev *d, char *msg, size_t len) {
   if (d->ctx != NULL)
     return 0;
-  char e[128];
+  char e[128], u[48];
+  /* The fallback for such devices (legacy cudaIpc handles) is not built
+   * yet: say so rather than fail in cuMemCreate. */
+  int posix_fd = 0;
+  CUresult r = cu->DeviceGetAttribute(
+      &posix_fd,
+      CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cu);
+  if (r == CUDA_SUCCESS && !posix_fd)
+    return td__msg(msg, len, TD_ENOSYS,
+                   "cuda:%d (%s) cannot export allocations as POSIX fds, and "
+                   "this tensord has no legacy cudaIpc fallback yet",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
   CUcontext ctx = NULL;
-  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
   if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r),
                    "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,

@@ -345,6 +345,18 @@ TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
   td_close(c);
 }
 
+TDT_TEST(cuda, a_gpu_without_posix_fd_handles_is_refused_clearly) {
+  setenv("TDCUDA_NO_POSIX_FD", "1", 1); /* the daemon's double only */
+  tdt_start(&d, NULL);
+  unsetenv("TDCUDA_NO_POSIX_FD");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENOSYS);
+  cr_assert(strstr(td_last_error(c), "POSIX fds") != NULL, "%s",
+            td_last_error(c));
+  td_close(c);
+}
+
 /* ---- UUIDs, not ordinals ---- */
 
 static int make_on_1(void *p) {

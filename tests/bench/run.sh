@@ -4,7 +4,9 @@
 # leaves nothing of it in /dev/shm. Exits non-zero if a benchmark failed.
 # Runs bench_handoff, bench_ops and bench_rss, then any other bench_* program
 # built there. TD_BENCH_SCALE=0.2 shortens every run (a smoke test);
-# TD_BENCH_ONLY="bench_ops ..." runs only those.
+# TD_BENCH_ONLY="bench_ops ..." runs only those. bench_cuda_attach (built
+# only with TENSORD_CUDA, else skipped with a message) starts a tensord of
+# its own, whose driver it chooses (a GPU's, else the driver's test double).
 set -u
 
 build=${1:?usage: tests/bench/run.sh BUILD_DIR}
@@ -18,6 +20,18 @@ if [ -z "$benches" ]; then
     case " $benches " in *" $b "*) continue ;; esac
     [ -f "$f" ] && [ -x "$f" ] && benches="$benches $b"
   done
+fi
+# bench_cuda_attach is built only with TENSORD_CUDA (the toolkit's headers).
+if [ ! -x "$build/tests/bench/bench_cuda_attach" ] &&
+   grep -q '^TENSORD_CUDA:BOOL=OFF' "$build/CMakeCache.txt" 2>/dev/null; then
+  echo "bench_cuda_attach: skipped (built with TENSORD_CUDA=OFF: no CUDA" \
+       "toolkit headers)"
+  kept=
+  for b in $benches; do
+    [ "$b" = bench_cuda_attach ] || kept="$kept $b"
+  done
+  benches=$kept
+  [ -n "$benches" ] || exit 0
 fi
 for b in $benches; do
   if [ ! -x "$build/tests/bench/$b" ]; then

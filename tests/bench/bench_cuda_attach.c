@@ -36,7 +36,7 @@
  * row's "driver" is that counter's share of the attach; "bookkeeping" is the
  * rest: round trips to tensord, the mapping cache, handles, views.
  *
- * The consumer retains every device's primary context for the whole run, as
+ * The consumer retains cuda:0's primary context for the whole run, as
  * a process that computes on the GPU (PyTorch) does; otherwise the release of
  * its last mapping would destroy the context and each attach would pay its
  * creation again (a real driver's context costs 100s of ms). What the first
@@ -455,17 +455,13 @@ static void detach(td_client *c, int held) {
 static int consumer(void *arg) {
   const proc_arg *a = arg;
   const td__cu *cu = load_and_wrap();
-  /* Hold every device's primary context, as a computing process does. */
-  int ndev = 0;
-  if (orig.DeviceGetCount(&ndev) != CUDA_SUCCESS || ndev < 1)
-    bench_die("consumer: the driver sees no device");
-  for (int d = 0; d < ndev; d++) {
-    CUdevice dev;
-    CUcontext ctx;
-    if (orig.DeviceGet(&dev, d) != CUDA_SUCCESS ||
-        orig.DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
-      bench_die("consumer: no primary context on cuda:%d", d);
-  }
+  /* Hold the primary context of the GPU the producer uses (cuda:0 in both
+   * processes, which see the same devices), as a computing process does. */
+  CUdevice dev;
+  CUcontext ctx;
+  if (orig.DeviceGet(&dev, 0) != CUDA_SUCCESS ||
+      orig.DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
+    bench_die("consumer: no primary context on cuda:0");
   (void)cu;
   td_client *c = bench_connect(sock);
   wait_byte(a->rd, "consumer"); /* published */
@@ -631,6 +627,19 @@ static int stop_daemon(void) {
 
 /* ---- the tables ---- */
 
+/* The 1-minute load average, as /proc/loadavg says: how busy the machine
+ * was, for whoever reads the numbers. */
+static double loadavg(void) {
+  double l = -1;
+  FILE *f = fopen("/proc/loadavg", "r");
+  if (f != NULL) {
+    if (fscanf(f, "%lf", &l) != 1)
+      l = -1;
+    fclose(f);
+  }
+  return l;
+}
+
 static double ms(uint64_t ns) {
   return (double)ns / 1e6;
 }
@@ -697,12 +706,12 @@ int main(int argc, char **argv) {
 
   choose_driver();
   printf("DRIVER: %s\n", res->driver);
-  char a[32], b[32], c[32];
-  printf("state dict: %d bfloat16 tensors, 4 KiB .. 16 MiB, %s; packed %s, "
-         "separate %s (2 MiB granularity)\n",
-         res->n, bench_size(res->total_bytes, a, sizeof(a)),
-         bench_size(res->packed_bytes, b, sizeof(b)),
-         bench_size(res->separate_bytes, c, sizeof(c)));
+  printf("state dict: %d bfloat16 tensors, 4 KiB .. 16 MiB, %.1f MiB; packed "
+         "%.1f MiB, separate %.1f MiB (each rounded up to 2 MiB)\n",
+         res->n, (double)res->total_bytes / (1 << 20),
+         (double)res->packed_bytes / (1 << 20),
+         (double)res->separate_bytes / (1 << 20));
+  double load0 = loadavg();
   start_daemon();
 
   int p2c[2], c2p[2];
@@ -721,6 +730,9 @@ int main(int argc, char **argv) {
     bench_die("the %s failed (status %d)", sc ? "consumer" : "producer",
               sc ? sc : sp);
 
+  printf("load average (1 min) %.2f before, %.2f after, on %ld CPU(s); "
+         "tensord and the producer pinned to CPU %d\n",
+         load0, loadavg(), sysconf(_SC_NPROCESSORS_ONLN), res->daemon_cpu);
   printf("producer set-up (create + publish): (a) %.1f ms, (b) %.1f ms, "
          "(c) %.1f ms\n",
          ms(res->setup_ns[CASE_A]), ms(res->setup_ns[CASE_B]),

@@ -27,7 +27,7 @@
  * releases, which libtensord sends without waiting: timed as "detach". So
  * every repetition attaches from nothing, with nothing queued before it. The
  * cases are interleaved round by round (a, b, c, a, b, c, ...) after one
- * warm-up round that is not recorded.
+ * warm-up round that is not recorded (one per pass: see "CPUs").
  *
  * Driver time. The consumer wraps the table of driver entry points that
  * libtensord calls (td__cu_load's, in this process): every call tensord makes
@@ -39,9 +39,9 @@
  * The consumer retains cuda:0's primary context for the whole run, as
  * a process that computes on the GPU (PyTorch) does; otherwise the release of
  * its last mapping would destroy the context and each attach would pay its
- * creation again (a real driver's context costs 100s of ms). What the first
- * attach of the process costs, loading the driver and creating the context,
- * is printed once.
+ * creation again (a real driver's context costs 100s of ms). What loading
+ * the driver, retaining that context and the process's first attach (the
+ * warm-up) cost is printed once.
  *
  * CPUs. On this kind of VM a round trip costs a few us when tensord and the
  * consumer share a CPU (a context switch) and tens of us, varying from run
@@ -114,6 +114,7 @@ typedef struct results {
   int n, rounds;
   uint64_t total_bytes, packed_bytes, separate_bytes;
   uint64_t load_ns;                /* td__cu_load in the consumer */
+  uint64_t ctx_ns;                 /* its cuDevicePrimaryCtxRetain */
   uint64_t first_ns, first_drv_ns; /* the warm-up (a) attach */
   uint64_t setup_ns[NCASES];       /* the producer's creates and publishes */
   int passes, cpu[NPASSES];        /* the consumer's CPU in each pass */
@@ -459,9 +460,11 @@ static int consumer(void *arg) {
    * processes, which see the same devices), as a computing process does. */
   CUdevice dev;
   CUcontext ctx;
+  uint64_t c0 = bench_now_ns();
   if (orig.DeviceGet(&dev, 0) != CUDA_SUCCESS ||
       orig.DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
     bench_die("consumer: no primary context on cuda:0");
+  res->ctx_ns = bench_now_ns() - c0;
   (void)cu;
   td_client *c = bench_connect(sock);
   wait_byte(a->rd, "consumer"); /* published */
@@ -737,9 +740,10 @@ int main(int argc, char **argv) {
          "(c) %.1f ms\n",
          ms(res->setup_ns[CASE_A]), ms(res->setup_ns[CASE_B]),
          ms(res->setup_ns[CASE_C]));
-  printf("consumer, once per process: driver load + cuInit %.1f ms; first "
-         "attach (a) %.2f ms, of it driver %.2f ms\n",
-         ms(res->load_ns), ms(res->first_ns), ms(res->first_drv_ns));
+  printf("consumer, once per process: driver load + cuInit %.1f ms, primary "
+         "context %.1f ms; first attach (a) %.2f ms, of it driver %.2f ms\n",
+         ms(res->load_ns), ms(res->ctx_ns), ms(res->first_ns),
+         ms(res->first_drv_ns));
   for (int p = 0; p < res->passes; p++) {
     char title[200];
     const char *where = res->cpu[p] == res->daemon_cpu

@@ -52,6 +52,12 @@ typedef struct td__cu {
   CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
+  /* The legacy path, for devices without POSIX-fd handles. */
+  CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+  CUresult (*MemFree)(CUdeviceptr);
+  CUresult (*IpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+  CUresult (*IpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+  CUresult (*IpcCloseMemHandle)(CUdeviceptr);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

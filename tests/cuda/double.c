@@ -45,8 +45,9 @@ typedef struct alloc {
   unsigned types; /* CUmemAllocationHandleType bits it may be exported as */
   dev_t st_dev;   /* the memfd's identity, to find it on import */
   ino_t st_ino;
-  int handles; /* handles naming it */
-  int maps;    /* mappings of it */
+  uint64_t tag; /* cuMemAlloc's: random, in its legacy IPC handles */
+  int handles;  /* handles naming it */
+  int maps;     /* mappings of it */
 } alloc;
 
 typedef struct {
@@ -64,7 +65,14 @@ typedef struct {
   size_t size;
   alloc *a;
   int prot; /* PROT_NONE, PROT_READ or PROT_READ | PROT_WRITE */
+  /* 0: a VMM mapping (cuMemMap); LEGACY_ALLOC: cuMemAlloc's memory;
+   * LEGACY_OPEN: a legacy IPC handle opened here (cuIpcOpenMemHandle). */
+  int legacy;
+  pid_t pid; /* the process that made a legacy mapping (fork keeps it) */
 } mapping;
+
+#define LEGACY_ALLOC 1
+#define LEGACY_OPEN 2
 
 /* A primary context, one per visible device. */
 struct CUctx_st {
@@ -866,7 +874,7 @@ API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
-  if (!whole_mappings(p, size)) {
+  if (!whole_mappings(p, size) || map_at(p)->legacy) {
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
   }
@@ -979,5 +987,231 @@ API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
   CUresult r = check_range((uintptr_t)dstDevice, N, PROT_READ | PROT_WRITE);
   if (r == CUDA_SUCCESS && N > 0)
     memset((void *)(uintptr_t)dstDevice, uc, N);
+  return r;
+}
+
+/* ---- legacy allocations and their IPC handles ---- */
+
+/* What a legacy IPC handle holds in its 64 bytes: enough for another
+ * process to find the memfd (through /proc/<pid>/fd/<fd>) and to check that
+ * it is the allocation named (the tag, also in the memfd's name). */
+typedef struct {
+  char magic[8]; /* "tdcudaIP" */
+  int32_t pid;
+  int32_t fd;
+  uint64_t tag;
+  uint64_t size;
+  int32_t phys;
+} ipc_handle;
+_Static_assert(sizeof(ipc_handle) <= sizeof(CUipcMemHandle),
+               "ipc_handle outgrows CUipcMemHandle");
+#define IPC_MAGIC "tdcudaIP"
+
+/* The legacy mapping at exactly p made by this process with kind, or NULL.
+ * Called with mu held. */
+static mapping *legacy_at(uintptr_t p, int kind) {
+  mapping *m = map_at(p);
+  return m != NULL && m->base == p && m->legacy == kind && m->pid == getpid()
+             ? m
+             : NULL;
+}
+
+/* Drops mapping m (munmap, its alloc's count). Called with mu held. */
+static void legacy_drop(mapping *m) {
+  alloc *a = m->a;
+  munmap((void *)m->base, m->size);
+  *m = maps[--nmaps];
+  a->maps--;
+  alloc_unref(a);
+}
+
+/* Maps a (a memfd of size bytes) read-write at a new address and records
+ * it with kind. Returns the driver's result. Called with mu held. */
+static CUresult legacy_map(alloc *a, int kind, CUdeviceptr *out) {
+  if (grow((void **)&maps, &capmaps, nmaps, sizeof *maps) != 0)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
+  if (p == MAP_FAILED)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  maps[nmaps++] = (mapping){.base = (uintptr_t)p,
+                            .size = a->size,
+                            .a = a,
+                            .prot = PROT_READ | PROT_WRITE,
+                            .legacy = kind,
+                            .pid = getpid()};
+  a->maps++;
+  *out = (CUdeviceptr)(uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
+  if (dptr == NULL || bytesize == 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int ord;
+  alloc *a = NULL;
+  CUresult r = current(&ord);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  int phys = vis[ord];
+  /* The driver rounds small sizes up too; the double counts what it maps. */
+  size_t size = (bytesize + 4095) & ~(size_t)4095;
+  if (size > mem_total - used[phys]) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  if ((a = calloc(1, sizeof *a)) == NULL) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (rnd < 0 || read(rnd, &a->tag, sizeof a->tag) != sizeof a->tag)
+    a->tag = (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)a;
+  if (rnd >= 0)
+    close(rnd);
+  char name[64];
+  snprintf(name, sizeof name, MEMFD_PREFIX "%d.%016llx", phys,
+           (unsigned long long)a->tag);
+  a->fd = memfd_create(name, MFD_CLOEXEC);
+  struct stat st;
+  if (a->fd < 0 || ftruncate(a->fd, (off_t)size) != 0 ||
+      fstat(a->fd, &st) != 0) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (a->fd >= 0)
+      close(a->fd);
+    free(a);
+    goto out;
+  }
+  a->size = size;
+  a->phys = phys;
+  a->created = 1;
+  a->st_dev = st.st_dev;
+  a->st_ino = st.st_ino;
+  used[phys] += size;
+  if ((r = legacy_map(a, LEGACY_ALLOC, dptr)) != CUDA_SUCCESS)
+    alloc_unref(a); /* no handle, no mapping: goes */
+out:
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_ALLOC);
+    if (m == NULL)
+      r = CUDA_ERROR_INVALID_VALUE;
+    else
+      legacy_drop(m);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle,
+                                       CUdeviceptr dptr) {
+  if (pHandle == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_ALLOC);
+    if (m == NULL) {
+      r = CUDA_ERROR_INVALID_VALUE; /* not the base of a cuMemAlloc */
+    } else {
+      ipc_handle h = {.pid = getpid(),
+                      .fd = m->a->fd,
+                      .tag = m->a->tag,
+                      .size = m->a->size,
+                      .phys = m->a->phys};
+      memcpy(h.magic, IPC_MAGIC, 8);
+      memset(pHandle, 0, sizeof *pHandle);
+      memcpy(pHandle->reserved, &h, sizeof h);
+    }
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle ipc,
+                                        unsigned int Flags) {
+  if (pdptr == NULL || Flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    return CUDA_ERROR_INVALID_VALUE;
+  ipc_handle h;
+  memcpy(&h, ipc.reserved, sizeof h);
+  if (memcmp(h.magic, IPC_MAGIC, 8) != 0)
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  int ord, fd = -1;
+  alloc *a = NULL;
+  CUresult r = current(&ord);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  /* The driver refuses a process's own handles. */
+  if (h.pid == getpid()) {
+    r = CUDA_ERROR_INVALID_CONTEXT;
+    goto out;
+  }
+  /* The memory is opened on the device it lives on, which must be the
+   * current context's (the double does not model peer access). */
+  if (h.phys < 0 || h.phys >= nphys || vis[ord] != h.phys) {
+    r = CUDA_ERROR_INVALID_DEVICE;
+    goto out;
+  }
+  char path[64], link[128], want[96];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  snprintf(want, sizeof want, "/memfd:" MEMFD_PREFIX "%d.%016llx", h.phys,
+           (unsigned long long)h.tag);
+  if (n < 0 || (link[n] = '\0', strncmp(link, want, strlen(want)) != 0) ||
+      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0) {
+    r = CUDA_ERROR_INVALID_HANDLE; /* its owner or its memory is gone */
+    goto out;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
+    r = CUDA_ERROR_INVALID_HANDLE;
+    goto out;
+  }
+  /* Stricter than the driver, which counts a second open in the same
+   * context and returns the same pointer: tensord opens once per process. */
+  for (size_t i = 0; i < nmaps; i++)
+    if (maps[i].legacy == LEGACY_OPEN && maps[i].pid == getpid() &&
+        maps[i].a->st_dev == st.st_dev && maps[i].a->st_ino == st.st_ino) {
+      r = CUDA_ERROR_ALREADY_MAPPED;
+      goto out;
+    }
+  if ((a = calloc(1, sizeof *a)) == NULL) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  a->fd = fd;
+  fd = -1;
+  a->size = h.size;
+  a->phys = h.phys;
+  a->tag = h.tag;
+  a->st_dev = st.st_dev;
+  a->st_ino = st.st_ino;
+  if ((r = legacy_map(a, LEGACY_OPEN, pdptr)) != CUDA_SUCCESS)
+    alloc_unref(a);
+out:
+  if (fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_OPEN);
+    if (m == NULL)
+      r = CUDA_ERROR_INVALID_VALUE;
+    else
+      legacy_drop(m);
+  }
+  pthread_mutex_unlock(&mu);
   return r;
 }

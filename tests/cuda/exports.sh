@@ -18,10 +18,15 @@ cuDevicePrimaryCtxRetain
 cuGetErrorName
 cuGetErrorString
 cuInit
+cuIpcCloseMemHandle
+cuIpcGetMemHandle
+cuIpcOpenMemHandle_v2
 cuMemAddressFree
 cuMemAddressReserve
+cuMemAlloc_v2
 cuMemCreate
 cuMemExportToShareableHandle
+cuMemFree_v2
 cuMemGetAllocationGranularity
 cuMemGetInfo_v2
 cuMemImportFromShareableHandle

@@ -675,8 +675,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   int cuda = m->device == TENSORD__DEVICE__DEVICE_CUDA;
   /* Device memory has no copy-on-write: TD_COW maps it read-only. */
   cow = cow && m->readonly && !cuda;
-  if (cuda && (m->device_uuid.len != 16 ||
-               m->handle != TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD)) {
+  int legacy =
+      cuda && m->handle == TENSORD__CUDA_HANDLE__CUDA_HANDLE_LEGACY_IPC;
+  if (cuda &&
+      (m->device_uuid.len != 16 ||
+       (m->handle != TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD && !legacy) ||
+       (legacy && m->ipc_handle.len != 64))) {
     if (fd >= 0)
       close(fd);
     send_release(c, m->id, m->readonly, 1, 1);
@@ -694,11 +698,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     return fail(c, TD_ENOMEM, "out of memory");
   }
   char why[512] = "";
-  int err =
-      cuda ? td__map_acquire_cuda(c->instance, m->id, mode, m->device_uuid.data,
-                                  m->alloc_size, fd, &s->map, why, sizeof(why))
-           : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy,
-                             &s->map);
+  int err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
+                                        m->device_uuid.data, m->alloc_size, fd,
+                                        legacy ? m->ipc_handle.data : NULL,
+                                        &s->map, why, sizeof(why))
+                 : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd,
+                                   lazy, &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -709,7 +714,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     if (err == 0) {
       err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
                                         m->device_uuid.data, m->alloc_size, fd2,
-                                        &s->map, why, sizeof(why))
+                                        NULL, &s->map, why, sizeof(why))
                  : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2,
                                    lazy, &s->map);
       tensord__response__free_unpacked(r, NULL);

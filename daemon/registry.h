@@ -70,6 +70,11 @@ struct td__storage {
    * (nbytes rounded up to the granularity; set by the create). */
   uint8_t uuid[16];
   uint64_t alloc_size;
+  /* TD_CUDA on a GPU without POSIX-fd handles: no fd is ever sent; every
+   * reply carries ipc_handle (a CUipcMemHandle), which a client opens once
+   * per process. Set by the create. */
+  int legacy;
+  uint8_t ipc_handle[64];
 };
 
 struct td__key {

@@ -73,6 +73,9 @@ struct td_storage {
   td__mapping *map;
   int device_index; /* TD_CUDA: the GPU's ordinal in this process */
   uint8_t uuid[16]; /* TD_CUDA: the GPU's UUID */
+  /* From a lookup of a key published with an event: its IPC handle. */
+  int has_event;
+  uint8_t event[64];
 };
 
 /* Handles this connection holds, per storage and mode. */
@@ -900,6 +903,16 @@ int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]) {
   memcpy(uuid, s->uuid, 16);
   return 0;
 }
+int td_storage_wait(td_storage *s, void *stream) {
+  if (!s->has_event)
+    return 0;
+  char msg[512];
+  int err = td__cuevent_wait(s->uuid, s->event, stream, msg, sizeof(msg));
+  if (err < 0)
+    return fail(s->c, err, "storage %llu: waiting on its publisher's event: %s",
+                (unsigned long long)s->id, msg);
+  return 0;
+}
 int td_storage_is_readonly(const td_storage *s) {
   return s->readonly;
 }
@@ -961,7 +974,20 @@ int td_publish_ex(td_client *c, const char *key, const td_storage *s,
   if (v != NULL &&
       (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
     return fail(c, err, "publish '%s': %s", key, msg);
+  uint8_t event[64];
+  if (o != NULL && o->event != NULL) {
+    if (s->device != TD_CUDA)
+      return fail(c, TD_EINVAL,
+                  "publish '%s' with an event: storage %llu is not on a GPU",
+                  key, (unsigned long long)s->id);
+    if ((err = td__cuevent_export(o->event, event, msg, sizeof(msg))) < 0)
+      return fail(c, err, "publish '%s' with an event: %s", key, msg);
+  }
   Tensord__Publish m = TENSORD__PUBLISH__INIT;
+  if (o != NULL && o->event != NULL) {
+    m.event_handle.data = event;
+    m.event_handle.len = sizeof(event);
+  }
   Tensord__View vm;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.key.data = (uint8_t *)key;
@@ -1027,6 +1053,10 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }
   err = make_handle(c, lr->storage, fd, flags, s);
+  if (err == 0 && (*s)->device == TD_CUDA && lr->event_handle.len == 64) {
+    (*s)->has_event = 1;
+    memcpy((*s)->event, lr->event_handle.data, 64);
+  }
   tensord__response__free_unpacked(r, NULL);
   if (err == 0 && v != NULL)
     *v = view;

@@ -74,6 +74,63 @@ int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
   return 0;
 }
 
+int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  CUipcEventHandle h;
+  char e[128];
+  CUresult r = cu->IpcGetEventHandle(&h, (CUevent)event);
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuIpcGetEventHandle: %s (the event must be made with "
+                   "CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)",
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  _Static_assert(sizeof(h.reserved) == 64, "CUipcEventHandle is not 64 bytes");
+  memcpy(out, h.reserved, 64);
+  return 0;
+}
+
+int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
+                     void *stream, char *msg, size_t len) {
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  char u[48], e[128];
+  CUdevice dev;
+  if (td__cu_device_by_uuid(cu, uuid, &dev) < 0)
+    return td__msg(msg, len, TD_ENODEV,
+                   "the storage is on GPU %s, which this process cannot see",
+                   td__cu_uuid_str(uuid, u, sizeof(u)));
+  CUcontext ctx, popped;
+  const char *what = "cuDevicePrimaryCtxRetain";
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, dev);
+  if (r != CUDA_SUCCESS)
+    goto fail;
+  what = "cuCtxPushCurrent";
+  if ((r = cu->CtxPushCurrent(ctx)) == CUDA_SUCCESS) {
+    CUipcEventHandle h;
+    CUevent ev;
+    memcpy(h.reserved, handle, 64);
+    what = "cuIpcOpenEventHandle";
+    if ((r = cu->IpcOpenEventHandle(&ev, h)) == CUDA_SUCCESS) {
+      what = stream ? "cuStreamWaitEvent" : "cuEventSynchronize";
+      r = stream ? cu->StreamWaitEvent((CUstream)stream, ev, 0)
+                 : cu->EventSynchronize(ev);
+      /* A stream's wait holds what it needs of the event. */
+      cu->EventDestroy(ev);
+    }
+    cu->CtxPopCurrent(&popped);
+  }
+  cu->DevicePrimaryCtxRelease(dev);
+  if (r == CUDA_SUCCESS)
+    return 0;
+fail:
+  return td__msg(msg, len, td__cu_code(r), "%s on %s: %s", what,
+                 td__cu_uuid_str(uuid, u, sizeof(u)),
+                 td__cu_strerror(cu, r, e, sizeof(e)));
+}
+
 /* Undoes what td__cumap_open did, as far as it got. */
 static void undo(td__cumap *m, int mapped, int reserved) {
   const td__cu *cu = m->cu;
@@ -326,6 +383,15 @@ static int no_cuda(char *msg, size_t len) {
 }
 
 int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
+                     void *stream, char *msg, size_t len) {
   return no_cuda(msg, len);
 }
 

@@ -55,6 +55,13 @@ static const struct {
     ENTRY(IpcGetMemHandle, cuIpcGetMemHandle),
     ENTRY(IpcOpenMemHandle, cuIpcOpenMemHandle),
     ENTRY(IpcCloseMemHandle, cuIpcCloseMemHandle),
+    ENTRY(EventCreate, cuEventCreate),
+    ENTRY(EventRecord, cuEventRecord),
+    ENTRY(EventSynchronize, cuEventSynchronize),
+    ENTRY(EventDestroy, cuEventDestroy),
+    ENTRY(StreamWaitEvent, cuStreamWaitEvent),
+    ENTRY(IpcGetEventHandle, cuIpcGetEventHandle),
+    ENTRY(IpcOpenEventHandle, cuIpcOpenEventHandle),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==

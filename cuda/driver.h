@@ -58,6 +58,14 @@ typedef struct td__cu {
   CUresult (*IpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
   CUresult (*IpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
   CUresult (*IpcCloseMemHandle)(CUdeviceptr);
+  /* Events, for ordering a consumer after a producer's work. */
+  CUresult (*EventCreate)(CUevent *, unsigned int);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventSynchronize)(CUevent);
+  CUresult (*EventDestroy)(CUevent);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
+  CUresult (*IpcGetEventHandle)(CUipcEventHandle *, CUevent);
+  CUresult (*IpcOpenEventHandle)(CUevent *, CUipcEventHandle);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

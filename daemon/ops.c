@@ -383,6 +383,9 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     return;
   }
   td_view view = k->view; /* outlives a take */
+  uint8_t event[64];      /* and so does this */
+  int has_event = k->has_event;
+  memcpy(event, k->event, sizeof(event));
   Tensord__StorageReply sm;
   Tensord__View vm;
   Tensord__LookupReply lm = TENSORD__LOOKUP_REPLY__INIT;
@@ -391,6 +394,10 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   td__view_to_msg(&view, &vm);
   lm.storage = &sm;
   lm.view = &vm;
+  if (has_event) {
+    lm.event_handle.data = event;
+    lm.event_handle.len = sizeof(event);
+  }
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
@@ -471,6 +478,15 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                   key, (unsigned long long)m->id);
   }
   td__storage *s = ref->storage;
+  if (m->event_handle.len != 0 && m->event_handle.len != 64)
+    return reject(c, seq, TD_EINVAL,
+                  "publish '%s': an event handle of %zu bytes, not 64 (a "
+                  "CUipcEventHandle)",
+                  key, m->event_handle.len);
+  if (m->event_handle.len != 0 && s->device != TD_CUDA)
+    return reject(c, seq, TD_EINVAL,
+                  "publish '%s' with an event: storage %llu is not on a GPU",
+                  key, (unsigned long long)s->id);
   td_view v;
   if (m->view != NULL) {
     int err = td__view_from_msg(m->view, &v, msg, sizeof(msg));
@@ -541,6 +557,9 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     return 0;
   }
   k = td__key_commit(reg, &prep, &v);
+  k->has_event = m->event_handle.len == 64;
+  if (k->has_event)
+    memcpy(k->event, m->event_handle.data, 64);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);

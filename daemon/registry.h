@@ -84,7 +84,11 @@ struct td__key {
   td__key *sprev, *snext; /* in storage->keys */
   td_view view;
   int64_t published_ms;
-  td__scope *scope;       /* the scope it goes with, or NULL */
+  td__scope *scope; /* the scope it goes with, or NULL */
+  /* A CUDA IPC event handle the publisher recorded after its writes, for
+   * consumers to wait on (has_event); never journaled. */
+  int has_event;
+  uint8_t event[64];
   td__key *cprev, *cnext; /* in scope->keys */
   size_t len;
   char name[]; /* len bytes, NUL-terminated */

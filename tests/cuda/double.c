@@ -1215,3 +1215,213 @@ API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
   pthread_mutex_unlock(&mu);
   return r;
 }
+
+/* ---- events ---- */
+
+/* Work is synchronous here, so an event is complete once recorded: what
+ * the double keeps is the handles' semantics. An interprocess event's
+ * state lives in a one-page memfd that its IPC handle names, as a legacy
+ * allocation's does. */
+struct CUevent_st {
+  unsigned flags;
+  int fd;            /* CU_EVENT_INTERPROCESS: the memfd, else -1 */
+  uint64_t tag;      /* in its IPC handle and the memfd's name */
+  uint64_t *records; /* how often recorded (shared for IPC events) */
+  int opened;        /* made by cuIpcOpenEventHandle */
+  pid_t pid;         /* the process that made it */
+};
+
+#define EVENT_PREFIX "tdcuda-event."
+#define IPC_EVENT_MAGIC "tdcudaEV"
+
+static CUevent *events;
+static size_t nevents, capevents;
+
+/* Whether ev is a live event of this process. Called with mu held. */
+static int event_live(CUevent ev) {
+  for (size_t i = 0; i < nevents; i++)
+    if (events[i] == ev)
+      return ev->pid == getpid();
+  return 0;
+}
+
+/* Makes an event over fd (>= 0: a shared page) and lists it. Returns the
+ * driver's result. Called with mu held; fd is the event's on success. */
+static CUresult event_make(unsigned flags, int fd, uint64_t tag, int opened,
+                           CUevent *out) {
+  if (grow((void **)&events, &capevents, nevents, sizeof *events) != 0)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  CUevent ev = calloc(1, sizeof *ev);
+  if (ev == NULL)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  if (fd >= 0) {
+    ev->records = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (ev->records == MAP_FAILED) {
+      free(ev);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+  } else if ((ev->records = calloc(1, sizeof *ev->records)) == NULL) {
+    free(ev);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  ev->flags = flags;
+  ev->fd = fd;
+  ev->tag = tag;
+  ev->opened = opened;
+  ev->pid = getpid();
+  events[nevents++] = ev;
+  *out = ev;
+  return CUDA_SUCCESS;
+}
+
+API CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+  if (phEvent == NULL ||
+      Flags & ~(unsigned)(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING |
+                          CU_EVENT_INTERPROCESS))
+    return CUDA_ERROR_INVALID_VALUE;
+  /* The driver's rule: an interprocess event cannot time. */
+  if ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING))
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int fd = -1;
+  uint64_t tag = 0;
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && (Flags & CU_EVENT_INTERPROCESS)) {
+    int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (rnd < 0 || read(rnd, &tag, sizeof tag) != sizeof tag)
+      tag = (uint64_t)getpid() << 32 ^ (uint64_t)nevents;
+    if (rnd >= 0)
+      close(rnd);
+    char name[48];
+    snprintf(name, sizeof name, EVENT_PREFIX "%016llx",
+             (unsigned long long)tag);
+    fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, 4096) != 0)
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (r == CUDA_SUCCESS)
+    r = event_make(Flags, fd, tag, 0, phEvent);
+  if (r != CUDA_SUCCESS && fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+  (void)hStream; /* every stream's work is done already */
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && !event_live(hEvent))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    __atomic_add_fetch(hEvent->records, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+  pthread_mutex_lock(&mu);
+  CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_ERROR_INVALID_HANDLE;
+  for (size_t i = 0; i < nevents; i++)
+    if (events[i] == hEvent && hEvent->pid == getpid()) {
+      events[i] = events[--nevents];
+      if (hEvent->fd >= 0) {
+        munmap(hEvent->records, 4096);
+        close(hEvent->fd);
+      } else {
+        free(hEvent->records);
+      }
+      free(hEvent);
+      r = CUDA_SUCCESS;
+      break;
+    }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
+                                       unsigned int Flags) {
+  (void)hStream;
+  if (Flags != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && !event_live(hEvent))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+typedef struct {
+  char magic[8]; /* "tdcudaEV" */
+  int32_t pid;
+  int32_t fd;
+  uint64_t tag;
+} ipc_event;
+_Static_assert(sizeof(ipc_event) <= sizeof(CUipcEventHandle),
+               "ipc_event outgrows CUipcEventHandle");
+
+API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
+                                         CUevent event) {
+  if (pHandle == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_SUCCESS;
+  if (!event_live(event))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  else if (!(event->flags & CU_EVENT_INTERPROCESS) || event->opened)
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS) {
+    ipc_event h = {.pid = getpid(), .fd = event->fd, .tag = event->tag};
+    memcpy(h.magic, IPC_EVENT_MAGIC, 8);
+    memset(pHandle, 0, sizeof *pHandle);
+    memcpy(pHandle->reserved, &h, sizeof h);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
+                                          CUipcEventHandle handle_) {
+  if (phEvent == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  ipc_event h;
+  memcpy(&h, handle_.reserved, sizeof h);
+  if (memcmp(h.magic, IPC_EVENT_MAGIC, 8) != 0)
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  int fd = -1;
+  CUresult r = current(NULL);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  if (h.pid == getpid()) { /* as for memory: not one's own */
+    r = CUDA_ERROR_INVALID_CONTEXT;
+    goto out;
+  }
+  char path[64], link[128], want[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
+  snprintf(want, sizeof want, "/memfd:" EVENT_PREFIX "%016llx",
+           (unsigned long long)h.tag);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  if (n < 0 || (link[n] = '\0', strncmp(link, want, strlen(want)) != 0) ||
+      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0) {
+    r = CUDA_ERROR_INVALID_HANDLE;
+    goto out;
+  }
+  r = event_make(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, fd, h.tag, 1,
+                 phEvent);
+  if (r == CUDA_SUCCESS)
+    fd = -1;
+out:
+  if (fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}

@@ -15,11 +15,17 @@ cuDeviceGetName
 cuDeviceGetUuid_v2
 cuDevicePrimaryCtxRelease_v2
 cuDevicePrimaryCtxRetain
+cuEventCreate
+cuEventDestroy_v2
+cuEventRecord
+cuEventSynchronize
 cuGetErrorName
 cuGetErrorString
 cuInit
 cuIpcCloseMemHandle
+cuIpcGetEventHandle
 cuIpcGetMemHandle
+cuIpcOpenEventHandle
 cuIpcOpenMemHandle_v2
 cuMemAddressFree
 cuMemAddressReserve
@@ -37,6 +43,7 @@ cuMemUnmap
 cuMemcpyDtoH_v2
 cuMemcpyHtoD_v2
 cuMemsetD8_v2
+cuStreamWaitEvent
 LIST
 )
 got=$(nm -D --defined-only "$1" | awk '$2 == "T" || $2 == "W" { print $3 }' |

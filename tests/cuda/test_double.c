@@ -503,3 +503,52 @@ Test(double_semantics, a_freed_allocations_handle_opens_nothing) {
   cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
   close(sv[0]);
 }
+
+/* ---- events ---- */
+
+static void consumer_event(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUipcEventHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CUevent ev;
+  CHILD_OK(cu->IpcOpenEventHandle(&ev, h));
+  CHILD_OK(cu->EventSynchronize(ev));
+  CHILD_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  CHILD_CHECK(cu->IpcGetEventHandle(&h, ev) == CUDA_ERROR_INVALID_VALUE);
+  CHILD_OK(cu->EventDestroy(ev));
+  CHILD_CHECK(cu->EventSynchronize(ev) == CUDA_ERROR_INVALID_HANDLE);
+  CUipcEventHandle forged = h;
+  forged.reserved[20] ^= 1; /* the tag */
+  CHILD_CHECK(cu->IpcOpenEventHandle(&ev, forged) == CUDA_ERROR_INVALID_HANDLE);
+  send_byte(sock, 'w');
+}
+
+Test(double_semantics, interprocess_events_open_in_another_process) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_event);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fds = count_fds();
+  CUevent ev, plain;
+  cr_expect_eq(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS),
+               CUDA_ERROR_INVALID_VALUE, "an interprocess event cannot time");
+  CU_OK(cu->EventCreate(&plain, CU_EVENT_DISABLE_TIMING));
+  CUipcEventHandle h;
+  cr_expect_eq(cu->IpcGetEventHandle(&h, plain), CUDA_ERROR_INVALID_VALUE,
+               "not an interprocess event");
+  CU_OK(cu->EventDestroy(plain));
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CU_OK(cu->IpcGetEventHandle(&h, ev));
+  CUevent own;
+  cr_expect_eq(cu->IpcOpenEventHandle(&own, h), CUDA_ERROR_INVALID_CONTEXT,
+               "a process's own handle");
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  CU_OK(cu->EventDestroy(ev));
+  cr_expect_eq(count_fds(), fds, "the event's memfd closed");
+  close(sv[0]);
+}

@@ -7,7 +7,9 @@
 #include "harness.h"
 
 #include <criterion/criterion.h>
+#include <cuda.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <dlpack/dlpack.h>
 #include <signal.h>
@@ -700,5 +702,122 @@ TDT_TEST(cuda, copy_between_host_and_device) {
   td_storage_release(h2);
   td_storage_release(g);
   td_storage_release(g2);
+  td_close(c);
+}
+
+/* ---- events: ordering a consumer after the producer's GPU work ---- */
+
+/* The driver libtensord loaded (the double), for what only an application
+ * does: make and record events. */
+typedef struct {
+  CUresult (*Retain)(CUcontext *, CUdevice);
+  CUresult (*Push)(CUcontext);
+  CUresult (*EventCreate)(CUevent *, unsigned int);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventDestroy)(CUevent);
+} app_cu;
+
+static app_cu app_driver(void) {
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib, "%s", dlerror());
+  app_cu a;
+  *(void **)&a.Retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&a.Push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&a.EventCreate = dlsym(lib, "cuEventCreate");
+  *(void **)&a.EventRecord = dlsym(lib, "cuEventRecord");
+  *(void **)&a.EventDestroy = dlsym(lib, "cuEventDestroy_v2");
+  cr_assert(a.Retain && a.Push && a.EventCreate && a.EventRecord &&
+            a.EventDestroy);
+  CUcontext ctx;
+  cr_assert_eq(a.Retain(&ctx, 0), CUDA_SUCCESS);
+  cr_assert_eq(a.Push(ctx), CUDA_SUCCESS);
+  return a;
+}
+
+/* Waits on the key's event, on the host and on a stream, then reads. Exits
+ * 3 if the waits fail (the expected outcome when the event is gone). */
+static int peer_wait(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  int w1 = td_storage_wait(s, NULL);
+  int w2 = td_storage_wait(s, CU_STREAM_LEGACY);
+  if (w1 < 0 || w2 < 0) {
+    fprintf(stderr, "peer: %s\n", td_last_error(c));
+    CHECK(w1 < 0 && w2 < 0);
+    CHECK(strstr(td_last_error(c), "cuIpcOpenEventHandle") != NULL);
+    return 3;
+  }
+  CHECK(((unsigned char *)td_storage_data(s))[3] == 33);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  /* The producer's work, then its record. */
+  ((unsigned char *)td_storage_data(s))[3] = 33;
+  CUevent ev;
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  cr_assert_eq(cu.EventRecord(ev, NULL), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "ev", s, NULL, &o), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "ev", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+
+  /* A key published without one: nothing to wait for. */
+  cr_assert_eq(td_publish(c, "plain", s, NULL), 0);
+  cr_assert_eq(td_lookup(c, "plain", TD_RDONLY, 0, &h, NULL), 0);
+  cr_assert_eq(td_storage_wait(h, NULL), 0);
+  td_storage_release(h);
+
+  /* The handle names the producer's event: once destroyed, it opens
+   * nothing and the consumer is told. */
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 3);
+
+  cr_assert_eq(td_unpublish(c, "ev"), 0);
+  cr_assert_eq(td_unpublish(c, "plain"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  CUevent ev;
+  cr_assert_eq(cu.EventCreate(&ev, CU_EVENT_DISABLE_TIMING), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "ev", s, NULL, &o), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "CU_EVENT_INTERPROCESS") != NULL, "%s",
+            td_last_error(c));
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  o.event = ev;
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_publish_ex(c, "ev", h, NULL, &o), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "not on a GPU") != NULL, "%s",
+            td_last_error(c));
+  td_storage_release(h);
+  cr_assert_eq(td_lookup(c, "ev", 0, 0, &h, NULL), TD_ENOENT,
+               "a refused publish published nothing");
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  td_storage_release(s);
   td_close(c);
 }

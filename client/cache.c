@@ -286,7 +286,8 @@ out:
 
 int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
                          const uint8_t uuid[16], uint64_t alloc_size, int fd,
-                         td__mapping **out, char *msg, size_t len) {
+                         const uint8_t *ipc_handle, td__mapping **out,
+                         char *msg, size_t len) {
   pthread_once(&once, cache_init);
   mkey k = {instance, id, mode};
   uint64_t h = mhash(&k);
@@ -299,7 +300,7 @@ int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
     *out = m;
     goto out;
   }
-  if (fd < 0) {
+  if (fd < 0 && ipc_handle == NULL) {
     err = TD_ENOENT;
     goto out;
   }
@@ -308,8 +309,10 @@ int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
     err = td__msg(msg, len, TD_ENOMEM, "out of memory");
     goto out;
   }
-  err = td__cumap_open(uuid, fd, alloc_size, mode != TD__MAP_RW, &m->cu, msg,
-                       len);
+  err = ipc_handle != NULL
+            ? td__cumap_open_ipc(uuid, ipc_handle, alloc_size, &m->cu, msg, len)
+            : td__cumap_open(uuid, fd, alloc_size, mode != TD__MAP_RW, &m->cu,
+                             msg, len);
   if (err < 0) {
     free(m);
     goto out;

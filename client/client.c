@@ -73,6 +73,9 @@ struct td_storage {
   td__mapping *map;
   int device_index; /* TD_CUDA: the GPU's ordinal in this process */
   uint8_t uuid[16]; /* TD_CUDA: the GPU's UUID */
+  /* From a lookup of a key published with an event: its IPC handle. */
+  int has_event;
+  uint8_t event[64];
 };
 
 /* Handles this connection holds, per storage and mode. */
@@ -675,8 +678,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   int cuda = m->device == TENSORD__DEVICE__DEVICE_CUDA;
   /* Device memory has no copy-on-write: TD_COW maps it read-only. */
   cow = cow && m->readonly && !cuda;
-  if (cuda && (m->device_uuid.len != 16 ||
-               m->handle != TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD)) {
+  int legacy =
+      cuda && m->handle == TENSORD__CUDA_HANDLE__CUDA_HANDLE_LEGACY_IPC;
+  if (cuda &&
+      (m->device_uuid.len != 16 ||
+       (m->handle != TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD && !legacy) ||
+       (legacy && m->ipc_handle.len != 64))) {
     if (fd >= 0)
       close(fd);
     send_release(c, m->id, m->readonly, 1, 1);
@@ -694,11 +701,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     return fail(c, TD_ENOMEM, "out of memory");
   }
   char why[512] = "";
-  int err =
-      cuda ? td__map_acquire_cuda(c->instance, m->id, mode, m->device_uuid.data,
-                                  m->alloc_size, fd, &s->map, why, sizeof(why))
-           : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy,
-                             &s->map);
+  int err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
+                                        m->device_uuid.data, m->alloc_size, fd,
+                                        legacy ? m->ipc_handle.data : NULL,
+                                        &s->map, why, sizeof(why))
+                 : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd,
+                                   lazy, &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -709,7 +717,7 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     if (err == 0) {
       err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
                                         m->device_uuid.data, m->alloc_size, fd2,
-                                        &s->map, why, sizeof(why))
+                                        NULL, &s->map, why, sizeof(why))
                  : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2,
                                    lazy, &s->map);
       tensord__response__free_unpacked(r, NULL);
@@ -895,6 +903,16 @@ int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]) {
   memcpy(uuid, s->uuid, 16);
   return 0;
 }
+int td_storage_wait(td_storage *s, void *stream) {
+  if (!s->has_event)
+    return 0;
+  char msg[512];
+  int err = td__cuevent_wait(s->uuid, s->event, stream, msg, sizeof(msg));
+  if (err < 0)
+    return fail(s->c, err, "storage %llu: waiting on its publisher's event: %s",
+                (unsigned long long)s->id, msg);
+  return 0;
+}
 int td_storage_is_readonly(const td_storage *s) {
   return s->readonly;
 }
@@ -956,7 +974,20 @@ int td_publish_ex(td_client *c, const char *key, const td_storage *s,
   if (v != NULL &&
       (err = td__view_check_msg(v, s->nbytes, msg, sizeof(msg))) < 0)
     return fail(c, err, "publish '%s': %s", key, msg);
+  uint8_t event[64];
+  if (o != NULL && o->event != NULL) {
+    if (s->device != TD_CUDA)
+      return fail(c, TD_EINVAL,
+                  "publish '%s' with an event: storage %llu is not on a GPU",
+                  key, (unsigned long long)s->id);
+    if ((err = td__cuevent_export(o->event, event, msg, sizeof(msg))) < 0)
+      return fail(c, err, "publish '%s' with an event: %s", key, msg);
+  }
   Tensord__Publish m = TENSORD__PUBLISH__INIT;
+  if (o != NULL && o->event != NULL) {
+    m.event_handle.data = event;
+    m.event_handle.len = sizeof(event);
+  }
   Tensord__View vm;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   m.key.data = (uint8_t *)key;
@@ -1022,6 +1053,10 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
     return fail(c, TD_EPROTO, "lookup '%s': malformed reply", key);
   }
   err = make_handle(c, lr->storage, fd, flags, s);
+  if (err == 0 && (*s)->device == TD_CUDA && lr->event_handle.len == 64) {
+    (*s)->has_event = 1;
+    memcpy((*s)->event, lr->event_handle.data, 64);
+  }
   tensord__response__free_unpacked(r, NULL);
   if (err == 0 && v != NULL)
     *v = view;

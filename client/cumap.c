@@ -1,8 +1,11 @@
 /* cumap.c: this process's side of CUDA storages: naming a GPU by its UUID,
  * and mapping the VMM allocation a daemon exported (import the fd, reserve
- * an address range, map, set access), undone in reverse order. */
+ * an address range, map, set access), undone in reverse order; or opening
+ * the legacy IPC handle of a GPU without POSIX-fd handles, once per process
+ * and allocation. */
 #include "internal.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,12 +13,28 @@
 #if TD_HAVE_CUDA
 #include "driver.h"
 
+/* One legacy IPC handle open in this process. A legacy handle opens once
+ * per process (the driver counts a second open in the same context, but
+ * not across contexts, and the test double refuses it): every mapping of
+ * the allocation — read-write and read-only ones, of any client — shares
+ * it, and the last to go closes it. */
+typedef struct ipc_open {
+  struct ipc_open *next;
+  uint8_t handle[64];
+  CUdeviceptr ptr;
+  unsigned users;
+} ipc_open;
+
+static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
+static ipc_open *ipc_opens; /* ipc_mu */
+
 struct td__cumap {
   const td__cu *cu;
   CUdevice dev;
   CUcontext ctx; /* the primary context, retained while mapped */
   CUdeviceptr ptr;
   size_t size;
+  ipc_open *ipc; /* a legacy handle's open, or NULL for a VMM mapping */
 };
 
 /* Loads the driver. Returns it, or NULL with msg saying why. */
@@ -55,9 +74,86 @@ int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
   return 0;
 }
 
+int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  CUipcEventHandle h;
+  char e[128];
+  CUresult r = cu->IpcGetEventHandle(&h, (CUevent)event);
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuIpcGetEventHandle: %s (the event must be made with "
+                   "CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)",
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  _Static_assert(sizeof(h.reserved) == 64, "CUipcEventHandle is not 64 bytes");
+  memcpy(out, h.reserved, 64);
+  return 0;
+}
+
+int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
+                     void *stream, char *msg, size_t len) {
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  char u[48], e[128];
+  CUdevice dev;
+  if (td__cu_device_by_uuid(cu, uuid, &dev) < 0)
+    return td__msg(msg, len, TD_ENODEV,
+                   "the storage is on GPU %s, which this process cannot see",
+                   td__cu_uuid_str(uuid, u, sizeof(u)));
+  CUcontext ctx, popped;
+  const char *what = "cuDevicePrimaryCtxRetain";
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, dev);
+  if (r != CUDA_SUCCESS)
+    goto fail;
+  what = "cuCtxPushCurrent";
+  if ((r = cu->CtxPushCurrent(ctx)) == CUDA_SUCCESS) {
+    CUipcEventHandle h;
+    CUevent ev;
+    memcpy(h.reserved, handle, 64);
+    what = "cuIpcOpenEventHandle";
+    if ((r = cu->IpcOpenEventHandle(&ev, h)) == CUDA_SUCCESS) {
+      what = stream ? "cuStreamWaitEvent" : "cuEventSynchronize";
+      r = stream ? cu->StreamWaitEvent((CUstream)stream, ev, 0)
+                 : cu->EventSynchronize(ev);
+      /* A stream's wait holds what it needs of the event. */
+      cu->EventDestroy(ev);
+    }
+    cu->CtxPopCurrent(&popped);
+  }
+  cu->DevicePrimaryCtxRelease(dev);
+  if (r == CUDA_SUCCESS)
+    return 0;
+fail:
+  return td__msg(msg, len, td__cu_code(r), "%s on %s: %s", what,
+                 td__cu_uuid_str(uuid, u, sizeof(u)),
+                 td__cu_strerror(cu, r, e, sizeof(e)));
+}
+
 /* Undoes what td__cumap_open did, as far as it got. */
 static void undo(td__cumap *m, int mapped, int reserved) {
   const td__cu *cu = m->cu;
+  if (m->ipc != NULL) {
+    pthread_mutex_lock(&ipc_mu);
+    ipc_open *o = m->ipc;
+    if (--o->users == 0) {
+      for (ipc_open **p = &ipc_opens; *p != NULL; p = &(*p)->next)
+        if (*p == o) {
+          *p = o->next;
+          break;
+        }
+      CUcontext popped;
+      if (cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
+        cu->IpcCloseMemHandle(o->ptr);
+        cu->CtxPopCurrent(&popped);
+      }
+      free(o);
+    }
+    pthread_mutex_unlock(&ipc_mu);
+    cu->DevicePrimaryCtxRelease(m->dev);
+    return;
+  }
   if (cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
     CUcontext popped;
     if (mapped)
@@ -147,6 +243,89 @@ fail_noctx:
   return td__cu_code(r);
 }
 
+/* A forked child has the parent's opens in its address space but may not
+ * close them (the driver allows a child nothing of its parent's): it
+ * starts with none, as the mapping cache does. */
+static void ipc_atfork_child(void) {
+  pthread_mutex_init(&ipc_mu, NULL);
+  ipc_opens = NULL;
+}
+
+static pthread_once_t ipc_once = PTHREAD_ONCE_INIT;
+
+static void ipc_init(void) {
+  pthread_atfork(NULL, NULL, ipc_atfork_child);
+}
+
+int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
+                       uint64_t size, td__cumap **out, char *msg, size_t len) {
+  *out = NULL;
+  pthread_once(&ipc_once, ipc_init);
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  char u[48], e[128];
+  td__cumap *m = calloc(1, sizeof(*m));
+  if (m == NULL)
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
+  m->cu = cu;
+  m->size = size;
+  if (td__cu_device_by_uuid(cu, uuid, &m->dev) < 0) {
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    free(m);
+    return td__msg(msg, len, TD_ENODEV,
+                   "the storage is on GPU %s, which this process cannot "
+                   "see%s%s%s",
+                   td__cu_uuid_str(uuid, u, sizeof(u)),
+                   vis ? " (CUDA_VISIBLE_DEVICES=" : "", vis ? vis : "",
+                   vis ? ")" : "");
+  }
+  CUresult r = cu->DevicePrimaryCtxRetain(&m->ctx, m->dev);
+  if (r != CUDA_SUCCESS) {
+    free(m);
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuDevicePrimaryCtxRetain on %s: %s",
+                   td__cu_uuid_str(uuid, u, sizeof(u)),
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  }
+  pthread_mutex_lock(&ipc_mu);
+  ipc_open *o = ipc_opens;
+  while (o != NULL && memcmp(o->handle, handle, 64) != 0)
+    o = o->next;
+  if (o == NULL) {
+    o = calloc(1, sizeof(*o));
+    CUcontext popped;
+    const char *what = "cuCtxPushCurrent";
+    r = o == NULL ? CUDA_ERROR_OUT_OF_MEMORY : cu->CtxPushCurrent(m->ctx);
+    if (r == CUDA_SUCCESS) {
+      CUipcMemHandle h;
+      memcpy(h.reserved, handle, 64);
+      what = "cuIpcOpenMemHandle";
+      r = cu->IpcOpenMemHandle(&o->ptr, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      cu->CtxPopCurrent(&popped);
+    }
+    if (r != CUDA_SUCCESS) {
+      pthread_mutex_unlock(&ipc_mu);
+      free(o);
+      cu->DevicePrimaryCtxRelease(m->dev);
+      free(m);
+      return td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on %s: %s",
+                     what, (unsigned long long)size,
+                     td__cu_uuid_str(uuid, u, sizeof(u)),
+                     td__cu_strerror(cu, r, e, sizeof(e)));
+    }
+    memcpy(o->handle, handle, 64);
+    o->next = ipc_opens;
+    ipc_opens = o;
+  }
+  o->users++;
+  pthread_mutex_unlock(&ipc_mu);
+  m->ipc = o;
+  m->ptr = o->ptr;
+  *out = m;
+  return 0;
+}
+
 void *td__cumap_addr(const td__cumap *m) {
   return (void *)(uintptr_t)m->ptr;
 }
@@ -207,8 +386,23 @@ int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
   return no_cuda(msg, len);
 }
 
+int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
+                     void *stream, char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
 int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
                    td__cumap **out, char *msg, size_t len) {
+  *out = NULL;
+  return no_cuda(msg, len);
+}
+
+int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
+                       uint64_t size, td__cumap **out, char *msg, size_t len) {
   *out = NULL;
   return no_cuda(msg, len);
 }

@@ -68,7 +68,24 @@ int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len);
 int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
                    td__cumap **out, char *msg, size_t len);
 /* The device pointer. */
+/* Opens the legacy IPC handle (a CUipcMemHandle) of size bytes on the GPU
+ * with that UUID, or shares this process's open of it: a legacy handle
+ * opens once per process, and its last td__cumap_close closes it. The
+ * memory is read-write whatever the reference (the driver has no
+ * read-only open). Returns 0 or a negative code with msg filled. */
+int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
+                       uint64_t size, td__cumap **out, char *msg, size_t len);
 void *td__cumap_addr(const td__cumap *m);
+/* Writes the IPC handle of event (a CUevent: CU_EVENT_INTERPROCESS |
+ * CU_EVENT_DISABLE_TIMING) into out. Returns 0 or a negative code with msg
+ * filled. */
+int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len);
+/* Opens the IPC event handle in the primary context of the GPU with that
+ * UUID and makes stream wait for it (cuStreamWaitEvent), or with stream
+ * NULL blocks until it completes (cuEventSynchronize); destroys its open.
+ * Returns 0 or a negative code with msg filled. */
+int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
+                     void *stream, char *msg, size_t len);
 /* The GPU's ordinal in this process. */
 int td__cumap_index(const td__cumap *m);
 /* Zeroes the first nbytes and waits for it. Returns 0 or a negative code
@@ -87,11 +104,14 @@ td__cumap *td__storage_cumap(const struct td_storage *s);
 /* cache.c: td__map_acquire for a CUDA storage: finds the process's mapping
  * of it in mode (TD__MAP_RW or _RO), or maps fd (an exported allocation of
  * alloc_size bytes on the GPU with that UUID). Adds one handle to it.
- * Always closes fd (when >= 0). Returns 0, TD_ENOENT if there is no
- * mapping and fd is -1, or td__cumap_open's failure with msg filled. */
+ * With ipc_handle (64 bytes: a legacy allocation), opens that instead of
+ * an fd (td__cumap_open_ipc). Always closes fd (when >= 0). Returns 0,
+ * TD_ENOENT if there is no mapping and neither fd nor ipc_handle, or
+ * td__cumap_open's failure with msg filled. */
 int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
                          const uint8_t uuid[16], uint64_t alloc_size, int fd,
-                         td__mapping **out, char *msg, size_t len);
+                         const uint8_t *ipc_handle, td__mapping **out,
+                         char *msg, size_t len);
 /* The mapping's CUDA side, or NULL for a CPU storage's. */
 td__cumap *td__map_cumap(const td__mapping *m);
 

@@ -50,6 +50,18 @@ static const struct {
     ENTRY(MemcpyHtoD, cuMemcpyHtoD),
     ENTRY(MemcpyDtoH, cuMemcpyDtoH),
     ENTRY(MemsetD8, cuMemsetD8),
+    ENTRY(MemAlloc, cuMemAlloc),
+    ENTRY(MemFree, cuMemFree),
+    ENTRY(IpcGetMemHandle, cuIpcGetMemHandle),
+    ENTRY(IpcOpenMemHandle, cuIpcOpenMemHandle),
+    ENTRY(IpcCloseMemHandle, cuIpcCloseMemHandle),
+    ENTRY(EventCreate, cuEventCreate),
+    ENTRY(EventRecord, cuEventRecord),
+    ENTRY(EventSynchronize, cuEventSynchronize),
+    ENTRY(EventDestroy, cuEventDestroy),
+    ENTRY(StreamWaitEvent, cuStreamWaitEvent),
+    ENTRY(IpcGetEventHandle, cuIpcGetEventHandle),
+    ENTRY(IpcOpenEventHandle, cuIpcOpenEventHandle),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==

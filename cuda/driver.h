@@ -52,6 +52,20 @@ typedef struct td__cu {
   CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
+  /* The legacy path, for devices without POSIX-fd handles. */
+  CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+  CUresult (*MemFree)(CUdeviceptr);
+  CUresult (*IpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+  CUresult (*IpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+  CUresult (*IpcCloseMemHandle)(CUdeviceptr);
+  /* Events, for ordering a consumer after a producer's work. */
+  CUresult (*EventCreate)(CUevent *, unsigned int);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventSynchronize)(CUevent);
+  CUresult (*EventDestroy)(CUevent);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
+  CUresult (*IpcGetEventHandle)(CUipcEventHandle *, CUevent);
+  CUresult (*IpcOpenEventHandle)(CUevent *, CUipcEventHandle);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

@@ -26,6 +26,13 @@ typedef struct td__segment_desc {
   char where[96]; /* for people: "/dev/shm/tensord.1a2b.7" */
 } td__segment_desc;
 
+/* What td__backend.create_on made. */
+typedef struct td__created {
+  uint64_t alloc_size;
+  int legacy;             /* no fd: ipc_handle names the memory */
+  uint8_t ipc_handle[64]; /* a CUipcMemHandle */
+} td__created;
+
 /* Decides, for td__backend.unlink_prefix, whether segment name stays. */
 typedef int (*td__keep_fn)(const char *name, void *arg);
 
@@ -39,12 +46,14 @@ typedef struct td__backend {
   int (*create)(const char *name, uint64_t nbytes, char *msg, size_t len);
   /* Makes segment name of nbytes on the device whose UUID is uuid (a GPU),
    * for backends of devices that come in several (NULL for the CPU's, and
-   * create then unused). Sets *alloc_size to the bytes really allocated
+   * create then unused). Sets out->alloc_size to the bytes really allocated
    * (nbytes rounded up to the device's granularity). Returns a read-write
-   * fd the caller owns, or a negative code with msg filled; nothing is
-   * left behind on failure. */
+   * fd the caller owns; or, for memory exported without an fd (a legacy
+   * CUDA IPC handle, out->legacy set and out->ipc_handle filled), 0 and no
+   * fd; or a negative code with msg filled; nothing is left behind on
+   * failure. */
   int (*create_on)(const char *name, const uint8_t uuid[16], uint64_t nbytes,
-                   uint64_t *alloc_size, char *msg, size_t len);
+                   struct td__created *out, char *msg, size_t len);
   /* Opens a new fd on an existing segment for export to a client: read-only
    * (the kernel refuses writable mappings) if readonly. Returns the fd or a
    * negative code. */

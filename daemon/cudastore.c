@@ -1,12 +1,16 @@
 /* cudastore.c: the CUDA storage backend: one VMM allocation per storage
- * (cuMemCreate), exported once as a POSIX fd that every open dups. The
+ * (cuMemCreate), exported once as a POSIX fd that every open dups; on a GPU
+ * that cannot export POSIX fds, one cuMemAlloc per storage, exported as a
+ * legacy IPC handle (cuIpcGetMemHandle: 64 bytes in every reply, no fd). The
  * driver is loaded, and each device's primary context retained, at the
  * first create on it; every call here that reaches the driver runs on the
  * thread pool (segment.c never runs a CUDA create or unlink on the loop).
  *
  * Read-only is advisory on this path: an importer picks its own access
  * flags (cuMemSetAccess), so a hostile client given a read-only reference
- * could still map the allocation read-write. docs/design.md, "CUDA". */
+ * could still map the allocation read-write. On the legacy path read-only
+ * cannot be asked of the driver at all: cuIpcOpenMemHandle always maps
+ * read-write. docs/design.md, "CUDA". */
 #include "backend.h"
 #include "cudastore.h"
 
@@ -123,6 +127,7 @@ typedef struct dev {
   size_t gran;    /* allocation granularity */
   uint64_t total; /* device memory */
   uint64_t capacity, cap_set;
+  int legacy; /* no POSIX-fd handles: cuMemAlloc and legacy IPC handles */
   uint64_t used, storages; /* mu */
 } dev;
 
@@ -131,7 +136,9 @@ typedef struct alloc {
   td__hnode node;
   dev *d;
   CUmemGenericAllocationHandle h;
-  int fd; /* the exported POSIX fd, kept for opens to dup */
+  int fd;          /* the exported POSIX fd, kept for opens to dup */
+  CUdeviceptr ptr; /* legacy: cuMemAlloc's memory (h and fd unused) */
+  int legacy;
   uint64_t size;
   char name[TD__SEGMENT_NAME_MAX];
 } alloc;
@@ -216,18 +223,13 @@ static int load(char *msg, size_t len) {
 static int dev_open(dev *d, char *msg, size_t len) {
   if (d->ctx != NULL)
     return 0;
-  char e[128], u[48];
-  /* The fallback for such devices (legacy cudaIpc handles) is not built
-   * yet: say so rather than fail in cuMemCreate. */
+  char e[128];
+  /* Such devices fall back to cuMemAlloc and legacy IPC handles. */
   int posix_fd = 0;
   CUresult r = cu->DeviceGetAttribute(
       &posix_fd,
       CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cu);
-  if (r == CUDA_SUCCESS && !posix_fd)
-    return td__msg(msg, len, TD_ENOSYS,
-                   "cuda:%d (%s) cannot export allocations as POSIX fds, and "
-                   "this tensord has no legacy cudaIpc fallback yet",
-                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
+  int legacy = r == CUDA_SUCCESS && !posix_fd;
   CUcontext ctx = NULL;
   r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
   if (r != CUDA_SUCCESS)
@@ -238,7 +240,8 @@ static int dev_open(dev *d, char *msg, size_t len) {
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = d->cu;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.requestedHandleTypes = legacy ? CU_MEM_HANDLE_TYPE_NONE
+                                     : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t free_b = 0, total = 0, gran = 0;
   const char *what = "cuCtxPushCurrent";
   r = cu->CtxPushCurrent(ctx);
@@ -265,14 +268,18 @@ static int dev_open(dev *d, char *msg, size_t len) {
   d->total = total;
   if (!d->cap_set)
     d->capacity = total;
+  d->legacy = legacy;
   d->ctx = ctx;
   pthread_mutex_unlock(&mu);
   char a[32], b[32];
   td__info("cuda:%d: context made; %s of memory, %s free, granularity %zu "
-           "bytes, capacity %s",
+           "bytes, capacity %s%s",
            d->index, td__human_bytes(total, a, sizeof(a)),
            td__human_bytes(free_b, b, sizeof(b)), gran,
-           td__human_bytes(d->capacity, e, sizeof(e)));
+           td__human_bytes(d->capacity, e, sizeof(e)),
+           legacy ? "; no POSIX-fd handles: storages are cuMemAlloc'd and "
+                    "shared by legacy IPC handles"
+                  : "");
   return 0;
 }
 
@@ -287,8 +294,47 @@ static CUresult release(const dev *d, CUmemGenericAllocationHandle h) {
   return r;
 }
 
+/* Runs cuMemFree of p in d's context. Returns the driver's result. */
+static CUresult mem_free(const dev *d, CUdeviceptr p) {
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r == CUDA_SUCCESS) {
+    CUcontext popped;
+    r = cu->MemFree(p);
+    cu->CtxPopCurrent(&popped);
+  }
+  return r;
+}
+
+/* The legacy path: makes m's memory with cuMemAlloc in d's context and its
+ * IPC handle into out. Returns the driver's result (nothing left behind on
+ * failure) and what failed in *what. */
+static CUresult legacy_make(const dev *d, alloc *m, td__created *out,
+                            const char **what) {
+  *what = "cuCtxPushCurrent";
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r != CUDA_SUCCESS)
+    return r;
+  *what = "cuMemAlloc";
+  r = cu->MemAlloc(&m->ptr, m->size);
+  if (r == CUDA_SUCCESS) {
+    CUipcMemHandle h;
+    *what = "cuIpcGetMemHandle";
+    r = cu->IpcGetMemHandle(&h, m->ptr);
+    if (r == CUDA_SUCCESS)
+      memcpy(out->ipc_handle, h.reserved, sizeof(out->ipc_handle));
+    else
+      cu->MemFree(m->ptr);
+  }
+  CUcontext popped;
+  cu->CtxPopCurrent(&popped);
+  return r;
+}
+
+_Static_assert(sizeof(CUipcMemHandle) == sizeof(((td__created *)0)->ipc_handle),
+               "a legacy IPC handle is not 64 bytes");
+
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
-                          uint64_t nbytes, uint64_t *alloc_size, char *msg,
+                          uint64_t nbytes, td__created *out, char *msg,
                           size_t len) {
   char u[48], e[128], a[32], b[32], c[32];
   /* The lazy start: the driver, then the device's context. */
@@ -339,6 +385,34 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     goto uncharge;
   }
   m->fd = -1;
+  if (d->legacy) {
+    const char *what;
+    m->size = size;
+    CUresult r = legacy_make(d, m, out, &what);
+    if (r != CUDA_SUCCESS) {
+      err = td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on cuda:%d: %s",
+                    what, (unsigned long long)size, d->index,
+                    td__cu_strerror(cu, r, e, sizeof(e)));
+      free(m);
+      goto uncharge;
+    }
+    m->legacy = 1;
+    snprintf(m->name, sizeof(m->name), "%s", name);
+    m->d = d;
+    pthread_mutex_lock(&mu);
+    err =
+        td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name)));
+    pthread_mutex_unlock(&mu);
+    if (err < 0) {
+      mem_free(d, m->ptr);
+      free(m);
+      err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+      goto uncharge;
+    }
+    out->alloc_size = size;
+    out->legacy = 1;
+    return 0;
+  }
   CUmemAllocationProp prop = {0};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -383,7 +457,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     err = td__msg(msg, len, TD_ENOMEM, "out of memory");
     goto unmake;
   }
-  *alloc_size = size;
+  out->alloc_size = size;
   return fd;
 
 unmake:
@@ -403,8 +477,11 @@ uncharge:
 static int cuda_open(const char *name, int readonly) {
   pthread_mutex_lock(&mu);
   alloc *m = alloc_find(name);
-  int fd = m ? fcntl(m->fd, F_DUPFD_CLOEXEC, 0) : TD_ENOENT;
-  if (m != NULL && fd < 0)
+  /* A legacy allocation has no fd: its replies carry its IPC handle. */
+  int fd = m == NULL   ? TD_ENOENT
+           : m->legacy ? TD_ENOSYS
+                       : fcntl(m->fd, F_DUPFD_CLOEXEC, 0);
+  if (m != NULL && !m->legacy && fd < 0)
     fd = -errno;
   pthread_mutex_unlock(&mu);
   return fd;
@@ -421,12 +498,20 @@ static void cuda_unlink(const char *name) {
   pthread_mutex_unlock(&mu);
   if (m == NULL)
     return;
-  close(m->fd);
-  /* The memory goes when no process maps it any more. */
-  CUresult r = release(m->d, m->h);
+  CUresult r;
+  if (m->legacy) {
+    /* Freed now, whoever still has it open (the driver's rule, and why
+     * tensord frees only when the last reference goes). */
+    r = mem_free(m->d, m->ptr);
+  } else {
+    close(m->fd);
+    /* The memory goes when no process maps it any more. */
+    r = release(m->d, m->h);
+  }
   if (r != CUDA_SUCCESS) {
     char e[128];
-    td__error("cuda:%d: cuMemRelease of %s: %s", m->d->index, name,
+    td__error("cuda:%d: %s of %s: %s", m->d->index,
+              m->legacy ? "cuMemFree" : "cuMemRelease", name,
               td__cu_strerror(cu, r, e, sizeof(e)));
   }
   free(m);
@@ -454,7 +539,7 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
 #else /* !TD_HAVE_CUDA */
 
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
-                          uint64_t nbytes, uint64_t *alloc_size, char *msg,
+                          uint64_t nbytes, td__created *out, char *msg,
                           size_t len) {
   return td__msg(msg, len, TD_ENODEV, "this tensord was built without CUDA");
 }

@@ -95,7 +95,8 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
                    "it has %u references, the most tensord can count", s->refs);
   if (err < 0)
     return td__msg(msg, len, err, "out of memory");
-  if (had == 0 || force_fd) {
+  /* A legacy CUDA IPC handle travels in the reply: there is no fd. */
+  if ((had == 0 || force_fd) && !s->legacy) {
     *fd = td__segment_open(s, ro);
     if (*fd < 0) {
       err = *fd;
@@ -129,6 +130,11 @@ static void storage_reply(const td__storage *s, int ro, int fd,
     m->device_uuid.len = 16;
     m->alloc_size = s->alloc_size;
     m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD;
+    if (s->legacy) {
+      m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_LEGACY_IPC;
+      m->ipc_handle.data = (uint8_t *)s->ipc_handle;
+      m->ipc_handle.len = sizeof(s->ipc_handle);
+    }
   }
 }
 
@@ -180,23 +186,27 @@ static void create_finish(td__segment_req *req) {
   td__storage *s = req->s;
   td__conn *c = cr->conn;
   int fd = req->fd;
+  /* A legacy CUDA allocation is made with no fd (fd is -1). */
+  int made = fd >= 0 || s->legacy;
   create_unlink_from_conn(cr);
 
-  if (fd >= 0 && (c == NULL || srv->stopping)) {
+  if (made && (c == NULL || srv->stopping)) {
     td__debug("storage %llu: creator left before it was ready; unlinking",
               (unsigned long long)s->id);
-    close(fd);
+    if (fd >= 0)
+      close(fd);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
     td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
-  } else if (fd < 0) {
+  } else if (!made) {
     if (c != NULL)
       td__conn_error(c, cr->seq, fd, "create of %llu bytes: %s",
                      (unsigned long long)s->nbytes, req->msg);
     td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
   } else if (td__storage_insert(&srv->reg, s, &c->hold) < 0) {
-    close(fd);
+    if (fd >= 0)
+      close(fd);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
     td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
@@ -373,6 +383,9 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     return;
   }
   td_view view = k->view; /* outlives a take */
+  uint8_t event[64];      /* and so does this */
+  int has_event = k->has_event;
+  memcpy(event, k->event, sizeof(event));
   Tensord__StorageReply sm;
   Tensord__View vm;
   Tensord__LookupReply lm = TENSORD__LOOKUP_REPLY__INIT;
@@ -381,6 +394,10 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   td__view_to_msg(&view, &vm);
   lm.storage = &sm;
   lm.view = &vm;
+  if (has_event) {
+    lm.event_handle.data = event;
+    lm.event_handle.len = sizeof(event);
+  }
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
@@ -461,6 +478,15 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                   key, (unsigned long long)m->id);
   }
   td__storage *s = ref->storage;
+  if (m->event_handle.len != 0 && m->event_handle.len != 64)
+    return reject(c, seq, TD_EINVAL,
+                  "publish '%s': an event handle of %zu bytes, not 64 (a "
+                  "CUipcEventHandle)",
+                  key, m->event_handle.len);
+  if (m->event_handle.len != 0 && s->device != TD_CUDA)
+    return reject(c, seq, TD_EINVAL,
+                  "publish '%s' with an event: storage %llu is not on a GPU",
+                  key, (unsigned long long)s->id);
   td_view v;
   if (m->view != NULL) {
     int err = td__view_from_msg(m->view, &v, msg, sizeof(msg));
@@ -531,6 +557,9 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     return 0;
   }
   k = td__key_commit(reg, &prep, &v);
+  k->has_event = m->event_handle.len == 64;
+  if (k->has_event)
+    memcpy(k->event, m->event_handle.data, 64);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   send_ok(c, seq);

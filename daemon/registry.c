@@ -444,6 +444,7 @@ int td__key_prepare(td__registry *r, const char *key, size_t len,
   k->storage = NULL;
   k->scope = NULL;
   k->cprev = k->cnext = NULL;
+  k->has_event = 0;
   if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
     free(k);
     goto nomem;
@@ -483,6 +484,7 @@ td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
   key_link(p->s, k);
   k->view = *view;
   k->published_ms = td__now_ms();
+  k->has_event = 0; /* the publisher's to set (op_publish) */
   if (old != NULL)
     storage_unref(r, old);
   return k;

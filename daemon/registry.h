@@ -70,6 +70,11 @@ struct td__storage {
    * (nbytes rounded up to the granularity; set by the create). */
   uint8_t uuid[16];
   uint64_t alloc_size;
+  /* TD_CUDA on a GPU without POSIX-fd handles: no fd is ever sent; every
+   * reply carries ipc_handle (a CUipcMemHandle), which a client opens once
+   * per process. Set by the create. */
+  int legacy;
+  uint8_t ipc_handle[64];
 };
 
 struct td__key {
@@ -79,7 +84,11 @@ struct td__key {
   td__key *sprev, *snext; /* in storage->keys */
   td_view view;
   int64_t published_ms;
-  td__scope *scope;       /* the scope it goes with, or NULL */
+  td__scope *scope; /* the scope it goes with, or NULL */
+  /* A CUDA IPC event handle the publisher recorded after its writes, for
+   * consumers to wait on (has_event); never journaled. */
+  int has_event;
+  uint8_t event[64];
   td__key *cprev, *cnext; /* in scope->keys */
   size_t len;
   char name[]; /* len bytes, NUL-terminated */

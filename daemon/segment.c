@@ -10,6 +10,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Segments up to this size are made and unlinked on the loop thread:
  * reserving their pages costs about as much as a hop to the thread pool. */
@@ -60,10 +61,19 @@ static void create_work(uv_work_t *w) {
     if (req->fd >= 0)
       return;
   }
-  if (b->create_on != NULL)
-    req->fd = b->create_on(s->name, s->uuid, s->nbytes, &s->alloc_size,
-                           req->msg, sizeof(req->msg));
-  else
+  if (b->create_on != NULL) {
+    td__created out = {0};
+    req->fd = b->create_on(s->name, s->uuid, s->nbytes, &out, req->msg,
+                           sizeof(req->msg));
+    if (req->fd >= 0) {
+      s->alloc_size = out.alloc_size;
+      if (out.legacy) { /* made, but no fd: create_finish knows by s */
+        s->legacy = 1;
+        memcpy(s->ipc_handle, out.ipc_handle, sizeof(s->ipc_handle));
+        req->fd = -1;
+      }
+    }
+  } else
     req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
 }
 

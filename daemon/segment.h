@@ -15,7 +15,8 @@ typedef struct td__server td__server;
 typedef struct td__segment_req td__segment_req;
 
 /* Called once a create has finished, with req->fd the new segment's fd (the
- * callee owns it) or a negative code and req->msg saying why. */
+ * callee owns it) or a negative code and req->msg saying why; or, when it
+ * made memory that travels without an fd (req->s->legacy set), -1. */
 typedef void (*td__segment_cb)(td__segment_req *req);
 
 struct td__segment_req {

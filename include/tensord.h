@@ -463,6 +463,19 @@ int td_storage_device_index(const td_storage *s);
 /* Copies the 16-byte UUID of the storage's GPU into uuid. Returns 0, or
  * TD_EINVAL for a CPU storage. */
 int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]);
+/* Orders this process after the GPU work the key's publisher recorded in
+ * the event it published with (td_publish_opts.event): with stream (a
+ * CUstream of this process on the storage's GPU) the stream waits for it
+ * (cuStreamWaitEvent: returns at once, work queued after on that stream
+ * runs after the producer's); with stream NULL the calling thread blocks
+ * until that work is done (cuEventSynchronize). To make the legacy default
+ * stream wait, pass CU_STREAM_LEGACY. Returns 0 at once when there is
+ * nothing to wait for: a handle not from td_lookup, a key published
+ * without an event, a CPU storage. Opens the event (cuIpcOpenEventHandle)
+ * for each call; a publisher waiting on its own key gets the driver's
+ * refusal to open its own handle (it has the event itself). Returns 0, or
+ * TD_ENODEV / TD_EINVAL / TD_EIO with the driver's reason. */
+int td_storage_wait(td_storage *s, void *stream);
 int td_storage_is_readonly(const td_storage *s);
 /* Returns the client a storage handle was made by. */
 td_client *td_storage_client(const td_storage *s);
@@ -508,7 +521,16 @@ typedef struct td_publish_opts {
    * ended, TD_EACCES if its owner runs as another uid. 0: an ordinary key
    * (td_publish). */
   uint64_t scope;
-  uint64_t reserved[7]; /* zero (see ABI above); non-zero is TD_EINVAL */
+  /* A CUevent made with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING and
+   * recorded (cuEventRecord) on the stream that wrote the storage, after
+   * its last write: its IPC handle (cuIpcGetEventHandle) travels with the
+   * key, and a consumer that looks the key up waits on it with
+   * td_storage_wait. Only for a CUDA storage (TD_EINVAL otherwise). The
+   * handle names the event, not one recording of it: record it again only
+   * when consumers may see the new work. NULL: no event (the producer
+   * synchronised before publishing). */
+  void *event;
+  uint64_t reserved[6]; /* zero (see ABI above); non-zero is TD_EINVAL */
 } td_publish_opts;
 /* td_publish with options; o NULL is td_publish. */
 int td_publish_ex(td_client *c, const char *key, const td_storage *s,

@@ -45,8 +45,9 @@ typedef struct alloc {
   unsigned types; /* CUmemAllocationHandleType bits it may be exported as */
   dev_t st_dev;   /* the memfd's identity, to find it on import */
   ino_t st_ino;
-  int handles; /* handles naming it */
-  int maps;    /* mappings of it */
+  uint64_t tag; /* cuMemAlloc's: random, in its legacy IPC handles */
+  int handles;  /* handles naming it */
+  int maps;     /* mappings of it */
 } alloc;
 
 typedef struct {
@@ -64,7 +65,14 @@ typedef struct {
   size_t size;
   alloc *a;
   int prot; /* PROT_NONE, PROT_READ or PROT_READ | PROT_WRITE */
+  /* 0: a VMM mapping (cuMemMap); LEGACY_ALLOC: cuMemAlloc's memory;
+   * LEGACY_OPEN: a legacy IPC handle opened here (cuIpcOpenMemHandle). */
+  int legacy;
+  pid_t pid; /* the process that made a legacy mapping (fork keeps it) */
 } mapping;
+
+#define LEGACY_ALLOC 1
+#define LEGACY_OPEN 2
 
 /* A primary context, one per visible device. */
 struct CUctx_st {
@@ -866,7 +874,7 @@ API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
-  if (!whole_mappings(p, size)) {
+  if (!whole_mappings(p, size) || map_at(p)->legacy) {
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
   }
@@ -979,5 +987,441 @@ API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
   CUresult r = check_range((uintptr_t)dstDevice, N, PROT_READ | PROT_WRITE);
   if (r == CUDA_SUCCESS && N > 0)
     memset((void *)(uintptr_t)dstDevice, uc, N);
+  return r;
+}
+
+/* ---- legacy allocations and their IPC handles ---- */
+
+/* What a legacy IPC handle holds in its 64 bytes: enough for another
+ * process to find the memfd (through /proc/<pid>/fd/<fd>) and to check that
+ * it is the allocation named (the tag, also in the memfd's name). */
+typedef struct {
+  char magic[8]; /* "tdcudaIP" */
+  int32_t pid;
+  int32_t fd;
+  uint64_t tag;
+  uint64_t size;
+  int32_t phys;
+} ipc_handle;
+_Static_assert(sizeof(ipc_handle) <= sizeof(CUipcMemHandle),
+               "ipc_handle outgrows CUipcMemHandle");
+#define IPC_MAGIC "tdcudaIP"
+
+/* The legacy mapping at exactly p made by this process with kind, or NULL.
+ * Called with mu held. */
+static mapping *legacy_at(uintptr_t p, int kind) {
+  mapping *m = map_at(p);
+  return m != NULL && m->base == p && m->legacy == kind && m->pid == getpid()
+             ? m
+             : NULL;
+}
+
+/* Drops mapping m (munmap, its alloc's count). Called with mu held. */
+static void legacy_drop(mapping *m) {
+  alloc *a = m->a;
+  munmap((void *)m->base, m->size);
+  *m = maps[--nmaps];
+  a->maps--;
+  alloc_unref(a);
+}
+
+/* Maps a (a memfd of size bytes) read-write at a new address and records
+ * it with kind. Returns the driver's result. Called with mu held. */
+static CUresult legacy_map(alloc *a, int kind, CUdeviceptr *out) {
+  if (grow((void **)&maps, &capmaps, nmaps, sizeof *maps) != 0)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
+  if (p == MAP_FAILED)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  maps[nmaps++] = (mapping){.base = (uintptr_t)p,
+                            .size = a->size,
+                            .a = a,
+                            .prot = PROT_READ | PROT_WRITE,
+                            .legacy = kind,
+                            .pid = getpid()};
+  a->maps++;
+  *out = (CUdeviceptr)(uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
+  if (dptr == NULL || bytesize == 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int ord;
+  alloc *a = NULL;
+  CUresult r = current(&ord);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  int phys = vis[ord];
+  /* The driver rounds small sizes up too; the double counts what it maps. */
+  size_t size = (bytesize + 4095) & ~(size_t)4095;
+  if (size > mem_total - used[phys]) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  if ((a = calloc(1, sizeof *a)) == NULL) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (rnd < 0 || read(rnd, &a->tag, sizeof a->tag) != sizeof a->tag)
+    a->tag = (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)a;
+  if (rnd >= 0)
+    close(rnd);
+  char name[64];
+  snprintf(name, sizeof name, MEMFD_PREFIX "%d.%016llx", phys,
+           (unsigned long long)a->tag);
+  a->fd = memfd_create(name, MFD_CLOEXEC);
+  struct stat st;
+  if (a->fd < 0 || ftruncate(a->fd, (off_t)size) != 0 ||
+      fstat(a->fd, &st) != 0) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (a->fd >= 0)
+      close(a->fd);
+    free(a);
+    goto out;
+  }
+  a->size = size;
+  a->phys = phys;
+  a->created = 1;
+  a->st_dev = st.st_dev;
+  a->st_ino = st.st_ino;
+  used[phys] += size;
+  if ((r = legacy_map(a, LEGACY_ALLOC, dptr)) != CUDA_SUCCESS)
+    alloc_unref(a); /* no handle, no mapping: goes */
+out:
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_ALLOC);
+    if (m == NULL)
+      r = CUDA_ERROR_INVALID_VALUE;
+    else
+      legacy_drop(m);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle,
+                                       CUdeviceptr dptr) {
+  if (pHandle == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_ALLOC);
+    if (m == NULL) {
+      r = CUDA_ERROR_INVALID_VALUE; /* not the base of a cuMemAlloc */
+    } else {
+      ipc_handle h = {.pid = getpid(),
+                      .fd = m->a->fd,
+                      .tag = m->a->tag,
+                      .size = m->a->size,
+                      .phys = m->a->phys};
+      memcpy(h.magic, IPC_MAGIC, 8);
+      memset(pHandle, 0, sizeof *pHandle);
+      memcpy(pHandle->reserved, &h, sizeof h);
+    }
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle ipc,
+                                        unsigned int Flags) {
+  if (pdptr == NULL || Flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    return CUDA_ERROR_INVALID_VALUE;
+  ipc_handle h;
+  memcpy(&h, ipc.reserved, sizeof h);
+  if (memcmp(h.magic, IPC_MAGIC, 8) != 0)
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  int ord, fd = -1;
+  alloc *a = NULL;
+  CUresult r = current(&ord);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  /* The driver refuses a process's own handles. */
+  if (h.pid == getpid()) {
+    r = CUDA_ERROR_INVALID_CONTEXT;
+    goto out;
+  }
+  /* The memory is opened on the device it lives on, which must be the
+   * current context's (the double does not model peer access). */
+  if (h.phys < 0 || h.phys >= nphys || vis[ord] != h.phys) {
+    r = CUDA_ERROR_INVALID_DEVICE;
+    goto out;
+  }
+  char path[64], link[128], want[96];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  snprintf(want, sizeof want, "/memfd:" MEMFD_PREFIX "%d.%016llx", h.phys,
+           (unsigned long long)h.tag);
+  if (n < 0 || (link[n] = '\0', strncmp(link, want, strlen(want)) != 0) ||
+      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0) {
+    r = CUDA_ERROR_INVALID_HANDLE; /* its owner or its memory is gone */
+    goto out;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
+    r = CUDA_ERROR_INVALID_HANDLE;
+    goto out;
+  }
+  /* Stricter than the driver, which counts a second open in the same
+   * context and returns the same pointer: tensord opens once per process. */
+  for (size_t i = 0; i < nmaps; i++)
+    if (maps[i].legacy == LEGACY_OPEN && maps[i].pid == getpid() &&
+        maps[i].a->st_dev == st.st_dev && maps[i].a->st_ino == st.st_ino) {
+      r = CUDA_ERROR_ALREADY_MAPPED;
+      goto out;
+    }
+  if ((a = calloc(1, sizeof *a)) == NULL) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    goto out;
+  }
+  a->fd = fd;
+  fd = -1;
+  a->size = h.size;
+  a->phys = h.phys;
+  a->tag = h.tag;
+  a->st_dev = st.st_dev;
+  a->st_ino = st.st_ino;
+  if ((r = legacy_map(a, LEGACY_OPEN, pdptr)) != CUDA_SUCCESS)
+    alloc_unref(a);
+out:
+  if (fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS) {
+    mapping *m = legacy_at((uintptr_t)dptr, LEGACY_OPEN);
+    if (m == NULL)
+      r = CUDA_ERROR_INVALID_VALUE;
+    else
+      legacy_drop(m);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* ---- events ---- */
+
+/* Work is synchronous here, so an event is complete once recorded: what
+ * the double keeps is the handles' semantics. An interprocess event's
+ * state lives in a one-page memfd that its IPC handle names, as a legacy
+ * allocation's does. */
+struct CUevent_st {
+  unsigned flags;
+  int fd;            /* CU_EVENT_INTERPROCESS: the memfd, else -1 */
+  uint64_t tag;      /* in its IPC handle and the memfd's name */
+  uint64_t *records; /* how often recorded (shared for IPC events) */
+  int opened;        /* made by cuIpcOpenEventHandle */
+  pid_t pid;         /* the process that made it */
+};
+
+#define EVENT_PREFIX "tdcuda-event."
+#define IPC_EVENT_MAGIC "tdcudaEV"
+
+static CUevent *events;
+static size_t nevents, capevents;
+
+/* Whether ev is a live event of this process. Called with mu held. */
+static int event_live(CUevent ev) {
+  for (size_t i = 0; i < nevents; i++)
+    if (events[i] == ev)
+      return ev->pid == getpid();
+  return 0;
+}
+
+/* Makes an event over fd (>= 0: a shared page) and lists it. Returns the
+ * driver's result. Called with mu held; fd is the event's on success. */
+static CUresult event_make(unsigned flags, int fd, uint64_t tag, int opened,
+                           CUevent *out) {
+  if (grow((void **)&events, &capevents, nevents, sizeof *events) != 0)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  CUevent ev = calloc(1, sizeof *ev);
+  if (ev == NULL)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  if (fd >= 0) {
+    ev->records = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (ev->records == MAP_FAILED) {
+      free(ev);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+  } else if ((ev->records = calloc(1, sizeof *ev->records)) == NULL) {
+    free(ev);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  ev->flags = flags;
+  ev->fd = fd;
+  ev->tag = tag;
+  ev->opened = opened;
+  ev->pid = getpid();
+  events[nevents++] = ev;
+  *out = ev;
+  return CUDA_SUCCESS;
+}
+
+API CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+  if (phEvent == NULL ||
+      Flags & ~(unsigned)(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING |
+                          CU_EVENT_INTERPROCESS))
+    return CUDA_ERROR_INVALID_VALUE;
+  /* The driver's rule: an interprocess event cannot time. */
+  if ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING))
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int fd = -1;
+  uint64_t tag = 0;
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && (Flags & CU_EVENT_INTERPROCESS)) {
+    int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (rnd < 0 || read(rnd, &tag, sizeof tag) != sizeof tag)
+      tag = (uint64_t)getpid() << 32 ^ (uint64_t)nevents;
+    if (rnd >= 0)
+      close(rnd);
+    char name[48];
+    snprintf(name, sizeof name, EVENT_PREFIX "%016llx",
+             (unsigned long long)tag);
+    fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, 4096) != 0)
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (r == CUDA_SUCCESS)
+    r = event_make(Flags, fd, tag, 0, phEvent);
+  if (r != CUDA_SUCCESS && fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+  (void)hStream; /* every stream's work is done already */
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && !event_live(hEvent))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    __atomic_add_fetch(hEvent->records, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+  pthread_mutex_lock(&mu);
+  CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_ERROR_INVALID_HANDLE;
+  for (size_t i = 0; i < nevents; i++)
+    if (events[i] == hEvent && hEvent->pid == getpid()) {
+      events[i] = events[--nevents];
+      if (hEvent->fd >= 0) {
+        munmap(hEvent->records, 4096);
+        close(hEvent->fd);
+      } else {
+        free(hEvent->records);
+      }
+      free(hEvent);
+      r = CUDA_SUCCESS;
+      break;
+    }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
+                                       unsigned int Flags) {
+  (void)hStream;
+  if (Flags != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && !event_live(hEvent))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+typedef struct {
+  char magic[8]; /* "tdcudaEV" */
+  int32_t pid;
+  int32_t fd;
+  uint64_t tag;
+} ipc_event;
+_Static_assert(sizeof(ipc_event) <= sizeof(CUipcEventHandle),
+               "ipc_event outgrows CUipcEventHandle");
+
+API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
+                                         CUevent event) {
+  if (pHandle == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_SUCCESS;
+  if (!event_live(event))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  else if (!(event->flags & CU_EVENT_INTERPROCESS) || event->opened)
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS) {
+    ipc_event h = {.pid = getpid(), .fd = event->fd, .tag = event->tag};
+    memcpy(h.magic, IPC_EVENT_MAGIC, 8);
+    memset(pHandle, 0, sizeof *pHandle);
+    memcpy(pHandle->reserved, &h, sizeof h);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
+                                          CUipcEventHandle handle_) {
+  if (phEvent == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  ipc_event h;
+  memcpy(&h, handle_.reserved, sizeof h);
+  if (memcmp(h.magic, IPC_EVENT_MAGIC, 8) != 0)
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  int fd = -1;
+  CUresult r = current(NULL);
+  if (r != CUDA_SUCCESS)
+    goto out;
+  if (h.pid == getpid()) { /* as for memory: not one's own */
+    r = CUDA_ERROR_INVALID_CONTEXT;
+    goto out;
+  }
+  char path[64], link[128], want[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
+  snprintf(want, sizeof want, "/memfd:" EVENT_PREFIX "%016llx",
+           (unsigned long long)h.tag);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  if (n < 0 || (link[n] = '\0', strncmp(link, want, strlen(want)) != 0) ||
+      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0) {
+    r = CUDA_ERROR_INVALID_HANDLE;
+    goto out;
+  }
+  r = event_make(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, fd, h.tag, 1,
+                 phEvent);
+  if (r == CUDA_SUCCESS)
+    fd = -1;
+out:
+  if (fd >= 0)
+    close(fd);
+  pthread_mutex_unlock(&mu);
   return r;
 }

@@ -15,13 +15,24 @@ cuDeviceGetName
 cuDeviceGetUuid_v2
 cuDevicePrimaryCtxRelease_v2
 cuDevicePrimaryCtxRetain
+cuEventCreate
+cuEventDestroy_v2
+cuEventRecord
+cuEventSynchronize
 cuGetErrorName
 cuGetErrorString
 cuInit
+cuIpcCloseMemHandle
+cuIpcGetEventHandle
+cuIpcGetMemHandle
+cuIpcOpenEventHandle
+cuIpcOpenMemHandle_v2
 cuMemAddressFree
 cuMemAddressReserve
+cuMemAlloc_v2
 cuMemCreate
 cuMemExportToShareableHandle
+cuMemFree_v2
 cuMemGetAllocationGranularity
 cuMemGetInfo_v2
 cuMemImportFromShareableHandle
@@ -32,6 +43,7 @@ cuMemUnmap
 cuMemcpyDtoH_v2
 cuMemcpyHtoD_v2
 cuMemsetD8_v2
+cuStreamWaitEvent
 LIST
 )
 got=$(nm -D --defined-only "$1" | awk '$2 == "T" || $2 == "W" { print $3 }' |

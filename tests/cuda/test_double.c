@@ -408,3 +408,147 @@ Test(double_semantics, no_posix_fd_devices_refuse_exportable_allocations) {
   CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
   CU_OK(cu->MemRelease(h));
 }
+
+/* ---- legacy allocations and IPC handles ---- */
+
+/* The consumer of a legacy handle: opens the 64 bytes it is sent, sees the
+ * producer's 0xa5, writes 0x5a at the end; a second open in this process is
+ * refused (stricter than the driver: README.md), a forged one too. */
+static void consumer_ipc(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUipcMemHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CUdeviceptr p, q;
+  CHILD_CHECK(cu->IpcOpenMemHandle(&p, h, 0) == CUDA_ERROR_INVALID_VALUE);
+  CHILD_OK(cu->IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+  CHILD_CHECK(cu->IpcOpenMemHandle(&q, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) ==
+              CUDA_ERROR_ALREADY_MAPPED);
+  CUipcMemHandle forged = h;
+  forged.reserved[20] ^= 1; /* the tag */
+  CHILD_CHECK(
+      cu->IpcOpenMemHandle(&q, forged, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) ==
+      CUDA_ERROR_INVALID_HANDLE);
+  unsigned char b[2];
+  CHILD_OK(cu->MemcpyDtoH(b, p, 1));
+  CHILD_CHECK(b[0] == 0xa5);
+  CHILD_OK(cu->MemsetD8(p + SHARED - 1, 0x5a, 1));
+  CHILD_CHECK(cu->MemFree(p) == CUDA_ERROR_INVALID_VALUE); /* not its own */
+  CHILD_OK(cu->IpcCloseMemHandle(p));
+  CHILD_CHECK(cu->IpcCloseMemHandle(p) == CUDA_ERROR_INVALID_VALUE);
+  send_byte(sock, 'w');
+}
+
+Test(double_semantics, legacy_ipc_handles_open_in_another_process) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_ipc);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fds = count_fds();
+  size_t free0, free1, total;
+  CU_OK(cu->MemGetInfo(&free0, &total));
+  CUdeviceptr v;
+  CU_OK(cu->MemAlloc(&v, SHARED));
+  CU_OK(cu->MemGetInfo(&free1, &total));
+  cr_expect_eq(free1, free0 - SHARED);
+  CU_OK(cu->MemsetD8(v, 0xa5, SHARED));
+  CUipcMemHandle h;
+  CU_OK(cu->IpcGetMemHandle(&h, v));
+  cr_expect_eq(cu->IpcGetMemHandle(&h, v + 4096), CUDA_ERROR_INVALID_VALUE,
+               "not the base of an allocation");
+  CUdeviceptr own;
+  cr_expect_eq(
+      cu->IpcOpenMemHandle(&own, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+      CUDA_ERROR_INVALID_CONTEXT, "a process's own handle");
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  unsigned char b;
+  CU_OK(cu->MemcpyDtoH(&b, v + SHARED - 1, 1));
+  cr_expect_eq(b, 0x5a, "the consumer's write");
+  CU_OK(cu->MemFree(v));
+  cr_expect_eq(cu->MemFree(v), CUDA_ERROR_INVALID_VALUE, "freed twice");
+  CU_OK(cu->MemGetInfo(&free1, &total));
+  cr_expect_eq(free1, free0, "cuMemFree gives the memory back");
+  cr_expect_eq(count_fds(), fds, "the memfd closed");
+  close(sv[0]);
+}
+
+/* A handle whose owner is gone names nothing. */
+static void consumer_late(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUipcMemHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CHILD_CHECK(recv_byte(sock) == 'f'); /* freed */
+  CUdeviceptr p;
+  CHILD_CHECK(cu->IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) ==
+              CUDA_ERROR_INVALID_HANDLE);
+}
+
+Test(double_semantics, a_freed_allocations_handle_opens_nothing) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_late);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUdeviceptr v;
+  CU_OK(cu->MemAlloc(&v, SHARED));
+  CUipcMemHandle h;
+  CU_OK(cu->IpcGetMemHandle(&h, v));
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  CU_OK(cu->MemFree(v));
+  send_byte(sv[0], 'f');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  close(sv[0]);
+}
+
+/* ---- events ---- */
+
+static void consumer_event(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUipcEventHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CUevent ev;
+  CHILD_OK(cu->IpcOpenEventHandle(&ev, h));
+  CHILD_OK(cu->EventSynchronize(ev));
+  CHILD_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  CHILD_CHECK(cu->IpcGetEventHandle(&h, ev) == CUDA_ERROR_INVALID_VALUE);
+  CHILD_OK(cu->EventDestroy(ev));
+  CHILD_CHECK(cu->EventSynchronize(ev) == CUDA_ERROR_INVALID_HANDLE);
+  CUipcEventHandle forged = h;
+  forged.reserved[20] ^= 1; /* the tag */
+  CHILD_CHECK(cu->IpcOpenEventHandle(&ev, forged) == CUDA_ERROR_INVALID_HANDLE);
+  send_byte(sock, 'w');
+}
+
+Test(double_semantics, interprocess_events_open_in_another_process) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_event);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fds = count_fds();
+  CUevent ev, plain;
+  cr_expect_eq(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS),
+               CUDA_ERROR_INVALID_VALUE, "an interprocess event cannot time");
+  CU_OK(cu->EventCreate(&plain, CU_EVENT_DISABLE_TIMING));
+  CUipcEventHandle h;
+  cr_expect_eq(cu->IpcGetEventHandle(&h, plain), CUDA_ERROR_INVALID_VALUE,
+               "not an interprocess event");
+  CU_OK(cu->EventDestroy(plain));
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CU_OK(cu->IpcGetEventHandle(&h, ev));
+  CUevent own;
+  cr_expect_eq(cu->IpcOpenEventHandle(&own, h), CUDA_ERROR_INVALID_CONTEXT,
+               "a process's own handle");
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  CU_OK(cu->EventDestroy(ev));
+  cr_expect_eq(count_fds(), fds, "the event's memfd closed");
+  close(sv[0]);
+}

@@ -262,3 +262,79 @@ Test(fidelity, release_gives_the_memory_back) {
   cr_expect_geq(free2, free1 + size, "free %zu, then %zu after release", free1,
                 free2);
 }
+
+/* ---- the legacy path: cuMemAlloc and IPC handles ---- */
+
+static void ipc_child(int sock) {
+  const td__cu *cu = child_load();
+  enter(cu, 0);
+  CUipcMemHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  size_t size = 2 * granularity(cu, 0);
+  CUdeviceptr v;
+  CHILD_OK(cu->IpcOpenMemHandle(&v, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+  CHILD_CHECK(holds(cu, v, size, 0xa5));
+  CHILD_OK(cu->MemsetD8(v + size / 2, 0x5a, size / 2));
+  CHILD_OK(cu->CtxSynchronize());
+  CHILD_OK(cu->IpcCloseMemHandle(v));
+  send_byte(sock, 'w');
+}
+
+Test(fidelity, legacy_ipc_handles_see_each_others_writes) {
+  int sv[2];
+  pid_t pid = fork_child(sv, ipc_child);
+  const td__cu *cu = parent_load(sv[0], pid);
+  enter(cu, 0);
+  size_t size = 2 * granularity(cu, 0);
+  CUdeviceptr v;
+  CU_OK(cu->MemAlloc(&v, size));
+  CU_OK(cu->MemsetD8(v, 0xa5, size));
+  CU_OK(cu->CtxSynchronize());
+  CUipcMemHandle h;
+  CU_OK(cu->IpcGetMemHandle(&h, v));
+  CUdeviceptr own;
+  CUresult r =
+      cu->IpcOpenMemHandle(&own, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  cr_expect_neq(r, CUDA_SUCCESS, "a process opened its own legacy handle");
+  printf("fidelity: opening one's own legacy IPC handle: %d\n", (int)r);
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  expect_child_ok(pid);
+  cr_expect(holds(cu, v + size / 2, size / 2, 0x5a), "the child's write");
+  CU_OK(cu->MemFree(v));
+  close(sv[0]);
+}
+
+/* ---- interprocess events ---- */
+
+static void event_child(int sock) {
+  const td__cu *cu = child_load();
+  enter(cu, 0);
+  CUipcEventHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CUevent ev;
+  CHILD_OK(cu->IpcOpenEventHandle(&ev, h));
+  CHILD_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  CHILD_OK(cu->EventSynchronize(ev));
+  CHILD_OK(cu->EventDestroy(ev));
+  send_byte(sock, 'w');
+}
+
+Test(fidelity, interprocess_events_open_in_another_process) {
+  int sv[2];
+  pid_t pid = fork_child(sv, event_child);
+  const td__cu *cu = parent_load(sv[0], pid);
+  enter(cu, 0);
+  CUevent ev;
+  cr_expect_neq(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS), CUDA_SUCCESS,
+                "an interprocess event that times");
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CUipcEventHandle h;
+  CU_OK(cu->IpcGetEventHandle(&h, ev));
+  cr_assert_eq(write(sv[0], &h, sizeof h), (ssize_t)sizeof h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  expect_child_ok(pid);
+  CU_OK(cu->EventDestroy(ev));
+  close(sv[0]);
+}

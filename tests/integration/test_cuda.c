@@ -7,6 +7,10 @@
 #include "harness.h"
 
 #include <criterion/criterion.h>
+#include <cuda.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
 #include <dlpack/dlpack.h>
 #include <signal.h>
 #include <stdio.h>
@@ -345,15 +349,160 @@ TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
   td_close(c);
 }
 
-TDT_TEST(cuda, a_gpu_without_posix_fd_handles_is_refused_clearly) {
+/* ---- the legacy path: a GPU without POSIX-fd handles ---- */
+
+/* Starts the daemon with its double's GPUs unable to export POSIX fds: it
+ * falls back to cuMemAlloc and legacy IPC handles. Clients' doubles are
+ * normal (opening a legacy handle does not ask for POSIX fds). */
+static void start_legacy(void) {
   setenv("TDCUDA_NO_POSIX_FD", "1", 1); /* the daemon's double only */
   tdt_start(&d, NULL);
   unsetenv("TDCUDA_NO_POSIX_FD");
+}
+
+/* How many fds process pid has open: those on the double's allocations
+ * (its memfds, "/memfd:tdcuda-double.<device>...") if alloc, else the
+ * others. */
+static int fds_of(pid_t pid, int alloc) {
+  char dir[64], path[320], link[256];
+  snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+  DIR *dp = opendir(dir);
+  cr_assert_not_null(dp, "%s: %s", dir, strerror(errno));
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dp)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+    ssize_t k = readlink(path, link, sizeof(link) - 1);
+    if (k > 0) {
+      link[k] = '\0';
+      n += (strncmp(link, "/memfd:tdcuda-double.", 21) == 0) == alloc;
+    }
+  }
+  closedir(dp);
+  return n;
+}
+
+/* How many of the double's allocations the daemon holds. */
+static int daemon_allocations(void) {
+  return fds_of(d.pid, 1);
+}
+
+TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
+  start_legacy();
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENOSYS);
-  cr_assert(strstr(td_last_error(c), "POSIX fds") != NULL, "%s",
-            td_last_error(c));
+  size_t n = 4 * MiB + 1;
+  int fds = fds_of(getpid(), 0);
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  /* No fd travelled with the reply: the handle is in it. (The double's
+   * open of it keeps a memfd here, as the driver keeps its device files.) */
+  cr_assert_eq(fds_of(getpid(), 0), fds, "a legacy create left %d new fds here",
+               fds_of(getpid(), 0) - fds);
+  cr_assert_eq(fds_of(getpid(), 1), 1);
+  cr_assert_eq(daemon_allocations(), 1);
+  cr_assert_eq(td_storage_device(s), TD_CUDA);
+  cr_assert_eq(td_storage_nbytes(s), n);
+  uint8_t uuid[16];
+  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
+  unsigned char *b = td_storage_data(s);
+  cr_assert_not_null(b);
+  for (size_t i = 0; i < n; i += 4099)
+    cr_assert_eq(b[i], 0, "byte %zu of a fresh storage is %u", i, b[i]);
+  for (size_t i = 0; i < n; i += 4099)
+    b[i] = (unsigned char)(i * 7 + 1);
+  cr_assert_eq(td_publish(c, "w", s, NULL), 0, "%s", td_last_error(c));
+  td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 6 * MiB);
+  cr_assert_eq(g.storages, 1);
+
+  peer_arg a = {d.sock, "w", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_rw, &a)), 0);
+  cr_assert_eq(b[0], 0xa5, "the other process's write is not seen here");
+  cr_assert_eq(b[n - 1], 0x5a);
+
+  cr_assert_eq(td_unpublish(c, "w"), 0);
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+  cr_assert_eq(tdt_storages(&d), 0);
+  c = tdt_connect(&d);
+  g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 0, "%llu bytes still allocated",
+               (unsigned long long)g.bytes_used);
+  /* cuMemFree'd: the daemon holds the allocation no more. */
+  cr_assert_eq(daemon_allocations(), 0);
+  td_close(c);
+}
+
+TDT_TEST(cuda, legacy_sigkill_of_the_last_holder_frees_the_allocation) {
+  start_legacy();
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  peer_arg a = {d.sock, "held", 0, pfd[1]};
+  pid_t pid = tdt_fork(holder, &a);
+  close(pfd[1]);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  uint8_t uuid[16];
+  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
+  cr_assert_eq(td_publish(c, "held", s, NULL), 0);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the holder failed before pause()");
+  close(pfd[0]);
+  cr_assert_eq(td_unpublish(c, "held"), 0);
+  td_storage_release(s);
+  cr_assert_eq(tdt_storages(&d), 1);
+  cr_assert_eq(gpu_stat(c, uuid).bytes_used, 4 * MiB);
+  cr_assert_eq(daemon_allocations(), 1);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  for (int i = 0; i < 200 && gpu_stat(c, uuid).bytes_used != 0; i++)
+    usleep(10000);
+  td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 0,
+               "the dead holder's allocation is still there (%llu bytes)",
+               (unsigned long long)g.bytes_used);
+  cr_assert_eq(g.storages, 0);
+  cr_assert_eq(tdt_storages(&d), 0);
+  for (int i = 0; i < 200 && daemon_allocations() != 0; i++)
+    usleep(10000);
+  cr_assert_eq(daemon_allocations(), 0, "the daemon did not cuMemFree it");
+  td_close(c);
+}
+
+/* The double, stricter than the driver, refuses a second cuIpcOpenMemHandle
+ * of one allocation in a process (CUDA_ERROR_ALREADY_MAPPED): a read-write
+ * and a read-only handle of one storage only both map if libtensord opens
+ * the handle once and shares it. */
+TDT_TEST(cuda, legacy_handle_opens_once_per_process) {
+  start_legacy();
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *r, *r2;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  cr_assert_eq(td_lookup(c, "k", TD_RDONLY, 0, &r, NULL), 0, "%s",
+               td_last_error(c));
+  /* Two mappings (modes) in the cache, one open: the same pointer. And
+   * read-only is not enforced on this path: the memory is the same. */
+  cr_assert_eq(td_storage_data(r), td_storage_data(s));
+  ((unsigned char *)td_storage_data(s))[5] = 55;
+  td_storage_release(s); /* the read-only handle keeps the open */
+  cr_assert_eq(((unsigned char *)td_storage_data(r))[5], 55);
+  /* A second client in this process shares it too. */
+  td_client *c2 = tdt_connect(&d);
+  cr_assert_eq(td_lookup(c2, "k", 0, 0, &r2, NULL), 0, "%s", td_last_error(c2));
+  cr_assert_eq(td_storage_data(r2), td_storage_data(r));
+  td_storage_release(r2);
+  td_close(c2);
+  td_storage_release(r);
+  /* The last handle closed it: a new one opens it again. */
+  cr_assert_eq(td_lookup(c, "k", 0, 0, &s, NULL), 0, "%s", td_last_error(c));
+  cr_assert_eq(((unsigned char *)td_storage_data(s))[5], 55);
+  td_storage_release(s);
+  cr_assert_eq(td_unpublish(c, "k"), 0);
   td_close(c);
 }
 
@@ -553,5 +702,122 @@ TDT_TEST(cuda, copy_between_host_and_device) {
   td_storage_release(h2);
   td_storage_release(g);
   td_storage_release(g2);
+  td_close(c);
+}
+
+/* ---- events: ordering a consumer after the producer's GPU work ---- */
+
+/* The driver libtensord loaded (the double), for what only an application
+ * does: make and record events. */
+typedef struct {
+  CUresult (*Retain)(CUcontext *, CUdevice);
+  CUresult (*Push)(CUcontext);
+  CUresult (*EventCreate)(CUevent *, unsigned int);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventDestroy)(CUevent);
+} app_cu;
+
+static app_cu app_driver(void) {
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib, "%s", dlerror());
+  app_cu a;
+  *(void **)&a.Retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&a.Push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&a.EventCreate = dlsym(lib, "cuEventCreate");
+  *(void **)&a.EventRecord = dlsym(lib, "cuEventRecord");
+  *(void **)&a.EventDestroy = dlsym(lib, "cuEventDestroy_v2");
+  cr_assert(a.Retain && a.Push && a.EventCreate && a.EventRecord &&
+            a.EventDestroy);
+  CUcontext ctx;
+  cr_assert_eq(a.Retain(&ctx, 0), CUDA_SUCCESS);
+  cr_assert_eq(a.Push(ctx), CUDA_SUCCESS);
+  return a;
+}
+
+/* Waits on the key's event, on the host and on a stream, then reads. Exits
+ * 3 if the waits fail (the expected outcome when the event is gone). */
+static int peer_wait(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  int w1 = td_storage_wait(s, NULL);
+  int w2 = td_storage_wait(s, CU_STREAM_LEGACY);
+  if (w1 < 0 || w2 < 0) {
+    fprintf(stderr, "peer: %s\n", td_last_error(c));
+    CHECK(w1 < 0 && w2 < 0);
+    CHECK(strstr(td_last_error(c), "cuIpcOpenEventHandle") != NULL);
+    return 3;
+  }
+  CHECK(((unsigned char *)td_storage_data(s))[3] == 33);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  /* The producer's work, then its record. */
+  ((unsigned char *)td_storage_data(s))[3] = 33;
+  CUevent ev;
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  cr_assert_eq(cu.EventRecord(ev, NULL), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "ev", s, NULL, &o), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "ev", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+
+  /* A key published without one: nothing to wait for. */
+  cr_assert_eq(td_publish(c, "plain", s, NULL), 0);
+  cr_assert_eq(td_lookup(c, "plain", TD_RDONLY, 0, &h, NULL), 0);
+  cr_assert_eq(td_storage_wait(h, NULL), 0);
+  td_storage_release(h);
+
+  /* The handle names the producer's event: once destroyed, it opens
+   * nothing and the consumer is told. */
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 3);
+
+  cr_assert_eq(td_unpublish(c, "ev"), 0);
+  cr_assert_eq(td_unpublish(c, "plain"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  CUevent ev;
+  cr_assert_eq(cu.EventCreate(&ev, CU_EVENT_DISABLE_TIMING), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "ev", s, NULL, &o), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "CU_EVENT_INTERPROCESS") != NULL, "%s",
+            td_last_error(c));
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  o.event = ev;
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_publish_ex(c, "ev", h, NULL, &o), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "not on a GPU") != NULL, "%s",
+            td_last_error(c));
+  td_storage_release(h);
+  cr_assert_eq(td_lookup(c, "ev", 0, 0, &h, NULL), TD_ENOENT,
+               "a refused publish published nothing");
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  td_storage_release(s);
   td_close(c);
 }

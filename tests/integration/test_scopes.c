@@ -895,7 +895,7 @@ TDT_TEST(scopes, reserved_words_must_be_zero_and_null_opts_is_td_publish) {
   td_client *c = tdt_connect(&d);
   td_storage *s = make(c, PAGE, 1);
   uint64_t t = open_scope(c);
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < 6; i++) {
     td_publish_opts o = {0};
     o.scope = i % 2 ? t : 0;
     o.reserved[i] = 1ull << (i * 9);

@@ -76,7 +76,8 @@ Test(abi, struct_layouts_are_those_released) {
 
   SIZE(td_publish_opts, 64, 8);
   FIELD(td_publish_opts, scope, 0);
-  FIELD(td_publish_opts, reserved, 8);
+  FIELD(td_publish_opts, event, 8); /* was reserved[0] (CUDA events) */
+  FIELD(td_publish_opts, reserved, 16);
 
   SIZE(td_holder, 32, 8);
   FIELD(td_holder, uid, 4);
@@ -171,9 +172,10 @@ Test(abi, zeroed_create_opts_have_zero_reserved_words) {
 Test(abi, zeroed_publish_opts_publish_an_ordinary_key) {
   td_publish_opts o = {0};
   cr_assert_eq(o.scope, 0, "scope 0: an ordinary key, as td_publish");
+  cr_assert_null(o.event, "no event: the producer synchronised");
   for (size_t i = 0; i < sizeof(o.reserved) / sizeof(o.reserved[0]); i++)
     cr_assert_eq(o.reserved[i], 0);
-  cr_assert_eq(sizeof(o.reserved) / sizeof(o.reserved[0]), 7);
+  cr_assert_eq(sizeof(o.reserved) / sizeof(o.reserved[0]), 6);
 }
 
 /* A new code is named like the others. */

@@ -50,6 +50,7 @@ static const struct {
     ENTRY(MemcpyHtoD, cuMemcpyHtoD),
     ENTRY(MemcpyDtoH, cuMemcpyDtoH),
     ENTRY(MemsetD8, cuMemsetD8),
+    ENTRY(Memcpy2D, cuMemcpy2D),
     ENTRY(MemAlloc, cuMemAlloc),
     ENTRY(MemFree, cuMemFree),
     ENTRY(IpcGetMemHandle, cuIpcGetMemHandle),

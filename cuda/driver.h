@@ -52,6 +52,8 @@ typedef struct td__cu {
   CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
+  /* Rows between host and device, or device and device (strided views). */
+  CUresult (*Memcpy2D)(const CUDA_MEMCPY2D *);
   /* The legacy path, for devices without POSIX-fd handles. */
   CUresult (*MemAlloc)(CUdeviceptr *, size_t);
   CUresult (*MemFree)(CUdeviceptr);

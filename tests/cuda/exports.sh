@@ -40,6 +40,7 @@ cuMemMap
 cuMemRelease
 cuMemSetAccess
 cuMemUnmap
+cuMemcpy2D_v2
 cuMemcpyDtoH_v2
 cuMemcpyHtoD_v2
 cuMemsetD8_v2

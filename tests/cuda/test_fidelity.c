@@ -263,6 +263,71 @@ Test(fidelity, release_gives_the_memory_back) {
                 free2);
 }
 
+/* ---- 2D copies (td_copy of views made of rows) ---- */
+
+/* One 2D copy's description: rows of width bytes, each pitch apart. */
+static CUDA_MEMCPY2D rows2d(size_t width, size_t height) {
+  CUDA_MEMCPY2D c;
+  memset(&c, 0, sizeof c);
+  c.WidthInBytes = width;
+  c.Height = height;
+  return c;
+}
+
+Test(fidelity, memcpy2d_moves_rows_by_their_pitches) {
+  const td__cu *cu = load_or_skip();
+  enter(cu, 0);
+  size_t size = granularity(cu, 0);
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = create_filled(cu, size, 0, &h);
+  unsigned char host[64], back[64];
+  for (int i = 0; i < 64; i++)
+    host[i] = (unsigned char)(i + 1);
+  /* 3 rows of 5 bytes, 8 apart on the host, 16 apart on the device at
+   * byte 3 of its row 1 (through X and Y). */
+  CUDA_MEMCPY2D c = rows2d(5, 3);
+  c.srcMemoryType = CU_MEMORYTYPE_HOST;
+  c.srcHost = host;
+  c.srcPitch = 8;
+  c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  c.dstDevice = v;
+  c.dstXInBytes = 3;
+  c.dstY = 1;
+  c.dstPitch = 16;
+  CU_OK(cu->Memcpy2D(&c));
+  CU_OK(cu->MemcpyDtoH(back, v, 64));
+  for (int i = 0; i < 64; i++) {
+    int row = i / 16 - 1, col = i % 16 - 3;
+    unsigned char want =
+        row >= 0 && row < 3 && col >= 0 && col < 5 ? host[row * 8 + col] : 0;
+    cr_expect_eq(back[i], want, "device byte %d is %d, not %d", i, back[i],
+                 want);
+  }
+  /* Device to device (rows 1..3 to 2 apart, at 40) and back to the host. */
+  CUDA_MEMCPY2D dd = rows2d(5, 3);
+  dd.srcMemoryType = dd.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  dd.srcDevice = v + 19;
+  dd.srcPitch = 16;
+  dd.dstDevice = v + 40;
+  dd.dstPitch = 5;
+  CU_OK(cu->Memcpy2D(&dd));
+  CUDA_MEMCPY2D dh = rows2d(15, 1);
+  dh.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+  dh.srcDevice = v + 40;
+  dh.srcPitch = 15;
+  dh.dstMemoryType = CU_MEMORYTYPE_HOST;
+  dh.dstHost = back;
+  dh.dstPitch = 15;
+  CU_OK(cu->Memcpy2D(&dh));
+  for (int i = 0; i < 15; i++)
+    cr_expect_eq(back[i], host[(i / 5) * 8 + i % 5], "byte %d is %d", i,
+                 back[i]);
+  /* A pitch under the width, with more than one row, is refused. */
+  c.srcPitch = 4;
+  cr_expect_neq(cu->Memcpy2D(&c), CUDA_SUCCESS);
+  CU_OK(unmap(cu, v, size));
+  CU_OK(cu->MemRelease(h));
+}
 /* ---- the legacy path: cuMemAlloc and IPC handles ---- */
 
 static void ipc_child(int sock) {

@@ -388,10 +388,70 @@ static int host_span(const td_storage *s, size_t lo, size_t hi, int fetch,
   return 0;
 }
 
+/* Where one side of a 2D copy starts: a byte offset into a device mapping,
+ * or an address in host memory when m is NULL. */
+static uintptr_t side_at(const td__cumap *m, const td_storage *s, int64_t off) {
+  return m != NULL ? (uintptr_t)off : (uintptr_t)td_storage_data(s) + off;
+}
+
+/* Copies dv of dst from sv of src with one cuMemcpy2D per slab of rows,
+ * where at least one side is a device's (dm, sm) and, if both, the same
+ * device's. A row is the plan's innermost dim, which must be a contiguous
+ * run in both views; the dim outside it gives the slab's height and pitches
+ * when both its strides are at least a row; the remaining dims are walked
+ * here. Returns 1 if the views do not have that form (nothing copied), else
+ * 0 or a negative code with why filled. */
+static int copy_rows(td__cumap *dm, td_storage *dst, const td_view *dv,
+                     td__cumap *sm, const td_storage *src, const td_view *sv,
+                     char *why, size_t len) {
+  plan p;
+  make_plan(dv, sv, &p);
+  int64_t es = (int64_t)p.es;
+  if (p.path == TD__COPY_NONE)
+    return 0;
+  int in = p.nd - 1;
+  if (p.nd > 0 && (p.ds[in] != es || p.ss[in] != es))
+    return 1; /* element-strided: not rows */
+  size_t width = (size_t)(p.nd > 0 ? p.size[in] * es : es), height = 1;
+  size_t dpitch = width, spitch = width;
+  int no = in > 0 ? in : 0; /* dims walked here: 0 .. no - 1 */
+  if (in > 0 && p.ds[in - 1] >= (int64_t)width &&
+      p.ss[in - 1] >= (int64_t)width) {
+    no = in - 1;
+    height = (size_t)p.size[no];
+    dpitch = (size_t)p.ds[no];
+    spitch = (size_t)p.ss[no];
+  }
+  int64_t d = dv->offset * es, s = sv->offset * es;
+  int64_t idx[TD_MAX_DIMS] = {0};
+  for (;;) {
+    int err =
+        td__cumap_copy2d(dm, side_at(dm, dst, d), dpitch, sm,
+                         side_at(sm, src, s), spitch, width, height, why, len);
+    if (err < 0)
+      return err;
+    int j = no - 1;
+    for (; j >= 0; j--) {
+      if (++idx[j] < p.size[j]) {
+        d += p.ds[j];
+        s += p.ss[j];
+        break;
+      }
+      idx[j] = 0;
+      d -= (p.size[j] - 1) * p.ds[j];
+      s -= (p.size[j] - 1) * p.ss[j];
+    }
+    if (j < 0)
+      return 0;
+  }
+}
+
 /* td_copy where either side is a GPU's: a straight cuMemcpy when both views
- * are contiguous and the host side is a CPU storage; else through host
- * copies of the spans the views reach (the destination's span is fetched
- * first, so that its bytes between the view's elements are kept). */
+ * are contiguous and the host side is a CPU storage; cuMemcpy2D slabs when
+ * both views are runs of contiguous rows and they do not overlap (between
+ * two GPU storages, only when both are on one GPU); else through host copies of
+ * the spans the views reach (the destination's span is fetched first, so
+ * that its bytes between the view's elements are kept). */
 static int copy_device(td_storage *dst, const td_view *dv,
                        const td_storage *src, const td_view *sv, int alias) {
   int ok = copy_check(dv, sv);
@@ -419,6 +479,19 @@ static int copy_device(td_storage *dst, const td_view *dv,
                              (unsigned long long)td_storage_id(src), why);
       return 0;
     }
+  }
+  int overlap = alias && dlo < shi && slo < dhi;
+  if (!overlap && (dm == NULL || sm == NULL ||
+                   td__cumap_index(dm) == td__cumap_index(sm))) {
+    err = copy_rows(dm, dst, dv, sm, src, sv, why, sizeof(why));
+    /* A pitch the driver refuses (real GPUs cap it) leaves the copy to the
+     * staged path below, which rewrites every element. */
+    if (err == 0)
+      return 0;
+    if (err < 0 && err != TD_EINVAL)
+      return td__view_fail(err, "copy: storages %llu and %llu: %s",
+                           (unsigned long long)td_storage_id(dst),
+                           (unsigned long long)td_storage_id(src), why);
   }
   char *dbase, *dbuf, *sbase, *sbuf = NULL;
   if ((err = host_span(dst, dlo, dhi, 1, &dbase, &dbuf)) < 0)

@@ -369,6 +369,50 @@ int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
   return 0;
 }
 
+/* Fills one side of a 2D copy: device memory at off bytes into m, or host
+ * memory at address off when m is NULL. */
+static void side(const td__cumap *m, uintptr_t off, CUmemorytype *type,
+                 CUdeviceptr *dev, const void **host) {
+  if (m != NULL) {
+    *type = CU_MEMORYTYPE_DEVICE;
+    *dev = m->ptr + off;
+  } else {
+    *type = CU_MEMORYTYPE_HOST;
+    *host = (const void *)off;
+  }
+}
+
+int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
+                     uintptr_t src, size_t spitch, size_t width, size_t height,
+                     char *msg, size_t len) {
+  td__cumap *m = dm != NULL ? dm : sm;
+  const td__cu *cu = m->cu;
+  CUDA_MEMCPY2D p;
+  memset(&p, 0, sizeof(p));
+  const void *dhost = NULL;
+  side(dm, dst, &p.dstMemoryType, &p.dstDevice, &dhost);
+  p.dstHost = (void *)dhost;
+  p.dstPitch = dpitch;
+  side(sm, src, &p.srcMemoryType, &p.srcDevice, &p.srcHost);
+  p.srcPitch = spitch;
+  p.WidthInBytes = width;
+  p.Height = height;
+  CUcontext popped;
+  char e[128];
+  CUresult r = cu->CtxPushCurrent(m->ctx);
+  if (r == CUDA_SUCCESS) {
+    r = cu->Memcpy2D(&p);
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuMemcpy2D of %zu rows of %zu bytes (pitches %zu, %zu): "
+                   "%s",
+                   height, width, dpitch, spitch,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  return 0;
+}
+
 void td__cumap_close(td__cumap *m) {
   if (m == NULL)
     return;
@@ -421,6 +465,12 @@ int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
 
 int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
                    size_t n, char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
+                     uintptr_t src, size_t spitch, size_t width, size_t height,
+                     char *msg, size_t len) {
   return no_cuda(msg, len);
 }
 

@@ -96,6 +96,15 @@ int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len);
  * driver's failure with msg filled. */
 int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
                    size_t n, char *msg, size_t len);
+/* Copies height rows of width bytes, synchronously, in one cuMemcpy2D:
+ * row i from src + i * spitch to dst + i * dpitch, where a side with a
+ * mapping (dm, sm) is device memory at that many bytes into it and a side
+ * without (NULL) is host memory at that address. At least one of dm, sm is
+ * not NULL; the context is dm's if it has one, else sm's. Returns 0 or the
+ * driver's failure with msg filled. */
+int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
+                     uintptr_t src, size_t spitch, size_t width, size_t height,
+                     char *msg, size_t len);
 /* Unmaps and frees m. NULL ok. */
 void td__cumap_close(td__cumap *m);
 /* client.c: the CUDA mapping of a storage handle, or NULL for a CPU one. */

@@ -705,6 +705,116 @@ TDT_TEST(cuda, copy_between_host_and_device) {
   td_close(c);
 }
 
+/* Lines in the double's cuMemcpy2D log (TDCUDA_MEMCPY2D_LOG): one a copy. */
+static int copies2d(const char *path) {
+  FILE *f = fopen(path, "r");
+  if (f == NULL)
+    return 0;
+  int n = 0, ch;
+  while ((ch = fgetc(f)) != EOF)
+    n += ch == '\n';
+  fclose(f);
+  return n;
+}
+
+/* Fills n int32s of s (a CPU storage, or a GPU's through the double, whose
+ * device pointers are host addresses) with base + i. */
+static void fill(td_storage *s, size_t n, int32_t base) {
+  int32_t *p = td_storage_data(s);
+  for (size_t i = 0; i < n; i++)
+    p[i] = base + (int32_t)i;
+}
+
+/* Copies sv into dv H->D, D->H and D->D (one GPU), each over a destination
+ * holding the same bytes as a CPU copy's, and checks each against td_copy of
+ * the same views between CPU storages: the same bytes, the elements between
+ * the views' ones kept. Asserts that each device copy made want cuMemcpy2D
+ * calls (log names the double's record of them). */
+static void check_rows(td_client *c, const td_view *dv, size_t dn,
+                       const td_view *sv, size_t sn, const char *log,
+                       int want) {
+  td_storage *hs, *hd, *ref, *gs, *gd;
+  cr_assert_eq(td_storage_create(c, sn * 4, &hs), 0);
+  cr_assert_eq(td_storage_create(c, dn * 4, &hd), 0);
+  cr_assert_eq(td_storage_create(c, dn * 4, &ref), 0);
+  cr_assert_eq(create_on(c, 0, sn * 4, &gs), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, dn * 4, &gd), 0, "%s", td_last_error(c));
+  fill(hs, sn, 1);
+  fill(gs, sn, 1);
+  fill(ref, dn, -1000);
+  cr_assert_eq(td_copy(ref, dv, hs, sv), 0, "%s", td_view_last_error());
+  const char *way[3] = {"host to device", "device to host", "device to device"};
+  for (int k = 0; k < 3; k++) {
+    td_storage *dst = k == 1 ? hd : gd, *src = k == 0 ? hs : gs;
+    fill(dst, dn, -1000);
+    int before = copies2d(log);
+    cr_assert_eq(td_copy(dst, dv, src, sv), 0, "%s: %s", way[k],
+                 td_view_last_error());
+    cr_assert_eq(copies2d(log) - before, want, "%s: %d cuMemcpy2D, not %d",
+                 way[k], copies2d(log) - before, want);
+    cr_assert_eq(memcmp(td_storage_data(dst), td_storage_data(ref), dn * 4), 0,
+                 "%s: the bytes differ from a CPU copy's", way[k]);
+  }
+  td_storage_release(hs);
+  td_storage_release(hd);
+  td_storage_release(ref);
+  td_storage_release(gs);
+  td_storage_release(gd);
+}
+
+TDT_TEST(cuda, copy_rows_on_the_device) {
+  char log[] = "/tmp/tdcuda-memcpy2d.XXXXXX";
+  int fd = mkstemp(log);
+  cr_assert_geq(fd, 0);
+  close(fd);
+  cr_assert_eq(setenv("TDCUDA_MEMCPY2D_LOG", log, 1), 0);
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_view sv, dv;
+  /* 2D: rows 1..4, columns 2..6 of a 6 x 8 into rows 0..3, columns 1..5 of
+   * a 5 x 6: one slab of 4 rows of 20 bytes. */
+  int64_t s2[2] = {6, 8}, d2[2] = {5, 6};
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, s2, &sv), 0);
+  cr_assert_eq(td_view_slice(&sv, 0, 1, 5, 1), 0);
+  cr_assert_eq(td_view_slice(&sv, 1, 2, 7, 1), 0);
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, d2, &dv), 0);
+  cr_assert_eq(td_view_slice(&dv, 0, 0, 4, 1), 0);
+  cr_assert_eq(td_view_slice(&dv, 1, 1, 6, 1), 0);
+  check_rows(c, &dv, 30, &sv, 48, log, 1);
+  /* 3D, every other row of the source: a slab of 3 rows of 16 bytes for
+   * each of the 3 outer indices. */
+  int64_t s3[3] = {4, 5, 6}, d3[3] = {5, 4, 8};
+  cr_assert_eq(td_view_contiguous(TD_INT32, 3, s3, &sv), 0);
+  cr_assert_eq(td_view_slice(&sv, 0, 1, 4, 1), 0);
+  cr_assert_eq(td_view_slice(&sv, 1, 0, 5, 2), 0);
+  cr_assert_eq(td_view_slice(&sv, 2, 1, 5, 1), 0);
+  cr_assert_eq(td_view_contiguous(TD_INT32, 3, d3, &dv), 0);
+  cr_assert_eq(td_view_slice(&dv, 0, 0, 3, 1), 0);
+  cr_assert_eq(td_view_slice(&dv, 1, 1, 4, 1), 0);
+  cr_assert_eq(td_view_slice(&dv, 2, 2, 6, 1), 0);
+  check_rows(c, &dv, 160, &sv, 120, log, 3);
+  /* Inner dims that merge: whole rows of both make one run per outer
+   * index, 2 x 48 bytes in one slab. */
+  cr_assert_eq(td_view_contiguous(TD_INT32, 3, s3, &sv), 0);
+  cr_assert_eq(td_view_slice(&sv, 0, 1, 4, 2), 0);
+  cr_assert_eq(td_view_slice(&sv, 1, 1, 3, 1), 0);
+  cr_assert_eq(td_view_contiguous(TD_INT32, 3, s3, &dv), 0);
+  cr_assert_eq(td_view_slice(&dv, 0, 0, 2, 1), 0);
+  cr_assert_eq(td_view_slice(&dv, 1, 3, 5, 1), 0);
+  check_rows(c, &dv, 120, &sv, 120, log, 1);
+  /* Element-strided (every other column): staged through the host, no 2D
+   * copy, same bytes. */
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, s2, &sv), 0);
+  cr_assert_eq(td_view_slice(&sv, 1, 0, 8, 2), 0);
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, s2, &dv), 0);
+  cr_assert_eq(td_view_slice(&dv, 1, 4, 8, 1), 0);
+  check_rows(c, &dv, 48, &sv, 48, log, 0);
+  td_close(c);
+  tdt_stop(&d);
+  unsetenv("TDCUDA_MEMCPY2D_LOG");
+  unlink(log);
+}
+
 /* ---- events: ordering a consumer after the producer's GPU work ---- */
 
 /* The driver libtensord loaded (the double), for what only an application

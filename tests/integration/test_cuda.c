@@ -33,6 +33,8 @@ static void setup(void) {
  * a restart adopted, for teardown to remove if the test fails half-way. */
 static char state_dir[64];
 static uint64_t first_instance;
+/* The double's log of cuMemcpy2D calls, while a test uses one. */
+static char memcpy2d_log[64];
 
 static void teardown(void) {
   tdt_cleanup();
@@ -40,6 +42,10 @@ static void teardown(void) {
     tdt_unlink_segments(first_instance);
   if (state_dir[0] != '\0')
     tdt_rmdir(state_dir);
+  if (memcpy2d_log[0] != '\0') {
+    unlink(memcpy2d_log);
+    memcpy2d_log[0] = '\0';
+  }
 }
 
 TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
@@ -763,7 +769,8 @@ static void check_rows(td_client *c, const td_view *dv, size_t dn,
 }
 
 TDT_TEST(cuda, copy_rows_on_the_device) {
-  char log[] = "/tmp/tdcuda-memcpy2d.XXXXXX";
+  char *log = memcpy2d_log;
+  strcpy(log, "/tmp/tdcuda-memcpy2d.XXXXXX");
   int fd = mkstemp(log);
   cr_assert_geq(fd, 0);
   close(fd);
@@ -812,7 +819,6 @@ TDT_TEST(cuda, copy_rows_on_the_device) {
   td_close(c);
   tdt_stop(&d);
   unsetenv("TDCUDA_MEMCPY2D_LOG");
-  unlink(log);
 }
 
 /* ---- events: ordering a consumer after the producer's GPU work ---- */

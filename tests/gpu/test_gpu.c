@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -87,6 +88,13 @@ static uint64_t hear(chan *ch, const char *what) {
 
 /* ---- children ---- */
 
+/* Called first in every child: it dies with the test (a holder that sleeps,
+ * a reader left waiting on a pipe), so that a failed test leaves no process
+ * holding a context on the GPU. */
+static void die_with_parent(void) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+}
+
 typedef struct role {
   chan *ch;
   const char *key;
@@ -137,6 +145,7 @@ static int all_are(const td__cu *cu, td_storage *s, unsigned char v) {
  * then waits for the word (any value), checks that the bytes are now
  * fill + 1 (the consumer's write) and says so (2). */
 static int producer(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -164,6 +173,7 @@ static int producer(void *arg) {
 /* The consumer: looks key up with flags, checks that the bytes are fill,
  * writes fill + 1 and says so (1). */
 static int consumer(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -208,6 +218,7 @@ TDT_TEST(gpu, two_processes_see_each_others_writes) {
  * they were. Exits 0 if the driver reported the write as done (the test
  * then finds out whether it landed), 3 if it refused it. */
 static int ro_writer(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -231,6 +242,7 @@ static int ro_writer(void *arg) {
 
 /* Checks that key's bytes are all fill, through a read-write lookup. */
 static int checker(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -275,6 +287,7 @@ TDT_TEST(gpu, readonly_open_cannot_write) {
 /* Says how much memory the device with ordinal 0 has free, as seen by a
  * fresh process with one context (its own, gone when it exits). */
 static int free_reporter(void *arg) {
+  die_with_parent();
   int *fd = arg;
   const td__cu *cu = gpu_enter(NULL, NULL);
   CHECK(cu != NULL);
@@ -300,6 +313,7 @@ static uint64_t device_free(void) {
 /* The creator: creates nbytes on cuda:0, says its id, waits for the word,
  * then releases it and exits. */
 static int creator(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -317,6 +331,7 @@ static int creator(void *arg) {
 /* A holder: opens storage id (read from its pipe), maps it, says so, and
  * sleeps until it is killed. */
 static int holder(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -400,6 +415,7 @@ TDT_TEST(gpu, sigkill_of_a_holder_frees_the_memory) {
  * for the word (the creator is dead by then), checks fill, writes and
  * checks fill + 1. */
 static int survivor(void *arg) {
+  die_with_parent();
   role *r = arg;
   td_client *c = NULL;
   td_storage *s = NULL;
@@ -452,6 +468,7 @@ TDT_TEST(gpu, a_consumer_outlives_the_creator) {
  * (TD_ENOMEM), 32 MiB more does; a device this process does not have is
  * TD_ENODEV naming it. */
 static int over_capacity(void *arg) {
+  die_with_parent();
   (void)arg;
   td_client *c = NULL;
   td_storage *a = NULL, *b = NULL, *x = NULL;
@@ -489,6 +506,7 @@ TDT_TEST(gpu, capacity_errors) {
 /* A create larger than the device's memory fails TD_ENOMEM (the default
  * capacity is below the device's total), not with a fault later. */
 static int over_device(void *arg) {
+  die_with_parent();
   (void)arg;
   const td__cu *cu = gpu_enter(NULL, NULL);
   CHECK(cu != NULL);

@@ -22,6 +22,14 @@
  * Columns: p50 and p99 in microseconds (nearest rank; with fewer than 100
  * samples p99 is the maximum).
  *
+ * Attach: the producer publishes 1,000 storages of 2 MiB under keys sd/<i>
+ * (a model's state dict); the consumer looks every key up read-only, then
+ * takes every device pointer, and releases them: the time of the lookups,
+ * of the maps (where the library maps at the first td_storage_data) and
+ * their sum, p50 of 5 rounds. The cu import+map row at 2 MiB, times 1,000,
+ * is the driver's share of it; the rest is tensord's bookkeeping and
+ * messages. Target: under 100 ms.
+ *
  * Bandwidth: the producer creates a 1 GiB storage and fills it; the
  * consumer opens it read-only and times cuMemcpyDtoD from it into a buffer
  * of its own (cuMemAlloc), against cuMemcpyDtoD between two buffers of its
@@ -54,13 +62,14 @@
 #define NAME_(x) #x
 #define NAME(x) NAME_(x)
 
-enum { OP_QUIT, OP_IMPORT, OP_OPEN, OP_BW };
+enum { OP_QUIT, OP_IMPORT, OP_OPEN, OP_BW, OP_ATTACH };
 
 typedef struct msg {
   uint32_t op;
   uint32_t ok;
   uint64_t id, size, alloc;
   uint64_t ns;       /* OP_IMPORT, OP_OPEN: the time it took */
+  uint64_t ns_map;   /* OP_ATTACH: ns of the lookups, ns_map of the maps */
   double gbs, local; /* OP_BW: GB/s from the storage, and within one process */
   char why[160];     /* ok == 0: what failed */
 } msg;
@@ -140,6 +149,34 @@ static void bandwidth(const td__cu *cu, td_client *c, msg *m) {
   td_storage_release(s);
 }
 
+/* Looks up the m->id keys "sd/<i>" read-only (a state dict), then takes
+ * every storage's device pointer (maps it, if the lookup did not); times
+ * both, then releases them all. */
+static void attach(td_client *c, msg *m) {
+  size_t n = m->id;
+  td_storage **s = calloc(n, sizeof(*s));
+  if (s == NULL)
+    bench_die("out of memory");
+  char key[32];
+  uint64_t t0 = bench_now_ns();
+  for (size_t i = 0; i < n; i++) {
+    snprintf(key, sizeof(key), "sd/%zu", i);
+    if (td_lookup(c, key, TD_RDONLY, 0, &s[i], NULL) < 0)
+      bench_die("td_lookup(%s): %s", key, td_last_error(c));
+  }
+  uint64_t t1 = bench_now_ns();
+  for (size_t i = 0; i < n; i++)
+    if (td_storage_data(s[i]) == NULL)
+      bench_die("td_storage_data of sd/%zu: NULL", i);
+  uint64_t t2 = bench_now_ns();
+  for (size_t i = 0; i < n; i++)
+    td_storage_release(s[i]);
+  free(s);
+  m->ns = t1 - t0;
+  m->ns_map = t2 - t1;
+  m->ok = 1;
+}
+
 static int consumer(void *arg) {
   int s = *(int *)arg;
   const td__cu *cu = gpu_enter(NULL, NULL);
@@ -189,6 +226,8 @@ static int consumer(void *arg) {
       m.ok = 1;
     } else if (m.op == OP_BW) {
       bandwidth(cu, c, &m);
+    } else if (m.op == OP_ATTACH) {
+      attach(c, &m);
     }
     if (fd >= 0)
       close(fd);
@@ -326,6 +365,52 @@ int main(int argc, char **argv) {
     row(sz, "td open+map", &topen);
     fflush(stdout);
   }
+
+  /* A state dict of 1,000 tensors of 2 MiB, each its own storage under
+   * its own key: what attaching it costs another process (the issue's
+   * target: under 100 ms). */
+  ck(cu, cu->MemGetInfo(&fr, &total), "cuMemGetInfo");
+  size_t nsd = 1000;
+  uint64_t each = 2 * MiB;
+  if (nsd * each + 256 * MiB > fr)
+    nsd = fr > 256 * MiB ? (fr - 256 * MiB) / each : 0;
+  if (nsd < 10) {
+    printf("attach: skipped (%s free on the device)\n",
+           bench_size(fr, b1, sizeof(b1)));
+  } else {
+    td_storage **sd = calloc(nsd, sizeof(*sd));
+    if (sd == NULL)
+      bench_die("out of memory");
+    char key[32];
+    for (size_t i = 0; i < nsd; i++) {
+      sd[i] = create(c, each);
+      snprintf(key, sizeof(key), "sd/%zu", i);
+      if (td_publish(c, key, sd[i], NULL) < 0)
+        bench_die("td_publish(%s): %s", key, td_last_error(c));
+    }
+    bench_samples lk = {0}, mp = {0}, all = {0};
+    for (int round = 0; round < 5; round++) {
+      msg m = {.op = OP_ATTACH, .id = nsd};
+      m = ask(m, -1);
+      bench_samples_add(&lk, m.ns);
+      bench_samples_add(&mp, m.ns_map);
+      bench_samples_add(&all, m.ns + m.ns_map);
+    }
+    printf("attach %zu x %s (5 rounds, p50): lookups %.1f ms, maps %.1f ms, "
+           "total %.1f ms (target: under 100 ms for 1000)\n",
+           nsd, bench_size(each, b1, sizeof(b1)), bench_pct(&lk, 50) / 1e6,
+           bench_pct(&mp, 50) / 1e6, bench_pct(&all, 50) / 1e6);
+    bench_samples_free(&lk);
+    bench_samples_free(&mp);
+    bench_samples_free(&all);
+    for (size_t i = 0; i < nsd; i++) {
+      snprintf(key, sizeof(key), "sd/%zu", i);
+      td_unpublish(c, key);
+      td_storage_release(sd[i]);
+    }
+    free(sd);
+  }
+  fflush(stdout);
 
   /* Bandwidth of a consumer reading the producer's 1 GiB. */
   ck(cu, cu->MemGetInfo(&fr, &total), "cuMemGetInfo");

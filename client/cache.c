@@ -79,6 +79,7 @@ struct td__mapping {
   int deferred;        /* a TD_LAZY acquire skipped the populate it was due */
   dev_t dev;           /* the segment's inode, for a warm reuse (len >= */
   ino_t ino;           /* TD__WARM_MIN; ino 0: unknown) */
+  td__cumap *cu;       /* a CUDA storage's mapping (addr is its pointer) */
 };
 
 typedef struct warm {
@@ -283,6 +284,61 @@ out:
   return err;
 }
 
+int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
+                         const uint8_t uuid[16], uint64_t alloc_size, int fd,
+                         td__mapping **out, char *msg, size_t len) {
+  pthread_once(&once, cache_init);
+  mkey k = {instance, id, mode};
+  uint64_t h = mhash(&k);
+  int err = 0;
+  pthread_mutex_lock(&mu);
+  td__hnode *n = td__htab_find(&maps, h, meq, &k);
+  if (n != NULL) {
+    td__mapping *m = td__container_of(n, td__mapping, node);
+    m->handles++;
+    *out = m;
+    goto out;
+  }
+  if (fd < 0) {
+    err = TD_ENOENT;
+    goto out;
+  }
+  td__mapping *m = calloc(1, sizeof(*m));
+  if (m == NULL) {
+    err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+    goto out;
+  }
+  err = td__cumap_open(uuid, fd, alloc_size, mode != TD__MAP_RW, &m->cu, msg,
+                       len);
+  if (err < 0) {
+    free(m);
+    goto out;
+  }
+  m->instance = instance;
+  m->id = id;
+  m->mode = mode;
+  m->addr = td__cumap_addr(m->cu);
+  m->len = alloc_size;
+  m->handles = 1;
+  atomic_init(&m->populate, 0);
+  if (td__htab_insert(&maps, &m->node, h) < 0) {
+    td__cumap_close(m->cu);
+    free(m);
+    err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+    goto out;
+  }
+  *out = m;
+out:
+  pthread_mutex_unlock(&mu);
+  if (fd >= 0)
+    close(fd);
+  return err;
+}
+
+td__cumap *td__map_cumap(const td__mapping *m) {
+  return m->cu;
+}
+
 /* Returns the mapping of (instance, id) in the other shared mode (read-only
  * for read-write and back), or NULL. Called with mu held. */
 static td__mapping *sibling(const td__mapping *m) {
@@ -364,7 +420,10 @@ static void warm_keep(const td__mapping *m) {
 
 static void unmap(td__mapping *m) {
   td__htab_remove(&maps, &m->node);
-  warm_keep(m);
+  if (m->cu != NULL)
+    td__cumap_close(m->cu);
+  else
+    warm_keep(m);
   free(m);
 }
 

@@ -71,6 +71,8 @@ struct td_storage {
   int readonly; /* the reference is read-only (TD_RDONLY or TD_COW) */
   int cow;      /* and mapped copy-on-write (TD_COW) */
   td__mapping *map;
+  int device_index; /* TD_CUDA: the GPU's ordinal in this process */
+  uint8_t uuid[16]; /* TD_CUDA: the GPU's UUID */
 };
 
 /* Handles this connection holds, per storage and mode. */
@@ -670,7 +672,19 @@ static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
 static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
                        unsigned flags, td_storage **out) {
   int cow = (flags & TD_COW) != 0, lazy = (flags & TD_LAZY) != 0;
-  cow = cow && m->readonly;
+  int cuda = m->device == TENSORD__DEVICE__DEVICE_CUDA;
+  /* Device memory has no copy-on-write: TD_COW maps it read-only. */
+  cow = cow && m->readonly && !cuda;
+  if (cuda && (m->device_uuid.len != 16 ||
+               m->handle != TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD)) {
+    if (fd >= 0)
+      close(fd);
+    send_release(c, m->id, m->readonly, 1, 1);
+    return fail(c, TD_ENOSYS,
+                "storage %llu: a CUDA handle of kind %d, which this "
+                "libtensord cannot map",
+                (unsigned long long)m->id, (int)m->handle);
+  }
   int mode = m->readonly ? (cow ? TD__MAP_COW : TD__MAP_RO) : TD__MAP_RW;
   td_storage *s = calloc(1, sizeof(*s));
   if (s == NULL) {
@@ -679,8 +693,12 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, TD_ENOMEM, "out of memory");
   }
+  char why[512] = "";
   int err =
-      td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy, &s->map);
+      cuda ? td__map_acquire_cuda(c->instance, m->id, mode, m->device_uuid.data,
+                                  m->alloc_size, fd, &s->map, why, sizeof(why))
+           : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy,
+                             &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -689,8 +707,11 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     int fd2 = -1;
     err = open_call(c, m->id, m->readonly, 1, &r, &fd2);
     if (err == 0) {
-      err = td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2, lazy,
-                            &s->map);
+      err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
+                                        m->device_uuid.data, m->alloc_size, fd2,
+                                        &s->map, why, sizeof(why))
+                 : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2,
+                                   lazy, &s->map);
       tensord__response__free_unpacked(r, NULL);
       send_release(c, m->id, m->readonly, 1, 1);
     }
@@ -700,7 +721,11 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     send_release(c, m->id, m->readonly, 1, 1);
     return fail(c, err, "storage %llu: cannot map %llu bytes: %s",
                 (unsigned long long)m->id, (unsigned long long)m->nbytes,
-                td_strerror(err));
+                why[0] ? why : td_strerror(err));
+  }
+  if (cuda) {
+    memcpy(s->uuid, m->device_uuid.data, 16);
+    s->device_index = td__cumap_index(td__map_cumap(s->map));
   }
   s->c = c;
   atomic_init(&s->refs, 1);
@@ -739,12 +764,26 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
                 "create with mode %04o: only read and write bits (0666) may "
                 "be set",
                 (unsigned)o->mode);
+  if (o->device != TD_CPU && o->device != TD_CUDA)
+    return fail(c, TD_EINVAL, "create on device %d: TD_CPU or TD_CUDA",
+                (int)o->device);
+  if (o->device == TD_CPU && o->device_index != 0)
+    return fail(c, TD_EINVAL,
+                "create on the CPU with device_index %lld: it must be 0",
+                (long long)o->device_index);
   for (size_t i = 0; i < sizeof(o->reserved) / sizeof(o->reserved[0]); i++)
     if (o->reserved[i] != 0)
       return fail(c, TD_EINVAL,
                   "create with reserved[%zu] = 0x%llx: libtensord %s knows no "
                   "option there (zero-initialise td_create_opts)",
                   i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
+  if (o->device != TD_CPU && o->device != TD_CUDA)
+    return fail(c, TD_EINVAL, "create on device %d: TD_CPU or TD_CUDA",
+                (int)o->device);
+  if (o->device == TD_CPU && o->device_index != 0)
+    return fail(c, TD_EINVAL,
+                "create on the CPU with device_index %lld: it must be 0",
+                (long long)o->device_index);
   if (o->flags & ~(uint64_t)TD_UNINIT)
     return fail(c, TD_EINVAL,
                 "create with flags 0x%llx: only TD_UNINIT (0x%x) is a create "
@@ -755,6 +794,16 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
   m.nbytes = o->nbytes;
   m.mode = o->mode;
   m.device = (Tensord__Device)o->device;
+  uint8_t uuid[16];
+  if (o->device == TD_CUDA) {
+    char why[512];
+    int e = td__cu_resolve(o->device_index, uuid, why, sizeof(why));
+    if (e < 0)
+      return fail(c, e, "create of %zu bytes on cuda:%lld: %s", o->nbytes,
+                  (long long)o->device_index, why);
+    m.device_uuid.data = uuid;
+    m.device_uuid.len = 16;
+  }
   m.uninitialized = (o->flags & TD_UNINIT) != 0;
   m.client_zeroes = !m.uninitialized;
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
@@ -772,8 +821,19 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
   /* A recycled segment comes as its owner left it: zeroed here, through
    * this process's mapping, often still warm from the storage that had it
    * before (a memset of pages mapped already), before anyone sees it. */
-  if (err == 0 && dirty)
-    memset(td_storage_data(*out), 0, td_storage_nbytes(*out));
+  if (err == 0 && dirty) {
+    td__cumap *cm = td__map_cumap((*out)->map);
+    char why[256];
+    if (cm == NULL) {
+      memset(td_storage_data(*out), 0, td_storage_nbytes(*out));
+    } else if ((err = td__cumap_zero(cm, td_storage_nbytes(*out), why,
+                                     sizeof(why))) < 0) {
+      td_storage_release(*out);
+      *out = NULL;
+      return fail(c, err, "create of %zu bytes on cuda:%lld: %s", o->nbytes,
+                  (long long)o->device_index, why);
+    }
+  }
   return err;
 }
 
@@ -828,6 +888,16 @@ void *td_storage_data(const td_storage *s) {
 }
 td_device td_storage_device(const td_storage *s) {
   return s->device;
+}
+int td_storage_device_index(const td_storage *s) {
+  return s->device == TD_CUDA ? s->device_index : 0;
+}
+int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]) {
+  if (s->device != TD_CUDA)
+    return fail(s->c, TD_EINVAL, "storage %llu is not on a GPU",
+                (unsigned long long)s->id);
+  memcpy(uuid, s->uuid, 16);
+  return 0;
 }
 int td_storage_is_readonly(const td_storage *s) {
   return s->readonly;
@@ -1080,6 +1150,8 @@ static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
   out->nkeys = m->n_keys;
   out->nkeys_total = m->nkeys > m->n_keys ? m->nkeys : m->n_keys;
   out->keys = ks;
+  if (m->device_uuid.len == 16)
+    memcpy(out->device_uuid, m->device_uuid.data, 16);
   return 0;
 }
 
@@ -1151,6 +1223,35 @@ int td_stat_get(td_client *c, td_stat *out) {
   snprintf(out->state_dir, sizeof(out->state_dir), "%s", st->state_dir);
   snprintf(out->version, sizeof(out->version), "%s", st->version);
   snprintf(out->socket, sizeof(out->socket), "%s", st->socket);
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
+  *n = 0;
+  Tensord__Stat m = TENSORD__STAT__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  req.body_case = TENSORD__REQUEST__BODY_STAT;
+  req.stat = &m;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_STAT, -1);
+  if (err < 0)
+    return err;
+  const Tensord__StatReply *st = r->stat;
+  for (size_t i = 0; i < st->n_devices && i < max; i++) {
+    const Tensord__DeviceStat *d = st->devices[i];
+    memset(&out[i], 0, sizeof(out[i]));
+    out[i].device = (td_device)d->device;
+    out[i].index = d->index;
+    if (d->uuid.len == 16)
+      memcpy(out[i].uuid, d->uuid.data, 16);
+    out[i].bytes_used = d->bytes_used;
+    out[i].capacity = d->capacity;
+    out[i].storages = d->storages;
+  }
+  *n = st->n_devices;
   tensord__response__free_unpacked(r, NULL);
   return 0;
 }

@@ -101,11 +101,12 @@ int td_to_dlpack(td_storage *s, const td_view *v, DLManagedTensor **out) {
     td_view_contiguous(TD_UINT8, 1, &n, &whole);
     v = &whole;
   }
-  if (td_storage_device(s) != TD_CPU)
+  td_device device = td_storage_device(s);
+  if (device != TD_CPU && device != TD_CUDA)
     return td__view_fail(TD_ENODEV,
-                         "to_dlpack: storage %llu is not on the "
-                         "CPU",
-                         id);
+                         "to_dlpack: storage %llu is on device %d, which "
+                         "DLPack export does not know",
+                         id, (int)device);
   char why[600];
   int err = td__view_check_msg(v, nbytes, why, sizeof(why));
   if (err < 0)
@@ -128,8 +129,10 @@ int td_to_dlpack(td_storage *s, const td_view *v, DLManagedTensor **out) {
    * product fits: the view passed td_view_check against nbytes. */
   t->data =
       (char *)td_storage_data(s) + (size_t)v->offset * td_dtype_size(v->dtype);
-  t->device.device_type = kDLCPU;
-  t->device.device_id = 0;
+  /* A GPU's storage: the device pointer, on this process's ordinal of
+   * that GPU (CUDA_VISIBLE_DEVICES applies), as torch and CuPy expect. */
+  t->device.device_type = device == TD_CUDA ? kDLCUDA : kDLCPU;
+  t->device.device_id = td_storage_device_index(s);
   t->ndim = v->ndim;
   t->dtype = dt;
   t->shape = x->shape;

@@ -56,4 +56,36 @@ void *td__map_addr(td__mapping *m);
 /* Mappings the process has now (for tests). */
 size_t td__map_count(void);
 
+/* cumap.c: CUDA storages in this process. */
+typedef struct td__cumap td__cumap;
+/* Sets uuid to the UUID of this process's CUDA device index. Returns 0, or
+ * TD_ENODEV (no driver, no such device) with msg saying why. */
+int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len);
+/* Maps the exported VMM allocation fd (of size bytes) on the GPU with that
+ * UUID, read-only if ro, in its primary context. Does not close fd.
+ * Returns 0, or TD_ENODEV naming the UUID if this process cannot see that
+ * GPU, or the driver's failure, with msg saying why. */
+int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
+                   td__cumap **out, char *msg, size_t len);
+/* The device pointer. */
+void *td__cumap_addr(const td__cumap *m);
+/* The GPU's ordinal in this process. */
+int td__cumap_index(const td__cumap *m);
+/* Zeroes the first nbytes and waits for it. Returns 0 or a negative code
+ * with msg filled. */
+int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len);
+/* Unmaps and frees m. NULL ok. */
+void td__cumap_close(td__cumap *m);
+
+/* cache.c: td__map_acquire for a CUDA storage: finds the process's mapping
+ * of it in mode (TD__MAP_RW or _RO), or maps fd (an exported allocation of
+ * alloc_size bytes on the GPU with that UUID). Adds one handle to it.
+ * Always closes fd (when >= 0). Returns 0, TD_ENOENT if there is no
+ * mapping and fd is -1, or td__cumap_open's failure with msg filled. */
+int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
+                         const uint8_t uuid[16], uint64_t alloc_size, int fd,
+                         td__mapping **out, char *msg, size_t len);
+/* The mapping's CUDA side, or NULL for a CPU storage's. */
+td__cumap *td__map_cumap(const td__mapping *m);
+
 #endif /* TD_CLIENT_INTERNAL_H */

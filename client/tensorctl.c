@@ -83,8 +83,52 @@ static const char *device_name(td_device d) {
   return d == TD_CUDA ? "cuda" : "cpu";
 }
 
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
+static char *uuid_str(const uint8_t u[16], char *buf, size_t len) {
+  snprintf(buf, len,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x"
+           "%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
+           u[11], u[12], u[13], u[14], u[15]);
+  return buf;
+}
+
+/* The daemon's GPUs, read once (for the cuda:K of its storages). */
+static td_client *conn;
+static td_device_stat gpus[64];
+static size_t ngpus;
+static int gpus_read;
+
+/* "cpu", or "cuda:K" with K the daemon's ordinal of the storage's GPU
+ * ("cuda:?" if the daemon does not list it). */
+static const char *device_label(const td_storage_info *s, char *buf,
+                                size_t len) {
+  if (s->device != TD_CUDA)
+    return device_name(s->device);
+  if (!gpus_read) {
+    gpus_read = 1;
+    if (td_stat_devices(conn, gpus, sizeof(gpus) / sizeof(gpus[0]), &ngpus) < 0)
+      ngpus = 0;
+    if (ngpus > sizeof(gpus) / sizeof(gpus[0]))
+      ngpus = sizeof(gpus) / sizeof(gpus[0]);
+  }
+  for (size_t i = 0; i < ngpus; i++)
+    if (memcmp(gpus[i].uuid, s->device_uuid, 16) == 0) {
+      snprintf(buf, len, "cuda:%d", gpus[i].index);
+      return buf;
+    }
+  snprintf(buf, len, "cuda:?");
+  return buf;
+}
+
 static void json_storage(const td_storage_info *s) {
-  printf("{\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
+  char us[48];
+  if (s->device == TD_CUDA)
+    printf("{\"device_uuid\":\"%s\",",
+           uuid_str(s->device_uuid, us, sizeof(us)));
+  else
+    putchar('{');
+  printf("\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
          ",\"refs\":%u,\"owner_pid\":%d,\"owner_uid\":%u,"
          "\"owner_gid\":%u,\"mode\":\"%04o\","
          "\"created_unix_ms\":%" PRId64 ",\"age_ms\":%" PRId64 ",\"holders\":[",
@@ -189,7 +233,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
   if (st->n++ == 0) {
     if (longfmt)
       printf("%-10s %-8s %-8s ", "MODE", "OWNER", "GROUP");
-    printf("%-8s %-6s %10s %5s %-20s %-24s %s\n", "ID", "DEVICE", "SIZE",
+    printf("%-8s %-7s %10s %5s %-20s %-24s %s\n", "ID", "DEVICE", "SIZE",
            "REFS", "HOLDERS", "KEYS", "AGE");
   }
   if (longfmt) {
@@ -202,9 +246,11 @@ static int ls_row(const td_storage_info *s, void *arg) {
     printf("%-10s %-8s %-8s ", mode, user_name(s->owner_uid),
            group_name(s->owner_gid));
   }
-  printf("%-8" PRIu64 " %-6s %10s %5u %-20s %-24s %s\n", s->id,
-         device_name(s->device), human(s->nbytes, size, sizeof(size)), s->refs,
-         holders, keys, age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+  char dl[32];
+  printf("%-8" PRIu64 " %-7s %10s %5u %-20s %-24s %s\n", s->id,
+         device_label(s, dl, sizeof(dl)), human(s->nbytes, size, sizeof(size)),
+         s->refs, holders, keys,
+         age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   return 0;
 }
 
@@ -233,7 +279,13 @@ static int cmd_stat(td_client *c) {
   int err = td_stat_get(c, &st);
   if (err < 0)
     return err;
-  char a[32], b[32], d[32], u[32];
+  char a[32], b[32], d[32], u[48];
+  gpus_read = 1;
+  if ((err = td_stat_devices(c, gpus, sizeof(gpus) / sizeof(gpus[0]), &ngpus)) <
+      0)
+    return err;
+  if (ngpus > sizeof(gpus) / sizeof(gpus[0]))
+    ngpus = sizeof(gpus) / sizeof(gpus[0]);
   if (json) {
     printf("{\"storages\":%" PRIu64 ",\"bytes_used\":%" PRIu64
            ",\"capacity\":%" PRIu64 ",\"shm_free\":%" PRIu64
@@ -251,9 +303,15 @@ static int cmd_stat(td_client *c) {
     json_str(st.state_dir);
     printf(",\"pool\":{\"segments\":%" PRIu64 ",\"bytes\":%" PRIu64
            ",\"limit\":%" PRIu64 ",\"hits\":%" PRIu64 ",\"misses\":%" PRIu64
-           "}}\n",
+           "},\"devices\":[",
            st.pool_segments, st.pool_bytes, st.pool_limit, st.pool_hits,
            st.pool_misses);
+    for (size_t i = 0; i < ngpus; i++)
+      printf("%s{\"device\":\"cuda:%d\",\"uuid\":\"%s\",\"bytes_used\":%" PRIu64
+             ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64 "}",
+             i ? "," : "", gpus[i].index, uuid_str(gpus[i].uuid, u, sizeof(u)),
+             gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages);
+    printf("]}\n");
     return 0;
   }
   printf("storages  %" PRIu64 "\n", st.storages);
@@ -282,6 +340,11 @@ static int cmd_stat(td_client *c) {
   } else {
     printf("pool      off (--recycle-bytes 0)\n");
   }
+  for (size_t i = 0; i < ngpus; i++)
+    printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
+           human(gpus[i].bytes_used, a, sizeof(a)),
+           human(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
+           uuid_str(gpus[i].uuid, u, sizeof(u)));
   if (st.quota)
     printf("quota     %s per uid\n", human(st.quota, a, sizeof(a)));
   if (st.max_clients)
@@ -307,7 +370,12 @@ static int info_storage(const td_storage_info *s, void *arg) {
   }
   char size[32], ag[32];
   printf("storage   %" PRIu64 "\n", s->id);
-  printf("device    %s\n", device_name(s->device));
+  char dl[32], us[48];
+  if (s->device == TD_CUDA)
+    printf("device    %s (%s)\n", device_label(s, dl, sizeof(dl)),
+           uuid_str(s->device_uuid, us, sizeof(us)));
+  else
+    printf("device    %s\n", device_name(s->device));
   printf("size      %s (%" PRIu64 " bytes)\n",
          human(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
@@ -466,6 +534,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
     return 1;
   }
+  conn = c;
   if (strcmp(cmd, "ls") == 0)
     err = cmd_ls(c);
   else if (strcmp(cmd, "stat") == 0)

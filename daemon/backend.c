@@ -8,6 +8,8 @@ const td__backend *td__backend_for(td_device device) {
   switch (device) {
   case TD_CPU:
     return &td__shm_backend;
+  case TD_CUDA:
+    return &td__cuda_backend;
   default:
     return NULL;
   }

@@ -37,6 +37,14 @@ typedef struct td__backend {
    * caller owns, or a negative code with msg filled; nothing is left behind
    * on failure. */
   int (*create)(const char *name, uint64_t nbytes, char *msg, size_t len);
+  /* Makes segment name of nbytes on the device whose UUID is uuid (a GPU),
+   * for backends of devices that come in several (NULL for the CPU's, and
+   * create then unused). Sets *alloc_size to the bytes really allocated
+   * (nbytes rounded up to the device's granularity). Returns a read-write
+   * fd the caller owns, or a negative code with msg filled; nothing is
+   * left behind on failure. */
+  int (*create_on)(const char *name, const uint8_t uuid[16], uint64_t nbytes,
+                   uint64_t *alloc_size, char *msg, size_t len);
   /* Opens a new fd on an existing segment for export to a client: read-only
    * (the kernel refuses writable mappings) if readonly. Returns the fd or a
    * negative code. */
@@ -69,6 +77,9 @@ typedef struct td__backend {
 } td__backend;
 
 extern const td__backend td__shm_backend;
+/* CUDA VMM allocations (cudastore.c); without TENSORD_CUDA, one whose create
+ * fails with TD_ENODEV. */
+extern const td__backend td__cuda_backend;
 
 /* Returns the backend of device, or NULL if this tensord has none for it. */
 const td__backend *td__backend_for(td_device device);

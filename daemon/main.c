@@ -1,5 +1,6 @@
 /* main.c: tensord's command line. */
 #include "hugepages.h"
+#include "cudastore.h"
 #include "log.h"
 #include "server.h"
 
@@ -54,6 +55,12 @@ static void usage(FILE *f) {
       "                         in huge pages for /dev/shm and log it at\n"
       "                         start; off: do not look (see\n"
       "                         docs/operations.md)\n"
+      "  --cuda-devices LIST    the GPUs tensord may use, by ordinal or\n"
+      "                         UUID (GPU-...), comma-separated (default:\n"
+      "                         every GPU the driver shows)\n"
+      "  --cuda-capacity K=SIZE most bytes of CUDA storages on GPU K (an\n"
+      "                         ordinal or a UUID); repeat per GPU (default:\n"
+      "                         the GPU's total memory)\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -126,6 +133,8 @@ int main(int argc, char **argv) {
     OPT_RECYCLE_BYTES,
     OPT_RECYCLE_IDLE,
     OPT_HUGE_PAGES,
+    OPT_CUDA_DEVICES,
+    OPT_CUDA_CAPACITY,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -142,6 +151,8 @@ int main(int argc, char **argv) {
       {"recycle-bytes", required_argument, NULL, OPT_RECYCLE_BYTES},
       {"recycle-idle", required_argument, NULL, OPT_RECYCLE_IDLE},
       {"huge-pages", required_argument, NULL, OPT_HUGE_PAGES},
+      {"cuda-devices", required_argument, NULL, OPT_CUDA_DEVICES},
+      {"cuda-capacity", required_argument, NULL, OPT_CUDA_CAPACITY},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
@@ -149,6 +160,9 @@ int main(int argc, char **argv) {
   };
   td__options o = {0};
   int huge_off = 0;
+  const char *cuda_devices = NULL;
+  const char *cuda_caps[64];
+  size_t ncuda_caps = 0;
   o.socket_mode = -1;
   uint64_t n;
   int ch;
@@ -227,6 +241,17 @@ int main(int argc, char **argv) {
       }
       huge_off = strcmp(optarg, "off") == 0;
       break;
+    case OPT_CUDA_DEVICES:
+      cuda_devices = optarg;
+      break;
+    case OPT_CUDA_CAPACITY:
+      if (ncuda_caps == sizeof(cuda_caps) / sizeof(cuda_caps[0])) {
+        fprintf(stderr, "tensord: --cuda-capacity: more than %zu given\n",
+                ncuda_caps);
+        return 2;
+      }
+      cuda_caps[ncuda_caps++] = optarg;
+      break;
     case 'l': {
       int level = td__log_level_parse(optarg);
       if (level < 0) {
@@ -253,6 +278,13 @@ int main(int argc, char **argv) {
   if (optind < argc) {
     fprintf(stderr, "tensord: unexpected argument '%s'\n", argv[optind]);
     usage(stderr);
+    return 2;
+  }
+
+  char msg[256];
+  if (td__cuda_configure(cuda_devices, cuda_caps, ncuda_caps, msg,
+                         sizeof(msg)) < 0) {
+    fprintf(stderr, "tensord: %s\n", msg);
     return 2;
   }
 

@@ -3,6 +3,7 @@
 #include "ops.h"
 
 #include "common.h"
+#include "cudastore.h"
 #include "log.h"
 #include "segment.h"
 #include "server.h"
@@ -23,6 +24,7 @@
 #define LIST_KEYS_MAX 32   /* keys per storage in a LIST page */
 #define INFO_KEYS_MAX 1024 /* keys in an INFO reply: fits a frame */
 #define PAGE_BYTES_MAX (512u * 1024)
+#define TD__STAT_DEVICES_MAX 64 /* GPUs in a STAT reply */
 
 /* A create waiting for its segment. */
 struct td__create {
@@ -30,6 +32,7 @@ struct td__create {
   td__conn *conn; /* NULL once the connection is gone */
   uint64_t seq;
   int client_zeroes;       /* the client zeroes a recycled segment itself */
+  int gpu_dirty;           /* a GPU allocation the client is to zero */
   td__create *prev, *next; /* in conn->creates */
 };
 
@@ -121,6 +124,12 @@ static void storage_reply(const td__storage *s, int ro, int fd,
   m->device = (Tensord__Device)s->device;
   m->readonly = ro;
   m->fd = fd >= 0;
+  if (s->device == TD_CUDA) {
+    m->device_uuid.data = (uint8_t *)s->uuid;
+    m->device_uuid.len = 16;
+    m->alloc_size = s->alloc_size;
+    m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD;
+  }
 }
 
 /* Acknowledges a key change, once it is durable (see state.c). */
@@ -178,25 +187,26 @@ static void create_finish(td__segment_req *req) {
               (unsigned long long)s->id);
     close(fd);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
-    td__credit(&srv->reg, s->owner.uid, s->nbytes);
+    td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
   } else if (fd < 0) {
     if (c != NULL)
       td__conn_error(c, cr->seq, fd, "create of %llu bytes: %s",
                      (unsigned long long)s->nbytes, req->msg);
-    td__credit(&srv->reg, s->owner.uid, s->nbytes);
+    td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
   } else if (td__storage_insert(&srv->reg, s, &c->hold) < 0) {
     close(fd);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
-    td__credit(&srv->reg, s->owner.uid, s->nbytes);
+    td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
     free(s);
     td__conn_error(c, cr->seq, TD_ENOMEM, "create: out of memory");
   } else {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    send_storage(c, cr->seq, s, 0, cr->client_zeroes && req->reused, fd);
+    send_storage(c, cr->seq, s, 0,
+                 (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
   }
   free(cr);
 }
@@ -209,10 +219,17 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (n == 0)
     return reject(c, seq, TD_EINVAL,
                   "create of 0 bytes: a storage needs at least one byte");
-  if (m->device != TENSORD__DEVICE__DEVICE_CPU)
+  if (m->device != TENSORD__DEVICE__DEVICE_CPU &&
+      m->device != TENSORD__DEVICE__DEVICE_CUDA)
     return reject(c, seq, TD_ENODEV,
-                  "create on device %d: this tensord has CPU storages only",
+                  "create on device %d: this tensord knows CPU and CUDA "
+                  "storages only",
                   (int)m->device);
+  int cuda = m->device == TENSORD__DEVICE__DEVICE_CUDA;
+  if (cuda && m->device_uuid.len != 16)
+    return reject(c, seq, TD_EINVAL,
+                  "create on CUDA: the GPU's UUID has %zu bytes, not 16",
+                  m->device_uuid.len);
   if (m->mode & ~0666u)
     return reject(c, seq, TD_EINVAL,
                   "create with mode %04o: only read and write bits (0666) "
@@ -228,17 +245,18 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   /* A pooled segment of this uid serves it if one fits: its bytes are
    * counted already, so only the quota is charged. */
   uid_t uid = c->hold.peer.uid;
-  td__pooled *pooled = td__pool_take(&srv->pool, uid, TD_CPU, n);
-  /* The limits tensord sets first, then what /dev/shm can hold. */
+  td__pooled *pooled = cuda ? NULL : td__pool_take(&srv->pool, uid, TD_CPU, n);
+  /* The limits tensord sets first, then what /dev/shm can hold. A GPU's
+   * capacity is its backend's to check, off the loop. */
   char msg[256];
-  int err = td__charge(reg, uid, n, 0, msg, sizeof(msg));
+  int err = cuda ? 0 : td__charge(reg, uid, n, 0, msg, sizeof(msg));
   if (err < 0) {
     if (pooled)
       td__pool_untake(&srv->pool, pooled);
     return reject(c, seq, err, "create of %s", msg);
   }
   td__pooled *victims = NULL;
-  if (pooled == NULL) {
+  if (pooled == NULL && !cuda) {
     /* Fresh pages: the pool gives way first if they would not fit. */
     uint64_t shm_free = 0, shm_total = 0, freed = 0;
     int known = td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0;
@@ -262,7 +280,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   if (cr == NULL || s == NULL) {
     free(cr);
     free(s);
-    td__credit(reg, uid, n);
+    td__credit(reg, uid, cuda ? 0 : n);
     if (pooled)
       td__pool_untake(&srv->pool, pooled);
     td__pool_restore(&srv->pool, victims);
@@ -271,7 +289,9 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   s->mode = m->mode ? m->mode : 0600;
   s->id = reg->next_id++;
   s->nbytes = n;
-  s->device = TD_CPU;
+  s->device = cuda ? TD_CUDA : TD_CPU;
+  if (cuda)
+    memcpy(s->uuid, m->device_uuid.data, 16);
   s->owner = c->hold.peer;
   s->created_ms = td__now_ms();
   snprintf(s->name, sizeof(s->name), "%s%llu", srv->prefix,
@@ -287,6 +307,9 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   cr->seg.victims = victims;
   cr->client_zeroes = !m->uninitialized && m->client_zeroes;
   cr->seg.zero = !m->uninitialized && !m->client_zeroes;
+  /* A fresh GPU allocation's bytes are whatever they were: the client,
+   * which maps it anyway, zeroes it (a cuMemsetD8) unless told not to. */
+  cr->gpu_dirty = cuda && !m->uninitialized;
   td__segment_create(srv, &cr->seg, s, create_finish);
   return 0;
 }
@@ -496,9 +519,13 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
   if (err < 0)
     return reject(c, seq, err, "publish '%s': out of memory", key);
   prep.scope = scope;
-  /* A scoped key is never journaled: it does not outlive its scope. */
+  /* A scoped key is never journaled: it does not outlive its scope. Nor is
+   * a key of a GPU's storage, whose memory dies with the daemon: its record
+   * says the key is gone, over whatever the journal said it was before. */
   if (scope == NULL &&
-      td__state_put(c->srv->state, key, m->key.len, s, uid, &v) < 0) {
+      (s->device == TD_CPU
+           ? td__state_put(c->srv->state, key, m->key.len, s, uid, &v)
+           : td__state_del(c->srv->state, key, m->key.len)) < 0) {
     td__key_abort(reg, &prep);
     unrecorded(c, seq, "publish", key);
     return 0;
@@ -576,6 +603,10 @@ static int storage_info(arena *a, const td__storage *s, size_t max_keys,
   m->owner_gid = s->owner.gid;
   m->mode = s->mode;
   m->created_unix_ms = s->created_ms;
+  if (s->device == TD_CUDA) {
+    m->device_uuid.data = (uint8_t *)s->uuid;
+    m->device_uuid.len = 16;
+  }
   size_t nh = 0, nk = 0;
   for (const td__ref *r = s->holders; r; r = r->snext)
     nh++;
@@ -737,6 +768,26 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.pool_bytes = srv->pool.bytes;
   st.pool_limit = srv->pool.limit;
   st.pool_hits = srv->pool.hits;
+  /* The GPUs: figures the CUDA backend keeps, no driver call. */
+  td__cuda_stat cs[TD__STAT_DEVICES_MAX];
+  Tensord__DeviceStat ds[TD__STAT_DEVICES_MAX];
+  Tensord__DeviceStat *dp[TD__STAT_DEVICES_MAX];
+  size_t nd = td__cuda_stats(cs, TD__STAT_DEVICES_MAX);
+  if (nd > TD__STAT_DEVICES_MAX)
+    nd = TD__STAT_DEVICES_MAX;
+  for (size_t i = 0; i < nd; i++) {
+    tensord__device_stat__init(&ds[i]);
+    ds[i].device = TENSORD__DEVICE__DEVICE_CUDA;
+    ds[i].uuid.data = cs[i].uuid;
+    ds[i].uuid.len = 16;
+    ds[i].bytes_used = cs[i].bytes_used;
+    ds[i].capacity = cs[i].capacity;
+    ds[i].storages = cs[i].storages;
+    ds[i].index = cs[i].index;
+    dp[i] = &ds[i];
+  }
+  st.n_devices = nd;
+  st.devices = dp;
   st.pool_misses = srv->pool.misses;
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;

@@ -141,7 +141,7 @@ static void storage_unref(td__registry *r, td__storage *s) {
   if (--s->refs > 0)
     return;
   td__storage_remove(r, s);
-  td__credit(r, s->owner.uid, s->nbytes);
+  td__credit(r, s->owner.uid, td__host_bytes(s));
   r->free_fn(s, r->free_arg);
 }
 
@@ -207,7 +207,7 @@ int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
   else
     r->first = s;
   r->last = s;
-  r->bytes_used += s->nbytes;
+  r->bytes_used += td__host_bytes(s);
   return 0;
 }
 
@@ -221,7 +221,7 @@ void td__storage_remove(td__registry *r, td__storage *s) {
     s->next->prev = s->prev;
   else
     r->last = s->prev;
-  r->bytes_used -= s->nbytes;
+  r->bytes_used -= td__host_bytes(s);
 }
 
 td__storage *td__storage_after(const td__registry *r, uint64_t after_id) {

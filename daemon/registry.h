@@ -66,6 +66,10 @@ struct td__storage {
   /* The backend's name for the bytes (for shm, the object's name,
    * "/tensord.<instance>.<id>"); the registry only carries it. */
   char name[64];
+  /* TD_CUDA: the GPU's UUID, and the bytes its allocation really has
+   * (nbytes rounded up to the granularity; set by the create). */
+  uint8_t uuid[16];
+  uint64_t alloc_size;
 };
 
 struct td__key {
@@ -113,6 +117,12 @@ typedef struct td__registry {
   td__storage_free_fn free_fn;
   void *free_arg;
 } td__registry;
+
+/* The bytes of s that count against the capacity and the quotas: a
+ * device's storages count against their device's capacity instead. */
+static inline uint64_t td__host_bytes(const td__storage *s) {
+  return s->device == TD_CPU ? s->nbytes : 0;
+}
 
 void td__registry_init(td__registry *r, uint64_t capacity,
                        td__storage_free_fn fn, void *arg);

@@ -60,7 +60,11 @@ static void create_work(uv_work_t *w) {
     if (req->fd >= 0)
       return;
   }
-  req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
+  if (b->create_on != NULL)
+    req->fd = b->create_on(s->name, s->uuid, s->nbytes, &s->alloc_size,
+                           req->msg, sizeof(req->msg));
+  else
+    req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
 }
 
 static void create_after(uv_work_t *w, int status) {
@@ -83,8 +87,10 @@ void td__segment_create(td__server *srv, td__segment_req *req, td__storage *s,
   req->reused = 0;
   req->msg[0] = '\0';
   req->cb = cb;
-  /* Unlinking victims frees their pages: a cost that grows with bytes. */
-  if (s->nbytes <= SYNC_BYTES_MAX && req->victims == NULL) {
+  /* Unlinking victims frees their pages: a cost that grows with bytes. A
+   * device's driver is never called on the loop, whatever the size. */
+  if (s->nbytes <= SYNC_BYTES_MAX && req->victims == NULL &&
+      s->device == TD_CPU) {
     create_work(&req->work);
     cb(req);
     return;
@@ -202,12 +208,14 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
               (int)device);
     return;
   }
-  if (nbytes <= SYNC_BYTES_MAX && batch_add(srv, b, name) == 0)
+  /* A device's driver is never called on the loop: its unlinks are jobs. */
+  int job = nbytes > SYNC_BYTES_MAX || device != TD_CPU;
+  if (!job && batch_add(srv, b, name) == 0)
     return;
   /* Unlinking frees the pages when no client maps them any more: a cost that
    * grows with bytes, so large segments go to the thread pool. */
   unlink_job *j = NULL;
-  if (nbytes > SYNC_BYTES_MAX && (j = malloc(sizeof(*j))) != NULL) {
+  if (job && (j = malloc(sizeof(*j))) != NULL) {
     j->srv = srv;
     j->backend = b;
     snprintf(j->name, sizeof(j->name), "%s", name);

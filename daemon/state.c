@@ -230,7 +230,9 @@ static int snap_keys(td__server *srv, snap *sn, size_t max) {
     if (s->keys != NULL && snap_prefix(srv, sn, s) < 0)
       return TD_ENOMEM;
     for (const td__key *k = s->keys; k != NULL; k = k->snext) {
-      if (k->scope != NULL) /* never journaled: gone at a restart */
+      /* Never journaled, gone at a restart: scoped keys, and keys of a
+       * GPU's storages (device memory dies with the daemon). */
+      if (k->scope != NULL || s->device != TD_CPU)
         continue;
       n++;
       Tensord__StateKey m;

@@ -46,11 +46,11 @@ const char *td_version_string(void);
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
  *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
- *   td_key_info and td_stat. A new field takes the place of reserved
- *   words. In what you pass in (td_create_opts, td_publish_opts) zero keeps the
- * old behaviour, so "zero-initialise, then set" keeps working, and a library
- * that does not know a field refuses it non-zero with TD_EINVAL rather than
- * ignore it; in what the library fills in, reserved words are zero.
+ *   td_key_info, td_stat and td_device_stat. A new field takes the place of
+ * reserved words. In what you pass in (td_create_opts, td_publish_opts) zero
+ * keeps the old behaviour, so "zero-initialise, then set" keeps working, and a
+ * library that does not know a field refuses it non-zero with TD_EINVAL rather
+ * than ignore it; in what the library fills in, reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
@@ -276,14 +276,15 @@ struct DLManagedTensor;
  * (the storage's mapping plus offset times the element size, so page
  * aligned only at offset 0) and byte_offset is 0, as PyTorch exports
  * (PyTorch 1.13 ignores byte_offset on import); strides explicit in
- * elements, device kDLCPU. The tensor holds its own reference to s (taken
- * with td_storage_retain), so it outlives td_storage_release of the caller's
- * handle; its deleter drops that reference and frees the tensor, and must be
- * called exactly once by whoever consumes it. bool travels as kDLUInt of 8
- * bits (DLPack 0.6 has no bool); float8 dtypes have no DLPack 0.6 code and
- * get TD_EINVAL (reinterpret them as uint8 first). A read-only storage is
- * exported too; writing through the tensor then faults. Returns TD_ERANGE
- * if v does not fit s, TD_ENOMEM; *out is NULL on failure. */
+ * elements, device kDLCPU (kDLCUDA with this process's ordinal of the GPU
+ * for a TD_CUDA storage, data its device pointer). The tensor holds its own
+ * reference to s (taken with td_storage_retain), so it outlives
+ * td_storage_release of the caller's handle; its deleter drops that reference
+ * and frees the tensor, and must be called exactly once by whoever consumes it.
+ * bool travels as kDLUInt of 8 bits (DLPack 0.6 has no bool); float8 dtypes
+ * have no DLPack 0.6 code and get TD_EINVAL (reinterpret them as uint8 first).
+ * A read-only storage is exported too; writing through the tensor then faults.
+ * Returns TD_ERANGE if v does not fit s, TD_ENOMEM; *out is NULL on failure. */
 int td_to_dlpack(struct td_storage *s, const td_view *v,
                  struct DLManagedTensor **out);
 
@@ -425,9 +426,12 @@ typedef struct td_create_opts {
    * other (0666 at most; execute bits are refused). 0 means 0600. The owner
    * is the creating process's uid and gid. Root may open anything. */
   uint32_t mode;
-  td_device device;     /* TD_CPU */
-  uint64_t flags;       /* TD_UNINIT or 0; other bits are TD_EINVAL */
-  uint64_t reserved[5]; /* zero (see ABI above); non-zero is TD_EINVAL */
+  td_device device; /* TD_CPU, or TD_CUDA (docs/cuda.md) */
+  uint64_t flags;   /* TD_UNINIT or 0; other bits are TD_EINVAL */
+  /* TD_CUDA: the GPU, as this process numbers it (CUDA_VISIBLE_DEVICES
+   * applies); the daemon is told its UUID. TD_CPU: must be 0. */
+  int64_t device_index;
+  uint64_t reserved[4]; /* zero (see ABI above); non-zero is TD_EINVAL */
 } td_create_opts;
 int td_storage_create_ex(td_client *c, const td_create_opts *o,
                          td_storage **out);
@@ -445,8 +449,16 @@ td_storage *td_storage_retain(td_storage *s);
 int td_storage_release(td_storage *s);
 uint64_t td_storage_id(const td_storage *s);
 size_t td_storage_nbytes(const td_storage *s);
+/* The storage's bytes in this process: the mapping for TD_CPU, the device
+ * pointer (a CUdeviceptr) for TD_CUDA. */
 void *td_storage_data(const td_storage *s);
 td_device td_storage_device(const td_storage *s);
+/* The ordinal of the storage's GPU in this process (CUDA_VISIBLE_DEVICES
+ * applies), or 0 for a CPU storage. */
+int td_storage_device_index(const td_storage *s);
+/* Copies the 16-byte UUID of the storage's GPU into uuid. Returns 0, or
+ * TD_EINVAL for a CPU storage. */
+int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]);
 int td_storage_is_readonly(const td_storage *s);
 /* Returns the client a storage handle was made by. */
 td_client *td_storage_client(const td_storage *s);
@@ -523,7 +535,8 @@ typedef struct td_storage_info {
   size_t nkeys;       /* keys listed in keys[] */
   size_t nkeys_total; /* keys naming the storage (LIST shows 32 at most) */
   const char *const *keys;
-  uint64_t reserved[8]; /* zero (see ABI above) */
+  uint8_t device_uuid[16]; /* TD_CUDA: the GPU's UUID; zeros for TD_CPU */
+  uint64_t reserved[6];    /* zero (see ABI above) */
 } td_storage_info;
 
 typedef struct td_key_info {
@@ -567,6 +580,20 @@ typedef struct td_stat {
 typedef int (*td_list_cb)(const td_storage_info *info, void *arg);
 int td_list(td_client *c, td_list_cb cb, void *arg);
 int td_stat_get(td_client *c, td_stat *out);
+/* What the daemon holds on one GPU (td_stat_devices). */
+typedef struct td_device_stat {
+  td_device device;    /* TD_CUDA */
+  int32_t index;       /* the daemon's ordinal of the GPU */
+  uint8_t uuid[16];    /* the GPU's UUID */
+  uint64_t bytes_used; /* allocated: sizes rounded up to the granularity */
+  uint64_t capacity;   /* --cuda-capacity, or the device's total memory */
+  uint64_t storages;
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_device_stat;
+/* Fills out[0..max) with the daemon's GPUs, in its ordinal order, and sets
+ * *n to how many it has (which may exceed max). A daemon lists GPUs once its
+ * CUDA driver is loaded (its first CUDA create). */
+int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n);
 /* Describes one storage (by id) and every key that names it. Exactly one of
  * id (non-zero) and key (non-NULL) selects it. Callbacks as for td_list;
  * keys get kcb (may be NULL). */

@@ -46,6 +46,8 @@ typedef struct store {
   char *base;
   size_t len;
   uint64_t instance; /* the daemon's (td_client_instance): ids are per daemon */
+  int cuda;          /* a GPU's storage: base is a device pointer */
+  int device_index;  /* and the GPU's ordinal in this process */
   struct store *prev, *next; /* g_stores, under g_reg_mu */
 } store;
 
@@ -72,6 +74,8 @@ static store *store_new(td_storage *s) {
   p->base = td_storage_data(s);
   p->len = td_storage_nbytes(s);
   p->instance = td_client_instance(td_storage_client(s));
+  p->cuda = td_storage_device(s) == TD_CUDA;
+  p->device_index = td_storage_device_index(s);
   pthread_mutex_lock(&g_reg_mu);
   p->next = g_stores;
   if (g_stores != NULL)
@@ -543,6 +547,17 @@ static int tensor_live(Tensor *t) {
   return 0;
 }
 
+/* Refuses (TypeError) a GPU tensor to what reads its bytes from the CPU. */
+static int tensor_on_cpu(Tensor *t, const char *what) {
+  if (!t->st->cuda)
+    return 0;
+  PyErr_Format(PyExc_TypeError,
+               "%s: the tensor is on cuda:%d, and its bytes are device "
+               "memory; use torch() or __dlpack__ to reach them",
+               what, t->st->device_index);
+  return -1;
+}
+
 static char *tensor_data(const Tensor *t) {
   return t->st->base + t->v.offset * (int64_t)td_dtype_size(t->v.dtype);
 }
@@ -698,13 +713,45 @@ static int parse_shape(PyObject *o, int64_t *shape, const char *what) {
   return (int)n;
 }
 
+/* Parses "cpu", "cuda" or "cuda:K" (None: "cpu"). Returns 0 or -1 with an
+ * exception. */
+static int parse_device(const char *d, td_device *dev, int64_t *index) {
+  *dev = TD_CPU;
+  *index = 0;
+  if (d == NULL || strcmp(d, "cpu") == 0)
+    return 0;
+  if (strncmp(d, "cuda", 4) == 0) {
+    *dev = TD_CUDA;
+    if (d[4] == '\0')
+      return 0;
+    char *end;
+    long long k = d[4] == ':' && d[5] >= '0' && d[5] <= '9'
+                      ? strtoll(d + 5, &end, 10)
+                      : -1;
+    if (k >= 0 && *end == '\0' && k <= INT32_MAX) {
+      *index = k;
+      return 0;
+    }
+  }
+  PyErr_Format(PyExc_ValueError,
+               "device '%s': use 'cpu', 'cuda' or 'cuda:K' (K this "
+               "process's ordinal of the GPU)",
+               d);
+  return -1;
+}
+
 static PyObject *Client_empty(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"shape", "dtype", "uninit", "mode", NULL};
+  static char *kwlist[] = {"shape", "dtype", "uninit", "mode", "device", NULL};
   PyObject *shapeobj, *dtypeobj = NULL;
   int uninit = 0;
   unsigned int mode = 0600;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpI:empty", kwlist, &shapeobj,
-                                   &dtypeobj, &uninit, &mode))
+  const char *devname = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpIz:empty", kwlist, &shapeobj,
+                                   &dtypeobj, &uninit, &mode, &devname))
+    return NULL;
+  td_device dev;
+  int64_t devindex;
+  if (parse_device(devname, &dev, &devindex) < 0)
     return NULL;
   td_dtype dt = TD_FLOAT32;
   if (dtypeobj != NULL && dtypeobj != Py_None && parse_dtype(dtypeobj, &dt) < 0)
@@ -719,7 +766,10 @@ static PyObject *Client_empty(Client *self, PyObject *args, PyObject *kw) {
     return raise_view(err);
   int64_t numel = td_view_numel(&v);
   size_t nbytes = (size_t)numel * td_dtype_size(dt);
-  td_create_opts o = {.nbytes = nbytes ? nbytes : 1, .mode = mode};
+  td_create_opts o = {.nbytes = nbytes ? nbytes : 1,
+                      .mode = mode,
+                      .device = dev,
+                      .device_index = devindex};
   if (uninit)
     o.flags = TD_UNINIT;
   td_storage *s = NULL;
@@ -1113,7 +1163,7 @@ static PyObject *Client_scope_close(Client *self, PyObject *args) {
 
 static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"key",  "timeout", "readonly", "take",
-                           "lazy", "_cancel",  NULL};
+                           "lazy", "_cancel", NULL};
   PyObject *keyobj, *timeoutobj = Py_None, *cancel = Py_None;
   int ro = 0, take = 0, lazy = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpppO:lookup", kwlist, &keyobj,
@@ -1240,6 +1290,15 @@ static int set_item(PyObject *d, const char *name, PyObject *v) {
   return r;
 }
 
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
+static PyObject *uuid_str(const uint8_t u[16]) {
+  return PyUnicode_FromFormat(
+      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x"
+      "%02x",
+      u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+      u[12], u[13], u[14], u[15]);
+}
+
 static PyObject *storage_dict(const ls_item *it, int64_t now) {
   const td_storage_info *s = &it->info;
   PyObject *d = PyDict_New();
@@ -1281,7 +1340,9 @@ static PyObject *storage_dict(const ls_item *it, int64_t now) {
           0 ||
       PyDict_SetItemString(d, "holders", holders) < 0 ||
       PyDict_SetItemString(d, "keys", keys) < 0 ||
-      set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0) {
+      set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0 ||
+      (s->device == TD_CUDA &&
+       set_item(d, "device_uuid", uuid_str(s->device_uuid)) < 0)) {
     Py_XDECREF(holders);
     Py_XDECREF(keys);
     Py_DECREF(d);
@@ -1321,9 +1382,33 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
   CALL(self, x, err, td_stat_get(x.c, &st));
   if (err < 0)
     return raise_err(err, x.msg);
+  td_device_stat ds[64];
+  size_t nd = 0;
+  CALL(self, x, err, td_stat_devices(x.c, ds, 64, &nd));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  if (nd > 64)
+    nd = 64;
+  PyObject *devices = PyList_New((Py_ssize_t)nd);
+  for (size_t i = 0; devices != NULL && i < nd; i++) {
+    char name[32];
+    snprintf(name, sizeof(name), "cuda:%d", ds[i].index);
+    PyObject *u = uuid_str(ds[i].uuid);
+    PyObject *e =
+        u ? Py_BuildValue("{s:s,s:N,s:K,s:K,s:K}", "device", name, "uuid", u,
+                          "bytes_used", ds[i].bytes_used, "capacity",
+                          ds[i].capacity, "storages", ds[i].storages)
+          : NULL;
+    if (e == NULL)
+      Py_CLEAR(devices);
+    else
+      PyList_SET_ITEM(devices, (Py_ssize_t)i, e);
+  }
+  if (devices == NULL)
+    return NULL;
   return Py_BuildValue(
       "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:L,s:i,s:K,s:I,s:I,s:s,s:s,s:s,"
-      "s:{s:K,s:K,s:K,s:K,s:K},s:K}",
+      "s:{s:K,s:K,s:K,s:K,s:K},s:K,s:N}",
       "storages", st.storages, "bytes_used", st.bytes_used, "capacity",
       st.capacity, "shm_free", st.shm_free, "clients", st.clients, "keys",
       st.keys, "waiters", st.waiters, "uptime_ms", st.uptime_ms, "pid", st.pid,
@@ -1332,7 +1417,7 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
       st.version, "socket", st.socket, "state_dir", st.state_dir, "pool",
       "segments", st.pool_segments, "bytes", st.pool_bytes, "limit",
       st.pool_limit, "hits", st.pool_hits, "misses", st.pool_misses, "instance",
-      st.instance);
+      st.instance, "devices", devices);
 }
 
 static PyMethodDef Client_methods[] = {
@@ -1345,8 +1430,9 @@ static PyMethodDef Client_methods[] = {
      "ping() -> float: a round trip to tensord, in seconds."},
     {"empty", (PyCFunction)(void (*)(void))Client_empty,
      METH_VARARGS | METH_KEYWORDS,
-     "empty(shape, dtype='float32', uninit=False, mode=0o600) -> Tensor: a "
-     "new storage and its contiguous view; zeroed unless uninit."},
+     "empty(shape, dtype='float32', uninit=False, mode=0o600, device='cpu') "
+     "-> Tensor: a new storage and its contiguous view; zeroed unless uninit. "
+     "device 'cuda:K' puts it on this process's GPU K (docs/cuda.md)."},
     {"share", (PyCFunction)(void (*)(void))Client_share,
      METH_VARARGS | METH_KEYWORDS,
      "share(obj, key=None) -> Tensor: one copy of obj (DLPack, buffer "
@@ -1505,7 +1591,7 @@ fail:
 }
 
 static PyObject *Tensor_numpy(Tensor *self, PyObject *unused) {
-  if (tensor_live(self) < 0)
+  if (tensor_live(self) < 0 || tensor_on_cpu(self, "numpy()") < 0)
     return NULL;
   if (np_typestr(self->v.dtype) == NULL)
     return no_numpy_dtype(self->v.dtype);
@@ -1526,7 +1612,7 @@ static PyObject *Tensor_numpy(Tensor *self, PyObject *unused) {
 }
 
 static PyObject *Tensor_get_iface(Tensor *self, void *unused) {
-  if (tensor_live(self) < 0)
+  if (tensor_live(self) < 0 || tensor_on_cpu(self, "__array_interface__") < 0)
     return NULL;
   PyObject *d = iface_dict(self);
   if (d != NULL)
@@ -1587,17 +1673,24 @@ static PyObject *Tensor_dlpack(Tensor *self, PyObject *args, PyObject *kw) {
   PyObject *stream = Py_None;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:__dlpack__", kwlist, &stream))
     return NULL;
-  if (stream != Py_None) {
-    PyErr_SetString(PyExc_ValueError,
-                    "__dlpack__: stream must be None for a CPU tensor");
-    return NULL;
-  }
   if (tensor_live(self) < 0)
     return NULL;
+  /* A GPU tensor's bytes are ready when it is published or looked up (the
+   * producer synchronised before it published, docs/cuda.md): a consumer's
+   * stream has nothing of ours to wait for. */
+  if (stream != Py_None && !(self->st->cuda && PyLong_Check(stream))) {
+    PyErr_SetString(PyExc_ValueError,
+                    self->st->cuda
+                        ? "__dlpack__: stream must be None or an int"
+                        : "__dlpack__: stream must be None for a CPU tensor");
+    return NULL;
+  }
   return make_capsule(self, &self->v);
 }
 
 static PyObject *Tensor_dlpack_device(Tensor *self, PyObject *unused) {
+  if (self->st != NULL && self->st->cuda)
+    return Py_BuildValue("(ii)", kDLCUDA, self->st->device_index);
   return Py_BuildValue("(ii)", kDLCPU, 0);
 }
 
@@ -1971,6 +2064,13 @@ static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
     PyErr_SetString(PyExc_BufferError, "tensord.Tensor: released");
     return -1;
   }
+  if (self->st->cuda) {
+    PyErr_Format(PyExc_BufferError,
+                 "tensord.Tensor on cuda:%d: device memory has no buffer "
+                 "protocol (use torch() or __dlpack__)",
+                 self->st->device_index);
+    return -1;
+  }
   const char *fmt = buf_format(self->v.dtype);
   if (fmt == NULL) {
     PyErr_Format(PyExc_BufferError,
@@ -2070,6 +2170,11 @@ static PyObject *Tensor_get_storage_id(Tensor *s, void *u) {
 }
 static PyObject *Tensor_get_storage_nbytes(Tensor *s, void *u) {
   return PyLong_FromSize_t(s->snbytes);
+}
+static PyObject *Tensor_get_device(Tensor *s, void *u) {
+  if (s->st == NULL || !s->st->cuda)
+    return PyUnicode_FromString("cpu");
+  return PyUnicode_FromFormat("cuda:%d", s->st->device_index);
 }
 static PyObject *Tensor_get_readonly(Tensor *s, void *u) {
   return PyBool_FromLong(s->readonly);
@@ -2178,6 +2283,8 @@ static PyGetSetDef Tensor_getset[] = {
      NULL},
     {"storage_nbytes", (getter)Tensor_get_storage_nbytes, NULL, NULL, NULL},
     {"readonly", (getter)Tensor_get_readonly, NULL, NULL, NULL},
+    {"device", (getter)Tensor_get_device, NULL,
+     "'cpu', or 'cuda:K' with K this process's ordinal of the GPU", NULL},
     {"released", (getter)Tensor_get_released, NULL, NULL, NULL},
     {"key", (getter)Tensor_get_key, NULL,
      "the key it was looked up or published under, or None", NULL},
@@ -2223,7 +2330,7 @@ static PyObject *mod_find(PyObject *m, PyObject *arg) {
   char *p = ptr;
   pthread_mutex_lock(&g_reg_mu);
   for (store *s = g_stores; s != NULL; s = s->next)
-    if (p >= s->base && p < s->base + s->len) {
+    if (!s->cuda && p >= s->base && p < s->base + s->len) {
       hit = store_ref(s);
       break;
     }

@@ -550,7 +550,10 @@ TDT_TEST(badinput, create_of_zero_bytes_is_einval) {
   expect_daemon_fine();
 }
 
-TDT_TEST(badinput, create_on_cuda_is_enodev) {
+/* A CUDA create names its GPU by UUID (16 bytes): without one it is
+ * malformed; with one no GPU of the daemon has (or with no driver at all,
+ * as here unless the host has one) it is TD_ENODEV. */
+TDT_TEST(badinput, create_on_cuda_needs_a_known_uuid) {
   raw *r = raw_open(1);
   Tensord__Create m = TENSORD__CREATE__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
@@ -560,8 +563,19 @@ TDT_TEST(badinput, create_on_cuda_is_enodev) {
   req.body_case = TENSORD__REQUEST__BODY_CREATE;
   req.create = &m;
   raw_send(r, &req);
-  expect_error(r, TD_ENODEV, "device 1");
-  expect_usable(r, 5);
+  expect_error(r, TD_EINVAL, "UUID");
+  uint8_t uuid[16];
+  memset(uuid, 0xee, sizeof(uuid));
+  m.device_uuid.data = uuid;
+  m.device_uuid.len = sizeof(uuid);
+  req.seq = 5;
+  raw_send(r, &req);
+  expect_error(r, TD_ENODEV, "");
+  m.device = 7;
+  req.seq = 6;
+  raw_send(r, &req);
+  expect_error(r, TD_ENODEV, "device 7");
+  expect_usable(r, 7);
   raw_close(r);
   expect_daemon_fine();
 }
@@ -933,7 +947,7 @@ TDT_TEST(badinput, client_leaving_mid_create_leaves_no_segment) {
 }
 
 TDT_TEST(badinput, many_clients_leaving_mid_create_leave_no_segment,
-     .timeout = 60) {
+         .timeout = 60) {
   for (int i = 0; i < 8; i++) {
     raw *r = raw_open(1);
     Tensord__Create m = TENSORD__CREATE__INIT;
@@ -1019,7 +1033,8 @@ static int exchange(raw *r, uint64_t first_seq, int nreplies) {
   return got;
 }
 
-TDT_TEST(badinput, flow_big_replies_between_fd_replies_all_arrive_with_their_fds) {
+TDT_TEST(badinput,
+         flow_big_replies_between_fd_replies_all_arrive_with_their_fds) {
   raw *r = raw_open(1);
   uint64_t id = raw_create(r, 64, 2);
   enum { RUNS = 6, OPENS = 28, PAYLOAD = 900 * 1024 };
@@ -1056,7 +1071,7 @@ TDT_TEST(badinput, flow_big_replies_between_fd_replies_all_arrive_with_their_fds
  * them all at once and sends them through a socket that takes only part of
  * each sendmsg. */
 TDT_TEST(badinput,
-     flow_large_info_replies_between_fd_replies_all_arrive_with_their_fds) {
+         flow_large_info_replies_between_fd_replies_all_arrive_with_their_fds) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 64, &s), 0);

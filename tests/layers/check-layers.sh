@@ -1,6 +1,7 @@
 #!/bin/sh
 # check-layers.sh: the include graph follows the layers of docs/design.md.
 #   include/ (public API)  <- common/ <- proto/ <- client/, daemon/
+#                             common/ <- cuda/ (the driver loader) <- client/, daemon/
 # and the Python binding (python/tensord/) sees include/ only.
 # client/ and daemon/ never see each other, and the daemon's bookkeeping
 # (registry, storage backends) never sees libuv. Exits 1, naming each
@@ -14,21 +15,22 @@ allowed() { # layer -> the layers its files may include from
   include) echo "include" ;;
   common) echo "include common" ;;
   proto) echo "include common proto" ;;
-  client) echo "include common proto client" ;;
-  daemon) echo "include common proto daemon" ;;
+  cuda) echo "include common cuda" ;;
+  client) echo "include common proto cuda client" ;;
+  daemon) echo "include common proto cuda daemon" ;;
   python/tensord) echo "include" ;;
   esac
 }
 
 owner() { # header name -> the layer that has it
   [ "$1" = tensord.pb-c.h ] && { echo proto; return; }
-  for l in include common proto client daemon; do
+  for l in include common proto cuda client daemon; do
     [ -f "$l/$1" ] && { echo "$l"; return; }
   done
   echo unknown
 }
 
-for layer in include common proto client daemon python/tensord; do
+for layer in include common proto cuda client daemon python/tensord; do
   ok=$(allowed $layer)
   for f in "$layer"/*.[ch]; do
     [ -f "$f" ] || continue

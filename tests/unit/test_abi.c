@@ -70,8 +70,9 @@ Test(abi, struct_layouts_are_those_released) {
   SIZE(td_create_opts, 64, 8);
   FIELD(td_create_opts, mode, 8);
   FIELD(td_create_opts, device, 12);
-  FIELD(td_create_opts, flags, 16); /* was reserved[0] (recycling) */
-  FIELD(td_create_opts, reserved, 24);
+  FIELD(td_create_opts, flags, 16);        /* was reserved[0] (recycling) */
+  FIELD(td_create_opts, device_index, 24); /* was reserved[0] (CUDA) */
+  FIELD(td_create_opts, reserved, 32);
 
   SIZE(td_publish_opts, 64, 8);
   FIELD(td_publish_opts, scope, 0);
@@ -96,7 +97,17 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_storage_info, nkeys, 64);
   FIELD(td_storage_info, nkeys_total, 72);
   FIELD(td_storage_info, keys, 80);
-  FIELD(td_storage_info, reserved, 88);
+  FIELD(td_storage_info, device_uuid, 88); /* was reserved[0..1] (CUDA) */
+  FIELD(td_storage_info, reserved, 104);
+
+  SIZE(td_device_stat, 80, 8);
+  FIELD(td_device_stat, device, 0);
+  FIELD(td_device_stat, index, 4);
+  FIELD(td_device_stat, uuid, 8);
+  FIELD(td_device_stat, bytes_used, 24);
+  FIELD(td_device_stat, capacity, 32);
+  FIELD(td_device_stat, storages, 40);
+  FIELD(td_device_stat, reserved, 48);
 
   SIZE(td_key_info, 328, 8);
   FIELD(td_key_info, id, 8);

@@ -1,0 +1,179 @@
+/* driver.c: loads the CUDA driver at run time and resolves its entry points
+ * (see driver.h); maps its errors to tensord's. */
+#include "driver.h"
+
+#include "common.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The symbol cuda.h maps an entry point's name to: cuMemGetInfo is a macro
+ * for cuMemGetInfo_v2, and the driver exports both, with the old ABI under
+ * the old name. Stringizing the expanded macro picks the one whose prototype
+ * cuda.h declares. */
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define ENTRY(field, fn)                                                       \
+  { STR(fn), offsetof(td__cu, field) }
+
+static const struct {
+  const char *name;
+  size_t offset;
+} entries[] = {
+    ENTRY(Init, cuInit),
+    ENTRY(GetErrorName, cuGetErrorName),
+    ENTRY(GetErrorString, cuGetErrorString),
+    ENTRY(DeviceGetCount, cuDeviceGetCount),
+    ENTRY(DeviceGet, cuDeviceGet),
+    ENTRY(DeviceGetUuid, cuDeviceGetUuid),
+    ENTRY(DeviceGetName, cuDeviceGetName),
+    ENTRY(DeviceGetAttribute, cuDeviceGetAttribute),
+    ENTRY(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain),
+    ENTRY(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease),
+    ENTRY(CtxPushCurrent, cuCtxPushCurrent),
+    ENTRY(CtxPopCurrent, cuCtxPopCurrent),
+    ENTRY(CtxSynchronize, cuCtxSynchronize),
+    ENTRY(MemGetInfo, cuMemGetInfo),
+    ENTRY(MemGetAllocationGranularity, cuMemGetAllocationGranularity),
+    ENTRY(MemCreate, cuMemCreate),
+    ENTRY(MemRelease, cuMemRelease),
+    ENTRY(MemExportToShareableHandle, cuMemExportToShareableHandle),
+    ENTRY(MemImportFromShareableHandle, cuMemImportFromShareableHandle),
+    ENTRY(MemAddressReserve, cuMemAddressReserve),
+    ENTRY(MemAddressFree, cuMemAddressFree),
+    ENTRY(MemMap, cuMemMap),
+    ENTRY(MemUnmap, cuMemUnmap),
+    ENTRY(MemSetAccess, cuMemSetAccess),
+    ENTRY(MemcpyHtoD, cuMemcpyHtoD),
+    ENTRY(MemcpyDtoH, cuMemcpyDtoH),
+    ENTRY(MemsetD8, cuMemsetD8),
+};
+/* Every field of td__cu has an entry above. */
+_Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==
+                   sizeof(td__cu),
+               "td__cu and entries[] disagree");
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static td__cu table;
+static const td__cu *loaded;         /* &table once loaded, else NULL */
+static char failure[TD__ERRMSG_MAX]; /* why loading failed */
+
+static void load(void) {
+  const char *path = getenv(TD__CU_DRIVER_ENV);
+  if (path == NULL || path[0] == '\0')
+    path = TD__CU_DRIVER_LIB;
+  void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    /* dlerror() names the file first, mostly: then it says it all. */
+    const char *e = dlerror();
+    if (e != NULL && strncmp(e, path, strlen(path)) == 0)
+      snprintf(failure, sizeof failure, "no CUDA driver (%s)", e);
+    else
+      snprintf(failure, sizeof failure, "no CUDA driver (%s: %s)", path,
+               e != NULL ? e : "dlopen failed");
+    return;
+  }
+  td__cu t;
+  for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
+    dlerror();
+    void *sym = dlsym(lib, entries[i].name);
+    if (sym == NULL) {
+      const char *e = dlerror();
+      snprintf(failure, sizeof failure,
+               "CUDA driver %s lacks %s (%s): too old for tensord", path,
+               entries[i].name, e != NULL ? e : "NULL");
+      goto close_lib;
+    }
+    /* POSIX guarantees a function's address survives the round trip
+     * through void * that dlsym makes. */
+    memcpy((char *)&t + entries[i].offset, &sym, sizeof sym);
+  }
+  CUresult r = t.Init(0);
+  if (r != CUDA_SUCCESS) {
+    char e[256];
+    snprintf(failure, sizeof failure, "cuInit: %s (driver %s)",
+             td__cu_strerror(&t, r, e, sizeof e), path);
+    goto close_lib;
+  }
+  table = t;
+  loaded = &table;
+  return;
+
+close_lib:
+  dlclose(lib);
+}
+
+const td__cu *td__cu_load(char *msg, size_t len) {
+  pthread_once(&once, load);
+  if (loaded == NULL)
+    td__msg(msg, len, TD_ENODEV, "%s", failure);
+  return loaded;
+}
+
+int td__cu_code(CUresult r) {
+  switch (r) {
+  case CUDA_SUCCESS:
+    return 0;
+  case CUDA_ERROR_OUT_OF_MEMORY:
+    return TD_ENOMEM;
+  case CUDA_ERROR_INVALID_DEVICE:
+  case CUDA_ERROR_NO_DEVICE:
+    return TD_ENODEV;
+  case CUDA_ERROR_NOT_SUPPORTED:
+    return TD_ENOSYS;
+  case CUDA_ERROR_INVALID_VALUE:
+    return TD_EINVAL;
+  default:
+    return TD_EIO;
+  }
+}
+
+const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
+                            size_t len) {
+  const char *name = NULL, *text = NULL;
+  if (cu != NULL) {
+    if (cu->GetErrorName(r, &name) != CUDA_SUCCESS)
+      name = NULL;
+    if (cu->GetErrorString(r, &text) != CUDA_SUCCESS)
+      text = NULL;
+  }
+  if (name != NULL && text != NULL)
+    snprintf(buf, len, "%s (%s)", name, text);
+  else if (name != NULL)
+    snprintf(buf, len, "%s", name);
+  else
+    snprintf(buf, len, "CUresult %d", (int)r);
+  return buf;
+}
+
+int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
+                          CUdevice *out) {
+  int n = 0;
+  if (cu->DeviceGetCount(&n) != CUDA_SUCCESS)
+    return TD_ENODEV;
+  for (int i = 0; i < n; i++) {
+    CUdevice d;
+    CUuuid u;
+    if (cu->DeviceGet(&d, i) != CUDA_SUCCESS ||
+        cu->DeviceGetUuid(&u, d) != CUDA_SUCCESS)
+      continue;
+    if (memcmp(u.bytes, uuid, 16) == 0) {
+      *out = d;
+      return 0;
+    }
+  }
+  return TD_ENODEV;
+}
+
+char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len) {
+  const uint8_t *u = uuid;
+  snprintf(buf, len,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+           "%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
+           u[11], u[12], u[13], u[14], u[15]);
+  return buf;
+}

@@ -1,0 +1,97 @@
+/* driver.h: the CUDA driver, loaded at run time. tensord and libtensord
+ * never link libcuda: td__cu_load dlopen()s it (or the tests' double, see
+ * tests/cuda/README.md) and resolves the entry points below, so one binary
+ * starts on hosts with no GPU and no driver. Uses only include/ and
+ * common/; daemon/ and client/ may use it. */
+#ifndef TD_CUDA_DRIVER_H
+#define TD_CUDA_DRIVER_H
+
+#include "tensord.h" /* the TD_E* codes */
+
+#include <cuda.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The driver entry points tensord uses. Each is resolved by the versioned
+ * name cuda.h maps its unversioned one to (cuMemGetInfo -> cuMemGetInfo_v2),
+ * so the prototypes here are the ones the symbols really have. */
+typedef struct td__cu {
+  CUresult (*Init)(unsigned);
+  CUresult (*GetErrorName)(CUresult, const char **);
+  CUresult (*GetErrorString)(CUresult, const char **);
+  CUresult (*DeviceGetCount)(int *);
+  CUresult (*DeviceGet)(CUdevice *, int);
+  CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
+  CUresult (*DeviceGetName)(char *, int, CUdevice);
+  CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+  CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*CtxPushCurrent)(CUcontext);
+  CUresult (*CtxPopCurrent)(CUcontext *);
+  CUresult (*CtxSynchronize)(void);
+  CUresult (*MemGetInfo)(size_t *, size_t *);
+  CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
+                                          CUmemAllocationGranularity_flags);
+  CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t,
+                        const CUmemAllocationProp *, unsigned long long);
+  CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+  CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle,
+                                         CUmemAllocationHandleType,
+                                         unsigned long long);
+  CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *,
+                                           void *, CUmemAllocationHandleType);
+  CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+                                unsigned long long);
+  CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+  CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                     unsigned long long);
+  CUresult (*MemUnmap)(CUdeviceptr, size_t);
+  CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *,
+                           size_t);
+  CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
+  CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+  CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
+} td__cu;
+
+/* The environment variable naming the library to load instead of
+ * libcuda.so.1: set only by the tests, to the driver's test double. */
+#define TD__CU_DRIVER_ENV "TENSORD_CUDA_DRIVER"
+#define TD__CU_DRIVER_LIB "libcuda.so.1"
+
+/* Loads the driver once per process (thread-safe; later calls return the
+ * first call's outcome): dlopen($TENSORD_CUDA_DRIVER if set, else
+ * libcuda.so.1), dlsym every entry, cuInit(0). Returns the table, valid for
+ * the life of the process (the library is never unloaded), or NULL with msg
+ * (if not NULL) saying why: "no CUDA driver (libcuda.so.1: <dlerror>)",
+ * "cuInit: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)", ...
+ * A child of fork() inherits the table; what the driver allows in the child
+ * is the driver's rule (the real one: nothing that touches a context made
+ * before the fork). */
+const td__cu *td__cu_load(char *msg, size_t len);
+
+/* Returns the TD_E* code for a CUresult: 0 for CUDA_SUCCESS,
+ * OUT_OF_MEMORY -> TD_ENOMEM, INVALID_DEVICE and NO_DEVICE -> TD_ENODEV,
+ * NOT_SUPPORTED -> TD_ENOSYS, INVALID_VALUE -> TD_EINVAL, else TD_EIO. */
+int td__cu_code(CUresult r);
+
+/* Writes "CUDA_ERROR_OUT_OF_MEMORY (out of memory)" into buf (len > 0) and
+ * returns buf. cu may be NULL, and the driver may not know r: the number
+ * then stands in for the name ("CUresult 12345"). */
+const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
+                            size_t len);
+
+/* Finds, among the devices this process sees (CUDA_VISIBLE_DEVICES applies),
+ * the one whose UUID is uuid, and stores its ordinal in *out. Returns 0, or
+ * TD_ENODEV if none has it (or the driver fails to say); *out is unchanged
+ * on failure. */
+int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
+                          CUdevice *out);
+
+/* Writes uuid in nvidia-smi's form, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
+ * xxxxxxxxxxxx" (TD__CU_UUID_STRLEN bytes with the NUL; shorter buffers get
+ * a truncated string), and returns buf. */
+#define TD__CU_UUID_STRLEN 41
+char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len);
+
+#endif /* TD_CUDA_DRIVER_H */

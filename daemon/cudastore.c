@@ -1,0 +1,466 @@
+/* cudastore.c: the CUDA storage backend: one VMM allocation per storage
+ * (cuMemCreate), exported once as a POSIX fd that every open dups. The
+ * driver is loaded, and each device's primary context retained, at the
+ * first create on it; every call here that reaches the driver runs on the
+ * thread pool (segment.c never runs a CUDA create or unlink on the loop).
+ *
+ * Read-only is advisory on this path: an importer picks its own access
+ * flags (cuMemSetAccess), so a hostile client given a read-only reference
+ * could still map the allocation read-write. docs/design.md, "CUDA". */
+#include "backend.h"
+#include "cudastore.h"
+
+#include "common.h"
+#include "htab.h"
+#include "log.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if TD_HAVE_CUDA
+#include "driver.h"
+#endif
+
+#define MAX_CAPS 64
+#define MAX_DEVS 64
+
+/* What --cuda-devices and --cuda-capacity say, parsed: "K" or "GPU-...". */
+typedef struct sel {
+  char dev[48];
+  uint64_t bytes;
+} sel;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int all_devices = 1;
+static sel allowed[MAX_DEVS];
+static size_t nallowed;
+static sel caps[MAX_CAPS];
+static size_t ncaps;
+
+/* Returns 1 if s names a device: an ordinal or a "GPU-" UUID. */
+static int dev_syntax(const char *s) {
+  if (strncmp(s, "GPU-", 4) == 0)
+    return strlen(s) == 40;
+  if (*s == '\0' || strlen(s) > 5)
+    return 0;
+  for (const char *p = s; *p; p++)
+    if (*p < '0' || *p > '9')
+      return 0;
+  return 1;
+}
+
+int td__cuda_configure(const char *devices, const char *const *capacities,
+                       size_t ncapacities, char *msg, size_t len) {
+  nallowed = ncaps = 0;
+  all_devices = devices == NULL;
+  if (devices != NULL) {
+    const char *p = devices;
+    while (*p != '\0') {
+      size_t n = strcspn(p, ",");
+      if (n == 0 || n >= sizeof(allowed[0].dev) || nallowed == MAX_DEVS)
+        return td__msg(msg, len, TD_EINVAL,
+                       "--cuda-devices '%s': not a comma list of ordinals "
+                       "or UUIDs (GPU-...)",
+                       devices);
+      memcpy(allowed[nallowed].dev, p, n);
+      allowed[nallowed].dev[n] = '\0';
+      if (!dev_syntax(allowed[nallowed].dev))
+        return td__msg(msg, len, TD_EINVAL,
+                       "--cuda-devices '%s': '%s' is neither an ordinal nor "
+                       "a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)",
+                       devices, allowed[nallowed].dev);
+      nallowed++;
+      p += n;
+      if (*p == ',')
+        p++;
+    }
+  }
+  for (size_t i = 0; i < ncapacities; i++) {
+    const char *c = capacities[i];
+    const char *eq = strchr(c, '=');
+    size_t n = eq ? (size_t)(eq - c) : 0;
+    if (ncaps == MAX_CAPS || n == 0 || n >= sizeof(caps[0].dev))
+      return td__msg(msg, len, TD_EINVAL,
+                     "--cuda-capacity '%s': use K=SIZE, K a device's ordinal "
+                     "or UUID (e.g. 0=8G)",
+                     c);
+    memcpy(caps[ncaps].dev, c, n);
+    caps[ncaps].dev[n] = '\0';
+    if (!dev_syntax(caps[ncaps].dev) ||
+        td__parse_size(eq + 1, &caps[ncaps].bytes) < 0 ||
+        caps[ncaps].bytes == 0)
+      return td__msg(msg, len, TD_EINVAL,
+                     "--cuda-capacity '%s': use K=SIZE, K a device's ordinal "
+                     "or UUID (e.g. 0=8G)",
+                     c);
+    ncaps++;
+  }
+  return 0;
+}
+
+#if TD_HAVE_CUDA
+
+/* One GPU the driver shows us. */
+typedef struct dev {
+  int index; /* the daemon's ordinal */
+  CUdevice cu;
+  uint8_t uuid[16];
+  int allowed;    /* --cuda-devices names it (or no list was given) */
+  CUcontext ctx;  /* retained at the first create; NULL until then */
+  size_t gran;    /* allocation granularity */
+  uint64_t total; /* device memory */
+  uint64_t capacity, cap_set;
+  uint64_t used, storages;
+} dev;
+
+/* One allocation, by segment name. */
+typedef struct alloc {
+  td__hnode node;
+  dev *d;
+  CUmemGenericAllocationHandle h;
+  int fd; /* the exported POSIX fd, kept for opens to dup */
+  uint64_t size;
+  char name[TD__SEGMENT_NAME_MAX];
+} alloc;
+
+static const td__cu *cu;
+static int load_tried;
+static char load_msg[256];
+static dev devs[MAX_DEVS];
+static size_t ndevs;
+static td__htab allocs;
+
+static int name_eq(const td__hnode *n, const void *key) {
+  return strcmp(td__container_of(n, alloc, node)->name, key) == 0;
+}
+
+static alloc *alloc_find(const char *name) {
+  td__hnode *n =
+      td__htab_find(&allocs, td__hash_bytes(name, strlen(name)), name_eq, name);
+  return n ? td__container_of(n, alloc, node) : NULL;
+}
+
+/* Returns 1 if s (an ordinal or a UUID string) names d. */
+static int names(const char *s, const dev *d) {
+  char u[48];
+  if (strncmp(s, "GPU-", 4) == 0)
+    return strcmp(s, td__cu_uuid_str(d->uuid, u, sizeof(u))) == 0;
+  return atoi(s) == d->index;
+}
+
+/* Loads the driver and lists its devices, once. Called with mu held.
+ * Returns 0, or TD_ENODEV with msg saying why. */
+static int load(char *msg, size_t len) {
+  if (!load_tried) {
+    load_tried = 1;
+    td__htab_init(&allocs);
+    cu = td__cu_load(load_msg, sizeof(load_msg));
+    int n = 0;
+    CUresult r;
+    if (cu != NULL && (r = cu->DeviceGetCount(&n)) != CUDA_SUCCESS) {
+      char e[128];
+      snprintf(load_msg, sizeof(load_msg), "cuDeviceGetCount: %s",
+               td__cu_strerror(cu, r, e, sizeof(e)));
+      cu = NULL;
+    }
+    for (int i = 0; cu != NULL && i < n && ndevs < MAX_DEVS; i++) {
+      dev *d = &devs[ndevs];
+      CUuuid uu;
+      if (cu->DeviceGet(&d->cu, i) != CUDA_SUCCESS ||
+          cu->DeviceGetUuid(&uu, d->cu) != CUDA_SUCCESS) {
+        td__warn("cuda: device %d: cannot read its UUID; not used", i);
+        continue;
+      }
+      d->index = i;
+      memcpy(d->uuid, uu.bytes, 16);
+      d->allowed = all_devices;
+      for (size_t k = 0; k < nallowed; k++)
+        d->allowed |= names(allowed[k].dev, d);
+      for (size_t k = 0; k < ncaps; k++)
+        if (names(caps[k].dev, d)) {
+          d->capacity = caps[k].bytes;
+          d->cap_set = 1;
+        }
+      char u[48];
+      td__info("cuda: device %d %s%s", i,
+               td__cu_uuid_str(d->uuid, u, sizeof(u)),
+               d->allowed ? "" : " (not in --cuda-devices: not used)");
+      ndevs++;
+    }
+    if (cu == NULL)
+      td__warn("cuda: %s; CUDA creates fail", load_msg);
+  }
+  if (cu == NULL)
+    return td__msg(msg, len, TD_ENODEV, "%s", load_msg);
+  return 0;
+}
+
+/* Retains d's primary context and reads what it needs of it, once. Called
+ * with mu held. Returns 0 or a negative code with msg filled. */
+static int dev_open(dev *d, char *msg, size_t len) {
+  if (d->ctx != NULL)
+    return 0;
+  char e[128];
+  CUcontext ctx = NULL;
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = d->cu;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t free_b = 0, total = 0, gran = 0;
+  const char *what = "cuCtxPushCurrent";
+  r = cu->CtxPushCurrent(ctx);
+  if (r == CUDA_SUCCESS) {
+    what = "cuMemGetInfo";
+    r = cu->MemGetInfo(&free_b, &total);
+    if (r == CUDA_SUCCESS) {
+      what = "cuMemGetAllocationGranularity";
+      r = cu->MemGetAllocationGranularity(&gran, &prop,
+                                          CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    }
+    CUcontext popped;
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r == CUDA_SUCCESS && gran == 0)
+    r = CUDA_ERROR_NOT_SUPPORTED;
+  if (r != CUDA_SUCCESS) {
+    cu->DevicePrimaryCtxRelease(d->cu);
+    return td__msg(msg, len, td__cu_code(r), "cuda:%d: %s: %s", d->index, what,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  }
+  d->ctx = ctx;
+  d->gran = gran;
+  d->total = total;
+  if (!d->cap_set)
+    d->capacity = total;
+  char a[32], b[32];
+  td__info("cuda:%d: context made; %s of memory, %s free, granularity %zu "
+           "bytes, capacity %s",
+           d->index, td__human_bytes(total, a, sizeof(a)),
+           td__human_bytes(free_b, b, sizeof(b)), gran,
+           td__human_bytes(d->capacity, e, sizeof(e)));
+  return 0;
+}
+
+static int cuda_create_on(const char *name, const uint8_t uuid[16],
+                          uint64_t nbytes, uint64_t *alloc_size, char *msg,
+                          size_t len) {
+  char u[48], e[128], a[32], b[32], c[32];
+  int err;
+  pthread_mutex_lock(&mu);
+  if ((err = load(msg, len)) < 0)
+    goto out;
+  dev *d = NULL;
+  for (size_t i = 0; i < ndevs && d == NULL; i++)
+    if (memcmp(devs[i].uuid, uuid, 16) == 0)
+      d = &devs[i];
+  if (d == NULL || !d->allowed) {
+    err = td__msg(msg, len, TD_ENODEV, "%s: %s",
+                  td__cu_uuid_str(uuid, u, sizeof(u)),
+                  d == NULL ? "no GPU of this tensord has that UUID"
+                            : "that GPU is not in --cuda-devices");
+    goto out;
+  }
+  if ((err = dev_open(d, msg, len)) < 0)
+    goto out;
+  if (nbytes > UINT64_MAX - d->gran) {
+    err = td__msg(msg, len, TD_EINVAL, "%llu bytes: too large",
+                  (unsigned long long)nbytes);
+    goto out;
+  }
+  uint64_t size = (nbytes + d->gran - 1) / d->gran * d->gran;
+  if (size > d->capacity || d->used > d->capacity - size) {
+    uint64_t avail = d->used < d->capacity ? d->capacity - d->used : 0;
+    err = td__msg(msg, len, TD_ENOMEM,
+                  "%s (%llu bytes, %llu allocated) on cuda:%d (%s) exceeds "
+                  "its capacity: %s free of %s (--cuda-capacity)",
+                  td__human_bytes(nbytes, a, sizeof(a)),
+                  (unsigned long long)nbytes, (unsigned long long)size,
+                  d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)),
+                  td__human_bytes(avail, b, sizeof(b)),
+                  td__human_bytes(d->capacity, c, sizeof(c)));
+    goto out;
+  }
+  alloc *m = calloc(1, sizeof(*m));
+  if (m == NULL) {
+    err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+    goto out;
+  }
+  m->fd = -1;
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = d->cu;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  const char *what = "cuCtxPushCurrent";
+  int made = 0;
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r == CUDA_SUCCESS) {
+    what = "cuMemCreate";
+    r = cu->MemCreate(&m->h, size, &prop, 0);
+    made = r == CUDA_SUCCESS;
+    if (made) {
+      what = "cuMemExportToShareableHandle";
+      r = cu->MemExportToShareableHandle(
+          &m->fd, m->h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    }
+    if (r != CUDA_SUCCESS && made)
+      cu->MemRelease(m->h);
+    CUcontext popped;
+    cu->CtxPopCurrent(&popped);
+  }
+  int fd = -1;
+  if (r == CUDA_SUCCESS && (fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+    err = td__msg(msg, len, -errno, "dup of the exported fd: %s",
+                  strerror(errno));
+    goto unmake;
+  }
+  if (r != CUDA_SUCCESS) {
+    err = td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on cuda:%d: %s",
+                  what, (unsigned long long)size, d->index,
+                  td__cu_strerror(cu, r, e, sizeof(e)));
+    free(m);
+    goto out;
+  }
+  fcntl(m->fd, F_SETFD, FD_CLOEXEC);
+  snprintf(m->name, sizeof(m->name), "%s", name);
+  m->d = d;
+  m->size = size;
+  if (td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name))) <
+      0) {
+    close(fd);
+    err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+    goto unmake;
+  }
+  d->used += size;
+  d->storages++;
+  *alloc_size = size;
+  err = fd;
+  goto out;
+unmake:
+  close(m->fd);
+  if (cu->CtxPushCurrent(d->ctx) == CUDA_SUCCESS) {
+    CUcontext popped;
+    cu->MemRelease(m->h);
+    cu->CtxPopCurrent(&popped);
+  }
+  free(m);
+out:
+  pthread_mutex_unlock(&mu);
+  return err;
+}
+
+static int cuda_open(const char *name, int readonly) {
+  pthread_mutex_lock(&mu);
+  alloc *m = load_tried ? alloc_find(name) : NULL;
+  int fd = m ? fcntl(m->fd, F_DUPFD_CLOEXEC, 0) : TD_ENOENT;
+  if (m != NULL && fd < 0)
+    fd = -errno;
+  pthread_mutex_unlock(&mu);
+  return fd;
+}
+
+static void cuda_unlink(const char *name) {
+  pthread_mutex_lock(&mu);
+  alloc *m = load_tried ? alloc_find(name) : NULL;
+  if (m != NULL) {
+    td__htab_remove(&allocs, &m->node);
+    close(m->fd);
+    /* The memory goes when no process maps it any more. */
+    CUresult r = cu->CtxPushCurrent(m->d->ctx);
+    if (r == CUDA_SUCCESS) {
+      CUcontext popped;
+      r = cu->MemRelease(m->h);
+      cu->CtxPopCurrent(&popped);
+    }
+    if (r != CUDA_SUCCESS) {
+      char e[128];
+      td__error("cuda:%d: cuMemRelease of %s: %s", m->d->index, name,
+                td__cu_strerror(cu, r, e, sizeof(e)));
+    }
+    m->d->used -= m->size;
+    m->d->storages--;
+    free(m);
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
+  size_t n = 0;
+  pthread_mutex_lock(&mu);
+  for (size_t i = 0; i < ndevs; i++) {
+    if (!devs[i].allowed)
+      continue;
+    if (n < max) {
+      out[n].index = devs[i].index;
+      memcpy(out[n].uuid, devs[i].uuid, 16);
+      out[n].bytes_used = devs[i].used;
+      out[n].capacity = devs[i].capacity;
+      out[n].storages = devs[i].storages;
+    }
+    n++;
+  }
+  pthread_mutex_unlock(&mu);
+  return n;
+}
+
+#else /* !TD_HAVE_CUDA */
+
+static int cuda_create_on(const char *name, const uint8_t uuid[16],
+                          uint64_t nbytes, uint64_t *alloc_size, char *msg,
+                          size_t len) {
+  return td__msg(msg, len, TD_ENODEV, "this tensord was built without CUDA");
+}
+
+static int cuda_open(const char *name, int readonly) {
+  return TD_ENODEV;
+}
+
+static void cuda_unlink(const char *name) {}
+
+size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
+  return 0;
+}
+
+#endif /* TD_HAVE_CUDA */
+
+static int cuda_create(const char *name, uint64_t nbytes, char *msg,
+                       size_t len) {
+  return td__msg(msg, len, TD_EINVAL, "a CUDA storage needs its GPU's UUID");
+}
+
+/* Device memory dies with the daemon: nothing outlives it to unlink. */
+static int cuda_unlink_prefix(const char *prefix, td__keep_fn keep, void *arg) {
+  return 0;
+}
+
+static int cuda_space(uint64_t *free_bytes, uint64_t *total_bytes) {
+  return TD_ENOSYS;
+}
+
+static int cuda_describe(const char *name, td__segment_desc *out) {
+  return TD_ENOENT;
+}
+
+const td__backend td__cuda_backend = {
+    .name = "cuda",
+    .device = TD_CUDA,
+    .create = cuda_create,
+    .create_on = cuda_create_on,
+    .open = cuda_open,
+    .unlink = cuda_unlink,
+    .rename = NULL, /* no recycling: an allocation is freed, not pooled */
+    .reuse = NULL,
+    .unlink_prefix = cuda_unlink_prefix,
+    .space = cuda_space,
+    .describe = cuda_describe,
+};

@@ -1,0 +1,32 @@
+/* cudastore.h: the CUDA storage backend's settings and per-device figures. The
+ * backend itself is td__cuda_backend (backend.h). */
+#ifndef TD_DAEMON_CUDASTORE_H
+#define TD_DAEMON_CUDASTORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Sets which GPUs tensord may touch (--cuda-devices: a comma list of
+ * ordinals or UUIDs, "GPU-..." as nvidia-smi prints them; NULL: all) and
+ * their capacities (--cuda-capacity, "K=SIZE" entries given so far, K an
+ * ordinal or a UUID). Checks the syntax only: nothing touches the driver
+ * until the first CUDA create. Returns 0, or TD_EINVAL with msg saying
+ * what is wrong. Call before serving. */
+int td__cuda_configure(const char *devices, const char *const *capacities,
+                       size_t ncapacities, char *msg, size_t len);
+
+/* One GPU as the daemon sees it. */
+typedef struct td__cuda_stat {
+  int index; /* the daemon's ordinal */
+  uint8_t uuid[16];
+  uint64_t bytes_used; /* allocated, granularity-rounded */
+  uint64_t capacity;   /* 0: not known yet (no storage made on it yet) */
+  uint64_t storages;
+} td__cuda_stat;
+
+/* Copies up to max GPUs tensord may use into out. Returns how many there are
+ * (0 before the driver is loaded, or without one). Makes no driver call: it
+ * runs on the loop. */
+size_t td__cuda_stats(td__cuda_stat *out, size_t max);
+
+#endif /* TD_DAEMON_CUDASTORE_H */

@@ -1,0 +1,113 @@
+"""CUDA storages from Python, over the TEST DOUBLE of the CUDA driver
+(tests/cuda/): ctest names it in $TDCUDA_DOUBLE, and this module points
+TENSORD_CUDA_DRIVER at it for its daemon and for this process. The double's
+device memory is host memory: these tests prove the binding's bookkeeping
+and error paths, not that anything runs on a GPU. Debian's torch is CPU-only,
+so only torch()'s refusal is tested."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Iterator
+
+import pytest
+
+import tensord
+
+from conftest import Daemon, wait_storages
+
+DOUBLE = os.environ.get("TDCUDA_DOUBLE")
+pytestmark = pytest.mark.skipif(
+    not DOUBLE, reason="no CUDA driver double (TENSORD_CUDA off, or not ctest)"
+)
+
+kDLCUDA = 2
+
+
+@pytest.fixture(scope="module")
+def tensord_daemon() -> Iterator[Daemon]:
+    """A tensord for this module, and this process, on the double."""
+    old = os.environ.get("TENSORD_CUDA_DRIVER")
+    os.environ["TENSORD_CUDA_DRIVER"] = DOUBLE or ""
+    d = Daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+        if old is None:
+            del os.environ["TENSORD_CUDA_DRIVER"]
+        else:
+            os.environ["TENSORD_CUDA_DRIVER"] = old
+
+
+def test_empty_on_a_gpu(client: tensord.Client) -> None:
+    t = client.empty((4, 5), "float32", device="cuda:1")
+    assert t.device == "cuda:1"
+    assert t.__dlpack_device__() == (kDLCUDA, 1)
+    assert t.shape == (4, 5) and t.nbytes == 80
+    (s,) = client.ls()
+    assert s["device"] == "cuda" and s["device_uuid"].startswith("GPU-")
+    (g,) = [d for d in client.stat()["devices"] if d["uuid"] == s["device_uuid"]]
+    assert g["device"] == "cuda:1" and g["storages"] == 1
+    assert g["bytes_used"] == 2 << 20  # one granule of the double
+    t.release()
+    assert client.empty(3).device == "cpu"
+
+
+def test_cuda_alone_is_device_zero(client: tensord.Client) -> None:
+    assert client.empty(8, "uint8", device="cuda").device == "cuda:0"
+
+
+def test_bad_device_names(client: tensord.Client) -> None:
+    for bad in ("gpu", "cuda:", "cuda:x", "cuda:-1", "cpu:0"):
+        with pytest.raises(ValueError, match="device"):
+            client.empty(3, device=bad)
+
+
+def test_no_such_gpu(client: tensord.Client) -> None:
+    with pytest.raises(tensord.Error, match="cuda:7"):
+        client.empty(3, device="cuda:7")
+
+
+def test_cpu_only_paths_refuse_device_memory(client: tensord.Client) -> None:
+    t = client.empty((2, 3), "int32", device="cuda:0")
+    with pytest.raises(TypeError, match="cuda:0"):
+        t.numpy()
+    with pytest.raises(TypeError, match="cuda:0"):
+        t.__array_interface__
+    with pytest.raises(BufferError, match="cuda:0"):
+        memoryview(t)
+    with pytest.raises(ValueError, match="stream"):
+        t.__dlpack__(stream="default")
+    t.__dlpack__(stream=None)  # a capsule, dropped unused
+    t.__dlpack__(stream=1)
+
+
+def test_torch_of_a_gpu_tensor_fails_cleanly_on_cpu_torch(
+    client: tensord.Client, daemon: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the double's memory is not a GPU's")
+    t = client.empty(16, "float32", device="cuda:0")
+    with pytest.raises(Exception):
+        t.torch()
+    t.release()
+    gc.collect()
+    # The capsule torch refused let go of its reference too.
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_lookup_from_another_client_maps_the_same_memory(
+    client: tensord.Client, daemon: str
+) -> None:
+    t = client.empty(64, "uint8", device="cuda:1")
+    client.publish("g", t)
+    with tensord.connect(daemon) as other:
+        u = other.lookup("g", timeout=0)
+        assert u.device == "cuda:1" and u.storage_id == t.storage_id
+        # Device pointers are addresses here only because of the double.
+        assert u.data_ptr == t.data_ptr
+        u.release()
+    client.unpublish("g")

@@ -1,0 +1,46 @@
+#!/bin/sh
+# exports.sh LIB: the driver's test double exports exactly the driver entry
+# points cuda/driver.c resolves, under the versioned names cuda.h maps them
+# to (cuMemGetInfo_v2, ...), and nothing else. Exits 1 naming the
+# difference.
+[ $# -eq 1 ] || { echo "usage: exports.sh LIB" >&2; exit 2; }
+want=$(cat <<'LIST' | sort
+cuCtxPopCurrent_v2
+cuCtxPushCurrent_v2
+cuCtxSynchronize
+cuDeviceGet
+cuDeviceGetAttribute
+cuDeviceGetCount
+cuDeviceGetName
+cuDeviceGetUuid_v2
+cuDevicePrimaryCtxRelease_v2
+cuDevicePrimaryCtxRetain
+cuGetErrorName
+cuGetErrorString
+cuInit
+cuMemAddressFree
+cuMemAddressReserve
+cuMemCreate
+cuMemExportToShareableHandle
+cuMemGetAllocationGranularity
+cuMemGetInfo_v2
+cuMemImportFromShareableHandle
+cuMemMap
+cuMemRelease
+cuMemSetAccess
+cuMemUnmap
+cuMemcpyDtoH_v2
+cuMemcpyHtoD_v2
+cuMemsetD8_v2
+LIST
+)
+got=$(nm -D --defined-only "$1" | awk '$2 == "T" || $2 == "W" { print $3 }' |
+      grep -v '^_' | sort)
+if [ "$got" != "$want" ]; then
+  echo "exports.sh: $1 exports other symbols than the driver's entry points:" >&2
+  printf '%s\n' "$want" > /tmp/exports-want.$$
+  printf '%s\n' "$got" | diff /tmp/exports-want.$$ - >&2
+  rm -f /tmp/exports-want.$$
+  exit 1
+fi
+echo "exports.sh: $(printf '%s\n' "$got" | wc -l) entry points, nothing else"

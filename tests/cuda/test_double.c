@@ -1,0 +1,553 @@
+/* test_double.c: the driver's test double keeps the driver's semantics where
+ * tensord depends on them: an exported allocation is an fd another process
+ * imports and maps (writes seen both ways), read-only access faults,
+ * granularity and capacity are enforced, memory goes with its last handle or
+ * mapping, calls without a context fail as the driver's do. The double is
+ * not the driver (README.md): these tests are what makes it a fair stand-in
+ * for the protocol and bookkeeping tests that use it. */
+#include "driver.h"
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MiB ((size_t)1 << 20)
+
+#define CU_OK(call)                                                            \
+  do {                                                                         \
+    CUresult r_ = (call);                                                      \
+    cr_assert_eq(r_, CUDA_SUCCESS, "%s: %d", #call, (int)r_);                  \
+  } while (0)
+
+/* In a forked child, where Criterion's asserts do not report: exits with
+ * line's number, after saying what failed. */
+#define CHILD_OK(call)                                                         \
+  do {                                                                         \
+    CUresult r_ = (call);                                                      \
+    if (r_ != CUDA_SUCCESS) {                                                  \
+      fprintf(stderr, "child: %s: %d\n", #call, (int)r_);                      \
+      _exit(__LINE__ % 250 + 2);                                               \
+    }                                                                          \
+  } while (0)
+#define CHILD_CHECK(cond)                                                      \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "child: %s is false\n", #cond);                          \
+      _exit(__LINE__ % 250 + 2);                                               \
+    }                                                                          \
+  } while (0)
+
+static const td__cu *load(void) {
+  setenv(TD__CU_DRIVER_ENV, TDCUDA_DOUBLE, 1);
+  char msg[512] = "";
+  const td__cu *cu = td__cu_load(msg, sizeof msg);
+  if (cu == NULL) {
+    fprintf(stderr, "td__cu_load: %s\n", msg);
+    abort();
+  }
+  return cu;
+}
+
+/* Makes device dev's primary context current on this thread. */
+static CUcontext enter(const td__cu *cu, int dev) {
+  CUcontext ctx = NULL;
+  if (cu->DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
+      cu->CtxPushCurrent(ctx) != CUDA_SUCCESS)
+    abort();
+  return ctx;
+}
+
+static CUmemAllocationProp prop_for(int dev, int exportable) {
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = dev;
+  p.requestedHandleTypes = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                                      : CU_MEM_HANDLE_TYPE_NONE;
+  return p;
+}
+
+/* Reserves size bytes, maps h there and sets access flags for device dev:
+ * what libtensord does to open a storage. Returns the address or 0. */
+static CUdeviceptr map_handle(const td__cu *cu, CUmemGenericAllocationHandle h,
+                              size_t size, int dev, CUmemAccess_flags flags) {
+  CUdeviceptr p = 0;
+  CUmemAccessDesc a;
+  memset(&a, 0, sizeof a);
+  a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a.location.id = dev;
+  a.flags = flags;
+  if (cu->MemAddressReserve(&p, size, 0, 0, 0) != CUDA_SUCCESS)
+    return 0;
+  if (cu->MemMap(p, size, 0, h, 0) != CUDA_SUCCESS ||
+      cu->MemSetAccess(p, size, &a, 1) != CUDA_SUCCESS) {
+    cu->MemUnmap(p, size);
+    cu->MemAddressFree(p, size);
+    return 0;
+  }
+  return p;
+}
+
+static CUresult unmap(const td__cu *cu, CUdeviceptr p, size_t size) {
+  CUresult r = cu->MemUnmap(p, size);
+  return r != CUDA_SUCCESS ? r : cu->MemAddressFree(p, size);
+}
+
+static int count_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(d);
+  return n - 1; /* the directory's own fd */
+}
+
+/* ---- fds over a socket, as tensord sends a storage ---- */
+
+static int send_fd(int sock, int fd) {
+  char byte = 'f';
+  struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  memset(&u, 0, sizeof u);
+  struct msghdr m = {.msg_iov = &iov,
+                     .msg_iovlen = 1,
+                     .msg_control = u.buf,
+                     .msg_controllen = sizeof u.buf};
+  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -1;
+}
+
+static int recv_fd(int sock) {
+  char byte;
+  struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  struct msghdr m = {.msg_iov = &iov,
+                     .msg_iovlen = 1,
+                     .msg_control = u.buf,
+                     .msg_controllen = sizeof u.buf};
+  if (recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1 || (m.msg_flags & MSG_CTRUNC))
+    return -1;
+  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+  if (c == NULL || c->cmsg_type != SCM_RIGHTS)
+    return -1;
+  int fd;
+  memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  return fd;
+}
+
+static void send_byte(int sock, char b) {
+  if (write(sock, &b, 1) != 1)
+    _exit(90);
+}
+
+static char recv_byte(int sock) {
+  char b = 0;
+  if (read(sock, &b, 1) != 1)
+    return 0;
+  return b;
+}
+
+/* Forks a child that will load the driver itself, after the fork: two
+ * processes, two independent loads, as tensord and a client. */
+static pid_t fork_child(int sv[2], void (*fn)(int sock)) {
+  cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    close(sv[0]);
+    fn(sv[1]);
+    _exit(0);
+  }
+  close(sv[1]);
+  return pid;
+}
+
+static int wait_child(pid_t pid) {
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0)
+    ;
+  return st;
+}
+
+/* ---- granularity ---- */
+
+Test(double_semantics, granularity_reported_and_enforced) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  size_t g = 0;
+  CU_OK(cu->MemGetAllocationGranularity(&g, &p,
+                                        CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  cr_expect_eq(g, 2 * MiB);
+  CU_OK(cu->MemGetAllocationGranularity(&g, &p,
+                                        CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  cr_expect_eq(g, 2 * MiB);
+
+  CUmemGenericAllocationHandle h;
+  cr_expect_eq(cu->MemCreate(&h, 1 * MiB, &p, 0), CUDA_ERROR_INVALID_VALUE);
+  cr_expect_eq(cu->MemCreate(&h, 3 * MiB, &p, 0), CUDA_ERROR_INVALID_VALUE);
+  cr_expect_eq(cu->MemCreate(&h, 0, &p, 0), CUDA_ERROR_INVALID_VALUE);
+  CUdeviceptr v;
+  cr_expect_eq(cu->MemAddressReserve(&v, 1 * MiB, 0, 0, 0),
+               CUDA_ERROR_INVALID_VALUE);
+
+  CU_OK(cu->MemCreate(&h, 4 * MiB, &p, 0));
+  CU_OK(cu->MemAddressReserve(&v, 8 * MiB, 0, 0, 0));
+  cr_expect_eq(v % (2 * MiB), 0, "reservations are granularity-aligned");
+  cr_expect_eq(cu->MemMap(v, 1 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+  cr_expect_eq(cu->MemMap(v + 4096, 2 * MiB, 0, h, 0),
+               CUDA_ERROR_INVALID_VALUE);
+  cr_expect_eq(cu->MemMap(v, 6 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE,
+               "larger than the allocation");
+  cr_expect_eq(cu->MemMap(v + 8 * MiB, 2 * MiB, 0, h, 0),
+               CUDA_ERROR_INVALID_VALUE, "outside the reservation");
+  CU_OK(cu->MemMap(v, 4 * MiB, 0, h, 0));
+  cr_expect_eq(cu->MemMap(v + 2 * MiB, 2 * MiB, 0, h, 0),
+               CUDA_ERROR_ALREADY_MAPPED);
+  cr_expect_eq(cu->MemUnmap(v, 2 * MiB), CUDA_ERROR_INVALID_VALUE,
+               "half of a mapping");
+  cr_expect_eq(cu->MemAddressFree(v, 8 * MiB), CUDA_ERROR_INVALID_VALUE,
+               "still mapped");
+  CU_OK(cu->MemUnmap(v, 4 * MiB));
+  CU_OK(cu->MemAddressFree(v, 8 * MiB));
+  CU_OK(cu->MemRelease(h));
+  cr_expect_eq(cu->MemRelease(h), CUDA_ERROR_INVALID_VALUE, "released twice");
+}
+
+/* ---- capacity and release ---- */
+
+Test(double_semantics, capacity_is_out_of_memory_and_release_frees) {
+  setenv("TDCUDA_MEM", "8M", 1);
+  const td__cu *cu = load();
+  int fds = count_fds();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  size_t free_, total;
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(total, 8 * MiB);
+  cr_expect_eq(free_, 8 * MiB);
+
+  CUmemGenericAllocationHandle a, b, c;
+  CU_OK(cu->MemCreate(&a, 4 * MiB, &p, 0));
+  CU_OK(cu->MemCreate(&b, 4 * MiB, &p, 0));
+  cr_expect_eq(cu->MemCreate(&c, 2 * MiB, &p, 0), CUDA_ERROR_OUT_OF_MEMORY);
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, 0);
+
+  /* Each device has its own memory. */
+  CUmemAllocationProp p1 = prop_for(1, 1);
+  CU_OK(cu->MemCreate(&c, 8 * MiB, &p1, 0));
+  enter(cu, 1);
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, 0);
+  CU_OK(cu->MemRelease(c));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, 8 * MiB);
+  CUcontext popped;
+  CU_OK(cu->CtxPopCurrent(&popped));
+
+  CU_OK(cu->MemRelease(a));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, 4 * MiB);
+  CU_OK(cu->MemCreate(&c, 2 * MiB, &p, 0));
+  CU_OK(cu->MemRelease(b));
+  CU_OK(cu->MemRelease(c));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, 8 * MiB);
+  cr_expect_eq(count_fds(), fds, "every memfd closed");
+}
+
+Test(double_semantics,
+     memory_lives_while_mapped_and_the_fd_outlives_the_creator) {
+  const td__cu *cu = load();
+  int fds = count_fds();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  size_t free0, free_, total;
+  CU_OK(cu->MemGetInfo(&free0, &total));
+
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr v =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(v, 0);
+  CU_OK(cu->MemsetD8(v, 0xa5, 2 * MiB));
+  int fd = -1;
+  CU_OK(cu->MemExportToShareableHandle(
+      &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  cr_assert_geq(fd, 0);
+
+  /* Released but mapped: the memory stays, and stays counted. */
+  CU_OK(cu->MemRelease(h));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, free0 - 2 * MiB);
+  CU_OK(unmap(cu, v, 2 * MiB));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, free0, "the last mapping went: freed");
+
+  /* The exported fd still holds the bytes, as a consumer outliving the
+   * creator does. */
+  CUmemGenericAllocationHandle h2;
+  CU_OK(cu->MemImportFromShareableHandle(
+      &h2, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  close(fd);
+  v = map_handle(cu, h2, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READ);
+  cr_assert_neq(v, 0);
+  unsigned char buf[64];
+  CU_OK(cu->MemcpyDtoH(buf, v + 2 * MiB - sizeof buf, sizeof buf));
+  for (size_t i = 0; i < sizeof buf; i++)
+    cr_assert_eq(buf[i], 0xa5);
+  cr_expect_eq(cu->MemcpyHtoD(v, buf, 1), CUDA_ERROR_INVALID_VALUE,
+               "a read-only mapping refuses a copy into it");
+  cr_expect_eq(cu->MemsetD8(v, 0, 1), CUDA_ERROR_INVALID_VALUE);
+  CU_OK(unmap(cu, v, 2 * MiB));
+  CU_OK(cu->MemRelease(h2));
+  cr_expect_eq(count_fds(), fds, "every memfd closed");
+}
+
+/* ---- contexts ---- */
+
+Test(double_semantics, calls_without_a_context_are_invalid_context) {
+  const td__cu *cu = load();
+  CUmemAllocationProp p = prop_for(0, 1);
+  size_t free_, total;
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v;
+  CUcontext ctx;
+  cr_expect_eq(cu->MemGetInfo(&free_, &total), CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->MemCreate(&h, 2 * MiB, &p, 0), CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->MemAddressReserve(&v, 2 * MiB, 0, 0, 0),
+               CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->CtxSynchronize(), CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->CtxPopCurrent(&ctx), CUDA_ERROR_INVALID_CONTEXT);
+
+  /* Pushed, then popped: none again. */
+  ctx = enter(cu, 0);
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  CUcontext popped = NULL;
+  CU_OK(cu->CtxPopCurrent(&popped));
+  cr_expect_eq(popped, ctx);
+  cr_expect_eq(cu->MemGetInfo(&free_, &total), CUDA_ERROR_INVALID_CONTEXT);
+
+  /* Current but released: the primary context is gone. */
+  CU_OK(cu->CtxPushCurrent(ctx));
+  CU_OK(cu->DevicePrimaryCtxRelease(0));
+  cr_expect_eq(cu->MemGetInfo(&free_, &total), CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->DevicePrimaryCtxRelease(0), CUDA_ERROR_INVALID_CONTEXT,
+               "released more often than retained");
+  cr_expect_eq(cu->CtxPushCurrent(NULL), CUDA_ERROR_INVALID_CONTEXT);
+}
+
+/* ---- exports and imports ---- */
+
+Test(double_semantics, exports_only_what_was_requested_imports_only_its_own) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 0);
+  CUmemGenericAllocationHandle h, h2;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  int fd = -1;
+  cr_expect_eq(cu->MemExportToShareableHandle(
+                   &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+               CUDA_ERROR_INVALID_VALUE, "created without POSIX fd handles");
+  cr_expect_eq(fd, -1);
+  CU_OK(cu->MemRelease(h));
+
+  /* An fd that is no allocation of the driver's. */
+  int pipefd[2];
+  cr_assert_eq(pipe(pipefd), 0);
+  cr_expect_eq(cu->MemImportFromShareableHandle(
+                   &h2, (void *)(intptr_t)pipefd[0],
+                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+               CUDA_ERROR_INVALID_VALUE);
+  close(pipefd[0]);
+  close(pipefd[1]);
+  int other = memfd_create("not-the-driver", MFD_CLOEXEC);
+  cr_assert_geq(other, 0);
+  cr_assert_eq(ftruncate(other, 2 * MiB), 0);
+  cr_expect_eq(cu->MemImportFromShareableHandle(
+                   &h2, (void *)(intptr_t)other,
+                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+               CUDA_ERROR_INVALID_VALUE);
+  close(other);
+
+  /* Imported in the process that made it: the same allocation. */
+  p = prop_for(0, 1);
+  size_t free0, free_, total;
+  CU_OK(cu->MemGetInfo(&free0, &total));
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CU_OK(cu->MemExportToShareableHandle(
+      &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  CU_OK(cu->MemImportFromShareableHandle(
+      &h2, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  close(fd);
+  cr_expect_neq(h, h2);
+  CU_OK(cu->MemRelease(h));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, free0 - 2 * MiB, "the imported handle holds it");
+  CU_OK(cu->MemRelease(h2));
+  CU_OK(cu->MemGetInfo(&free_, &total));
+  cr_expect_eq(free_, free0);
+}
+
+/* ---- two processes ---- */
+
+#define SHARED (4 * MiB)
+
+/* The consumer: imports the fd it is sent, sees the producer's 0xa5, writes
+ * 0x5a over the second half, then checks the producer's 0x3c at offset 0. */
+static void consumer_rw(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fd = recv_fd(sock);
+  CHILD_CHECK(fd >= 0);
+  CUmemGenericAllocationHandle h;
+  CHILD_OK(cu->MemImportFromShareableHandle(
+      &h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  close(fd);
+  volatile unsigned char *b =
+      (void *)map_handle(cu, h, SHARED, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CHILD_CHECK(b != NULL);
+  CHILD_CHECK(b[0] == 0xa5 && b[SHARED - 1] == 0xa5);
+  memset((void *)(b + SHARED / 2), 0x5a, SHARED / 2);
+  send_byte(sock, 'w');
+  CHILD_CHECK(recv_byte(sock) == 'p');
+  CHILD_CHECK(b[0] == 0x3c && b[1] == 0xa5);
+  CHILD_OK(unmap(cu, (CUdeviceptr)b, SHARED));
+  CHILD_OK(cu->MemRelease(h));
+}
+
+/* Creates SHARED bytes of 0xa5 on device 0, mapped here, and sends the
+ * exported fd to sock. */
+static CUdeviceptr produce(const td__cu *cu, int sock,
+                           CUmemGenericAllocationHandle *h) {
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CU_OK(cu->MemCreate(h, SHARED, &p, 0));
+  CUdeviceptr v =
+      map_handle(cu, *h, SHARED, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(v, 0);
+  CU_OK(cu->MemsetD8(v, 0xa5, SHARED));
+  int fd = -1;
+  CU_OK(cu->MemExportToShareableHandle(
+      &fd, *h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  cr_assert_eq(send_fd(sock, fd), 0);
+  close(fd);
+  return v;
+}
+
+Test(double_semantics, two_processes_see_each_others_writes) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_rw);
+  const td__cu *cu = load();
+  int fds = count_fds();
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = produce(cu, sv[0], &h);
+  cr_assert_eq(recv_byte(sv[0]), 'w');
+  unsigned char buf[16];
+  CU_OK(cu->MemcpyDtoH(buf, v + SHARED - sizeof buf, sizeof buf));
+  for (size_t i = 0; i < sizeof buf; i++)
+    cr_expect_eq(buf[i], 0x5a, "the consumer's write, byte %zu", i);
+  CU_OK(cu->MemsetD8(v, 0x3c, 1));
+  send_byte(sv[0], 'p');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  CU_OK(unmap(cu, v, SHARED));
+  CU_OK(cu->MemRelease(h));
+  cr_expect_eq(count_fds(), fds, "every memfd closed");
+  close(sv[0]);
+}
+
+/* Maps the fd it is sent read-only: reads work, a copy into it is refused,
+ * and a store faults. */
+static void consumer_ro(int sock) {
+  const struct rlimit no_core = {0, 0};
+  setrlimit(RLIMIT_CORE, &no_core);
+  signal(SIGSEGV, SIG_DFL);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fd = recv_fd(sock);
+  CHILD_CHECK(fd >= 0);
+  CUmemGenericAllocationHandle h;
+  CHILD_OK(cu->MemImportFromShareableHandle(
+      &h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  close(fd);
+  volatile unsigned char *b =
+      (void *)map_handle(cu, h, SHARED, 0, CU_MEM_ACCESS_FLAGS_PROT_READ);
+  CHILD_CHECK(b != NULL);
+  CHILD_CHECK(b[0] == 0xa5 && b[SHARED - 1] == 0xa5);
+  unsigned char x = 1;
+  CHILD_CHECK(cu->MemcpyHtoD((CUdeviceptr)b, &x, 1) ==
+              CUDA_ERROR_INVALID_VALUE);
+  send_byte(sock, 'r');
+  b[SHARED / 2] = 0x77; /* must kill this process */
+  _exit(1);
+}
+
+Test(double_semantics, read_only_access_really_faults) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_ro);
+  const td__cu *cu = load();
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = produce(cu, sv[0], &h);
+  cr_expect_eq(recv_byte(sv[0]), 'r', "the consumer read the bytes");
+  int st = wait_child(pid);
+  cr_expect(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV,
+            "the consumer's store: status %#x, not SIGSEGV", st);
+  unsigned char got = 0;
+  CU_OK(cu->MemcpyDtoH(&got, v + SHARED / 2, 1));
+  cr_expect_eq(got, 0xa5, "nothing written");
+  CU_OK(unmap(cu, v, SHARED));
+  CU_OK(cu->MemRelease(h));
+  close(sv[0]);
+}
+
+/* Sees physical device 1 only: device 0's allocation is out of its reach. */
+static void consumer_hidden(int sock) {
+  setenv("CUDA_VISIBLE_DEVICES", "1", 1);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  int fd = recv_fd(sock);
+  CHILD_CHECK(fd >= 0);
+  CUmemGenericAllocationHandle h;
+  CHILD_CHECK(
+      cu->MemImportFromShareableHandle(
+          &h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
+      CUDA_ERROR_INVALID_DEVICE);
+  close(fd);
+  send_byte(sock, 'h');
+}
+
+Test(double_semantics, import_on_a_hidden_device_is_invalid_device) {
+  int sv[2];
+  pid_t pid = fork_child(sv, consumer_hidden);
+  const td__cu *cu = load();
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = produce(cu, sv[0], &h);
+  cr_expect_eq(recv_byte(sv[0]), 'h');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
+  CU_OK(unmap(cu, v, SHARED));
+  CU_OK(cu->MemRelease(h));
+  close(sv[0]);
+}

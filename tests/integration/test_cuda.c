@@ -1,0 +1,445 @@
+/* test_cuda.c: CUDA storages end to end, a real tensord and real forked
+ * processes, over the TEST DOUBLE of the driver (tests/cuda/), which ctest
+ * names in TENSORD_CUDA_DRIVER for this test only (label cuda-double). The
+ * double's device memory is host memory (a memfd per allocation, device
+ * pointers are addresses in the process), so these tests prove the
+ * protocol and the bookkeeping, not that tensord works on a GPU. */
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <dlpack/dlpack.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#define MiB ((size_t)1 << 20)
+#define GRAN (2 * MiB) /* the double's allocation granularity */
+
+static tdt_daemon d;
+
+static void setup(void) {
+  if (getenv("TENSORD_CUDA_DRIVER") == NULL)
+    cr_skip_test("TENSORD_CUDA_DRIVER is not set: run through ctest, which "
+                 "names the driver's test double");
+}
+
+TestSuite(cuda, .init = setup, .fini = tdt_cleanup, .timeout = 30);
+
+/* Creates nbytes on this process's cuda:index. */
+static int create_on(td_client *c, int64_t index, size_t nbytes,
+                     td_storage **s) {
+  td_create_opts o = {0};
+  o.nbytes = nbytes;
+  o.device = TD_CUDA;
+  o.device_index = index;
+  return td_storage_create_ex(c, &o, s);
+}
+
+/* The daemon's figures for its GPU with uuid. Asserts it lists it. */
+static td_device_stat gpu_stat(td_client *c, const uint8_t uuid[16]) {
+  td_device_stat ds[8];
+  size_t n = 0;
+  cr_assert_eq(td_stat_devices(c, ds, 8, &n), 0, "%s", td_last_error(c));
+  for (size_t i = 0; i < n && i < 8; i++)
+    if (memcmp(ds[i].uuid, uuid, 16) == 0)
+      return ds[i];
+  cr_assert_fail("the daemon lists no GPU with the storage's UUID (%zu GPUs)",
+                 n);
+  return ds[0];
+}
+
+/* ---- sharing ---- */
+
+typedef struct {
+  const char *sock;
+  const char *key;
+  unsigned flags;
+  int ready; /* write end, or -1 */
+} peer_arg;
+
+/* Looks the key up, checks the parent's pattern, writes its own. */
+static int peer_rw(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  td_view v;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, 0, 0, &s, &v), 0);
+  CHECK(td_storage_device(s) == TD_CUDA);
+  CHECK(td_storage_device_index(s) == 0);
+  unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < td_storage_nbytes(s); i += 4099)
+    CHECK(b[i] == (unsigned char)(i * 7 + 1));
+  b[0] = 0xa5;
+  b[td_storage_nbytes(s) - 1] = 0x5a;
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_device(s), TD_CUDA);
+  cr_assert_eq(td_storage_nbytes(s), n);
+  uint8_t uuid[16];
+  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
+  unsigned char *b = td_storage_data(s);
+  cr_assert_not_null(b);
+  /* Zeroed, as a CPU storage is, unless TD_UNINIT. */
+  for (size_t i = 0; i < n; i += 4099)
+    cr_assert_eq(b[i], 0, "byte %zu of a fresh storage is %u", i, b[i]);
+  for (size_t i = 0; i < n; i += 4099)
+    b[i] = (unsigned char)(i * 7 + 1);
+  cr_assert_eq(td_publish(c, "w", s, NULL), 0, "%s", td_last_error(c));
+  /* The allocation is the size rounded up to the granularity. */
+  td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 6 * MiB);
+  cr_assert_eq(g.storages, 1);
+
+  peer_arg a = {d.sock, "w", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_rw, &a)), 0);
+  cr_assert_eq(b[0], 0xa5, "the other process's write is not seen here");
+  cr_assert_eq(b[n - 1], 0x5a);
+
+  cr_assert_eq(td_unpublish(c, "w"), 0);
+  td_storage_release(s);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
+  cr_assert_eq(tdt_storages(&d), 0);
+  c = tdt_connect(&d);
+  g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 0, "%llu bytes still allocated",
+               (unsigned long long)g.bytes_used);
+  cr_assert_eq(g.storages, 0);
+  td_close(c);
+}
+
+static int peer_ro_write(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, a->flags, 0, &s, NULL), 0);
+  CHECK(td_storage_is_readonly(s));
+  volatile unsigned char *b = td_storage_data(s);
+  CHECK(b[10] == 42); /* reading works */
+  signal(SIGSEGV, SIG_DFL);
+  b[10] = 1; /* the double maps read-only access PROT_READ: this faults */
+  return 2;
+}
+
+TDT_TEST(cuda, readonly_lookup_maps_read_only) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  ((unsigned char *)td_storage_data(s))[10] = 42;
+  cr_assert_eq(td_publish(c, "ro", s, NULL), 0);
+  unsigned flags[] = {TD_RDONLY, TD_COW};
+  for (size_t i = 0; i < 2; i++) {
+    peer_arg a = {d.sock, "ro", flags[i], -1};
+    cr_assert_eq(tdt_wait(tdt_fork(peer_ro_write, &a)), 128 + SIGSEGV,
+                 "a write through a read-only mapping (flags 0x%x) did not "
+                 "fault",
+                 flags[i]);
+  }
+  cr_assert_eq(((unsigned char *)td_storage_data(s))[10], 42);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- references ---- */
+
+static int holder(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, 0, 5000, &s, NULL), 0);
+  CHECK(write(a->ready, "r", 1) == 1);
+  pause(); /* killed here, holding the only reference */
+  return 0;
+}
+
+TDT_TEST(cuda, sigkill_of_the_last_holder_frees_the_allocation) {
+  tdt_start(&d, NULL);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  peer_arg a = {d.sock, "held", 0, pfd[1]};
+  pid_t pid = tdt_fork(holder, &a);
+  close(pfd[1]);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  uint8_t uuid[16];
+  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
+  cr_assert_eq(td_publish(c, "held", s, NULL), 0);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the holder failed before pause()");
+  close(pfd[0]);
+  /* The creator lets go: the holder's reference keeps it. */
+  cr_assert_eq(td_unpublish(c, "held"), 0);
+  td_storage_release(s);
+  cr_assert_eq(tdt_storages(&d), 1);
+  cr_assert_eq(gpu_stat(c, uuid).bytes_used, 4 * MiB);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  for (int i = 0; i < 200 && gpu_stat(c, uuid).bytes_used != 0; i++)
+    usleep(10000);
+  td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.bytes_used, 0,
+               "the dead holder's allocation is still there (%llu bytes)",
+               (unsigned long long)g.bytes_used);
+  cr_assert_eq(g.storages, 0);
+  cr_assert_eq(tdt_storages(&d), 0);
+  td_close(c);
+}
+
+TDT_TEST(cuda, the_creator_may_go_first) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  ((unsigned char *)td_storage_data(s))[0] = 9;
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  td_storage_release(s);
+  td_close(c); /* the creator's connection goes; the key keeps the bytes */
+  c = tdt_connect(&d);
+  cr_assert_eq(td_lookup(c, "k", TD_RDONLY, 0, &t, NULL), 0, "%s",
+               td_last_error(c));
+  cr_assert_eq(((unsigned char *)td_storage_data(t))[0], 9);
+  td_storage_release(t);
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_close(c);
+}
+
+/* ---- limits and errors ---- */
+
+TDT_TEST(cuda, capacity_is_per_device) {
+  const char *args[] = {"--cuda-capacity", "0=8M", NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t, *u;
+  cr_assert_eq(create_on(c, 0, 5 * MiB, &s), 0, "%s", td_last_error(c));
+  /* 5 MiB took 6: 2 MiB left of 8. */
+  cr_assert_eq(create_on(c, 0, 3 * MiB, &t), TD_ENOMEM);
+  cr_assert_null(t);
+  const char *e = td_last_error(c);
+  cr_assert(strstr(e, "capacity") != NULL && strstr(e, "cuda:0") != NULL &&
+                strstr(e, "2.0 MiB") != NULL,
+            "the message names neither the capacity nor the device: %s", e);
+  /* The other device has its own. */
+  cr_assert_eq(create_on(c, 1, 3 * MiB, &u), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &t), 0, "%s", td_last_error(c));
+  uint8_t uuid[16];
+  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
+  td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.capacity, 8 * MiB);
+  cr_assert_eq(g.bytes_used, 8 * MiB);
+  td_storage_release(s);
+  td_storage_release(t);
+  td_storage_release(u);
+  td_close(c);
+}
+
+TDT_TEST(cuda, cuda_devices_limits_what_tensord_touches) {
+  const char *args[] = {"--cuda-devices", "1", NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "--cuda-devices") != NULL, "%s",
+            td_last_error(c));
+  cr_assert_eq(create_on(c, 1, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_device_stat ds[4];
+  size_t n;
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
+  cr_assert_eq(n, 1, "the daemon lists %zu GPUs, not only cuda:1", n);
+  cr_assert_eq(ds[0].index, 1);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(cuda, no_device_of_that_ordinal) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 2, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "cuda:2") != NULL, "%s", td_last_error(c));
+  td_create_opts o = {.nbytes = 4096, .device_index = 1};
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), TD_EINVAL,
+               "a CPU create with a device index");
+  td_close(c);
+}
+
+TDT_TEST(cuda, without_a_driver_the_client_says_why) {
+  tdt_start(&d, NULL);
+  setenv("TENSORD_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
+            td_last_error(c));
+  /* CPU storages are unaffected. */
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
+  const char *drv = getenv("TENSORD_CUDA_DRIVER");
+  char keep[4096];
+  snprintf(keep, sizeof(keep), "%s", drv);
+  setenv("TENSORD_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  tdt_start(&d, NULL);
+  setenv("TENSORD_CUDA_DRIVER", keep, 1); /* the client has the double */
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
+            td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- UUIDs, not ordinals ---- */
+
+static int make_on_1(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  unsetenv("CUDA_VISIBLE_DEVICES");
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, create_on(c, 1, 1 * MiB, &s), 0);
+  ((unsigned char *)td_storage_data(s))[7] = 77;
+  CHECK_ERR(c, td_publish(c, a->key, s, NULL), 0);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(cuda, a_client_that_cannot_see_the_gpu_is_told_its_uuid) {
+  tdt_start(&d, NULL);
+  peer_arg a = {d.sock, "on1", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(make_on_1, &a)), 0);
+  setenv("CUDA_VISIBLE_DEVICES", "0", 1); /* before this process loads it */
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "on1", 0, 0, &s, NULL), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "GPU-") != NULL &&
+                strstr(td_last_error(c), "cannot see") != NULL,
+            "%s", td_last_error(c));
+  cr_assert_eq(tdt_storages(&d), 1, "the refused lookup kept a reference");
+  cr_assert_eq(td_unpublish(c, "on1"), 0);
+  td_close(c);
+  unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
+TDT_TEST(cuda, a_gpu_is_mapped_by_uuid_whatever_its_ordinal_here) {
+  tdt_start(&d, NULL);
+  peer_arg a = {d.sock, "on1", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(make_on_1, &a)), 0);
+  setenv("CUDA_VISIBLE_DEVICES", "1", 1); /* the daemon's cuda:1 is our 0 */
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "on1", 0, 0, &s, NULL), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_device_index(s), 0);
+  cr_assert_eq(((unsigned char *)td_storage_data(s))[7], 77);
+  /* DLPack names this process's ordinal. */
+  DLManagedTensor *t;
+  cr_assert_eq(td_to_dlpack(s, NULL, &t), 0, "%s", td_view_last_error());
+  cr_assert_eq(t->dl_tensor.device.device_type, kDLCUDA);
+  cr_assert_eq(t->dl_tensor.device.device_id, 0);
+  cr_assert_eq(t->dl_tensor.data, td_storage_data(s));
+  cr_assert_eq(t->dl_tensor.shape[0], (int64_t)MiB);
+  t->deleter(t);
+  td_storage_release(s);
+  cr_assert_eq(td_unpublish(c, "on1"), 0);
+  td_close(c);
+  unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
+/* ---- tensorctl ---- */
+
+/* Runs tensorctl with args on d's socket into out. Returns its status. */
+static int ctl(const char *args, char *out, size_t len) {
+  char cmd[512];
+  snprintf(cmd, sizeof(cmd), "%s --socket %s %s", TENSORCTL_BIN, d.sock, args);
+  FILE *f = popen(cmd, "r");
+  cr_assert_not_null(f);
+  size_t n = fread(out, 1, len - 1, f);
+  out[n] = '\0';
+  return pclose(f);
+}
+
+TDT_TEST(cuda, tensorctl_shows_the_device) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  char out[8192];
+  cr_assert_eq(ctl("ls", out, sizeof(out)), 0);
+  cr_assert(strstr(out, " cuda:1 ") != NULL, "%s", out);
+  cr_assert(strstr(out, " cpu ") != NULL, "%s", out);
+  cr_assert_eq(ctl("stat", out, sizeof(out)), 0);
+  cr_assert(strstr(out, "cuda:1") != NULL && strstr(out, "4.0 MiB") != NULL,
+            "%s", out);
+  cr_assert_eq(ctl("--json ls", out, sizeof(out)), 0);
+  cr_assert(strstr(out, "\"device_uuid\":\"GPU-") != NULL, "%s", out);
+  cr_assert_eq(ctl("--json stat", out, sizeof(out)), 0);
+  cr_assert(strstr(out, "\"devices\":[{\"device\":\"cuda:") != NULL, "%s", out);
+  td_storage_release(s);
+  td_storage_release(h);
+  td_close(c);
+}
+
+/* ---- --state-dir ---- */
+
+TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
+  char dir[64];
+  tdt_mkdtemp(dir);
+  const char *args[] = {"--state-dir", dir, NULL};
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *g, *h, *o;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_storage_create(c, 4096, &o), 0);
+  cr_assert_eq(td_publish(c, "gpu", g, NULL), 0);
+  cr_assert_eq(td_publish(c, "cpu", h, NULL), 0);
+  /* A CPU storage's key, then a GPU storage's under the same name: the
+   * journal must not serve the CPU one again. */
+  cr_assert_eq(td_publish(c, "x", o, NULL), 0);
+  cr_assert_eq(td_publish(c, "x", g, NULL), 0);
+  td_storage_release(g);
+  td_storage_release(h);
+  td_storage_release(o);
+  td_close(c);
+  cr_assert_eq(kill(d.pid, SIGKILL), 0);
+  cr_assert_eq(tdt_wait(d.pid), 128 + SIGKILL);
+  d.pid = 0;
+  tdt_restart(&d, args);
+  c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "cpu", 0, 0, &s, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  cr_assert_eq(td_lookup(c, "gpu", 0, 0, &s, NULL), TD_ENOENT);
+  cr_assert_eq(td_lookup(c, "x", 0, 0, &s, NULL), TD_ENOENT,
+               "the key came back as the CPU storage it named before");
+  /* Not journaled at all: the restart found no record of them to drop. */
+  cr_assert(tdt_log_has(&d, "serving 1 key(s) on 1 storage(s) again; 0 "
+                            "dropped"),
+            "the journal recorded a GPU storage's key");
+  cr_assert_eq(td_unpublish(c, "cpu"), 0);
+  td_close(c);
+  tdt_stop(&d);
+  tdt_rmdir(dir);
+}

@@ -348,6 +348,20 @@ static int holder(void *arg) {
     pause();
 }
 
+/* The bytes the daemon says it has allocated on all its GPUs. */
+static uint64_t daemon_gpu_bytes(void) {
+  td_client *c = tdt_connect(&d);
+  td_device_stat g[16];
+  size_t n = 0;
+  cr_assert_eq(td_stat_devices(c, g, 16, &n), 0, "td_stat_devices: %s",
+               td_last_error(c));
+  uint64_t used = 0;
+  for (size_t i = 0; i < n && i < 16; i++)
+    used += g[i].bytes_used;
+  td_close(c);
+  return used;
+}
+
 /* Whether the device has at least want bytes free; polls for up to 10 s. */
 static int free_again(uint64_t want, uint64_t *last) {
   for (int i = 0; i < 50; i++) {
@@ -386,6 +400,7 @@ TDT_TEST(gpu, sigkill_of_a_holder_frees_the_memory) {
   tell(&ch, 1); /* the creator releases and exits: the holder keeps it */
   cr_assert_eq(tdt_wait(p), 0, "the creator failed (see its stderr)");
   cr_assert_eq(tdt_storages(&d), 1);
+  cr_assert_geq(daemon_gpu_bytes(), big);
   uint64_t during = device_free();
   cr_log_info("device free: %llu MiB before, %llu MiB while held",
               (unsigned long long)(before / MiB),
@@ -400,6 +415,7 @@ TDT_TEST(gpu, sigkill_of_a_holder_frees_the_memory) {
   for (int i = 0; i < 50 && tdt_storages(&d) != 0; i++)
     sleep_ms(100);
   cr_assert_eq(tdt_storages(&d), 0, "the killed holder's storage is left");
+  cr_assert_eq(daemon_gpu_bytes(), 0);
   uint64_t after = 0;
   /* Back to before, give or take 64 MiB of what others on the device do. */
   cr_assert(free_again(before - 64 * MiB, &after),

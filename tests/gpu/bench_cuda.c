@@ -14,7 +14,9 @@
  *                    The floor under tensord's consumer side.
  *   td create        td_storage_create_ex(TD_CUDA, N) and the first
  *                    td_storage_data: the daemon's cuMemCreate and export,
- *                    the reply, and this process's import + map.
+ *                    the reply, this process's import + map, and its
+ *                    zeroing of the bytes (cuMemsetD8 and a synchronise).
+ *   td create uninit the same with TD_UNINIT: no zeroing.
  *   td open+map      the consumer's td_storage_open(id, TD_RDONLY) and
  *                    td_storage_data of a storage the producer holds, then
  *                    its release (the mapping goes with it, so each open
@@ -249,17 +251,20 @@ static msg ask(msg m, int fd) {
 }
 
 static void row(const char *size, const char *what, bench_samples *s) {
-  printf("%-9s %-15s %10.1f %10.1f %6zu\n", size, what, bench_pct(s, 50) / 1e3,
+  printf("%-9s %-17s %10.1f %10.1f %6zu\n", size, what, bench_pct(s, 50) / 1e3,
          bench_pct(s, 99) / 1e3, s->n);
   bench_samples_free(s);
 }
 
-static td_storage *create(td_client *c, uint64_t n) {
+/* Creates n bytes on cuda:0 (zeroed unless flags has TD_UNINIT) and takes
+ * its device pointer; dies on failure. */
+static td_storage *create(td_client *c, uint64_t n, uint64_t flags) {
   td_create_opts o;
   memset(&o, 0, sizeof(o));
   o.nbytes = n;
   o.device = TD_CUDA;
   o.device_index = 0;
+  o.flags = flags;
   td_storage *s = NULL;
   if (td_storage_create_ex(c, &o, &s) < 0)
     bench_die("td_storage_create_ex(cuda:0, %llu bytes): %s",
@@ -309,7 +314,7 @@ int main(int argc, char **argv) {
   printf("device 0: %s, %s total, %s free, granularity %s\n", name,
          bench_size(total, b1, sizeof(b1)), bench_size(fr, b2, sizeof(b2)),
          bench_size(gran, why, sizeof(why)));
-  printf("%-9s %-15s %10s %10s %6s\n", "size", "what", "p50 us", "p99 us", "n");
+  printf("%-9s %-17s %10s %10s %6s\n", "size", "what", "p50 us", "p99 us", "n");
 
   static const uint64_t sizes[] = {2 * MiB,   8 * MiB, 32 * MiB, 128 * MiB,
                                    512 * MiB, GiB,     4 * GiB};
@@ -351,17 +356,24 @@ int main(int argc, char **argv) {
     row(sz, "cu export", &sexport);
     row(sz, "cu import+map", &simport);
 
-    bench_samples tcreate = {0}, topen = {0};
+    bench_samples tcreate = {0}, tuninit = {0}, topen = {0};
     for (int i = 0; i < reps; i++) {
       uint64_t t0 = bench_now_ns();
-      td_storage *s = create(c, n);
+      td_storage *s = create(c, n, 0);
       bench_samples_add(&tcreate, bench_now_ns() - t0);
       msg m = {.op = OP_OPEN, .id = td_storage_id(s)};
       m = ask(m, -1);
       bench_samples_add(&topen, m.ns);
       td_storage_release(s);
     }
+    for (int i = 0; i < reps; i++) {
+      uint64_t t0 = bench_now_ns();
+      td_storage *s = create(c, n, TD_UNINIT);
+      bench_samples_add(&tuninit, bench_now_ns() - t0);
+      td_storage_release(s);
+    }
     row(sz, "td create", &tcreate);
+    row(sz, "td create uninit", &tuninit);
     row(sz, "td open+map", &topen);
     fflush(stdout);
   }
@@ -383,7 +395,7 @@ int main(int argc, char **argv) {
       bench_die("out of memory");
     char key[32];
     for (size_t i = 0; i < nsd; i++) {
-      sd[i] = create(c, each);
+      sd[i] = create(c, each, 0);
       snprintf(key, sizeof(key), "sd/%zu", i);
       if (td_publish(c, key, sd[i], NULL) < 0)
         bench_die("td_publish(%s): %s", key, td_last_error(c));
@@ -418,7 +430,7 @@ int main(int argc, char **argv) {
     printf("bandwidth: skipped (%s free on the device, 3 GiB needed)\n",
            bench_size(fr, b1, sizeof(b1)));
   } else {
-    td_storage *s = create(c, GiB);
+    td_storage *s = create(c, GiB, 0);
     ck(cu, cu->MemsetD8((CUdeviceptr)(uintptr_t)td_storage_data(s), 0x3c, GiB),
        "cuMemsetD8");
     ck(cu, cu->CtxSynchronize(), "cuCtxSynchronize");

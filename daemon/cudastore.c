@@ -104,7 +104,16 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
 
 #if TD_HAVE_CUDA
 
-/* One GPU the driver shows us. */
+/* Two locks. init_mu serialises the lazy start (loading the driver, a
+ * device's context) and is held across those driver calls; only thread-pool
+ * jobs take it. mu guards the allocation table and the per-device figures
+ * and is never held across a driver call, so the loop (an open's dup, a
+ * Stat) never waits on the GPU. */
+static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* One GPU the driver shows us. Set at the load (under init_mu, published
+ * under mu with ndevs) but for what a device's first create sets (ctx, gran,
+ * total, capacity), and the figures (mu). */
 typedef struct dev {
   int index; /* the daemon's ordinal */
   CUdevice cu;
@@ -114,10 +123,10 @@ typedef struct dev {
   size_t gran;    /* allocation granularity */
   uint64_t total; /* device memory */
   uint64_t capacity, cap_set;
-  uint64_t used, storages;
+  uint64_t used, storages; /* mu */
 } dev;
 
-/* One allocation, by segment name. */
+/* One allocation, by segment name (in allocs, under mu). */
 typedef struct alloc {
   td__hnode node;
   dev *d;
@@ -127,11 +136,11 @@ typedef struct alloc {
   char name[TD__SEGMENT_NAME_MAX];
 } alloc;
 
-static const td__cu *cu;
-static int load_tried;
+static const td__cu *cu; /* init_mu */
+static int load_tried;   /* init_mu */
 static char load_msg[256];
 static dev devs[MAX_DEVS];
-static size_t ndevs;
+static size_t ndevs; /* mu */
 static td__htab allocs;
 
 static int name_eq(const td__hnode *n, const void *key) {
@@ -152,12 +161,11 @@ static int names(const char *s, const dev *d) {
   return atoi(s) == d->index;
 }
 
-/* Loads the driver and lists its devices, once. Called with mu held.
+/* Loads the driver and lists its devices, once. Called with init_mu held.
  * Returns 0, or TD_ENODEV with msg saying why. */
 static int load(char *msg, size_t len) {
   if (!load_tried) {
     load_tried = 1;
-    td__htab_init(&allocs);
     cu = td__cu_load(load_msg, sizeof(load_msg));
     int n = 0;
     CUresult r;
@@ -167,8 +175,9 @@ static int load(char *msg, size_t len) {
                td__cu_strerror(cu, r, e, sizeof(e)));
       cu = NULL;
     }
-    for (int i = 0; cu != NULL && i < n && ndevs < MAX_DEVS; i++) {
-      dev *d = &devs[ndevs];
+    size_t nd = 0;
+    for (int i = 0; cu != NULL && i < n && nd < MAX_DEVS; i++) {
+      dev *d = &devs[nd];
       CUuuid uu;
       if (cu->DeviceGet(&d->cu, i) != CUDA_SUCCESS ||
           cu->DeviceGetUuid(&uu, d->cu) != CUDA_SUCCESS) {
@@ -189,8 +198,11 @@ static int load(char *msg, size_t len) {
       td__info("cuda: device %d %s%s", i,
                td__cu_uuid_str(d->uuid, u, sizeof(u)),
                d->allowed ? "" : " (not in --cuda-devices: not used)");
-      ndevs++;
+      nd++;
     }
+    pthread_mutex_lock(&mu);
+    ndevs = nd;
+    pthread_mutex_unlock(&mu);
     if (cu == NULL)
       td__warn("cuda: %s; CUDA creates fail", load_msg);
   }
@@ -200,7 +212,7 @@ static int load(char *msg, size_t len) {
 }
 
 /* Retains d's primary context and reads what it needs of it, once. Called
- * with mu held. Returns 0 or a negative code with msg filled. */
+ * with init_mu held. Returns 0 or a negative code with msg filled. */
 static int dev_open(dev *d, char *msg, size_t len) {
   if (d->ctx != NULL)
     return 0;
@@ -237,11 +249,13 @@ static int dev_open(dev *d, char *msg, size_t len) {
     return td__msg(msg, len, td__cu_code(r), "cuda:%d: %s: %s", d->index, what,
                    td__cu_strerror(cu, r, e, sizeof(e)));
   }
-  d->ctx = ctx;
+  pthread_mutex_lock(&mu);
   d->gran = gran;
   d->total = total;
   if (!d->cap_set)
     d->capacity = total;
+  d->ctx = ctx;
+  pthread_mutex_unlock(&mu);
   char a[32], b[32];
   td__info("cuda:%d: context made; %s of memory, %s free, granularity %zu "
            "bytes, capacity %s",
@@ -251,33 +265,45 @@ static int dev_open(dev *d, char *msg, size_t len) {
   return 0;
 }
 
+/* Runs cuMemRelease of h in d's context. Returns the driver's result. */
+static CUresult release(const dev *d, CUmemGenericAllocationHandle h) {
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r == CUDA_SUCCESS) {
+    CUcontext popped;
+    r = cu->MemRelease(h);
+    cu->CtxPopCurrent(&popped);
+  }
+  return r;
+}
+
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
                           uint64_t nbytes, uint64_t *alloc_size, char *msg,
                           size_t len) {
   char u[48], e[128], a[32], b[32], c[32];
-  int err;
-  pthread_mutex_lock(&mu);
-  if ((err = load(msg, len)) < 0)
-    goto out;
+  /* The lazy start: the driver, then the device's context. */
+  pthread_mutex_lock(&init_mu);
+  int err = load(msg, len);
   dev *d = NULL;
-  for (size_t i = 0; i < ndevs && d == NULL; i++)
+  for (size_t i = 0; err == 0 && i < ndevs && d == NULL; i++)
     if (memcmp(devs[i].uuid, uuid, 16) == 0)
       d = &devs[i];
-  if (d == NULL || !d->allowed) {
+  if (err == 0 && (d == NULL || !d->allowed))
     err = td__msg(msg, len, TD_ENODEV, "%s: %s",
                   td__cu_uuid_str(uuid, u, sizeof(u)),
                   d == NULL ? "no GPU of this tensord has that UUID"
                             : "that GPU is not in --cuda-devices");
-    goto out;
-  }
-  if ((err = dev_open(d, msg, len)) < 0)
-    goto out;
-  if (nbytes > UINT64_MAX - d->gran) {
-    err = td__msg(msg, len, TD_EINVAL, "%llu bytes: too large",
-                  (unsigned long long)nbytes);
-    goto out;
-  }
+  if (err == 0)
+    err = dev_open(d, msg, len);
+  pthread_mutex_unlock(&init_mu);
+  if (err < 0)
+    return err;
+  if (nbytes > UINT64_MAX - d->gran)
+    return td__msg(msg, len, TD_EINVAL, "%llu bytes: too large",
+                   (unsigned long long)nbytes);
   uint64_t size = (nbytes + d->gran - 1) / d->gran * d->gran;
+  /* The capacity is charged before the driver is asked, so that creates in
+   * flight count. */
+  pthread_mutex_lock(&mu);
   if (size > d->capacity || d->used > d->capacity - size) {
     uint64_t avail = d->used < d->capacity ? d->capacity - d->used : 0;
     err = td__msg(msg, len, TD_ENOMEM,
@@ -288,12 +314,18 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)),
                   td__human_bytes(avail, b, sizeof(b)),
                   td__human_bytes(d->capacity, c, sizeof(c)));
-    goto out;
+  } else {
+    d->used += size;
+    d->storages++;
   }
+  pthread_mutex_unlock(&mu);
+  if (err < 0)
+    return err;
+
   alloc *m = calloc(1, sizeof(*m));
   if (m == NULL) {
     err = td__msg(msg, len, TD_ENOMEM, "out of memory");
-    goto out;
+    goto uncharge;
   }
   m->fd = -1;
   CUmemAllocationProp prop = {0};
@@ -313,55 +345,53 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
       r = cu->MemExportToShareableHandle(
           &m->fd, m->h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
     }
-    if (r != CUDA_SUCCESS && made)
-      cu->MemRelease(m->h);
     CUcontext popped;
     cu->CtxPopCurrent(&popped);
-  }
-  int fd = -1;
-  if (r == CUDA_SUCCESS && (fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0)) < 0) {
-    err = td__msg(msg, len, -errno, "dup of the exported fd: %s",
-                  strerror(errno));
-    goto unmake;
   }
   if (r != CUDA_SUCCESS) {
     err = td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on cuda:%d: %s",
                   what, (unsigned long long)size, d->index,
                   td__cu_strerror(cu, r, e, sizeof(e)));
-    free(m);
-    goto out;
+    goto unmake;
   }
   fcntl(m->fd, F_SETFD, FD_CLOEXEC);
+  int fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) {
+    err = td__msg(msg, len, -errno, "dup of the exported fd: %s",
+                  strerror(errno));
+    goto unmake;
+  }
   snprintf(m->name, sizeof(m->name), "%s", name);
   m->d = d;
   m->size = size;
-  if (td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name))) <
-      0) {
+  pthread_mutex_lock(&mu);
+  err = td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name)));
+  pthread_mutex_unlock(&mu);
+  if (err < 0) {
     close(fd);
     err = td__msg(msg, len, TD_ENOMEM, "out of memory");
     goto unmake;
   }
-  d->used += size;
-  d->storages++;
   *alloc_size = size;
-  err = fd;
-  goto out;
+  return fd;
+
 unmake:
-  close(m->fd);
-  if (cu->CtxPushCurrent(d->ctx) == CUDA_SUCCESS) {
-    CUcontext popped;
-    cu->MemRelease(m->h);
-    cu->CtxPopCurrent(&popped);
-  }
+  if (m->fd >= 0)
+    close(m->fd);
+  if (made)
+    release(d, m->h);
   free(m);
-out:
+uncharge:
+  pthread_mutex_lock(&mu);
+  d->used -= size;
+  d->storages--;
   pthread_mutex_unlock(&mu);
   return err;
 }
 
 static int cuda_open(const char *name, int readonly) {
   pthread_mutex_lock(&mu);
-  alloc *m = load_tried ? alloc_find(name) : NULL;
+  alloc *m = alloc_find(name);
   int fd = m ? fcntl(m->fd, F_DUPFD_CLOEXEC, 0) : TD_ENOENT;
   if (m != NULL && fd < 0)
     fd = -errno;
@@ -371,27 +401,24 @@ static int cuda_open(const char *name, int readonly) {
 
 static void cuda_unlink(const char *name) {
   pthread_mutex_lock(&mu);
-  alloc *m = load_tried ? alloc_find(name) : NULL;
+  alloc *m = alloc_find(name);
   if (m != NULL) {
     td__htab_remove(&allocs, &m->node);
-    close(m->fd);
-    /* The memory goes when no process maps it any more. */
-    CUresult r = cu->CtxPushCurrent(m->d->ctx);
-    if (r == CUDA_SUCCESS) {
-      CUcontext popped;
-      r = cu->MemRelease(m->h);
-      cu->CtxPopCurrent(&popped);
-    }
-    if (r != CUDA_SUCCESS) {
-      char e[128];
-      td__error("cuda:%d: cuMemRelease of %s: %s", m->d->index, name,
-                td__cu_strerror(cu, r, e, sizeof(e)));
-    }
     m->d->used -= m->size;
     m->d->storages--;
-    free(m);
   }
   pthread_mutex_unlock(&mu);
+  if (m == NULL)
+    return;
+  close(m->fd);
+  /* The memory goes when no process maps it any more. */
+  CUresult r = release(m->d, m->h);
+  if (r != CUDA_SUCCESS) {
+    char e[128];
+    td__error("cuda:%d: cuMemRelease of %s: %s", m->d->index, name,
+              td__cu_strerror(cu, r, e, sizeof(e)));
+  }
+  free(m);
 }
 
 size_t td__cuda_stats(td__cuda_stat *out, size_t max) {

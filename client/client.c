@@ -777,13 +777,6 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
                   "create with reserved[%zu] = 0x%llx: libtensord %s knows no "
                   "option there (zero-initialise td_create_opts)",
                   i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
-  if (o->device != TD_CPU && o->device != TD_CUDA)
-    return fail(c, TD_EINVAL, "create on device %d: TD_CPU or TD_CUDA",
-                (int)o->device);
-  if (o->device == TD_CPU && o->device_index != 0)
-    return fail(c, TD_EINVAL,
-                "create on the CPU with device_index %lld: it must be 0",
-                (long long)o->device_index);
   if (o->flags & ~(uint64_t)TD_UNINIT)
     return fail(c, TD_EINVAL,
                 "create with flags 0x%llx: only TD_UNINIT (0x%x) is a create "
@@ -888,6 +881,9 @@ void *td_storage_data(const td_storage *s) {
 }
 td_device td_storage_device(const td_storage *s) {
   return s->device;
+}
+td__cumap *td__storage_cumap(const td_storage *s) {
+  return s->device == TD_CUDA ? td__map_cumap(s->map) : NULL;
 }
 int td_storage_device_index(const td_storage *s) {
   return s->device == TD_CUDA ? s->device_index : 0;

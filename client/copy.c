@@ -262,8 +262,10 @@ static int same_layout(const td_view *a, const td_view *b) {
   return 1;
 }
 
-int td__copy_raw(void *dst, const td_view *dv, const void *src,
-                 const td_view *sv, int alias) {
+/* Checks that sv can be copied into dv: same dtype and shape, and no
+ * element of dv named twice. Returns 1 if so, 0 if there is no element to
+ * copy, or a negative code (reason in td_view_last_error). */
+static int copy_check(const td_view *dv, const td_view *sv) {
   if (dv->dtype != sv->dtype)
     return td__view_fail(
         TD_EINVAL, "copy: destination is %s, source %s",
@@ -293,6 +295,15 @@ int td__copy_raw(void *dst, const td_view *dv, const void *src,
                            "0 and size %lld: it names one element %lld times",
                            (int)i, (long long)dv->shape[i],
                            (long long)dv->shape[i]);
+  return 1;
+}
+
+int td__copy_raw(void *dst, const td_view *dv, const void *src,
+                 const td_view *sv, int alias) {
+  int ok = copy_check(dv, sv);
+  if (ok <= 0)
+    return ok;
+  int64_t numel = td_view_numel(dv);
   int64_t dlo, dhi, slo, shi;
   extent(dv, &dlo, &dhi);
   extent(sv, &slo, &shi);
@@ -333,6 +344,107 @@ int td__copy_raw(void *dst, const td_view *dv, const void *src,
   return 0;
 }
 
+/* The bytes v reaches, [*lo, *hi), in a view that passed td_view_check.
+ * Returns 0 for a view of no element. */
+static int view_span(const td_view *v, size_t *lo, size_t *hi) {
+  size_t item = td_dtype_size(v->dtype);
+  int64_t last = v->offset;
+  for (int i = 0; i < v->ndim; i++) {
+    if (v->shape[i] == 0)
+      return 0;
+    last += (v->shape[i] - 1) * v->stride[i];
+  }
+  *lo = (size_t)v->offset * item;
+  *hi = ((size_t)last + 1) * item;
+  return 1;
+}
+
+/* The span of v over s in host memory: s's mapping for a CPU storage; for a
+ * device's, a buffer (*buf, the caller frees it) holding a copy of the span
+ * if fetch. Sets *base so that base + the view's byte offsets reaches each
+ * element. Returns 0 or a negative code (reason in td_view_last_error). */
+static int host_span(const td_storage *s, size_t lo, size_t hi, int fetch,
+                     char **base, char **buf) {
+  *buf = NULL;
+  td__cumap *m = td__storage_cumap(s);
+  if (m == NULL) {
+    *base = td_storage_data(s);
+    return 0;
+  }
+  if ((*buf = malloc(hi - lo)) == NULL)
+    return td__view_fail(TD_ENOMEM,
+                         "copy: storage %llu: no memory to stage %zu bytes",
+                         (unsigned long long)td_storage_id(s), hi - lo);
+  char why[256];
+  int err =
+      fetch ? td__cumap_copy(m, 0, lo, *buf, hi - lo, why, sizeof(why)) : 0;
+  if (err < 0) {
+    free(*buf);
+    *buf = NULL;
+    return td__view_fail(err, "copy: storage %llu: %s",
+                         (unsigned long long)td_storage_id(s), why);
+  }
+  *base = *buf - lo;
+  return 0;
+}
+
+/* td_copy where either side is a GPU's: a straight cuMemcpy when both views
+ * are contiguous and the host side is a CPU storage; else through host
+ * copies of the spans the views reach (the destination's span is fetched
+ * first, so that its bytes between the view's elements are kept). */
+static int copy_device(td_storage *dst, const td_view *dv,
+                       const td_storage *src, const td_view *sv, int alias) {
+  int ok = copy_check(dv, sv);
+  if (ok <= 0)
+    return ok;
+  size_t dlo, dhi, slo, shi;
+  if (!view_span(dv, &dlo, &dhi) || !view_span(sv, &slo, &shi))
+    return 0;
+  td__cumap *dm = td__storage_cumap(dst), *sm = td__storage_cumap(src);
+  char why[256];
+  int err;
+  if (dm == NULL || sm == NULL) {
+    /* One side is host memory: if both views are dense and of one layout,
+     * one copy in the driver. */
+    td__copy_path p = td__copy_plan_path(dv, sv);
+    if (p == TD__COPY_MEMCPY && dhi - dlo == shi - slo) {
+      err = dm != NULL
+                ? td__cumap_copy(dm, 1, dlo, (char *)td_storage_data(src) + slo,
+                                 shi - slo, why, sizeof(why))
+                : td__cumap_copy(sm, 0, slo, (char *)td_storage_data(dst) + dlo,
+                                 dhi - dlo, why, sizeof(why));
+      if (err < 0)
+        return td__view_fail(err, "copy: storages %llu and %llu: %s",
+                             (unsigned long long)td_storage_id(dst),
+                             (unsigned long long)td_storage_id(src), why);
+      return 0;
+    }
+  }
+  char *dbase, *dbuf, *sbase, *sbuf = NULL;
+  if ((err = host_span(dst, dlo, dhi, 1, &dbase, &dbuf)) < 0)
+    return err;
+  if (alias && dbuf != NULL) {
+    /* The same device storage: its staged copy serves as the source too,
+     * when it holds the source's span; else a copy of its own. */
+    if (slo >= dlo && shi <= dhi)
+      sbase = dbase;
+    else if ((err = host_span(src, slo, shi, 1, &sbase, &sbuf)) < 0)
+      goto out;
+  } else if ((err = host_span(src, slo, shi, 1, &sbase, &sbuf)) < 0) {
+    goto out;
+  }
+  if ((err = td__copy_raw(dbase, dv, sbase, sv, alias)) < 0)
+    goto out;
+  if (dbuf != NULL &&
+      (err = td__cumap_copy(dm, 1, dlo, dbuf, dhi - dlo, why, sizeof(why))) < 0)
+    err = td__view_fail(err, "copy: storage %llu: %s",
+                        (unsigned long long)td_storage_id(dst), why);
+out:
+  free(dbuf);
+  free(sbuf);
+  return err;
+}
+
 int td_copy(td_storage *dst, const td_view *dst_view, const td_storage *src,
             const td_view *src_view) {
   char why[600];
@@ -343,9 +455,10 @@ int td_copy(td_storage *dst, const td_view *dst_view, const td_storage *src,
                          : src == NULL      ? "source storage"
                          : dst_view == NULL ? "destination view"
                                             : "source view");
-  if (td_storage_device(dst) != TD_CPU || td_storage_device(src) != TD_CPU)
+  td_device dd = td_storage_device(dst), sd = td_storage_device(src);
+  if ((dd != TD_CPU && dd != TD_CUDA) || (sd != TD_CPU && sd != TD_CUDA))
     return td__view_fail(TD_ENODEV,
-                         "copy: storages %llu and %llu: only CPU "
+                         "copy: storages %llu and %llu: only CPU and CUDA "
                          "storages can be copied here",
                          (unsigned long long)td_storage_id(dst),
                          (unsigned long long)td_storage_id(src));
@@ -365,6 +478,8 @@ int td_copy(td_storage *dst, const td_view *dst_view, const td_storage *src,
   /* The same storage may be mapped twice (read-only and read-write): judge
    * overlap by storage id, not by address. */
   int alias = td_storage_id(dst) == td_storage_id(src);
+  if (dd == TD_CUDA || sd == TD_CUDA)
+    return copy_device(dst, dst_view, src, src_view, alias);
   return td__copy_raw(td_storage_data(dst), dst_view, td_storage_data(src),
                       src_view, alias);
 }

@@ -172,6 +172,24 @@ int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
   return 0;
 }
 
+int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
+                   size_t n, char *msg, size_t len) {
+  const td__cu *cu = m->cu;
+  CUcontext popped;
+  char e[128];
+  CUresult r = cu->CtxPushCurrent(m->ctx);
+  if (r == CUDA_SUCCESS) {
+    r = to_device ? cu->MemcpyHtoD(m->ptr + off, host, n)
+                  : cu->MemcpyDtoH(host, m->ptr + off, n);
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r), "%s of %zu bytes: %s",
+                   to_device ? "cuMemcpyHtoD" : "cuMemcpyDtoH", n,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  return 0;
+}
+
 void td__cumap_close(td__cumap *m) {
   if (m == NULL)
     return;
@@ -204,6 +222,11 @@ int td__cumap_index(const td__cumap *m) {
 }
 
 int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
+                   size_t n, char *msg, size_t len) {
   return no_cuda(msg, len);
 }
 

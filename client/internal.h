@@ -74,8 +74,15 @@ int td__cumap_index(const td__cumap *m);
 /* Zeroes the first nbytes and waits for it. Returns 0 or a negative code
  * with msg filled. */
 int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len);
+/* Copies n bytes between host and the device memory at off bytes into m:
+ * to the device if to_device, else from it; synchronous. Returns 0 or the
+ * driver's failure with msg filled. */
+int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
+                   size_t n, char *msg, size_t len);
 /* Unmaps and frees m. NULL ok. */
 void td__cumap_close(td__cumap *m);
+/* client.c: the CUDA mapping of a storage handle, or NULL for a CPU one. */
+td__cumap *td__storage_cumap(const struct td_storage *s);
 
 /* cache.c: td__map_acquire for a CUDA storage: finds the process's mapping
  * of it in mode (TD__MAP_RW or _RO), or maps fd (an exported allocation of

@@ -34,7 +34,6 @@ typedef struct sel {
   uint64_t bytes;
 } sel;
 
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int all_devices = 1;
 static sel allowed[MAX_DEVS];
 static size_t nallowed;
@@ -110,6 +109,7 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
  * and is never held across a driver call, so the loop (an open's dup, a
  * Stat) never waits on the GPU. */
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* One GPU the driver shows us. Set at the load (under init_mu, published
  * under mu with ndevs) but for what a device's first create sets (ctx, gran,
@@ -216,9 +216,20 @@ static int load(char *msg, size_t len) {
 static int dev_open(dev *d, char *msg, size_t len) {
   if (d->ctx != NULL)
     return 0;
-  char e[128];
+  char e[128], u[48];
+  /* The fallback for such devices (legacy cudaIpc handles) is not built
+   * yet: say so rather than fail in cuMemCreate. */
+  int posix_fd = 0;
+  CUresult r = cu->DeviceGetAttribute(
+      &posix_fd,
+      CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cu);
+  if (r == CUDA_SUCCESS && !posix_fd)
+    return td__msg(msg, len, TD_ENOSYS,
+                   "cuda:%d (%s) cannot export allocations as POSIX fds, and "
+                   "this tensord has no legacy cudaIpc fallback yet",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
   CUcontext ctx = NULL;
-  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
   if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r),
                    "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,

@@ -261,9 +261,13 @@ int td_view_offset_of(const td_view *v, const int64_t *index, int64_t *offset);
  * are copied through a temporary buffer of numel * itemsize bytes (TD_ENOMEM
  * if it cannot be had), so the result is as if src had been read whole
  * first. Contiguous runs are copied with memcpy, a transpose in
- * cache-sized tiles. Both storages must be on the CPU (TD_ENODEV). Every
- * check comes before the first write, so dst is unchanged on failure; the
- * reason is in td_view_last_error(). */
+ * cache-sized tiles. Either storage may be a GPU's (TD_CUDA): two dense
+ * views of one layout, one on the CPU, are one synchronous cuMemcpy; any
+ * other pair goes through host copies of the bytes the views span (the
+ * destination's fetched first, so that bytes between its elements stay).
+ * Other devices get TD_ENODEV. Every check comes before the first write, so
+ * dst is unchanged on failure (but for a driver failure in the middle of a
+ * copy to a GPU); the reason is in td_view_last_error(). */
 int td_copy(struct td_storage *dst, const td_view *dst_view,
             const struct td_storage *src, const td_view *src_view);
 

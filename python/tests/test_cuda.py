@@ -7,6 +7,7 @@ so only torch()'s refusal is tested."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 from typing import Iterator
@@ -111,3 +112,13 @@ def test_lookup_from_another_client_maps_the_same_memory(
         assert u.data_ptr == t.data_ptr
         u.release()
     client.unpublish("g")
+
+
+def test_share_copies_a_gpu_tensor_to_the_cpu(client: tensord.Client) -> None:
+    t = client.empty(6, "int32", device="cuda:0")
+    # Writable from here only because the double's device memory is ours.
+    src = (ctypes.c_int32 * 6)(*range(10, 16))
+    ctypes.memmove(t.data_ptr, src, 24)
+    u = client.share(t[1:5])
+    assert u.device == "cpu"
+    assert u.numpy().tolist() == [11, 12, 13, 14]

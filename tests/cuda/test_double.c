@@ -551,3 +551,21 @@ Test(double_semantics, import_on_a_hidden_device_is_invalid_device) {
   CU_OK(cu->MemRelease(h));
   close(sv[0]);
 }
+
+/* ---- a device without POSIX-fd handles (the legacy-IPC fallback's case) */
+
+Test(double_semantics, no_posix_fd_devices_refuse_exportable_allocations) {
+  setenv("TDCUDA_NO_POSIX_FD", "1", 1);
+  const td__cu *cu = load();
+  int v = -1;
+  CU_OK(cu->DeviceGetAttribute(
+      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0));
+  cr_expect_eq(v, 0);
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  cr_expect_eq(cu->MemCreate(&h, 2 * MiB, &p, 0), CUDA_ERROR_NOT_SUPPORTED);
+  p = prop_for(0, 0);
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CU_OK(cu->MemRelease(h));
+}

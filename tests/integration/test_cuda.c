@@ -25,7 +25,20 @@ static void setup(void) {
                  "names the driver's test double");
 }
 
-TestSuite(cuda, .init = setup, .fini = tdt_cleanup, .timeout = 30);
+/* A test with --state-dir: its directory, and the instance whose segments
+ * a restart adopted, for teardown to remove if the test fails half-way. */
+static char state_dir[64];
+static uint64_t first_instance;
+
+static void teardown(void) {
+  tdt_cleanup();
+  if (first_instance != 0)
+    tdt_unlink_segments(first_instance);
+  if (state_dir[0] != '\0')
+    tdt_rmdir(state_dir);
+}
+
+TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
 
 /* Creates nbytes on this process's cuda:index. */
 static int create_on(td_client *c, int64_t index, size_t nbytes,
@@ -219,6 +232,29 @@ TDT_TEST(cuda, the_creator_may_go_first) {
   td_close(c);
 }
 
+TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g;
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  td_device_stat ds[4];
+  size_t n = 9;
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
+  cr_assert_eq(n, 0, "the daemon lists %zu GPUs before any CUDA create", n);
+  cr_assert(!tdt_log_has(&d, "cuda: device"),
+            "the daemon loaded the driver early");
+  cr_assert_eq(create_on(c, 1, 4096, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
+  cr_assert_eq(n, 2, "the double has 2 GPUs; the daemon lists %zu", n);
+  cr_assert(tdt_log_has(&d, "cuda: device"));
+  /* A context on the GPU used, none on the other. */
+  cr_assert(tdt_log_has(&d, "cuda:1: context made"));
+  cr_assert(!tdt_log_has(&d, "cuda:0: context made"));
+  td_storage_release(g);
+  td_storage_release(h);
+  td_close(c);
+}
+
 /* ---- limits and errors ---- */
 
 TDT_TEST(cuda, capacity_is_per_device) {
@@ -306,6 +342,18 @@ TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
             td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_gpu_without_posix_fd_handles_is_refused_clearly) {
+  setenv("TDCUDA_NO_POSIX_FD", "1", 1); /* the daemon's double only */
+  tdt_start(&d, NULL);
+  unsetenv("TDCUDA_NO_POSIX_FD");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENOSYS);
+  cr_assert(strstr(td_last_error(c), "POSIX fds") != NULL, "%s",
+            td_last_error(c));
   td_close(c);
 }
 
@@ -404,10 +452,10 @@ TDT_TEST(cuda, tensorctl_shows_the_device) {
 /* ---- --state-dir ---- */
 
 TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
-  char dir[64];
-  tdt_mkdtemp(dir);
-  const char *args[] = {"--state-dir", dir, NULL};
+  tdt_mkdtemp(state_dir);
+  const char *args[] = {"--state-dir", state_dir, NULL};
   tdt_start(&d, args);
+  first_instance = d.instance;
   td_client *c = tdt_connect(&d);
   td_storage *g, *h, *o;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
@@ -441,5 +489,69 @@ TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
   cr_assert_eq(td_unpublish(c, "cpu"), 0);
   td_close(c);
   tdt_stop(&d);
-  tdt_rmdir(dir);
+  /* The CPU storage the restart adopted kept its first name: gone too. */
+  cr_assert_eq(tdt_segments_of(first_instance), 0);
+  first_instance = 0;
+  tdt_rmdir(state_dir);
+  state_dir[0] = '\0';
+}
+
+/* ---- td_copy between host and device ---- */
+
+TDT_TEST(cuda, copy_between_host_and_device) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *h2, *g2;
+  int64_t shape[2] = {3, 4};
+  td_view v, t;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, shape, &v), 0);
+  cr_assert_eq(td_storage_create(c, 48, &h), 0);
+  cr_assert_eq(td_storage_create(c, 48, &h2), 0);
+  cr_assert_eq(create_on(c, 0, 48, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 1, 48, &g2), 0, "%s", td_last_error(c));
+  int32_t *hp = td_storage_data(h), *h2p = td_storage_data(h2);
+  /* The double's device pointers are host addresses: read them to check. */
+  int32_t *gp = td_storage_data(g), *g2p = td_storage_data(g2);
+  for (int i = 0; i < 12; i++)
+    hp[i] = i + 1;
+  /* Dense to dense: one copy each way. */
+  cr_assert_eq(td_copy(g, &v, h, &v), 0, "%s", td_view_last_error());
+  for (int i = 0; i < 12; i++)
+    cr_assert_eq(gp[i], i + 1);
+  cr_assert_eq(td_copy(h2, &v, g, &v), 0, "%s", td_view_last_error());
+  cr_assert_eq(memcmp(h2p, hp, 48), 0);
+  /* A transpose into the other GPU's storage, staged through the host. */
+  int64_t tshape[2] = {4, 3};
+  td_view dst;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 2, tshape, &dst), 0);
+  t = v;
+  cr_assert_eq(td_view_transpose(&t, 0, 1), 0);
+  cr_assert_eq(td_copy(g2, &dst, g, &t), 0, "%s", td_view_last_error());
+  for (int r = 0; r < 4; r++)
+    for (int k = 0; k < 3; k++)
+      cr_assert_eq(g2p[r * 3 + k], gp[k * 4 + r]);
+  /* A strided destination keeps the bytes between its elements. */
+  int64_t six = 6;
+  td_view col, every2;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 1, &six, &col), 0);
+  every2 = col;
+  every2.stride[0] = 2;
+  for (int i = 0; i < 12; i++)
+    hp[i] = -1 - i;
+  cr_assert_eq(td_copy(g, &every2, h, &col), 0, "%s", td_view_last_error());
+  for (int i = 0; i < 12; i++)
+    cr_assert_eq(gp[i], i % 2 ? i + 1 : -1 - i / 2, "element %d is %d", i,
+                 gp[i]);
+  /* Checks come first: shapes must agree, and a read-only destination is
+   * refused. */
+  cr_assert_eq(td_copy(g, &dst, h, &v), TD_EINVAL);
+  td_storage *ro;
+  cr_assert_eq(td_storage_open(c, td_storage_id(g), TD_RDONLY, &ro), 0);
+  cr_assert_eq(td_copy(ro, &v, h, &v), TD_EACCES);
+  td_storage_release(ro);
+  td_storage_release(h);
+  td_storage_release(h2);
+  td_storage_release(g);
+  td_storage_release(g2);
+  td_close(c);
 }

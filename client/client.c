@@ -1220,15 +1220,21 @@ int td_list(td_client *c, td_list_cb cb, void *arg) {
   }
 }
 
-int td_stat_get(td_client *c, td_stat *out) {
+/* Asks for a StatReply; *r is the caller's to free. */
+static int stat_call(td_client *c, Tensord__Response **r) {
   Tensord__Stat m = TENSORD__STAT__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   req.body_case = TENSORD__REQUEST__BODY_STAT;
   req.stat = &m;
-  Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
+  int err = call(c, &req, r, NULL);
   if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_STAT, -1);
+    err = expect(c, *r, TENSORD__RESPONSE__BODY_STAT, -1);
+  return err;
+}
+
+int td_stat_get(td_client *c, td_stat *out) {
+  Tensord__Response *r;
+  int err = stat_call(c, &r);
   if (err < 0)
     return err;
   const Tensord__StatReply *st = r->stat;
@@ -1260,14 +1266,8 @@ int td_stat_get(td_client *c, td_stat *out) {
 
 int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
   *n = 0;
-  Tensord__Stat m = TENSORD__STAT__INIT;
-  Tensord__Request req = TENSORD__REQUEST__INIT;
-  req.body_case = TENSORD__REQUEST__BODY_STAT;
-  req.stat = &m;
   Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_STAT, -1);
+  int err = stat_call(c, &r);
   if (err < 0)
     return err;
   const Tensord__StatReply *st = r->stat;

@@ -165,13 +165,10 @@ static void undo(td__cumap *m, int mapped, int reserved) {
   cu->DevicePrimaryCtxRelease(m->dev);
 }
 
-int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
-                   td__cumap **out, char *msg, size_t len) {
-  *out = NULL;
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
-  char u[48], e[128];
+/* Allocates a mapping record of size bytes on the GPU with uuid, which
+ * this process must see. Returns 0, TD_ENOMEM or TD_ENODEV (with msg). */
+static int cumap_new(const td__cu *cu, const uint8_t uuid[16], uint64_t size,
+                     td__cumap **out, char *msg, size_t len) {
   td__cumap *m = calloc(1, sizeof(*m));
   if (m == NULL)
     return td__msg(msg, len, TD_ENOMEM, "out of memory");
@@ -179,6 +176,7 @@ int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
   m->size = size;
   if (td__cu_device_by_uuid(cu, uuid, &m->dev) < 0) {
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    char u[48];
     free(m);
     return td__msg(msg, len, TD_ENODEV,
                    "the storage is on GPU %s, which this process cannot "
@@ -187,6 +185,21 @@ int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
                    vis ? " (CUDA_VISIBLE_DEVICES=" : "", vis ? vis : "",
                    vis ? ")" : "");
   }
+  *out = m;
+  return 0;
+}
+
+int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
+                   td__cumap **out, char *msg, size_t len) {
+  *out = NULL;
+  const td__cu *cu = load(msg, len);
+  if (cu == NULL)
+    return TD_ENODEV;
+  char u[48], e[128];
+  td__cumap *m;
+  int err = cumap_new(cu, uuid, size, &m, msg, len);
+  if (err < 0)
+    return err;
   const char *what = "cuDevicePrimaryCtxRetain";
   CUresult r = cu->DevicePrimaryCtxRetain(&m->ctx, m->dev);
   if (r != CUDA_SUCCESS)
@@ -265,21 +278,10 @@ int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
   if (cu == NULL)
     return TD_ENODEV;
   char u[48], e[128];
-  td__cumap *m = calloc(1, sizeof(*m));
-  if (m == NULL)
-    return td__msg(msg, len, TD_ENOMEM, "out of memory");
-  m->cu = cu;
-  m->size = size;
-  if (td__cu_device_by_uuid(cu, uuid, &m->dev) < 0) {
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
-    free(m);
-    return td__msg(msg, len, TD_ENODEV,
-                   "the storage is on GPU %s, which this process cannot "
-                   "see%s%s%s",
-                   td__cu_uuid_str(uuid, u, sizeof(u)),
-                   vis ? " (CUDA_VISIBLE_DEVICES=" : "", vis ? vis : "",
-                   vis ? ")" : "");
-  }
+  td__cumap *m;
+  int err = cumap_new(cu, uuid, size, &m, msg, len);
+  if (err < 0)
+    return err;
   CUresult r = cu->DevicePrimaryCtxRetain(&m->ctx, m->dev);
   if (r != CUDA_SUCCESS) {
     free(m);

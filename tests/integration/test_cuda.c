@@ -102,12 +102,11 @@ static int peer_rw(void *p) {
   return 0;
 }
 
-TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
-  tdt_start(&d, NULL);
-  td_client *c = tdt_connect(&d);
-  td_storage *s;
-  size_t n = 4 * MiB + 1;
-  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+/* The body both handle kinds share: s (n bytes, on a GPU, held by c) reads
+ * as zeros, is published as "w", a forked peer writes it and this process
+ * sees the writes; then c lets go of everything (c is closed) and the GPU's
+ * bytes and storages are back to none. */
+static void shared_both_ways(td_client *c, td_storage *s, size_t n) {
   cr_assert_eq(td_storage_device(s), TD_CUDA);
   cr_assert_eq(td_storage_nbytes(s), n);
   uint8_t uuid[16];
@@ -141,6 +140,15 @@ TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
                (unsigned long long)g.bytes_used);
   cr_assert_eq(g.storages, 0);
   td_close(c);
+}
+
+TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  shared_both_ways(c, s, n);
 }
 
 static int peer_ro_write(void *p) {
@@ -408,38 +416,9 @@ TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
                fds_of(getpid(), 0) - fds);
   cr_assert_eq(fds_of(getpid(), 1), 1);
   cr_assert_eq(daemon_allocations(), 1);
-  cr_assert_eq(td_storage_device(s), TD_CUDA);
-  cr_assert_eq(td_storage_nbytes(s), n);
-  uint8_t uuid[16];
-  cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
-  unsigned char *b = td_storage_data(s);
-  cr_assert_not_null(b);
-  for (size_t i = 0; i < n; i += 4099)
-    cr_assert_eq(b[i], 0, "byte %zu of a fresh storage is %u", i, b[i]);
-  for (size_t i = 0; i < n; i += 4099)
-    b[i] = (unsigned char)(i * 7 + 1);
-  cr_assert_eq(td_publish(c, "w", s, NULL), 0, "%s", td_last_error(c));
-  td_device_stat g = gpu_stat(c, uuid);
-  cr_assert_eq(g.bytes_used, 6 * MiB);
-  cr_assert_eq(g.storages, 1);
-
-  peer_arg a = {d.sock, "w", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_rw, &a)), 0);
-  cr_assert_eq(b[0], 0xa5, "the other process's write is not seen here");
-  cr_assert_eq(b[n - 1], 0x5a);
-
-  cr_assert_eq(td_unpublish(c, "w"), 0);
-  td_storage_release(s);
-  td_close(c);
-  cr_assert(tdt_until(tdt_no_segments, &d, 2000));
-  cr_assert_eq(tdt_storages(&d), 0);
-  c = tdt_connect(&d);
-  g = gpu_stat(c, uuid);
-  cr_assert_eq(g.bytes_used, 0, "%llu bytes still allocated",
-               (unsigned long long)g.bytes_used);
+  shared_both_ways(c, s, n);
   /* cuMemFree'd: the daemon holds the allocation no more. */
   cr_assert_eq(daemon_allocations(), 0);
-  td_close(c);
 }
 
 TDT_TEST(cuda, legacy_sigkill_of_the_last_holder_frees_the_allocation) {

@@ -1287,6 +1287,21 @@ int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
   return 0;
 }
 
+int td_stat_prefixes(td_client *c, char (*out)[TD_PREFIX_MAX], size_t max,
+                     size_t *n) {
+  *n = 0;
+  Tensord__Response *r;
+  int err = stat_call(c, &r);
+  if (err < 0)
+    return err;
+  const Tensord__StatReply *st = r->stat;
+  for (size_t i = 0; i < st->n_prefixes && i < max; i++)
+    snprintf(out[i], TD_PREFIX_MAX, "%s", st->prefixes[i]);
+  *n = st->n_prefixes;
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
+}
+
 int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg) {
   Tensord__Info m = TENSORD__INFO__INIT;

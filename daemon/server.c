@@ -328,10 +328,26 @@ static void sweep_previous(td__server *srv) {
   fclose(f);
 }
 
+/* Appends p to srv->prefixes unless it is there. Returns 0 or TD_ENOMEM
+ * (the list is unchanged then). */
+static int add_prefix(td__server *srv, const char *p) {
+  for (size_t i = 0; i < srv->nprefixes; i++)
+    if (strcmp(srv->prefixes[i], p) == 0)
+      return 0;
+  char(*l)[TD__PREFIX_MAX] =
+      realloc(srv->prefixes, (srv->nprefixes + 1) * sizeof(*srv->prefixes));
+  if (l == NULL)
+    return TD_ENOMEM;
+  srv->prefixes = l;
+  snprintf(l[srv->nprefixes++], TD__PREFIX_MAX, "%s", p);
+  return 0;
+}
+
 /* Without --state-dir, unlinks what the previous daemon on this socket left
  * (with it, td__state_open sweeps them, keeping what keys name). Then
  * records the prefixes this daemon's segments have: its own and those of
- * segments it adopted. */
+ * segments it adopted, in <socket>.instance and in srv->prefixes (for
+ * tensorctl stat). */
 static void record_instance(td__server *srv) {
   for (size_t i = 0; i < srv->nprev && srv->state == NULL; i++) {
     int n = td__segments_unlink_prefix(srv->prev[i] + 1, NULL, NULL);
@@ -340,20 +356,22 @@ static void record_instance(td__server *srv) {
                "(%s*)",
                n, srv->socket_path, srv->prev[i]);
   }
-  char tmp[sizeof(srv->run_path) + 8];
-  snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
-  FILE *f = fopen(tmp, "w");
-  int ok =
-      f != NULL && fprintf(f, "%s\n%s\n", srv->prefix, srv->pool.prefix) > 0;
+  int ok = add_prefix(srv, srv->prefix) == 0 &&
+           add_prefix(srv, srv->pool.prefix) == 0;
   char last[TD__PREFIX_MAX] = "";
   for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
     char p[TD__PREFIX_MAX];
-    if (td__segment_prefix(s->name, p) == 0 && strcmp(p, srv->prefix) != 0 &&
-        strcmp(p, last) != 0) {
-      ok = fprintf(f, "%s\n", p) > 0;
+    if (td__segment_prefix(s->name, p) == 0 && strcmp(p, last) != 0) {
+      ok = add_prefix(srv, p) == 0;
       memcpy(last, p, sizeof(last));
     }
   }
+  char tmp[sizeof(srv->run_path) + 8];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
+  FILE *f = ok ? fopen(tmp, "w") : NULL;
+  ok = f != NULL;
+  for (size_t i = 0; i < srv->nprefixes && ok; i++)
+    ok = fprintf(f, "%s\n", srv->prefixes[i]) > 0;
   if (f != NULL && fclose(f) != 0)
     ok = 0;
   if (!ok || rename(tmp, srv->run_path) < 0) {
@@ -505,6 +523,9 @@ static void stop_finish(td__server *srv) {
   free(srv->prev);
   srv->prev = NULL;
   srv->nprev = 0;
+  free(srv->prefixes);
+  srv->prefixes = NULL;
+  srv->nprefixes = 0;
 }
 
 void td__server_stop(td__server *srv) {

@@ -196,8 +196,15 @@ static int bind_socket(td__server *srv, const char *path) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return -errno;
-  if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
-      listen(fd, SOMAXCONN) < 0) {
+  /* bind() makes the socket 0777 less the umask: under umask 022 others
+   * could not connect (no write bit) but the mode would say 0755. Mode 0600
+   * whatever the umask, as the unit's SocketMode=0600; --socket-mode and
+   * --socket-group change it after (socket_access). The loop has not
+   * started: no other thread sees the umask change. */
+  mode_t was = umask(0177);
+  int bound = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+  umask(was);
+  if (bound < 0 || listen(fd, SOMAXCONN) < 0) {
     err = -errno;
     td__error("cannot listen on %s: %s", path, strerror(errno));
     close(fd);
@@ -274,6 +281,59 @@ static void on_signal(uv_signal_t *h, int signum) {
   td__server_stop(srv);
 }
 
+/* Warns when --socket-mode lets the socket's group or others connect (the
+ * write bit) but a directory on its path does not let them reach it (the
+ * search bit): the first such directory, with its mode and owners, so that
+ * the operator sees why a user's connect fails with "Permission denied".
+ * Group members are judged by the directory's group bits when it belongs to
+ * the socket's group, else by its other bits (the usual case; a member who
+ * owns the directory or is in its group may still get in). Logs only. */
+static void warn_unreachable(const char *path, mode_t mode, gid_t gid) {
+  int grp = (mode & S_IWGRP) != 0, oth = (mode & S_IWOTH) != 0;
+  if (!grp && !oth)
+    return;
+  char real[PATH_MAX];
+  char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  snprintf(dir, sizeof(dir), "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == NULL)
+    snprintf(dir, sizeof(dir), ".");
+  else if (slash == dir)
+    dir[1] = '\0';
+  else
+    *slash = '\0';
+  if (realpath(dir, real) == NULL)
+    return;
+  /* From the root down: the first that stops them is the one to fix. */
+  size_t len = strlen(real);
+  char at[PATH_MAX];
+  for (size_t i = 0; i <= len; i++) {
+    if (i < len && real[i] != '/')
+      continue;
+    if (i == 0)
+      snprintf(at, sizeof(at), "/");
+    else
+      snprintf(at, sizeof(at), "%.*s", (int)i, real);
+    struct stat st;
+    if (stat(at, &st) < 0)
+      return;
+    int grp_in = st.st_gid == gid ? (st.st_mode & S_IXGRP) != 0
+                                  : (st.st_mode & S_IXOTH) != 0;
+    int oth_in = (st.st_mode & S_IXOTH) != 0;
+    if ((grp && !grp_in) || (oth && !oth_in)) {
+      char who[96];
+      td__warn("--socket-mode %04o lets %s connect to %s, but directory %s "
+               "(mode %04o, owner %s, group %u) does not let them reach it: "
+               "give it the search bit (chmod o+x %s, or chgrp it to the "
+               "socket's group and chmod g+x)",
+               (unsigned)mode, oth ? "everyone" : "the socket's group", path,
+               at, (unsigned)(st.st_mode & 07777),
+               uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid, at);
+      return;
+    }
+  }
+}
+
 /* Gives the socket we bound to --socket-group with --socket-mode. */
 static int socket_access(td__server *srv, const td__options *o) {
   gid_t gid = (gid_t)-1;
@@ -301,6 +361,16 @@ static int socket_access(td__server *srv, const td__options *o) {
               srv->socket_path, strerror(errno));
     return -errno;
   }
+  struct stat st;
+  if ((o->socket_group == NULL && o->socket_mode < 0) ||
+      stat(srv->socket_path, &st) < 0)
+    return 0;
+  if (o->socket_group != NULL && !(st.st_mode & S_IWGRP))
+    td__warn("--socket-group %s: the socket's mode %04o gives the group no "
+             "write bit, so its members cannot connect (add --socket-mode "
+             "0660)",
+             o->socket_group, (unsigned)(st.st_mode & 07777));
+  warn_unreachable(srv->socket_path, st.st_mode & 07777, st.st_gid);
   return 0;
 }
 

@@ -7,12 +7,15 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/statvfs.h>
+#include <sys/stat.h>
 
 #define BIG (256u << 20)    /* what crosses the namespace's boundary */
 #define TINY_SHM (1u << 20) /* the namespace's /dev/shm */
@@ -206,4 +209,75 @@ TDT_TEST(containers, daemon_with_tiny_shm_names_its_size) {
   cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
   cr_assert_leq(st.shm_free, (uint64_t)TINY_SHM);
   td_close(c);
+}
+
+/* ---- user namespaces (rootless containers, userns-remap, hostUsers) ---- */
+
+#define HOST_UID 4246 /* the container's root, seen from the host */
+
+static int write_file(const char *path, const char *text) {
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0)
+    return -errno;
+  ssize_t n = write(fd, text, strlen(text));
+  int err = n == (ssize_t)strlen(text) ? 0 : -errno;
+  close(fd);
+  return err;
+}
+
+static int owner_of(const td_storage_info *info, void *arg) {
+  *(uint32_t *)arg = info->owner_uid;
+  return 0;
+}
+
+/* A process of host uid HOST_UID that becomes root in a user namespace of
+ * its own, as in a rootless container: tensord (host root) is unmapped
+ * there, so its uid reads as the overflow uid and the client refuses it,
+ * saying why; TENSORD_TRUST_UID=65534 lets it in, and tensord sees the
+ * client as HOST_UID, its uid in tensord's namespace. */
+static int userns_guest(void *arg) {
+  (void)arg;
+  CHECK(setgroups(0, NULL) == 0 && setgid(HOST_UID) == 0 &&
+        setuid(HOST_UID) == 0);
+  /* A change of uid makes the process undumpable, which gives its /proc
+   * files to root: it could not write its own maps. */
+  CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
+  if (unshare(CLONE_NEWUSER) < 0) {
+    fprintf(stderr, "unshare(CLONE_NEWUSER): %s\n", strerror(errno));
+    return 77;
+  }
+  char map[32];
+  snprintf(map, sizeof(map), "0 %d 1\n", HOST_UID);
+  CHECK(write_file("/proc/self/setgroups", "deny") == 0);
+  CHECK(write_file("/proc/self/uid_map", map) == 0);
+  CHECK(write_file("/proc/self/gid_map", map) == 0);
+  CHECK(getuid() == 0 && geteuid() == 0);
+
+  unsetenv("TENSORD_TRUST_UID");
+  td_client *c = NULL;
+  CHECK_ERR(NULL, td_connect(d.sock, &c), TD_EACCES);
+  CHECK_MSG(NULL, "runs as uid 65534");
+  CHECK_MSG(NULL, "overflow uid");
+
+  setenv("TENSORD_TRUST_UID", "65534", 1);
+  CHECK_ERR(NULL, td_connect(d.sock, &c), 0);
+  td_storage *s;
+  CHECK_ERR(c, td_storage_create(c, 4096, &s), 0);
+  uint32_t owner = 0;
+  CHECK_ERR(c, td_info(c, td_storage_id(s), NULL, owner_of, NULL, &owner), 0);
+  CHECK(owner == HOST_UID); /* not 0, this process's uid here */
+  CHECK_ERR(c, td_storage_release(s), 0);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(containers, user_namespace_root_is_its_host_uid_to_tensord) {
+  if (geteuid() != 0)
+    cr_skip_test("becoming another host uid needs root");
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0, "chmod %s: %s", d.dir, strerror(errno));
+  int st = tdt_wait(tdt_fork(userns_guest, NULL));
+  if (st == 77)
+    cr_skip_test("user namespaces are not permitted here");
+  cr_assert_eq(st, 0, "the client in the user namespace exited %d", st);
 }

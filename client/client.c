@@ -17,6 +17,8 @@
 #include "viewmsg.h"
 #include "wire.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -24,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -473,13 +476,58 @@ static int check_peer(int fd, const char *path) {
   int ok = trusted_by_env(cr.uid);
   if (ok != 0)
     return ok < 0 ? ok : 0;
+  /* The uid a user namespace shows for one it does not map: a daemon
+   * outside a rootless container, say. */
+  unsigned overflow = 65534;
+  FILE *f = fopen("/proc/sys/kernel/overflowuid", "re");
+  if (f != NULL) {
+    if (fscanf(f, "%u", &overflow) != 1)
+      overflow = 65534;
+    fclose(f);
+  }
   return fail(NULL, TD_EACCES,
               "refusing the daemon at %s: it runs as uid %u (pid %d), and "
               "this process trusts only its own uid (%u), root and the uids "
               "in $TENSORD_TRUST_UID; if you trust uid %u, set "
-              "TENSORD_TRUST_UID=%u",
+              "TENSORD_TRUST_UID=%u%s",
               path, (unsigned)cr.uid, (int)cr.pid, (unsigned)me,
-              (unsigned)cr.uid, (unsigned)cr.uid);
+              (unsigned)cr.uid, (unsigned)cr.uid,
+              cr.uid == overflow
+                  ? " (this uid is the overflow uid: the daemon's uid has "
+                    "no mapping in this process's user namespace; see "
+                    "docs/containers.md)"
+                  : "");
+}
+
+/* Explains a connect() to path that failed with EACCES: writes to buf the
+ * first directory on the path, from the root down, that this process may
+ * not search, with its mode and owner, or else the socket's own mode and
+ * owners (connecting needs its write bit); "" if neither stat works. */
+static void why_denied(const char *path, char *buf, size_t len) {
+  char at[108];
+  struct stat st;
+  buf[0] = '\0';
+  size_t n = strlen(path);
+  for (size_t i = 0; i < n; i++) {
+    if (path[i] != '/')
+      continue;
+    snprintf(at, sizeof(at), "%.*s", i == 0 ? 1 : (int)i, path);
+    if (faccessat(AT_FDCWD, at, X_OK, AT_EACCESS) == 0 || errno != EACCES)
+      continue;
+    if (stat(at, &st) == 0)
+      snprintf(buf, len,
+               " (directory %s is mode %04o, owner uid %u, group %u: this "
+               "process, uid %u, may not enter it)",
+               at, (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid,
+               (unsigned)st.st_gid, (unsigned)geteuid());
+    return;
+  }
+  if (stat(path, &st) == 0)
+    snprintf(buf, len,
+             " (the socket is mode %04o, owner uid %u, group %u: this "
+             "process, uid %u, may not write it)",
+             (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid,
+             (unsigned)st.st_gid, (unsigned)geteuid());
 }
 
 int td_connect(const char *socket_path, td_client **out) {
@@ -503,9 +551,12 @@ int td_connect(const char *socket_path, td_client **out) {
   if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
     int e = errno;
     close(fd);
-    return fail(NULL, -e, "cannot connect to %s: %s%s", path, strerror(e),
-                e == ENOENT || e == ECONNREFUSED ? " (is tensord running?)"
-                                                 : "");
+    char why[192] = "";
+    if (e == EACCES)
+      why_denied(path, why, sizeof(why));
+    return fail(
+        NULL, -e, "cannot connect to %s: %s%s%s", path, strerror(e),
+        e == ENOENT || e == ECONNREFUSED ? " (is tensord running?)" : "", why);
   }
   int err = check_peer(fd, path);
   if (err < 0) {
@@ -1283,6 +1334,21 @@ int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
     out[i].storages = d->storages;
   }
   *n = st->n_devices;
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int td_stat_prefixes(td_client *c, char (*out)[TD_PREFIX_MAX], size_t max,
+                     size_t *n) {
+  *n = 0;
+  Tensord__Response *r;
+  int err = stat_call(c, &r);
+  if (err < 0)
+    return err;
+  const Tensord__StatReply *st = r->stat;
+  for (size_t i = 0; i < st->n_prefixes && i < max; i++)
+    snprintf(out[i], TD_PREFIX_MAX, "%s", st->prefixes[i]);
+  *n = st->n_prefixes;
   tensord__response__free_unpacked(r, NULL);
   return 0;
 }

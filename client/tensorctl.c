@@ -24,7 +24,8 @@ static void usage(FILE *f) {
           "              holders (pids), keys, age; -l adds mode, owner, "
           "group\n"
           "  stat        totals: storages, bytes used / capacity, clients,\n"
-          "              keys, uptime, version\n"
+          "              keys, uptime, version, instance and the prefixes\n"
+          "              of its segments in /dev/shm\n"
           "  info ID|KEY everything about one storage, with its published "
           "views\n"
           "  rm KEY      unpublish KEY\n"
@@ -286,6 +287,11 @@ static int cmd_stat(td_client *c) {
     return err;
   if (ngpus > sizeof(gpus) / sizeof(gpus[0]))
     ngpus = sizeof(gpus) / sizeof(gpus[0]);
+  static char prefixes[256][TD_PREFIX_MAX];
+  size_t np;
+  if ((err = td_stat_prefixes(c, prefixes, 256, &np)) < 0)
+    return err;
+  size_t shown = np < 256 ? np : 256;
   if (json) {
     printf("{\"storages\":%" PRIu64 ",\"bytes_used\":%" PRIu64
            ",\"capacity\":%" PRIu64 ",\"shm_free\":%" PRIu64
@@ -301,6 +307,12 @@ static int cmd_stat(td_client *c) {
     json_str(st.socket);
     printf(",\"state_dir\":");
     json_str(st.state_dir);
+    printf(",\"instance\":\"%016" PRIx64 "\",\"prefixes\":[", st.instance);
+    for (size_t i = 0; i < shown; i++) {
+      printf("%s", i ? "," : "");
+      json_str(prefixes[i]);
+    }
+    printf("]");
     printf(",\"pool\":{\"segments\":%" PRIu64 ",\"bytes\":%" PRIu64
            ",\"limit\":%" PRIu64 ",\"hits\":%" PRIu64 ",\"misses\":%" PRIu64
            "},\"devices\":[",
@@ -326,6 +338,12 @@ static int cmd_stat(td_client *c) {
   printf("uptime    %s\n", age(st.uptime_ms, u, sizeof(u)));
   printf("version   %s (pid %d)\n", st.version, st.pid);
   printf("socket    %s\n", st.socket);
+  printf("instance  %016" PRIx64 "\n", st.instance);
+  /* Where its segments are: a clean-up by hand spares all of these. */
+  for (size_t i = 0; i < shown; i++)
+    printf("%s/dev/shm%s*\n", i ? "          " : "segments  ", prefixes[i]);
+  if (np > shown)
+    printf("          ... and %zu more prefix(es)\n", np - shown);
   printf("state     %s\n",
          st.state_dir[0] ? st.state_dir : "none (keys end with tensord)");
   if (st.pool_limit) {

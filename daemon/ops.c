@@ -818,12 +818,20 @@ static int op_stat(td__conn *c, uint64_t seq) {
   st.n_devices = nd;
   st.devices = dp;
   st.pool_misses = srv->pool.misses;
+  /* A handful: this instance's two and one per earlier instance whose
+   * segments it adopted (none if memory is short: stat still answers). */
+  char **pp = malloc(srv->nprefixes * sizeof(*pp) + 1);
+  for (size_t i = 0; pp != NULL && i < srv->nprefixes; i++)
+    pp[i] = srv->prefixes[i];
+  st.n_prefixes = pp != NULL ? srv->nprefixes : 0;
+  st.prefixes = pp;
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_STAT;
   r.stat = &st;
   td__conn_send(c, &r, -1);
+  free(pp);
   return 0;
 }
 

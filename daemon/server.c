@@ -196,8 +196,15 @@ static int bind_socket(td__server *srv, const char *path) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return -errno;
-  if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
-      listen(fd, SOMAXCONN) < 0) {
+  /* bind() makes the socket 0777 less the umask: under umask 022 others
+   * could not connect (no write bit) but the mode would say 0755. Mode 0600
+   * whatever the umask, as the unit's SocketMode=0600; --socket-mode and
+   * --socket-group change it after (socket_access). The loop has not
+   * started: no other thread sees the umask change. */
+  mode_t was = umask(0177);
+  int bound = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+  umask(was);
+  if (bound < 0 || listen(fd, SOMAXCONN) < 0) {
     err = -errno;
     td__error("cannot listen on %s: %s", path, strerror(errno));
     close(fd);
@@ -274,6 +281,59 @@ static void on_signal(uv_signal_t *h, int signum) {
   td__server_stop(srv);
 }
 
+/* Warns when --socket-mode lets the socket's group or others connect (the
+ * write bit) but a directory on its path does not let them reach it (the
+ * search bit): the first such directory, with its mode and owners, so that
+ * the operator sees why a user's connect fails with "Permission denied".
+ * Group members are judged by the directory's group bits when it belongs to
+ * the socket's group, else by its other bits (the usual case; a member who
+ * owns the directory or is in its group may still get in). Logs only. */
+static void warn_unreachable(const char *path, mode_t mode, gid_t gid) {
+  int grp = (mode & S_IWGRP) != 0, oth = (mode & S_IWOTH) != 0;
+  if (!grp && !oth)
+    return;
+  char real[PATH_MAX];
+  char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  snprintf(dir, sizeof(dir), "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == NULL)
+    snprintf(dir, sizeof(dir), ".");
+  else if (slash == dir)
+    dir[1] = '\0';
+  else
+    *slash = '\0';
+  if (realpath(dir, real) == NULL)
+    return;
+  /* From the root down: the first that stops them is the one to fix. */
+  size_t len = strlen(real);
+  char at[PATH_MAX];
+  for (size_t i = 0; i <= len; i++) {
+    if (i < len && real[i] != '/')
+      continue;
+    if (i == 0)
+      snprintf(at, sizeof(at), "/");
+    else
+      snprintf(at, sizeof(at), "%.*s", (int)i, real);
+    struct stat st;
+    if (stat(at, &st) < 0)
+      return;
+    int grp_in = st.st_gid == gid ? (st.st_mode & S_IXGRP) != 0
+                                  : (st.st_mode & S_IXOTH) != 0;
+    int oth_in = (st.st_mode & S_IXOTH) != 0;
+    if ((grp && !grp_in) || (oth && !oth_in)) {
+      char who[96];
+      td__warn("--socket-mode %04o lets %s connect to %s, but directory %s "
+               "(mode %04o, owner %s, group %u) does not let them reach it: "
+               "give it the search bit (chmod o+x %s, or chgrp it to the "
+               "socket's group and chmod g+x)",
+               (unsigned)mode, oth ? "everyone" : "the socket's group", path,
+               at, (unsigned)(st.st_mode & 07777),
+               uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid, at);
+      return;
+    }
+  }
+}
+
 /* Gives the socket we bound to --socket-group with --socket-mode. */
 static int socket_access(td__server *srv, const td__options *o) {
   gid_t gid = (gid_t)-1;
@@ -301,6 +361,16 @@ static int socket_access(td__server *srv, const td__options *o) {
               srv->socket_path, strerror(errno));
     return -errno;
   }
+  struct stat st;
+  if ((o->socket_group == NULL && o->socket_mode < 0) ||
+      stat(srv->socket_path, &st) < 0)
+    return 0;
+  if (o->socket_group != NULL && !(st.st_mode & S_IWGRP))
+    td__warn("--socket-group %s: the socket's mode %04o gives the group no "
+             "write bit, so its members cannot connect (add --socket-mode "
+             "0660)",
+             o->socket_group, (unsigned)(st.st_mode & 07777));
+  warn_unreachable(srv->socket_path, st.st_mode & 07777, st.st_gid);
   return 0;
 }
 
@@ -328,10 +398,26 @@ static void sweep_previous(td__server *srv) {
   fclose(f);
 }
 
+/* Appends p to srv->prefixes unless it is there. Returns 0 or TD_ENOMEM
+ * (the list is unchanged then). */
+static int add_prefix(td__server *srv, const char *p) {
+  for (size_t i = 0; i < srv->nprefixes; i++)
+    if (strcmp(srv->prefixes[i], p) == 0)
+      return 0;
+  char(*l)[TD__PREFIX_MAX] =
+      realloc(srv->prefixes, (srv->nprefixes + 1) * sizeof(*srv->prefixes));
+  if (l == NULL)
+    return TD_ENOMEM;
+  srv->prefixes = l;
+  snprintf(l[srv->nprefixes++], TD__PREFIX_MAX, "%s", p);
+  return 0;
+}
+
 /* Without --state-dir, unlinks what the previous daemon on this socket left
  * (with it, td__state_open sweeps them, keeping what keys name). Then
  * records the prefixes this daemon's segments have: its own and those of
- * segments it adopted. */
+ * segments it adopted, in <socket>.instance and in srv->prefixes (for
+ * tensorctl stat). */
 static void record_instance(td__server *srv) {
   for (size_t i = 0; i < srv->nprev && srv->state == NULL; i++) {
     int n = td__segments_unlink_prefix(srv->prev[i] + 1, NULL, NULL);
@@ -340,20 +426,22 @@ static void record_instance(td__server *srv) {
                "(%s*)",
                n, srv->socket_path, srv->prev[i]);
   }
-  char tmp[sizeof(srv->run_path) + 8];
-  snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
-  FILE *f = fopen(tmp, "w");
-  int ok =
-      f != NULL && fprintf(f, "%s\n%s\n", srv->prefix, srv->pool.prefix) > 0;
+  int ok = add_prefix(srv, srv->prefix) == 0 &&
+           add_prefix(srv, srv->pool.prefix) == 0;
   char last[TD__PREFIX_MAX] = "";
   for (const td__storage *s = srv->reg.first; s && ok; s = s->next) {
     char p[TD__PREFIX_MAX];
-    if (td__segment_prefix(s->name, p) == 0 && strcmp(p, srv->prefix) != 0 &&
-        strcmp(p, last) != 0) {
-      ok = fprintf(f, "%s\n", p) > 0;
+    if (td__segment_prefix(s->name, p) == 0 && strcmp(p, last) != 0) {
+      ok = add_prefix(srv, p) == 0;
       memcpy(last, p, sizeof(last));
     }
   }
+  char tmp[sizeof(srv->run_path) + 8];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", srv->run_path);
+  FILE *f = ok ? fopen(tmp, "w") : NULL;
+  ok = f != NULL;
+  for (size_t i = 0; i < srv->nprefixes && ok; i++)
+    ok = fprintf(f, "%s\n", srv->prefixes[i]) > 0;
   if (f != NULL && fclose(f) != 0)
     ok = 0;
   if (!ok || rename(tmp, srv->run_path) < 0) {
@@ -505,6 +593,9 @@ static void stop_finish(td__server *srv) {
   free(srv->prev);
   srv->prev = NULL;
   srv->nprev = 0;
+  free(srv->prefixes);
+  srv->prefixes = NULL;
+  srv->nprefixes = 0;
 }
 
 void td__server_stop(td__server *srv) {

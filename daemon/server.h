@@ -36,6 +36,10 @@ struct td__server {
   char (*prev)[TD__PREFIX_MAX]; /* prefixes the previous daemon recorded */
   size_t nprev;
   char prefix[TD__PREFIX_MAX]; /* shm name prefix of this instance */
+  /* Every prefix our segments have, as recorded in run_path: prefix, the
+   * pool's, then those of adopted segments (StatReply.prefixes). */
+  char (*prefixes)[TD__PREFIX_MAX];
+  size_t nprefixes;
   uint64_t instance;
   int64_t start_ms;
   int stopping; /* td__server_stop has begun */

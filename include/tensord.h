@@ -620,6 +620,16 @@ typedef struct td_device_stat {
  * *n to how many it has (which may exceed max). A daemon lists GPUs once its
  * CUDA driver is loaded (its first CUDA create). */
 int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n);
+#define TD_PREFIX_MAX 64 /* bytes of a segment name prefix, with its NUL */
+/* Fills out[0..max) with the name prefixes of the daemon's segments in
+ * /dev/shm, as "/tensord.<hex>." (its own instance's and its recycling
+ * pool's first, then those of the segments it adopted from earlier instances
+ * through --state-dir, which keep the names they were made with), and sets
+ * *n to how many it has (which may exceed max; out may be NULL when max is
+ * 0). A segment under one of these is live: removing it by hand destroys
+ * data (docs/operations.md). */
+int td_stat_prefixes(td_client *c, char (*out)[TD_PREFIX_MAX], size_t max,
+                     size_t *n);
 /* Describes one storage (by id) and every key that names it. Exactly one of
  * id (non-zero) and key (non-NULL) selects it. Callbacks as for td_list;
  * keys get kcb (may be NULL). */

@@ -26,7 +26,8 @@ cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" ||
 for f in include/tensord.h bin/tensord bin/tensorctl \
          "$libdir_rel/libtensord.a" "$libdir_rel/pkgconfig/tensord.pc" \
          "$libdir_rel/cmake/tensord/tensordConfig.cmake" \
-         "$libdir_rel/cmake/tensord/tensordConfigVersion.cmake"; do
+         "$libdir_rel/cmake/tensord/tensordConfigVersion.cmake" \
+         share/doc/tensord/operations.md share/doc/tensord/containers.md; do
   [ -e "$prefix/$f" ] || fail "$f was not installed"
 done
 real=$(readlink -f "$libdir/libtensord.so")

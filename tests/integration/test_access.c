@@ -899,6 +899,86 @@ TDT_TEST(access, socket_group_and_mode_are_applied, .timeout = 30) {
   tdt_stop(&d);
 }
 
+/* The socket tensord binds is 0600 whatever the umask it starts under:
+ * under umask 0 it would otherwise be 0777 and anyone could connect. */
+TDT_TEST(access, default_socket_is_0600_whatever_the_umask, .timeout = 30) {
+  need_root();
+  mode_t was = umask(0);
+  tdt_start(&d, NULL);
+  umask(was);
+  struct stat sb;
+  cr_assert_eq(stat(d.sock, &sb), 0);
+  cr_assert_eq(sb.st_mode & 07777, 0600, "socket mode %04o under umask 0",
+               (unsigned)(sb.st_mode & 07777));
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  run_as(STRANGER, cannot_connect, NULL);
+  tdt_stop(&d);
+}
+
+/* --socket-mode that lets others connect, in a directory they cannot
+ * enter (the harness's is 0700): tensord warns, naming the directory and
+ * its mode; --socket-group without a group write bit is warned of too. */
+TDT_TEST(access, socket_mode_warns_of_a_directory_others_cannot_enter,
+         .timeout = 30) {
+  need_root();
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  char want[160];
+  snprintf(want, sizeof(want), "but directory %s (mode 0700, owner uid 0",
+           d.dir);
+  cr_assert(tdt_log_has(&d, want), "no warning naming %s in %s", d.dir, d.log);
+  tdt_stop(&d);
+  tdt_start(&d, (const char *const[]){"--socket-group", "4243", NULL});
+  cr_assert(tdt_log_has(&d, "--socket-group 4243: the socket's mode 0600 "
+                            "gives the group no write bit"),
+            "see %s", d.log);
+  tdt_stop(&d);
+}
+
+/* The same --socket-mode in a directory others can enter: no warning. */
+TDT_TEST(access, socket_mode_in_a_reachable_directory_is_not_warned_of,
+         .timeout = 30) {
+  need_root();
+  tdt_start(&d, NULL);
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  cr_assert_eq(tdt_wait(d.pid), 0);
+  d.pid = 0;
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  tdt_restart(&d, (const char *const[]){"--socket-mode", "0666",
+                                        "--socket-group", "4243", NULL});
+  cr_assert_not(tdt_log_has(&d, "does not let them reach it"), "see %s", d.log);
+  cr_assert_not(tdt_log_has(&d, "gives the group no write bit"), "see %s",
+                d.log);
+  run_as(STRANGER, connects, NULL);
+  tdt_stop(&d);
+}
+
+static int denied_names(void *arg) {
+  const char *needle = arg;
+  td_client *c = NULL;
+  CHECK_ERR(NULL, td_connect(d.sock, &c), TD_EACCES);
+  CHECK_MSG(NULL, needle);
+  return 0;
+}
+
+/* A client refused at connect() is told what refused it: the first
+ * directory it may not enter, else the socket's mode. */
+TDT_TEST(access, permission_denied_names_the_directory_or_the_socket,
+         .timeout = 30) {
+  need_root();
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  char want[160];
+  snprintf(want, sizeof(want),
+           "Permission denied (directory %s is mode 0700, owner uid 0", d.dir);
+  run_as(STRANGER, denied_names, want);
+  tdt_stop(&d);
+
+  tdt_start(&d, NULL);
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  run_as(STRANGER, denied_names,
+         "Permission denied (the socket is mode 0600, owner uid 0");
+  tdt_stop(&d);
+}
+
 TDT_TEST(access, socket_group_by_name_and_mode_0600, .timeout = 30) {
   need_root();
   struct group *g = getgrgid(0);

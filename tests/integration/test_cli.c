@@ -490,6 +490,16 @@ TDT_TEST(cli, stat_shows_totals) {
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "version   " TD_VERSION_STRING) != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "used      ") != NULL, "%s", r.out);
+  /* The instance, and where its segments are (docs/operations.md). */
+  snprintf(want, sizeof(want), "instance  %016llx\n",
+           (unsigned long long)d.instance);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  snprintf(want, sizeof(want), "segments  /dev/shm/tensord.%016llx.*\n",
+           (unsigned long long)d.instance);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  snprintf(want, sizeof(want), "          /dev/shm/tensord.%016llx-pool.*\n",
+           (unsigned long long)d.instance);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   run_free(&r);
   scene_free(&sc);
 }
@@ -513,6 +523,12 @@ TDT_TEST(cli, stat_json_is_one_object) {
             "%s", r.out);
   char want[160];
   snprintf(want, sizeof(want), "\"socket\":\"%s\"", d.sock);
+  cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
+  snprintf(want, sizeof(want),
+           "\"instance\":\"%016llx\",\"prefixes\":[\"/tensord.%016llx.\","
+           "\"/tensord.%016llx-pool.\"]",
+           (unsigned long long)d.instance, (unsigned long long)d.instance,
+           (unsigned long long)d.instance);
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   run_free(&r);
   scene_free(&sc);

@@ -599,6 +599,57 @@ TDT_TEST(crash, clean_shutdown_with_state_dir_keeps_published_storages) {
   finish();
 }
 
+/* Whether td_stat_prefixes names prefix; asserts the call works. */
+static int has_prefix(td_client *c, const char *fmt, uint64_t instance) {
+  char want[TD_PREFIX_MAX], got[8][TD_PREFIX_MAX];
+  size_t n;
+  snprintf(want, sizeof(want), fmt, (unsigned long long)instance);
+  cr_assert_eq(td_stat_prefixes(c, got, 8, &n), 0, "%s", td_last_error(c));
+  for (size_t i = 0; i < n && i < 8; i++)
+    if (strcmp(got[i], want) == 0)
+      return 1;
+  return 0;
+}
+
+/* Segments adopted at a restart keep the name an earlier instance gave them,
+ * so stat lists that instance's prefix beside the new one's (a clean-up by
+ * hand must spare both); storage ids are the new instance's, and none is
+ * used twice in it. */
+TDT_TEST(crash, stat_lists_the_prefixes_of_adopted_segments) {
+  start(1);
+  publish_all();
+  uint64_t inst1 = d.instance;
+  td_client *c = tdt_connect(&d);
+  cr_assert(has_prefix(c, "/tensord.%016llx.", inst1));
+  cr_assert(has_prefix(c, "/tensord.%016llx-pool.", inst1));
+  size_t n;
+  cr_assert_eq(td_stat_prefixes(c, NULL, 0, &n), 0);
+  cr_assert_eq(n, 2, "a fresh instance has its own and its pool's prefix");
+  td_close(c);
+  term();
+
+  restart(1);
+  c = tdt_connect(&d);
+  cr_assert(has_prefix(c, "/tensord.%016llx.", d.instance));
+  cr_assert(has_prefix(c, "/tensord.%016llx-pool.", d.instance));
+  cr_assert(has_prefix(c, "/tensord.%016llx.", inst1),
+            "the adopted segments' prefix is not listed");
+  cr_assert_eq(td_stat_prefixes(c, NULL, 0, &n), 0);
+  cr_assert_eq(n, 3);
+  /* The ids of adopted storages are this instance's: a new storage gets
+   * none of them. */
+  uint64_t ids[NSTOR] = {0};
+  storage_ids(c, ids);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0, "%s", td_last_error(c));
+  for (int i = 0; i < NSTOR; i++)
+    cr_assert_neq(td_storage_id(s), ids[i], "id %llu used twice",
+                  (unsigned long long)ids[i]);
+  td_storage_release(s);
+  td_close(c);
+  finish();
+}
+
 TDT_TEST(crash, clean_shutdown_without_state_dir_unlinks_everything) {
   start(0);
   publish_all();
@@ -636,7 +687,8 @@ TDT_TEST(crash, restart_without_state_dir_unlinks_the_previous_leftovers) {
   cr_assert_eq(td_storage_create(c, 4096, &held), 0);
   fill(held, 5);
   kill9();
-  cr_assert_eq(tdt_segments_of(inst1), NSTOR + 1, "left in /dev/shm by the kill");
+  cr_assert_eq(tdt_segments_of(inst1), NSTOR + 1,
+               "left in /dev/shm by the kill");
   cr_assert_eq(td_ping(c, NULL), TD_ECONNRESET);
 
   restart(0);
@@ -691,8 +743,9 @@ TDT_TEST(crash, restart_ignores_recorded_prefixes_that_are_no_instance) {
   if (fd >= 0)
     close(fd);
   shm_unlink(bystander);
-  cr_assert(survived, "the restart unlinked %s, which no recorded instance "
-                      "owns; see %s",
+  cr_assert(survived,
+            "the restart unlinked %s, which no recorded instance "
+            "owns; see %s",
             bystander, d.log);
   finish();
 }
@@ -981,7 +1034,7 @@ TDT_TEST(crash, second_tensord_on_the_same_state_dir_is_refused) {
 }
 
 TDT_TEST(crash,
-     restart_with_state_dir_after_a_crash_without_one_unlinks_leftovers) {
+         restart_with_state_dir_after_a_crash_without_one_unlinks_leftovers) {
   start(0);
   publish_all();
   uint64_t inst1 = d.instance;

@@ -316,13 +316,18 @@ static void add_float(td__show_stats *st, double x) {
     st->nan++;
     return;
   }
-  st->inf += isinf(x) != 0;
   st->zeros += x == 0;
   if (st->nvalues == 0 || x < st->fmin)
     st->fmin = x;
   if (st->nvalues == 0 || x > st->fmax)
     st->fmax = x;
-  welford(x, ++st->nvalues, &st->mean, &st->m2);
+  st->nvalues++;
+  if (isinf(x)) { /* kept out of Welford's sums, which it would poison */
+    st->inf++;
+    *(x > 0 ? &st->pinf : &st->ninf) += 1;
+    return;
+  }
+  welford(x, st->nvalues - st->inf, &st->mean, &st->m2);
 }
 
 static void add(td__show_stats *st, td_dtype dt, const uint8_t *p) {
@@ -412,8 +417,16 @@ int td__show_stats_read(const td_view *v, const void *base, int64_t sample,
   return 0;
 }
 
+double td__show_mean(const td__show_stats *st) {
+  if (st->nvalues == 0 || (st->pinf && st->ninf))
+    return NAN;
+  if (st->pinf || st->ninf)
+    return st->pinf ? INFINITY : -INFINITY;
+  return st->mean;
+}
+
 double td__show_std(const td__show_stats *st) {
-  if (st->nvalues == 0)
+  if (st->nvalues == 0 || st->pinf || st->ninf)
     return NAN;
   return sqrt((st->m2 + st->m2_im) / (double)st->nvalues);
 }
@@ -629,8 +642,8 @@ static void ffmt_one(const ffmt *f, double x, char out[96]) {
   split(f, x, ip, fp, &e);
   if (f->sci)
     k = snprintf(out, 96, "%*s.%s%.*se%c%0*d", f->pad_l, ip, fp,
-             f->frac_digits - (int)strlen(fp), "0000000000000000000000",
-             e < 0 ? '-' : '+', f->exp_digits, abs(e));
+                 f->frac_digits - (int)strlen(fp), "0000000000000000000000",
+                 e < 0 ? '-' : '+', f->exp_digits, abs(e));
   else
     k = snprintf(out, 96, "%*s.%-*s", f->pad_l, ip, f->pad_r, fp);
   (void)k;
@@ -923,7 +936,7 @@ static void print_json(const char *key, const td_storage *s, int whole,
     json_float(TD_FLOAT64, st->mean_im);
     putchar(']');
   } else {
-    json_float(TD_FLOAT64, st->mean);
+    json_float(TD_FLOAT64, td__show_mean(st));
   }
   printf(",\"std\":");
   if (st->nvalues == 0)
@@ -952,6 +965,16 @@ static void print_json(const char *key, const td_storage *s, int whole,
   printf("}\n");
 }
 
+/* A mean or std for text: %.6g, with "nan" and "inf" spelt alike
+ * everywhere (printf may write "-nan"). */
+static const char *g6(double x, char *buf, size_t len) {
+  if (isnan(x))
+    snprintf(buf, len, "nan");
+  else
+    snprintf(buf, len, "%.6g", x);
+  return buf;
+}
+
 /* A statistic of a float view for text: shortest in the dtype. */
 static const char *ftext(td_dtype dt, double x, char *buf, size_t len) {
   return td__show_shortest(dt, x, buf, len);
@@ -960,7 +983,7 @@ static const char *ftext(td_dtype dt, double x, char *buf, size_t len) {
 static void print_text(const td_view *v, const void *base,
                        const td__show_stats *st) {
   kind k = kind_of(v->dtype);
-  char a[64], b[64];
+  char a[64], b[64], c[64];
   printf("count  %" PRId64, st->count);
   if (k == K_BOOL)
     printf("   true %" PRIu64 "   false %" PRIu64 "\n", st->ntrue, st->zeros);
@@ -978,8 +1001,9 @@ static void print_text(const td_view *v, const void *base,
   } else if (st->nvalues == 0) {
     printf("min    -   max -   mean -   std -\n");
   } else if (k == K_COMPLEX) {
-    printf("mean   (%.6g%+.6gj)   std %.6g\n", st->mean, st->mean_im,
-           td__show_std(st));
+    printf("mean   (%s%s%sj)   std %s\n", g6(st->mean, a, sizeof(a)),
+           signbit(st->mean_im) || isnan(st->mean_im) ? "" : "+",
+           g6(st->mean_im, b, sizeof(b)), g6(td__show_std(st), c, sizeof(c)));
   } else {
     if (k == K_INT)
       printf("min    %" PRId64 "   max %" PRId64, st->imin, st->imax);
@@ -988,7 +1012,8 @@ static void print_text(const td_view *v, const void *base,
     else
       printf("min    %s   max %s", ftext(v->dtype, st->fmin, a, sizeof(a)),
              ftext(v->dtype, st->fmax, b, sizeof(b)));
-    printf("   mean %.6g   std %.6g\n", st->mean, td__show_std(st));
+    printf("   mean %s   std %s\n", g6(td__show_mean(st), a, sizeof(a)),
+           g6(td__show_std(st), b, sizeof(b)));
   }
   char repr[2048];
   printf("values %s\n", td__show_repr(v, base, repr, sizeof(repr)));

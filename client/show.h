@@ -23,7 +23,8 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len);
 
 /* Statistics of the elements of a view. Floats (and complex components)
  * leave NaN out of min, max, mean and std, as numpy's nan* functions do;
- * infinities count in. std is the population one (ddof 0). */
+ * infinities count in, as there: the mean is +-inf (NaN with both signs),
+ * the std NaN. std is the population one (ddof 0). */
 typedef struct td__show_stats {
   int64_t total;         /* elements of the view */
   int64_t count;         /* elements read: total, or the sample's size */
@@ -31,6 +32,7 @@ typedef struct td__show_stats {
   uint64_t zeros;        /* == 0 (complex: both parts) */
   uint64_t nan;          /* floats, complex: NaN (complex: either part) */
   uint64_t inf;          /* floats, complex: infinite, not NaN (either part) */
+  uint64_t pinf, ninf;   /* floats: +inf and -inf (kept out of mean, m2) */
   uint64_t ntrue;        /* bool: elements that are true */
   uint64_t nvalues;      /* elements in min, max, mean, std (not NaN) */
   int64_t imin, imax;    /* signed ints, exact */
@@ -47,6 +49,9 @@ typedef struct td__show_stats {
  * for i in [0, n). Fills *st; returns 0, or TD_EINVAL for a bad view. */
 int td__show_stats_read(const td_view *v, const void *base, int64_t sample,
                         td__show_stats *st);
+/* Mean of the values counted (complex: the real part's); NaN if there are
+ * none. */
+double td__show_mean(const td__show_stats *st);
 /* Population standard deviation of the values counted (complex: of the
  * distance to the mean, as numpy's std); NaN if there are none. */
 double td__show_std(const td__show_stats *st);

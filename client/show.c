@@ -255,8 +255,9 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
                    expr);
   if (consuming > v->ndim)
     return td__msg(msg, len, TD_EINVAL,
-                   "index '%s': %d indices for a view of %d dim%s", expr,
-                   consuming, (int)v->ndim, v->ndim == 1 ? "" : "s");
+                   "index '%s': %d %s for a view of %d dim%s", expr, consuming,
+                   consuming == 1 ? "index" : "indices", (int)v->ndim,
+                   v->ndim == 1 ? "" : "s");
   td_view w = *v;
   int32_t d = 0, orig = 0; /* dim in w; dim in v */
   for (size_t i = 0; i < nitems; i++) {

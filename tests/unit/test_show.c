@@ -348,4 +348,12 @@ Test(index, bad_input_names_the_part) {
   expect_bad("[1:2:3:4]", TD_EINVAL, "'1:2:3:4'");
   expect_bad("[99999999999999999999]", TD_EINVAL, "is not an int");
   expect_bad("[1.5]", TD_EINVAL, "'1.5'");
+  td_view z;
+  char msg[256];
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 0, NULL, &z), 0);
+  cr_assert_eq(td__show_index(&z, "[0]", msg, sizeof(msg)), TD_EINVAL);
+  cr_assert(strstr(msg, "1 index for a view of 0 dims") != NULL, "%s", msg);
+  cr_assert_eq(td__show_index(&z, "[..., None]", msg, sizeof(msg)), 0, "%s",
+               msg);
+  cr_assert_eq(z.ndim, 1, "a 0-d view takes '...' and None");
 }

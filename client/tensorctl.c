@@ -1,4 +1,6 @@
-/* tensorctl.c: the operator's view of tensord: ls, stat, info, rm, ping. */
+/* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
+ * ping. */
+#include "show.h"
 #include "tensord.h"
 
 #include <ctype.h>
@@ -28,6 +30,9 @@ static void usage(FILE *f) {
           "              of its segments in /dev/shm\n"
           "  info ID|KEY everything about one storage, with its published "
           "views\n"
+          "  show KEY|ID [INDEX]\n"
+          "              a view's statistics and first and last elements\n"
+          "              (tensorctl show --help)\n"
           "  rm KEY      unpublish KEY\n"
           "  ping        round trip to tensord\n"
           "\n"
@@ -512,6 +517,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   const char *cmd = argv[optind++];
+  if (strcmp(cmd, "show") == 0) /* show parses its own options (show.c) */
+    return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
   /* Options may also follow the command: "tensorctl ls --json". */
   const char *arg = NULL;
   for (int i = optind; i < argc; i++) {

@@ -1,6 +1,7 @@
 /* dtype.c: element types, their sizes and their names. */
-#include "tensord.h"
+#include "common.h"
 
+#include <math.h>
 #include <string.h>
 
 static const struct {
@@ -154,4 +155,50 @@ td_dtype td_dtype_from_name(const char *name) {
   if (name[0] == '<' || name[0] == '=' || name[0] == '|')
     name++;
   return from_typestr(name);
+}
+
+/* Returns 2^e for -1022 <= e <= 1023, without libm. */
+static double pow2(int e) {
+  uint64_t u = (uint64_t)(e + 1023) << 52;
+  double d;
+  memcpy(&d, &u, sizeof(d));
+  return d;
+}
+
+/* Returns the value of a binary float of 1 sign, ebits exponent and mbits
+ * mantissa bits with the given bias. ieee: the all-ones exponent holds
+ * infinities (mantissa 0) and NaNs, as in IEEE 754; otherwise only the
+ * all-ones exponent and mantissa is NaN (the "fn" formats). */
+static double small_float(uint32_t bits, int ebits, int mbits, int bias,
+                          int ieee) {
+  uint32_t mmask = (1u << mbits) - 1, emax = (1u << ebits) - 1;
+  uint32_t e = (bits >> mbits) & emax, m = bits & mmask;
+  double sign = (bits >> (ebits + mbits)) & 1 ? -1.0 : 1.0;
+  if (e == emax && (ieee || m == mmask)) {
+    if (ieee && m == 0)
+      return sign * INFINITY;
+    return sign > 0 ? NAN : -NAN;
+  }
+  if (e == 0) /* zero and subnormals */
+    return sign * (double)m * pow2(1 - bias - mbits);
+  return sign * (double)(m | (1u << mbits)) * pow2((int)e - bias - mbits);
+}
+
+double td__float16_to_double(uint16_t bits) {
+  return small_float(bits, 5, 10, 15, 1);
+}
+
+double td__bfloat16_to_double(uint16_t bits) {
+  uint32_t u = (uint32_t)bits << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+double td__float8_e4m3fn_to_double(uint8_t bits) {
+  return small_float(bits, 4, 3, 7, 0);
+}
+
+double td__float8_e5m2_to_double(uint8_t bits) {
+  return small_float(bits, 5, 2, 15, 1);
 }

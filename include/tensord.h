@@ -440,8 +440,8 @@ typedef struct td_create_opts {
 int td_storage_create_ex(td_client *c, const td_create_opts *o,
                          td_storage **out);
 /* Takes a new reference to storage id; flags: TD_RDONLY maps it read-only
- * (the kernel refuses writes), TD_COW read-only and copy-on-write (above);
- * any other bit is TD_EINVAL. */
+ * (the kernel refuses writes), TD_COW read-only and copy-on-write, TD_LAZY
+ * without populating (above); any other bit is TD_EINVAL. */
 int td_storage_open(td_client *c, uint64_t id, unsigned flags,
                     td_storage **out);
 /* Takes one more reference on the same handle, for a holder that must outlive
@@ -486,8 +486,8 @@ td_client *td_storage_client(const td_storage *s);
 int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v);
 /* Looks key up; waits up to timeout_ms for it to be published (0: do not
- * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE, TD_COW (any other bit
- * is TD_EINVAL). On success *s is a new handle and *v (if not NULL) the
+ * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE, TD_COW, TD_LAZY (any
+ * other bit is TD_EINVAL). On success *s is a new handle and *v (if not NULL) the
  * published view. */
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);

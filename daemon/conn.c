@@ -279,12 +279,13 @@ static int process_frames(td__conn *c) {
     c->nrequests++;
     /* Service time: a create the thread pool finishes counts from
      * create_finish, a lookup that waits for its key not at all. */
-    uint32_t ncreates = c->ncreates, nwaiters = c->nwaiters;
+    uint32_t nwaiters = c->nwaiters;
     c->req_ns = uv_hrtime();
+    c->req_timed = 0;
     int err = td__dispatch(c, req);
     if (c->nwaiters > nwaiters)
       srv->metrics.lookup_waits++;
-    else if (c->ncreates <= ncreates)
+    else if (!c->req_timed)
       td__metrics_observe(&srv->metrics, uv_hrtime() - c->req_ns);
     tensord__request__free_unpacked(req, &req_allocator);
     if (c->closing)

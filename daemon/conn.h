@@ -39,6 +39,7 @@ struct td__conn {
   uint32_t ncreates;  /* in creates: they count as storages held */
   uint64_t nrequests; /* requests it has sent */
   uint64_t req_ns;    /* uv_hrtime when the request in hand arrived */
+  int req_timed;      /* its handler times it (a create: create_finish) */
   td__scope *scopes;  /* it opened and has not ended */
   uint32_t nscopes;
   td__conn *prev, *next;

@@ -315,6 +315,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   cr->conn = c;
   cr->seq = seq;
   cr->start_ns = c->req_ns;
+  c->req_timed = 1; /* create_finish, now or later */
   cr->next = c->creates;
   if (c->creates)
     c->creates->prev = cr;

@@ -253,9 +253,16 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   if (sc->nscrapers > TD__SCRAPERS_MAX) {
-    td__warn("metrics: %u scrapers on %s already, the most served at once; "
-             "closing a new one",
-             TD__SCRAPERS_MAX, sc->where);
+    /* Logged once a minute at most: a crowd must not flood the log. */
+    uint64_t now = uv_now(server->loop);
+    sc->refused++;
+    if (sc->refused_ms == 0 || now - sc->refused_ms >= 60000) {
+      td__warn("metrics: %u scrapers on %s already, the most served at "
+               "once; closed %llu new one(s)",
+               TD__SCRAPERS_MAX, sc->where, (unsigned long long)sc->refused);
+      sc->refused_ms = now;
+      sc->refused = 0;
+    }
     scraper_close(s);
     return;
   }

@@ -31,6 +31,8 @@ typedef struct td__scrape {
   uint64_t timeout_ms; /* a scraper's whole exchange, at most */
   td__scraper *scrapers;
   unsigned nscrapers;
+  uint64_t refused_ms; /* loop time a crowd was last logged (once a minute) */
+  uint64_t refused;    /* scrapers closed for the crowd since */
 } td__scrape;
 
 /* Parses ADDR, a TCP address on the loopback: 127.x.y.z:PORT, [::1]:PORT

@@ -46,11 +46,12 @@ const char *td_version_string(void);
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
  *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
- *   td_key_info, td_stat and td_device_stat. A new field takes the place of
- * reserved words. In what you pass in (td_create_opts, td_publish_opts) zero
- * keeps the old behaviour, so "zero-initialise, then set" keeps working, and a
- * library that does not know a field refuses it non-zero with TD_EINVAL rather
- * than ignore it; in what the library fills in, reserved words are zero.
+ *   td_key_info, td_stat, td_device_stat, td_client_stat and td_metrics. A
+ *   new field takes the place of reserved words. In what you pass in
+ *   (td_create_opts, td_publish_opts) zero keeps the old behaviour, so
+ *   "zero-initialise, then set" keeps working, and a library that does not
+ *   know a field refuses it non-zero with TD_EINVAL rather than ignore it;
+ *   in what the library fills in, reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 

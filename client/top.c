@@ -78,6 +78,16 @@ static char *uptime(int64_t ms, char *buf, size_t len) {
   return buf;
 }
 
+/* Copies s into buf with control characters (a key may hold any) as '?',
+ * so that nobody's key can drive the terminal. Returns buf. */
+static const char *printable(const char *s, char *buf, size_t len) {
+  size_t j = 0;
+  for (; *s && j + 1 < len; s++)
+    buf[j++] = ((unsigned char)*s < 0x20 || *s == 0x7f) ? '?' : *s;
+  buf[j] = '\0';
+  return buf;
+}
+
 /* A client and its request rate between two samples. */
 typedef struct row {
   const td_client_stat *c;
@@ -178,9 +188,11 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
   }
   for (size_t i = 0; i < nl; i++) {
     const td_storage_info *s = &cur->largest[i];
+    char key[256];
     line(&f, "%10" PRIu64 " %10s %5u %5zu %8u %8d  %s", s->id,
          human(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total, s->owner_uid,
-         s->owner_pid, s->nkeys > 0 ? s->keys[0] : "");
+         s->owner_pid,
+         printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
   }
   line(&f, "%s", "");
   line(&f, "BUSIEST CLIENTS");

@@ -185,6 +185,11 @@ static int run_piped(const char *const *argv, char *out, size_t len) {
 TDT_TEST(top, needs_a_terminal_or_once) {
   tdt_start(&d, NULL);
   make_storage();
+  /* A key may hold control characters: they must not reach the terminal. */
+  td_storage *loud;
+  cr_assert_eq(td_storage_create(c, 4 << 20, &loud), 0);
+  cr_assert_eq(td_publish(c, "top/\033[31mred", loud, NULL), 0, "%s",
+               td_last_error(c));
   static char out[1 << 16];
   int status = run_piped(
       (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top", NULL},
@@ -199,6 +204,7 @@ TDT_TEST(top, needs_a_terminal_or_once) {
                 out, sizeof(out));
   cr_assert_eq(status, 0, "%s", out);
   cr_assert_not_null(strstr(out, "top/visible"), "%s", out);
+  cr_assert_not_null(strstr(out, "top/?[31mred"), "%s", out);
   cr_assert_not_null(strstr(out, "requests "), "%s", out);
   cr_assert_null(strstr(out, "\033["), "escape sequences on a pipe");
   /* Bad intervals and options. */
@@ -214,5 +220,6 @@ TDT_TEST(top, needs_a_terminal_or_once) {
                                            "top", "--interval", NULL},
                      out, sizeof(out));
   cr_assert_eq(status, 2);
+  td_storage_release(loud);
   drop_storage();
 }

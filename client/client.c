@@ -1353,6 +1353,93 @@ int td_stat_prefixes(td_client *c, char (*out)[TD_PREFIX_MAX], size_t max,
   return 0;
 }
 
+/* A td_metrics and the memory its largest[] entries point into. */
+typedef struct metrics_mem {
+  td_metrics m;
+  void **infos; /* one allocation per largest[] entry (info_from_msg) */
+} metrics_mem;
+
+void td_metrics_free(td_metrics *m) {
+  if (m == NULL)
+    return;
+  metrics_mem *mm = (metrics_mem *)m;
+  for (size_t i = 0; i < m->nlargest; i++)
+    free(mm->infos[i]);
+  free(mm->infos);
+  free(m->largest);
+  free(m->clients);
+  free(m->text);
+  free(mm);
+}
+
+int td_metrics_get(td_client *c, unsigned largest, unsigned flags,
+                   td_metrics **out) {
+  *out = NULL;
+  if (flags & ~TD_METRICS_NO_TEXT)
+    return fail(c, TD_EINVAL, "metrics: unknown flags 0x%x",
+                flags & ~TD_METRICS_NO_TEXT);
+  if (largest > 64)
+    return fail(c, TD_EINVAL, "metrics: %u largest storages asked, 64 at most",
+                largest);
+  Tensord__Metrics m = TENSORD__METRICS__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.largest = largest;
+  m.no_text = (flags & TD_METRICS_NO_TEXT) != 0;
+  req.body_case = TENSORD__REQUEST__BODY_METRICS;
+  req.metrics = &m;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err == 0)
+    err = expect(c, r, TENSORD__RESPONSE__BODY_METRICS, -1);
+  if (err < 0)
+    return err;
+  const Tensord__MetricsReply *mr = r->metrics;
+  metrics_mem *mm = calloc(1, sizeof(*mm));
+  const char *text = mr->text ? mr->text : "";
+  size_t tlen = strlen(text);
+  if (mm == NULL)
+    goto nomem;
+  td_metrics *o = &mm->m;
+  o->text = malloc(tlen + 1);
+  o->clients = calloc(mr->n_clients ? mr->n_clients : 1, sizeof(*o->clients));
+  o->largest = calloc(mr->n_largest ? mr->n_largest : 1, sizeof(*o->largest));
+  mm->infos = calloc(mr->n_largest ? mr->n_largest : 1, sizeof(void *));
+  if (o->text == NULL || o->clients == NULL || o->largest == NULL ||
+      mm->infos == NULL)
+    goto nomem;
+  memcpy(o->text, text, tlen + 1);
+  o->text_len = tlen;
+  o->requests = mr->requests;
+  o->uptime_ms = mr->uptime_ms;
+  o->storages = mr->storages;
+  o->bytes_used = mr->bytes_used;
+  o->capacity = mr->capacity;
+  o->clients_total = mr->nclients;
+  for (size_t i = 0; i < mr->n_clients; i++) {
+    const Tensord__ClientStat *cs = mr->clients[i];
+    td_client_stat *d = &o->clients[i];
+    d->pid = cs->pid;
+    d->uid = cs->uid;
+    snprintf(d->name, sizeof(d->name), "%s", cs->name ? cs->name : "");
+    d->requests = cs->requests;
+    d->refs = cs->refs;
+    d->bytes_held = cs->bytes_held;
+  }
+  o->nclients = mr->n_clients;
+  for (size_t i = 0; i < mr->n_largest; i++) {
+    if (info_from_msg(mr->largest[i], &o->largest[i], &mm->infos[i]) < 0)
+      goto nomem;
+    o->nlargest = i + 1;
+  }
+  tensord__response__free_unpacked(r, NULL);
+  *out = o;
+  return 0;
+nomem:
+  td_metrics_free(mm ? &mm->m : NULL);
+  tensord__response__free_unpacked(r, NULL);
+  return fail(c, TD_ENOMEM, "metrics: out of memory");
+}
+
 int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg) {
   Tensord__Info m = TENSORD__INFO__INIT;

@@ -1,7 +1,8 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
- * ping. */
+ * ping, metrics, top. */
 #include "show.h"
 #include "tensord.h"
+#include "top.h"
 
 #include <ctype.h>
 #include <getopt.h>
@@ -35,6 +36,12 @@ static void usage(FILE *f) {
           "              (tensorctl show --help)\n"
           "  rm KEY      unpublish KEY\n"
           "  ping        round trip to tensord\n"
+          "  metrics     the metrics in the Prometheus text format (what\n"
+          "              tensord --metrics serves)\n"
+          "  top [--interval MS] [--once]\n"
+          "              a live view: largest storages, busiest clients,\n"
+          "              request rate; redrawn every MS (default 1000)\n"
+          "              until q or Ctrl-C; --once: one plain frame\n"
           "\n"
           "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
           "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
@@ -475,6 +482,34 @@ static int cmd_rm(td_client *c, const char *key) {
   return err;
 }
 
+static int cmd_metrics(td_client *c) {
+  td_metrics *m;
+  int err = td_metrics_get(c, 0, 0, &m);
+  if (err < 0)
+    return err;
+  if (!json) {
+    fwrite(m->text, 1, m->text_len, stdout);
+    td_metrics_free(m);
+    return 0;
+  }
+  printf("{\"requests\":%" PRIu64 ",\"uptime_ms\":%" PRId64
+         ",\"clients_total\":%" PRIu64 ",\"clients\":[",
+         m->requests, m->uptime_ms, m->clients_total);
+  for (size_t i = 0; i < m->nclients; i++) {
+    const td_client_stat *s = &m->clients[i];
+    printf("%s{\"pid\":%d,\"uid\":%u,\"name\":", i ? "," : "", s->pid, s->uid);
+    json_str(s->name);
+    printf(",\"requests\":%" PRIu64 ",\"refs\":%" PRIu64
+           ",\"bytes_held\":%" PRIu64 "}",
+           s->requests, s->refs, s->bytes_held);
+  }
+  printf("],\"text\":");
+  json_str(m->text);
+  printf("}\n");
+  td_metrics_free(m);
+  return 0;
+}
+
 static int cmd_ping(td_client *c) {
   uint64_t rtt;
   int err = td_ping(c, &rtt);
@@ -521,9 +556,25 @@ int main(int argc, char **argv) {
     return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
   /* Options may also follow the command: "tensorctl ls --json". */
   const char *arg = NULL;
+  int interval_ms = 1000, once = 0;
+  int is_top = strcmp(cmd, "top") == 0;
   for (int i = optind; i < argc; i++) {
     if (strcmp(argv[i], "--json") == 0) {
       json = 1;
+    } else if (is_top && strcmp(argv[i], "--once") == 0) {
+      once = 1;
+    } else if (is_top && strcmp(argv[i], "--interval") == 0) {
+      char *end = NULL;
+      long v = i + 1 < argc ? strtol(argv[++i], &end, 10) : 0;
+      if (end == NULL || end == argv[i] || *end != '\0' || v < 10 ||
+          v > 3600000) {
+        fprintf(stderr,
+                "tensorctl top: --interval '%s': not a count of "
+                "milliseconds from 10 to 3600000\n",
+                end ? argv[i] : "");
+        return 2;
+      }
+      interval_ms = (int)v;
     } else if (strcmp(argv[i], "-l") == 0 && strcmp(cmd, "ls") == 0) {
       longfmt = 1;
     } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
@@ -537,10 +588,15 @@ int main(int argc, char **argv) {
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
   int known = needs_arg || strcmp(cmd, "ls") == 0 || strcmp(cmd, "stat") == 0 ||
-              strcmp(cmd, "ping") == 0;
+              strcmp(cmd, "ping") == 0 || strcmp(cmd, "metrics") == 0 || is_top;
   if (!known) {
     fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
     usage(stderr);
+    return 2;
+  }
+  if (is_top && json) {
+    fprintf(stderr, "tensorctl top: --json does not apply (try tensorctl "
+                    "metrics --json)\n");
     return 2;
   }
   if (needs_arg != (arg != NULL)) {
@@ -568,9 +624,13 @@ int main(int argc, char **argv) {
     err = cmd_info(c, arg);
   else if (strcmp(cmd, "rm") == 0)
     err = cmd_rm(c, arg);
+  else if (strcmp(cmd, "metrics") == 0)
+    err = cmd_metrics(c);
+  else if (is_top)
+    err = td__top(c, interval_ms, once);
   else
     err = cmd_ping(c);
-  if (err < 0)
+  if (err < 0 && !is_top) /* top says why itself */
     fprintf(stderr, "tensorctl %s: %s\n", cmd, td_last_error(c));
   td_close(c);
   return err < 0 ? 1 : 0;

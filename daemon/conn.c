@@ -195,6 +195,7 @@ static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_ERROR;
   r.error = &e;
+  td__metrics_error(&c->srv->metrics, code);
   td__debug("client %d: seq %llu: %s: %s", (int)c->hold.peer.pid,
             (unsigned long long)seq, td_err_name(code), msg);
   return td__conn_send(c, &r, -1);
@@ -272,7 +273,20 @@ static int process_frames(td__conn *c) {
                      len);
       return -1;
     }
+    td__server *srv = c->srv;
+    int body = (int)req->body_case;
+    td__metrics_request(&srv->metrics, body);
+    c->nrequests++;
+    /* Service time: a create the thread pool finishes counts from
+     * create_finish, a lookup that waits for its key not at all. */
+    uint32_t nwaiters = c->nwaiters;
+    c->req_ns = uv_hrtime();
+    c->req_timed = 0;
     int err = td__dispatch(c, req);
+    if (c->nwaiters > nwaiters)
+      srv->metrics.lookup_waits++;
+    else if (!c->req_timed)
+      td__metrics_observe(&srv->metrics, uv_hrtime() - c->req_ns);
     tensord__request__free_unpacked(req, &req_allocator);
     if (c->closing)
       return -1;
@@ -350,8 +364,9 @@ static void on_poll(uv_poll_t *h, int status, int events) {
     /* libuv reports POLLERR as UV_EBADF: on a Unix socket, a peer that
      * closed (or died) with data it had not read. */
     if (status == UV_EBADF)
-      snprintf(why, sizeof(why), "connection reset (it closed with replies "
-                                 "unread)");
+      snprintf(why, sizeof(why),
+               "connection reset (it closed with replies "
+               "unread)");
     else
       snprintf(why, sizeof(why), "poll failed: %s", uv_strerror(status));
     td__conn_close(c, why);
@@ -434,6 +449,7 @@ int td__conn_accept(td__server *srv, int fd) {
     srv->conns->prev = c;
   srv->conns = c;
   srv->nconns++;
+  srv->metrics.connects++;
   if (srv->max_clients && srv->nconns > srv->max_clients) {
     td__warn("refusing client %d (uid %u): %u clients connected, the most "
              "--max-clients allows",
@@ -478,6 +494,7 @@ void td__conn_close(td__conn *c, const char *why) {
     return;
   c->closing = 1;
   td__server *srv = c->srv;
+  srv->metrics.disconnects++;
   td__info("client %d%s%s: %s; dropping its %llu reference(s)",
            (int)c->hold.peer.pid, c->name[0] ? " " : "", c->name, why,
            (unsigned long long)c->hold.nrefs);

@@ -19,8 +19,8 @@ struct Tensord__Response;
 struct td__conn {
   uv_poll_t poll;
   uv_timer_t stall; /* runs while a request is half-read or replies unsent */
-  int nhandles; /* handles not yet closed, and the drain of hold while it
-                   runs: the last to end frees c */
+  int nhandles;     /* handles not yet closed, and the drain of hold while it
+                       runs: the last to end frees c */
   uint64_t progress_ms; /* loop time bytes last moved either way */
   td__server *srv;
   td__wire wire;
@@ -36,8 +36,11 @@ struct td__conn {
   td__waiter *waiters;
   uint32_t nwaiters; /* in waiters: at most --max-waiters-per-client */
   td__create *creates;
-  uint32_t ncreates; /* in creates: they count as storages held */
-  td__scope *scopes; /* it opened and has not ended */
+  uint32_t ncreates;  /* in creates: they count as storages held */
+  uint64_t nrequests; /* requests it has sent */
+  uint64_t req_ns;    /* uv_hrtime when the request in hand arrived */
+  int req_timed;      /* its handler times it (a create: create_finish) */
+  td__scope *scopes;  /* it opened and has not ended */
   uint32_t nscopes;
   td__conn *prev, *next;
 };

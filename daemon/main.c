@@ -61,6 +61,12 @@ static void usage(FILE *f) {
       "  --cuda-capacity K=SIZE most bytes of CUDA storages on GPU K (an\n"
       "                         ordinal or a UUID); repeat per GPU (default:\n"
       "                         the GPU's total memory)\n"
+      "  --metrics PATH|ADDR    serve the metrics text (tensorctl metrics)\n"
+      "                         over HTTP on a Unix socket PATH (one with\n"
+      "                         a '/', mode as --socket-mode, else 0600) or\n"
+      "                         a loopback ADDR: 127.0.0.1:PORT, [::1]:PORT\n"
+      "                         or localhost:PORT (PORT 0: any free port,\n"
+      "                         logged)\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -135,6 +141,7 @@ int main(int argc, char **argv) {
     OPT_HUGE_PAGES,
     OPT_CUDA_DEVICES,
     OPT_CUDA_CAPACITY,
+    OPT_METRICS,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -153,6 +160,7 @@ int main(int argc, char **argv) {
       {"huge-pages", required_argument, NULL, OPT_HUGE_PAGES},
       {"cuda-devices", required_argument, NULL, OPT_CUDA_DEVICES},
       {"cuda-capacity", required_argument, NULL, OPT_CUDA_CAPACITY},
+      {"metrics", required_argument, NULL, OPT_METRICS},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
@@ -251,6 +259,17 @@ int main(int argc, char **argv) {
         return 2;
       }
       cuda_caps[ncuda_caps++] = optarg;
+      break;
+    case OPT_METRICS:
+      if (strchr(optarg, '/') == NULL) {
+        struct sockaddr_storage ss;
+        char msg[256];
+        if (td__scrape_parse(optarg, &ss, msg, sizeof(msg)) < 0) {
+          fprintf(stderr, "tensord: %s\n", msg);
+          return 2;
+        }
+      }
+      o.metrics = optarg;
       break;
     case 'l': {
       int level = td__log_level_parse(optarg);

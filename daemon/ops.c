@@ -5,6 +5,7 @@
 #include "common.h"
 #include "cudastore.h"
 #include "log.h"
+#include "metrics.h"
 #include "segment.h"
 #include "server.h"
 #include "state.h"
@@ -31,6 +32,7 @@ struct td__create {
   td__segment_req seg;
   td__conn *conn; /* NULL once the connection is gone */
   uint64_t seq;
+  uint64_t start_ns;       /* when the request arrived: for the histogram */
   int client_zeroes;       /* the client zeroes a recycled segment itself */
   int gpu_dirty;           /* a GPU allocation the client is to zero */
   td__create *prev, *next; /* in conn->creates */
@@ -212,12 +214,16 @@ static void create_finish(td__segment_req *req) {
     free(s);
     td__conn_error(c, cr->seq, TD_ENOMEM, "create: out of memory");
   } else {
+    srv->metrics.storages_created++;
+    srv->metrics.bytes_created += s->nbytes;
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
     send_storage(c, cr->seq, s, 0,
                  (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
   }
+  if (c != NULL)
+    td__metrics_observe(&srv->metrics, uv_hrtime() - cr->start_ns);
   free(cr);
 }
 
@@ -308,6 +314,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
            (unsigned long long)s->id);
   cr->conn = c;
   cr->seq = seq;
+  cr->start_ns = c->req_ns;
+  c->req_timed = 1; /* create_finish, now or later */
   cr->next = c->creates;
   if (c->creates)
     c->creates->prev = cr;
@@ -835,6 +843,112 @@ static int op_stat(td__conn *c, uint64_t seq) {
   return 0;
 }
 
+/* ---- metrics ---- */
+
+#define METRICS_CLIENTS_MAX 1024 /* clients in a MetricsReply */
+#define METRICS_LARGEST_MAX 64   /* storages in a MetricsReply */
+#define METRICS_KEYS_MAX 4       /* keys per storage there */
+
+static int busier(const void *a, const void *b) {
+  const td__conn *x = *(td__conn *const *)a, *y = *(td__conn *const *)b;
+  return x->nrequests < y->nrequests ? 1 : x->nrequests > y->nrequests ? -1 : 0;
+}
+
+/* Bytes of the storages c holds. */
+static uint64_t bytes_held(const td__conn *c) {
+  uint64_t n = 0;
+  const td__htab *t = &c->hold.refs;
+  for (size_t b = 0; b < t->nbuckets; b++)
+    for (const td__hnode *h = t->buckets[b]; h != NULL; h = h->next)
+      n += td__container_of(h, td__ref, node)->storage->nbytes;
+  return n;
+}
+
+static int op_metrics(td__conn *c, uint64_t seq, const Tensord__Metrics *m) {
+  td__server *srv = c->srv;
+  arena a = {0};
+  char *text = NULL;
+  Tensord__MetricsReply mr = TENSORD__METRICS_REPLY__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  if (!m->no_text) {
+    size_t len;
+    text = td__metrics_render(srv, &len);
+    if (text == NULL)
+      goto nomem;
+    mr.text = text;
+  }
+  mr.uptime_ms = td__now_ms() - srv->start_ms;
+  mr.storages = srv->reg.storages.count;
+  mr.bytes_used = srv->reg.bytes_used;
+  mr.capacity = srv->reg.capacity;
+  for (int i = 0; i < TD__METRIC_TYPES; i++)
+    mr.requests += srv->metrics.requests[i];
+  mr.nclients = srv->nconns;
+
+  /* The busiest clients. */
+  size_t n = 0;
+  td__conn **cs = arena_alloc(&a, srv->nconns * sizeof(*cs));
+  if (cs == NULL)
+    goto nomem;
+  for (td__conn *x = srv->conns; x != NULL && n < srv->nconns; x = x->next)
+    cs[n++] = x;
+  qsort(cs, n, sizeof(*cs), busier);
+  if (n > METRICS_CLIENTS_MAX)
+    n = METRICS_CLIENTS_MAX;
+  Tensord__ClientStat *st = arena_alloc(&a, n * sizeof(*st));
+  Tensord__ClientStat **sp = arena_alloc(&a, n * sizeof(*sp));
+  if (st == NULL || sp == NULL)
+    goto nomem;
+  for (size_t i = 0; i < n; i++) {
+    tensord__client_stat__init(&st[i]);
+    st[i].pid = cs[i]->hold.peer.pid;
+    st[i].uid = cs[i]->hold.peer.uid;
+    st[i].name = cs[i]->name;
+    st[i].requests = cs[i]->nrequests;
+    st[i].refs = cs[i]->hold.nrefs;
+    st[i].bytes_held = bytes_held(cs[i]);
+    sp[i] = &st[i];
+  }
+  mr.n_clients = n;
+  mr.clients = sp;
+
+  /* The largest storages, kept sorted as the registry is walked. */
+  size_t k =
+      m->largest < METRICS_LARGEST_MAX ? m->largest : METRICS_LARGEST_MAX;
+  const td__storage *top[METRICS_LARGEST_MAX];
+  size_t nt = 0;
+  for (const td__storage *s = srv->reg.first; s != NULL && k > 0; s = s->next) {
+    if (nt == k && s->nbytes <= top[nt - 1]->nbytes)
+      continue;
+    size_t j = nt < k ? nt++ : nt - 1;
+    for (; j > 0 && top[j - 1]->nbytes < s->nbytes; j--)
+      top[j] = top[j - 1];
+    top[j] = s;
+  }
+  Tensord__StorageInfo *infos = arena_alloc(&a, nt * sizeof(*infos));
+  Tensord__StorageInfo **ip = arena_alloc(&a, nt * sizeof(*ip));
+  if (infos == NULL || ip == NULL)
+    goto nomem;
+  for (size_t i = 0; i < nt; i++) {
+    if (storage_info(&a, top[i], METRICS_KEYS_MAX, &infos[i]) < 0)
+      goto nomem;
+    ip[i] = &infos[i];
+  }
+  mr.n_largest = nt;
+  mr.largest = ip;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_METRICS;
+  r.metrics = &mr;
+  td__conn_send(c, &r, -1);
+  free(text);
+  arena_free(&a);
+  return 0;
+nomem:
+  free(text);
+  arena_free(&a);
+  return reject(c, seq, TD_ENOMEM, "metrics: out of memory");
+}
+
 /* Scopes this connection may have open at once. */
 #define TD__SCOPES_PER_CONN 1024
 
@@ -973,6 +1087,8 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
     return op_ping(c, seq, req->ping);
   case TENSORD__REQUEST__BODY_SCOPE:
     return op_scope(c, seq, req->scope);
+  case TENSORD__REQUEST__BODY_METRICS:
+    return op_metrics(c, seq, req->metrics);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,

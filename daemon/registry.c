@@ -82,6 +82,14 @@ uint64_t td__keys_of(const td__registry *r, uid_t uid) {
   return u ? u->keys : 0;
 }
 
+void td__usage_each(const td__registry *r, td__usage_fn fn, void *arg) {
+  for (size_t b = 0; b < r->usage.nbuckets; b++)
+    for (const td__hnode *n = r->usage.buckets[b]; n != NULL; n = n->next) {
+      const td__usage *u = td__container_of(n, td__usage, node);
+      fn(u->uid, u->bytes, u->keys, arg);
+    }
+}
+
 int td__charge(td__registry *r, uid_t uid, uint64_t n, int force, char *msg,
                size_t len) {
   char a[32], b[32], c[32];

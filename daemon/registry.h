@@ -148,6 +148,11 @@ void td__credit(td__registry *r, uid_t uid, uint64_t n);
 uint64_t td__usage_of(const td__registry *r, uid_t uid);
 /* Keys uid has published that are still there. */
 uint64_t td__keys_of(const td__registry *r, uid_t uid);
+/* Calls fn once per uid that owns bytes or has published keys, in no
+ * particular order; fn must not change the registry. */
+typedef void (*td__usage_fn)(uid_t uid, uint64_t bytes, uint64_t keys,
+                             void *arg);
+void td__usage_each(const td__registry *r, td__usage_fn fn, void *arg);
 /* Frees every key; storages then left unreferenced go to free_fn. */
 void td__registry_drop_keys(td__registry *r);
 void td__registry_free(td__registry *r);

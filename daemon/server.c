@@ -525,6 +525,13 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   }
   if (err < 0)
     goto fail;
+  if (o->metrics != NULL) {
+    /* A scraper gets as long as a client, 10 s at most. */
+    uint64_t t = srv->io_timeout_ms < 10000 ? srv->io_timeout_ms : 10000;
+    err = td__scrape_open(&srv->scrape, srv, o->metrics, o->socket_mode, t);
+    if (err < 0)
+      goto fail;
+  }
   sweep_previous(srv);
   if (o->state_dir != NULL) {
     snprintf(srv->state_dir, sizeof(srv->state_dir), "%s", o->state_dir);
@@ -556,6 +563,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   return 0;
 
 fail:
+  td__scrape_close(&srv->scrape);
   if (srv->listen_fd >= 0) {
     if (srv->own_socket)
       unlink(srv->socket_path);
@@ -610,6 +618,7 @@ void td__server_stop(td__server *srv) {
     uv_close((uv_handle_t *)&srv->unlink_check, NULL);
     uv_close((uv_handle_t *)&srv->sigint, NULL);
     uv_close((uv_handle_t *)&srv->sigterm, NULL);
+    td__scrape_close(&srv->scrape);
     if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
       td__warn("unlink(%s): %s", srv->socket_path, strerror(errno));
   }

@@ -5,8 +5,10 @@
 
 #include "backend.h"
 #include "conn.h"
+#include "metrics.h"
 #include "pool.h"
 #include "registry.h"
+#include "scrape.h"
 #include "waitq.h"
 
 #include <stdint.h>
@@ -48,8 +50,8 @@ struct td__server {
   uint64_t nconns; /* connected: closed ones still draining do not count */
   td__drain *drains, *drains_tail; /* closed clients' holdings: drain.c */
   uint64_t ndrains;
-  uv_idle_t drain_idle; /* drops a slice per turn while drains are queued */
-  int drain_ready;      /* drain_idle is initialised */
+  uv_idle_t drain_idle;  /* drops a slice per turn while drains are queued */
+  int drain_ready;       /* drain_idle is initialised */
   td__waits waits;       /* lookups waiting for keys */
   td__pool pool;         /* freed segments kept for reuse (segment.c) */
   uv_timer_t pool_timer; /* ages the pool out */
@@ -65,6 +67,8 @@ struct td__server {
   uint32_t max_waiters_per_client; /* lookups waiting at once */
   uint64_t max_keys_per_uid;       /* keys one uid has published */
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
+  td__metrics metrics;    /* counters: metrics.h */
+  td__scrape scrape;      /* --metrics: scrape.h (scrape.open unset without) */
 };
 
 typedef struct td__options {
@@ -75,13 +79,14 @@ typedef struct td__options {
   uint32_t max_storages_per_client;
   uint32_t max_waiters_per_client; /* 0: the default, 4096 */
   uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
-  uint64_t io_timeout_ms;   /* 0: the default, 30 s */
-  const char *socket_group; /* chown the socket to this group */
-  int socket_mode;          /* chmod the socket; -1: leave it */
+  uint64_t io_timeout_ms;          /* 0: the default, 30 s */
+  const char *socket_group;        /* chown the socket to this group */
+  int socket_mode;                 /* chmod the socket; -1: leave it */
   const char *state_dir;
   int recycle_set;          /* recycle_bytes was given (0 turns it off) */
   uint64_t recycle_bytes;   /* default: a quarter of the capacity */
   uint64_t recycle_idle_ms; /* 0: the default, 30 s */
+  const char *metrics;      /* --metrics PATH|ADDR; NULL: none */
 } td__options;
 
 /* Sets srv up without a socket: for tests and the fuzz target, which hand

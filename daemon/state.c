@@ -847,6 +847,7 @@ static void compact_start(td__state *st);
 static void sync_done(td__state *st, int err) {
   td__server *srv = st->srv;
   st->syncing = 0;
+  srv->metrics.journal_syncs++;
   if (err < 0)
     td__error("state: appending to %s/journal.%llu: %s", st->dir,
               (unsigned long long)st->gen, td_strerror(err));

@@ -46,11 +46,12 @@ const char *td_version_string(void);
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
  *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
- *   td_key_info, td_stat and td_device_stat. A new field takes the place of
- * reserved words. In what you pass in (td_create_opts, td_publish_opts) zero
- * keeps the old behaviour, so "zero-initialise, then set" keeps working, and a
- * library that does not know a field refuses it non-zero with TD_EINVAL rather
- * than ignore it; in what the library fills in, reserved words are zero.
+ *   td_key_info, td_stat, td_device_stat, td_client_stat and td_metrics. A
+ *   new field takes the place of reserved words. In what you pass in
+ *   (td_create_opts, td_publish_opts) zero keeps the old behaviour, so
+ *   "zero-initialise, then set" keeps working, and a library that does not
+ *   know a field refuses it non-zero with TD_EINVAL rather than ignore it;
+ *   in what the library fills in, reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
@@ -636,6 +637,45 @@ int td_stat_prefixes(td_client *c, char (*out)[TD_PREFIX_MAX], size_t max,
 typedef int (*td_key_cb)(const td_key_info *info, void *arg);
 int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
             td_key_cb kcb, void *arg);
+
+/* One connected client, as td_metrics_get describes it. */
+typedef struct td_client_stat {
+  int32_t pid;
+  uint32_t uid;
+  char name[64];        /* the name it connected with (printable ASCII) */
+  uint64_t requests;    /* requests it has sent */
+  uint64_t refs;        /* references it holds */
+  uint64_t bytes_held;  /* bytes of the storages it holds */
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_client_stat;
+
+/* The daemon's metrics (td_metrics_get; free with td_metrics_free). */
+typedef struct td_metrics {
+  char *text; /* Prometheus text exposition format 0.0.4 ("" when
+                 TD_METRICS_NO_TEXT), what tensord --metrics serves */
+  size_t text_len;
+  uint64_t requests; /* requests served since the start, all clients */
+  int64_t uptime_ms;
+  uint64_t storages; /* CPU storages, as td_stat */
+  uint64_t bytes_used;
+  uint64_t capacity;
+  uint64_t clients_total; /* connected clients */
+  size_t nclients;        /* in clients[]: at most 1024, busiest first */
+  td_client_stat *clients;
+  size_t nlargest;          /* in largest[], largest first */
+  td_storage_info *largest; /* as td_list gives them, at most 4 keys each */
+  uint64_t reserved[8];     /* zero (see ABI above) */
+} td_metrics;
+
+#define TD_METRICS_NO_TEXT 1u /* leave text empty: only the figures */
+
+/* Asks tensord for its metrics and the largest storages, at most largest
+ * (0 to 64) of them. On success *out is the caller's to free with
+ * td_metrics_free; on failure *out is NULL. */
+int td_metrics_get(td_client *c, unsigned largest, unsigned flags,
+                   td_metrics **out);
+/* Frees m and everything it points to. NULL ok. */
+void td_metrics_free(td_metrics *m);
 
 #pragma GCC visibility pop
 

@@ -1059,6 +1059,9 @@ static void do_query(oend *e, item *it) {
   case TENSORD__REQUEST__BODY_LIST:
     want = TENSORD__RESPONSE__BODY_LIST;
     break;
+  case TENSORD__REQUEST__BODY_METRICS:
+    want = TENSORD__RESPONSE__BODY_METRICS;
+    break;
   case TENSORD__REQUEST__BODY_INFO:
     want = TENSORD__RESPONSE__BODY_INFO;
     if (q->info->which_case == TENSORD__INFO__WHICH_KEY) {

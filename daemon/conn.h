@@ -19,8 +19,8 @@ struct Tensord__Response;
 struct td__conn {
   uv_poll_t poll;
   uv_timer_t stall; /* runs while a request is half-read or replies unsent */
-  int nhandles; /* handles not yet closed, and the drain of hold while it
-                   runs: the last to end frees c */
+  int nhandles;     /* handles not yet closed, and the drain of hold while it
+                       runs: the last to end frees c */
   uint64_t progress_ms; /* loop time bytes last moved either way */
   td__server *srv;
   td__wire wire;
@@ -39,6 +39,16 @@ struct td__conn {
   uint32_t ncreates; /* in creates: they count as storages held */
   td__scope *scopes; /* it opened and has not ended */
   uint32_t nscopes;
+  /* Watching (events.c): the connection takes no other request, its
+   * events go with watch_seq, and those its output had no room for are
+   * counted in watch_dropped until one is sent. Exempt from the io
+   * timeout: its output is bounded (TD__WATCH_OUT_MAX) and it drops. */
+  int watching;
+  uint64_t watch_seq;
+  uint64_t watch_dropped;
+  size_t watch_prefix_len;
+  char watch_prefix[TD_KEY_MAX];
+  td__conn *wprev, *wnext; /* in srv->watchers */
   td__conn *prev, *next;
 };
 

@@ -182,6 +182,27 @@ int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
   return commit(c, len, fd);
 }
 
+int td__conn_queue(td__conn *c, Tensord__Response *r) {
+  if (c->closing)
+    return TD_ECONNRESET;
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *p = len <= TD__FRAME_MAX ? td__wire_reserve(&c->wire, len) : NULL;
+  if (p == NULL)
+    return TD_ENOMEM;
+  tensord__response__pack(r, p);
+  int err = td__wire_commit(&c->wire, len, NULL, 0);
+  if (err < 0)
+    return err;
+  /* The loop sends it once the socket is writable (or the read batch in
+   * progress does, at its end). Nothing else changes: a watcher's output
+   * neither pauses its input nor starts the stall timer. */
+  if (!c->in_batch && !(c->events & UV_WRITABLE)) {
+    c->events |= UV_WRITABLE;
+    uv_poll_start(&c->poll, c->events, on_poll);
+  }
+  return 0;
+}
+
 int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd) {
   uint8_t *p = reserve(c, 0, len, fd);
   if (p == NULL)

@@ -64,6 +64,11 @@ void td__conn_close(td__conn *c, const char *why);
  * frame limit (fd closed, an EMSGSIZE Error sent instead, the connection
  * kept). */
 int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
+/* Queues r (no fd) for a watcher c without sending it: the loop sends it
+ * when c's socket is writable. Never closes c, so it may be called from the
+ * middle of another connection's request. Returns 0, TD_ECONNRESET if c is
+ * closing, or TD_ENOMEM (nothing queued). */
+int td__conn_queue(td__conn *c, struct Tensord__Response *r);
 /* Sends an Error reply for seq. Returns code. */
 int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -17,9 +17,9 @@ static int matches(const td__conn *w, const td__event *ev) {
 }
 
 void td__event_emit_slow(td__server *srv, const td__event *ev) {
-  /* A send may fail and close a watcher, whose close would report itself
-   * from inside this loop: an event that happens while one is being sent
-   * is not reported. */
+  /* Events are only queued (td__conn_queue never closes a watcher), so
+   * none should happen while one is being sent; if one did, it is not
+   * reported rather than sent from inside this loop. */
   if (srv->emitting)
     return;
   srv->emitting = 1;
@@ -46,8 +46,7 @@ void td__event_emit_slow(td__server *srv, const td__event *ev) {
   e.message = ev->message != NULL ? (char *)ev->message : "";
   r.body_case = TENSORD__RESPONSE__BODY_EVENT;
   r.event = &e;
-  for (td__conn *w = srv->watchers, *next; w != NULL; w = next) {
-    next = w->wnext; /* the send may close w, which unlinks it */
+  for (td__conn *w = srv->watchers; w != NULL; w = w->wnext) {
     if (w->closing || !matches(w, ev))
       continue;
     r.seq = w->watch_seq;
@@ -57,8 +56,10 @@ void td__event_emit_slow(td__server *srv, const td__event *ev) {
       w->watch_dropped++;
       continue;
     }
-    if (td__conn_send(w, &r, -1) == 0)
+    if (td__conn_queue(w, &r) == 0)
       w->watch_dropped = 0;
+    else
+      w->watch_dropped++;
   }
   srv->emitting = 0;
 }
@@ -95,6 +96,5 @@ void td__watch_stop(td__conn *c) {
   if (c->wnext != NULL)
     c->wnext->wprev = c->wprev;
   c->watching = 0;
-  /* wnext stays: an emit loop that closed c goes on from it. */
-  c->wprev = NULL;
+  c->wprev = c->wnext = NULL;
 }

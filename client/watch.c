@@ -38,7 +38,7 @@ int td_watch_open(const char *socket_path, const char *prefix, td_watch **out) {
   if (err < 0) {
     char why[TD__ERRMSG_MAX];
     snprintf(why, sizeof(why), "%s", td_last_error(w->c));
-    td__fail(NULL, err, "watch: %s", why);
+    td__fail(NULL, err, "%s", why); /* it names the watch already */
     td_close(w->c);
     free(w);
     return err;

@@ -69,7 +69,8 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
   if (c->watching)
     return TD_EBUSY;
   td__server *srv = c->srv;
-  memcpy(c->watch_prefix, prefix, len);
+  if (len > 0) /* an empty prefix may come as NULL */
+    memcpy(c->watch_prefix, prefix, len);
   c->watch_prefix_len = len;
   c->watch_seq = seq;
   c->watch_dropped = 0;

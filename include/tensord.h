@@ -603,8 +603,9 @@ typedef struct td_stat {
   uint64_t pool_hits;   /* creates served from the pool */
   uint64_t pool_misses; /* creates of a poolable size it could not serve */
   /* The daemon's own memory: its resident set (/proc/self/statm) and the
-   * bytes malloc has handed it (mallinfo2); 0 from a daemon that does not
-   * say. Storages' bytes are in neither unless the daemon maps them. */
+   * bytes malloc has handed it (mallinfo2; 0 where malloc does not say, as
+   * under a sanitizer); both 0 from a daemon that does not say. Storages'
+   * bytes are in neither unless the daemon maps them. */
   uint64_t daemon_rss_bytes;
   uint64_t daemon_heap_bytes;
   uint64_t reserved[1]; /* zero (see ABI above) */

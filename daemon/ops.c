@@ -1040,7 +1040,10 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
                           "the first request must be Hello (got request "
                           "type %d)",
                           (int)req->body_case);
-  if (c->watching)
+  /* A watcher takes no other request; a second Hello is still a protocol
+   * error, and a Release (never answered) still gives back what it held. */
+  if (c->watching && req->body_case != TENSORD__REQUEST__BODY_HELLO &&
+      req->body_case != TENSORD__REQUEST__BODY_RELEASE)
     return reject(c, seq, TD_EBUSY,
                   "this connection watches events (since seq %llu) and "
                   "takes no other request; open another connection",

@@ -668,3 +668,52 @@ TDT_TEST(watch, stat_shows_the_daemons_own_memory) {
   cr_expect(strstr(out, "\"daemon_heap_bytes\":") != NULL, "%s", out);
   free(out);
 }
+
+/* Runs tensorctl with argv and returns its exit status; its stderr goes to
+ * err (NUL-terminated). */
+static int ctl_status(const char *const *argv, char *err, size_t len) {
+  int pe[2];
+  cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(pe[1], STDERR_FILENO);
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  close(pe[1]);
+  size_t n = 0;
+  ssize_t k;
+  while (n + 1 < len && (k = read(pe[0], err + n, len - 1 - n)) > 0)
+    n += (size_t)k;
+  err[n] = '\0';
+  close(pe[0]);
+  return tdt_wait(pid);
+}
+
+TDT_TEST(watch, tensorctl_watch_refuses_bad_arguments) {
+  char err[1024], nowhere[128];
+  cr_expect_eq(
+      ctl_status((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                       "watch", "-n", "0", NULL},
+                 err, sizeof(err)),
+      2);
+  cr_expect(strstr(err, "-n needs a count") != NULL, "%s", err);
+  cr_expect_eq(ctl_status((const char *const[]){TENSORCTL_BIN, "--socket",
+                                                d.sock, "watch", "-n", NULL},
+                          err, sizeof(err)),
+               2);
+  cr_expect_eq(
+      ctl_status((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                       "watch", "a/", "b/", NULL},
+                 err, sizeof(err)),
+      2);
+  cr_expect(strstr(err, "unexpected argument 'b/'") != NULL, "%s", err);
+  snprintf(nowhere, sizeof(nowhere), "%s/none.sock", d.dir);
+  cr_expect_eq(ctl_status((const char *const[]){TENSORCTL_BIN, "--socket",
+                                                nowhere, "watch", NULL},
+                          err, sizeof(err)),
+               1);
+  cr_expect(strstr(err, "tensorctl watch: cannot connect") != NULL, "%s", err);
+}

@@ -277,6 +277,8 @@ static const char *body_name(int body) {
     return "info";
   case TENSORD__REQUEST__BODY_PING:
     return "ping";
+  case TENSORD__REQUEST__BODY_WATCH:
+    return "watch";
   }
   return "request";
 }
@@ -1193,10 +1195,13 @@ int td_ping(td_client *c, uint64_t *rtt_ns) {
  * (*mem, freed by the caller). */
 static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
                          void **mem) {
-  /* Key pointers, then holders, then key bytes: each part aligned. */
+  /* Key pointers, then holders, then key bytes and holders' names: each
+   * part aligned. */
   size_t size = m->n_keys * sizeof(char *) + m->n_holders * sizeof(td_holder);
   for (size_t i = 0; i < m->n_keys; i++)
     size += m->keys[i].len + 1;
+  for (size_t i = 0; i < m->n_holders; i++)
+    size += strlen(m->holders[i]->name) + 1;
   char *p = malloc(size ? size : 1);
   if (p == NULL)
     return TD_ENOMEM;
@@ -1216,6 +1221,12 @@ static int info_from_msg(const Tensord__StorageInfo *m, td_storage_info *out,
     p[m->keys[i].len] = '\0';
     ks[i] = p;
     p += m->keys[i].len + 1;
+  }
+  for (size_t i = 0; i < m->n_holders; i++) {
+    size_t n = strlen(m->holders[i]->name) + 1;
+    memcpy(p, m->holders[i]->name, n);
+    hs[i].name = p;
+    p += n;
   }
   memset(out, 0, sizeof(*out));
   out->id = m->id;
@@ -1283,6 +1294,26 @@ static int stat_call(td_client *c, Tensord__Response **r) {
   return err;
 }
 
+int td__client_watch(td_client *c, const char *prefix, size_t len,
+                     td__wire **wire, uint64_t *seq) {
+  Tensord__Watch m = TENSORD__WATCH__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.prefix.data = (uint8_t *)prefix;
+  m.prefix.len = len;
+  req.body_case = TENSORD__REQUEST__BODY_WATCH;
+  req.watch = &m;
+  Tensord__Response *r;
+  int err = call(c, &req, &r, NULL);
+  if (err < 0)
+    return err;
+  if ((err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1)) < 0)
+    return err;
+  tensord__response__free_unpacked(r, NULL);
+  *wire = &c->wire;
+  *seq = req.seq;
+  return 0;
+}
+
 int td_stat_get(td_client *c, td_stat *out) {
   Tensord__Response *r;
   int err = stat_call(c, &r);
@@ -1306,6 +1337,8 @@ int td_stat_get(td_client *c, td_stat *out) {
   out->pool_limit = st->pool_limit;
   out->pool_hits = st->pool_hits;
   out->pool_misses = st->pool_misses;
+  out->daemon_rss_bytes = st->daemon_rss_bytes;
+  out->daemon_heap_bytes = st->daemon_heap_bytes;
   out->max_clients = st->max_clients;
   out->max_storages_per_client = st->max_storages_per_client;
   snprintf(out->state_dir, sizeof(out->state_dir), "%s", st->state_dir);

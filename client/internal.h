@@ -36,6 +36,15 @@ td__copy_path td__copy_plan_path(const td_view *dv, const td_view *sv);
  * such as td_from_dlpack's checks). NULL ok. */
 void td__client_keep_error(const td_client *c);
 
+/* client.c: turns c into a watcher (docs/protocol.md): sends Watch with
+ * prefix (len bytes) and waits for its Ok. Returns 0 with *wire the
+ * connection's wire and *seq the Watch's seq, from which the caller alone
+ * reads the events (c takes no other call); or a negative code with the
+ * reason recorded for c. */
+struct td__wire;
+int td__client_watch(td_client *c, const char *prefix, size_t len,
+                     struct td__wire **wire, uint64_t *seq);
+
 /* cache.c: the process's mappings, one per (daemon, storage, mode). */
 typedef struct td__mapping td__mapping;
 /* Mapping modes: shared read-write, shared read-only, and private

@@ -1,21 +1,24 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
- * ping, metrics, top. */
+ * ping, metrics, top, watch. */
 #include "show.h"
 #include "tensord.h"
 #include "top.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <getopt.h>
 #include <grp.h>
 #include <pwd.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 static int json;
-static int longfmt; /* ls -l */
+static int longfmt;     /* ls -l */
+static long long count; /* watch -n: stop after this many events; 0: never */
 static int64_t now_ms;
 
 static void usage(FILE *f) {
@@ -42,6 +45,12 @@ static void usage(FILE *f) {
           "              a live view: largest storages, busiest clients,\n"
           "              request rate; redrawn every MS (default 1000)\n"
           "              until q or Ctrl-C; --once: one plain frame\n"
+          "  watch [-n N] [PREFIX]\n"
+          "              events as they happen, one line each (with --json:\n"
+          "              one JSON object each): create, publish, lookup,\n"
+          "              take, unpublish, free, connect, disconnect, refused;\n"
+          "              with PREFIX only those of keys that begin with it;\n"
+          "              -n N stops after N events\n"
           "\n"
           "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
           "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
@@ -148,9 +157,12 @@ static void json_storage(const td_storage_info *s) {
          s->id, device_name(s->device), s->nbytes, s->refs, s->owner_pid,
          s->owner_uid, s->owner_gid, s->mode, s->created_unix_ms,
          now_ms - s->created_unix_ms);
-  for (size_t i = 0; i < s->nholders; i++)
-    printf("%s{\"pid\":%d,\"uid\":%u,\"refs\":%u}", i ? "," : "",
+  for (size_t i = 0; i < s->nholders; i++) {
+    printf("%s{\"pid\":%d,\"uid\":%u,\"refs\":%u,\"name\":", i ? "," : "",
            s->holders[i].pid, s->holders[i].uid, s->holders[i].refs);
+    json_str(s->holders[i].name ? s->holders[i].name : "");
+    putchar('}');
+  }
   printf("],\"keys\":[");
   for (size_t i = 0; i < s->nkeys; i++) {
     if (i)
@@ -190,8 +202,13 @@ static const char *group_name(uint32_t gid) {
   return buf;
 }
 
+/* "4242 (loader)", or "4242" for a client that gave no name. */
 static const char *pid_at(const void *arg, size_t i, char *buf, size_t len) {
-  snprintf(buf, len, "%d", ((const td_storage_info *)arg)->holders[i].pid);
+  const td_holder *h = &((const td_storage_info *)arg)->holders[i];
+  if (h->name != NULL && h->name[0] != '\0')
+    snprintf(buf, len, "%d (%s)", h->pid, h->name);
+  else
+    snprintf(buf, len, "%d", h->pid);
   return buf;
 }
 
@@ -210,7 +227,7 @@ static void join_list(char *buf, size_t len, size_t n, size_t total,
   size_t used = 0, shown = 0;
   buf[0] = '\0';
   for (; shown < n; shown++) {
-    char tmp[32];
+    char tmp[96];
     const char *item = at(arg, shown, tmp, sizeof(tmp));
     size_t need = strlen(item) + (shown ? 1 : 0);
     if (used + need + tail >= len)
@@ -240,13 +257,13 @@ static int ls_row(const td_storage_info *s, void *arg) {
     st->n++;
     return 0;
   }
-  char size[32], ag[32], holders[128], keys[256];
+  char size[32], ag[32], holders[160], keys[256];
   join_list(holders, sizeof(holders), s->nholders, s->nholders, pid_at, s);
   join_list(keys, sizeof(keys), s->nkeys, s->nkeys_total, key_at, s);
   if (st->n++ == 0) {
     if (longfmt)
       printf("%-10s %-8s %-8s ", "MODE", "OWNER", "GROUP");
-    printf("%-8s %-7s %10s %5s %-20s %-24s %s\n", "ID", "DEVICE", "SIZE",
+    printf("%-8s %-7s %10s %5s %-24s %-24s %s\n", "ID", "DEVICE", "SIZE",
            "REFS", "HOLDERS", "KEYS", "AGE");
   }
   if (longfmt) {
@@ -260,7 +277,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
            group_name(s->owner_gid));
   }
   char dl[32];
-  printf("%-8" PRIu64 " %-7s %10s %5u %-20s %-24s %s\n", s->id,
+  printf("%-8" PRIu64 " %-7s %10s %5u %-24s %-24s %s\n", s->id,
          device_label(s, dl, sizeof(dl)), human(s->nbytes, size, sizeof(size)),
          s->refs, holders, keys,
          age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
@@ -310,10 +327,12 @@ static int cmd_stat(td_client *c) {
            ",\"clients\":%" PRIu64 ",\"keys\":%" PRIu64 ",\"waiters\":%" PRIu64
            ",\"uptime_ms\":%" PRId64 ",\"pid\":%d,\"quota\":%" PRIu64
            ",\"max_clients\":%u,\"max_storages_per_client\":%u,"
-           "\"version\":",
+           "\"daemon_rss_bytes\":%" PRIu64 ",\"daemon_heap_bytes\":%" PRIu64
+           ",\"version\":",
            st.storages, st.bytes_used, st.capacity, st.shm_free, st.clients,
            st.keys, st.waiters, st.uptime_ms, st.pid, st.quota, st.max_clients,
-           st.max_storages_per_client);
+           st.max_storages_per_client, st.daemon_rss_bytes,
+           st.daemon_heap_bytes);
     json_str(st.version);
     printf(",\"socket\":");
     json_str(st.socket);
@@ -349,6 +368,10 @@ static int cmd_stat(td_client *c) {
   printf("waiters   %" PRIu64 "\n", st.waiters);
   printf("uptime    %s\n", age(st.uptime_ms, u, sizeof(u)));
   printf("version   %s (pid %d)\n", st.version, st.pid);
+  if (st.daemon_rss_bytes)
+    printf("memory    %s resident, %s heap (tensord itself)\n",
+           human(st.daemon_rss_bytes, a, sizeof(a)),
+           human(st.daemon_heap_bytes, b, sizeof(b)));
   printf("socket    %s\n", st.socket);
   printf("instance  %016" PRIx64 "\n", st.instance);
   /* Where its segments are: a clean-up by hand spares all of these. */
@@ -417,10 +440,14 @@ static int info_storage(const td_storage_info *s, void *arg) {
   printf("holders  ");
   if (s->nholders == 0)
     printf(" -");
-  for (size_t i = 0; i < s->nholders; i++)
-    printf(" %d (uid %u, %u ref%s)%s", s->holders[i].pid, s->holders[i].uid,
-           s->holders[i].refs, s->holders[i].refs == 1 ? "" : "s",
+  for (size_t i = 0; i < s->nholders; i++) {
+    const td_holder *h = &s->holders[i];
+    printf(" %d (", h->pid);
+    if (h->name != NULL && h->name[0] != '\0')
+      printf("%s, ", h->name);
+    printf("uid %u, %u ref%s)%s", h->uid, h->refs, h->refs == 1 ? "" : "s",
            i + 1 < s->nholders ? "," : "");
+  }
   printf("\nkeys      %zu\n", s->nkeys_total);
   return 0;
 }
@@ -522,6 +549,110 @@ static int cmd_ping(td_client *c) {
   return 0;
 }
 
+/* ---- watch ---- */
+
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop(int sig) {
+  stop_signal = sig;
+}
+
+/* Prints one event as a line of text or of JSON. Returns 0, or -1 if
+ * stdout is gone (a reader that quit: head). */
+static int print_event(const td_event *ev) {
+  const char *type = td_event_type_name(ev->type);
+  if (json) {
+    printf("{\"type\":\"%s\",\"unix_ms\":%" PRId64, type, ev->unix_ms);
+    if (ev->dropped)
+      printf(",\"dropped\":%" PRIu64, ev->dropped);
+    if (ev->id)
+      printf(",\"id\":%" PRIu64 ",\"nbytes\":%" PRIu64 ",\"device\":\"%s\"",
+             ev->id, ev->nbytes, device_name(ev->device));
+    if (ev->key[0]) {
+      printf(",\"key\":");
+      json_str(ev->key);
+    }
+    printf(",\"pid\":%d,\"uid\":%u,\"name\":", ev->pid, ev->uid);
+    json_str(ev->name);
+    if (ev->type == TD_EVENT_REFUSED)
+      printf(",\"code\":%d,\"error\":\"%s\"", ev->code, td_err_name(ev->code));
+    if (ev->message[0]) {
+      printf(",\"message\":");
+      json_str(ev->message);
+    }
+    printf("}\n");
+  } else {
+    char when[32] = "", size[32];
+    time_t t = (time_t)(ev->unix_ms / 1000);
+    struct tm tm;
+    if (localtime_r(&t, &tm) != NULL)
+      strftime(when, sizeof(when), "%H:%M:%S", &tm);
+    if (ev->dropped)
+      printf("%s.%03d ... %" PRIu64 " event%s dropped (watcher too slow)\n",
+             when, (int)(ev->unix_ms % 1000), ev->dropped,
+             ev->dropped == 1 ? "" : "s");
+    printf("%s.%03d %s", when, (int)(ev->unix_ms % 1000), type);
+    if (ev->type == TD_EVENT_REFUSED)
+      printf(" %s", td_err_name(ev->code));
+    if (ev->key[0])
+      printf(" key='%s'", ev->key);
+    if (ev->id)
+      printf(" storage=%" PRIu64 " %s%s", ev->id,
+             human(ev->nbytes, size, sizeof(size)),
+             ev->device == TD_CUDA ? " cuda" : "");
+    if (ev->pid) {
+      printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);
+      if (ev->name[0])
+        printf(" (%s)", ev->name);
+      if (ev->type == TD_EVENT_CONNECT)
+        printf(" uid %u", ev->uid);
+    }
+    if (ev->message[0])
+      printf(": %s", ev->message);
+    putchar('\n');
+  }
+  return fflush(stdout) == 0 ? 0 : -1;
+}
+
+/* Streams events until a signal (SIGINT, SIGTERM, SIGHUP), a reader that
+ * quits (SIGPIPE: stdout is gone), -n N events, or tensord going. Returns 0
+ * in the first three cases, else the error (the daemon's going is one). */
+static int cmd_watch(const char *socket, const char *prefix) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = on_stop; /* no SA_RESTART: the wait returns */
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN); /* a failed write says so instead */
+  td_watch *w;
+  int err = td_watch_open(socket, prefix, &w);
+  if (err < 0) {
+    fprintf(stderr, "tensorctl watch: %s\n", td_last_error(NULL));
+    return err;
+  }
+  long long seen = 0;
+  while (!stop_signal) {
+    td_event ev;
+    err = td_watch_next(w, -1, &ev);
+    if (err == TD_EAGAIN || err == TD_ETIMEDOUT) {
+      err = 0;
+      continue;
+    }
+    if (err < 0) {
+      fprintf(stderr, "tensorctl watch: %s\n", td_last_error(NULL));
+      break;
+    }
+    if (print_event(&ev) < 0)
+      break; /* the reader quit: that ends a watch, it is no error */
+    if (count && ++seen >= count)
+      break;
+  }
+  td_watch_close(w);
+  return err;
+}
+
 int main(int argc, char **argv) {
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -577,6 +708,17 @@ int main(int argc, char **argv) {
       interval_ms = (int)v;
     } else if (strcmp(argv[i], "-l") == 0 && strcmp(cmd, "ls") == 0) {
       longfmt = 1;
+    } else if (strcmp(argv[i], "-n") == 0 && strcmp(cmd, "watch") == 0) {
+      char *end = NULL;
+      errno = 0;
+      if (i + 1 < argc)
+        count = strtoll(argv[++i], &end, 10);
+      if (end == NULL || *end != '\0' || end == argv[i] || errno != 0 ||
+          count < 1) {
+        fprintf(stderr, "tensorctl watch: -n needs a count of events (1 or "
+                        "more)\n");
+        return 2;
+      }
     } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
       socket = argv[++i];
     } else if (arg == NULL) {
@@ -587,8 +729,10 @@ int main(int argc, char **argv) {
     }
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
-  int known = needs_arg || strcmp(cmd, "ls") == 0 || strcmp(cmd, "stat") == 0 ||
-              strcmp(cmd, "ping") == 0 || strcmp(cmd, "metrics") == 0 || is_top;
+  int watch = strcmp(cmd, "watch") == 0;
+  int known = needs_arg || watch || strcmp(cmd, "ls") == 0 ||
+              strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0 ||
+              strcmp(cmd, "metrics") == 0 || is_top;
   if (!known) {
     fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
     usage(stderr);
@@ -599,6 +743,8 @@ int main(int argc, char **argv) {
                     "metrics --json)\n");
     return 2;
   }
+  if (watch) /* a connection of its own (td_watch_open) */
+    return cmd_watch(socket, arg) < 0 ? 1 : 0;
   if (needs_arg != (arg != NULL)) {
     fprintf(stderr, "tensorctl %s: %s\n", cmd,
             needs_arg ? "needs an argument" : "takes no argument");

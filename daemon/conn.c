@@ -3,6 +3,7 @@
 #include "conn.h"
 
 #include "common.h"
+#include "events.h"
 #include "log.h"
 #include "ops.h"
 #include "server.h"
@@ -43,9 +44,11 @@ static void on_poll(uv_poll_t *h, int status, int events);
 static void on_stall(uv_timer_t *t);
 
 /* Whether c is in the middle of something only it can finish: a request
- * partly received, or replies it has not read. */
+ * partly received, or replies it has not read. A watcher's unread events
+ * do not count: they are bounded, and what does not fit is dropped. */
 static int stalled(const td__conn *c) {
-  return c->wire.in_len > c->wire.in_off || td__wire_pending(&c->wire) > 0;
+  return c->wire.in_len > c->wire.in_off ||
+         (!c->watching && td__wire_pending(&c->wire) > 0);
 }
 
 /* Starts or stops the stall timer to match c's state. */
@@ -179,6 +182,27 @@ int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
   return commit(c, len, fd);
 }
 
+int td__conn_queue(td__conn *c, Tensord__Response *r) {
+  if (c->closing)
+    return TD_ECONNRESET;
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *p = len <= TD__FRAME_MAX ? td__wire_reserve(&c->wire, len) : NULL;
+  if (p == NULL)
+    return TD_ENOMEM;
+  tensord__response__pack(r, p);
+  int err = td__wire_commit(&c->wire, len, NULL, 0);
+  if (err < 0)
+    return err;
+  /* The loop sends it once the socket is writable (or the read batch in
+   * progress does, at its end). Nothing else changes: a watcher's output
+   * neither pauses its input nor starts the stall timer. */
+  if (!c->in_batch && !(c->events & UV_WRITABLE)) {
+    c->events |= UV_WRITABLE;
+    uv_poll_start(&c->poll, c->events, on_poll);
+  }
+  return 0;
+}
+
 int td__conn_send_frame(td__conn *c, const uint8_t *frame, size_t len, int fd) {
   uint8_t *p = reserve(c, 0, len, fd);
   if (p == NULL)
@@ -198,6 +222,14 @@ static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
   td__metrics_error(&c->srv->metrics, code);
   td__debug("client %d: seq %llu: %s: %s", (int)c->hold.peer.pid,
             (unsigned long long)seq, td_err_name(code), msg);
+  td__server *srv = c->srv;
+  td__event ev = {
+      .type = TD__EV_REFUSED, .by = c, .code = code, .message = msg};
+  if (srv->current == c) {
+    ev.key = srv->current_key;
+    ev.key_len = srv->current_key_len;
+  }
+  td__event_emit(srv, &ev);
   return td__conn_send(c, &r, -1);
 }
 
@@ -423,6 +455,7 @@ int td__conn_accept(td__server *srv, int fd) {
   c->srv = srv;
   td__wire_init(&c->wire, fd);
   td__holdings_init(&c->hold, &peer);
+  c->hold.name = c->name;
   /* Supplementary groups, for the group bits of storages' modes: without
    * all of them the client would be refused what a group gives it. */
   int err = peer_groups(fd, &c->hold);
@@ -498,6 +531,13 @@ void td__conn_close(td__conn *c, const char *why) {
   td__info("client %d%s%s: %s; dropping its %llu reference(s)",
            (int)c->hold.peer.pid, c->name[0] ? " " : "", c->name, why,
            (unsigned long long)c->hold.nrefs);
+  td__watch_stop(c);
+  if (c->hello) {
+    td__event ev = {.type = TD__EV_DISCONNECT, .by = c, .message = why};
+    td__event_emit(srv, &ev);
+  }
+  if (srv->current == c)
+    srv->current = NULL; /* what its close frees was not its request's */
   td__ops_conn_gone(c);
   td__state_conn_gone(srv->state, c);
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)

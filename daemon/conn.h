@@ -42,6 +42,16 @@ struct td__conn {
   int req_timed;      /* its handler times it (a create: create_finish) */
   td__scope *scopes;  /* it opened and has not ended */
   uint32_t nscopes;
+  /* Watching (events.c): the connection takes no other request, its
+   * events go with watch_seq, and those its output had no room for are
+   * counted in watch_dropped until one is sent. Exempt from the io
+   * timeout: its output is bounded (TD__WATCH_OUT_MAX) and it drops. */
+  int watching;
+  uint64_t watch_seq;
+  uint64_t watch_dropped;
+  size_t watch_prefix_len;
+  char watch_prefix[TD_KEY_MAX];
+  td__conn *wprev, *wnext; /* in srv->watchers */
   td__conn *prev, *next;
 };
 
@@ -57,6 +67,11 @@ void td__conn_close(td__conn *c, const char *why);
  * frame limit (fd closed, an EMSGSIZE Error sent instead, the connection
  * kept). */
 int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
+/* Queues r (no fd) for a watcher c without sending it: the loop sends it
+ * when c's socket is writable. Never closes c, so it may be called from the
+ * middle of another connection's request. Returns 0, TD_ECONNRESET if c is
+ * closing, or TD_ENOMEM (nothing queued). */
+int td__conn_queue(td__conn *c, struct Tensord__Response *r);
 /* Sends an Error reply for seq. Returns code. */
 int td__conn_error(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -4,6 +4,7 @@
 
 #include "common.h"
 #include "cudastore.h"
+#include "events.h"
 #include "log.h"
 #include "metrics.h"
 #include "segment.h"
@@ -13,6 +14,7 @@
 #include "viewmsg.h"
 #include "waitq.h"
 
+#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -219,6 +221,8 @@ static void create_finish(td__segment_req *req) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
+    td__event ev = {.type = TD__EV_CREATE, .s = s, .by = c};
+    td__event_emit(srv, &ev);
     send_storage(c, cr->seq, s, 0,
                  (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
   }
@@ -409,12 +413,19 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
+  td__event ev = {.type = take ? TD__EV_TAKE : TD__EV_LOOKUP,
+                  .s = s,
+                  .key = k->name,
+                  .key_len = k->len,
+                  .by = c};
   if (!take) {
+    td__event_emit(c->srv, &ev);
     td__conn_send(c, &r, fd);
     return;
   }
   if (k->scope != NULL) { /* never journaled: nothing to record */
     td__debug("client %d took scoped key '%s'", (int)c->hold.peer.pid, k->name);
+    td__event_emit(c->srv, &ev);
     td__key_remove(&c->srv->reg, k);
     td__conn_send(c, &r, fd);
     return;
@@ -428,6 +439,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
     return;
   }
   td__debug("client %d took key '%s'", (int)c->hold.peer.pid, k->name);
+  td__event_emit(c->srv, &ev);
   td__key_remove(&c->srv->reg, k);
   td__state_reply(c->srv->state, c, &r, fd);
 }
@@ -570,6 +582,12 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     memcpy(k->event, m->event_handle.data, 64);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
+  td__event ev = {.type = TD__EV_PUBLISH,
+                  .s = s,
+                  .key = k->name,
+                  .key_len = k->len,
+                  .by = c};
+  td__event_emit(c->srv, &ev);
   send_ok(c, seq);
   td__wait_wake(c->srv, k, answer_lookup);
   return 0;
@@ -594,6 +612,12 @@ static int op_unpublish(td__conn *c, uint64_t seq,
     unrecorded(c, seq, "unpublish", k->name);
     return 0;
   }
+  td__event ev = {.type = TD__EV_UNPUBLISH,
+                  .s = k->storage,
+                  .key = k->name,
+                  .key_len = k->len,
+                  .by = c};
+  td__event_emit(c->srv, &ev);
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
 }
@@ -663,6 +687,7 @@ static int storage_info(arena *a, const td__storage *s, size_t max_keys,
     hs[i].pid = r->peer->pid;
     hs[i].uid = r->peer->uid;
     hs[i].refs = r->rw + r->ro;
+    hs[i].name = (char *)td__ref_holdings(r)->name;
     hp[i] = &hs[i];
   }
   m->n_holders = nh;
@@ -782,6 +807,22 @@ nomem:
   return reject(c, seq, TD_ENOMEM, "info: out of memory");
 }
 
+/* The daemon's own memory: its resident set now (/proc/self/statm, in
+ * pages) and what malloc has handed out and not got back (mallinfo2: in
+ * arenas and in mmapped blocks). Either is 0 if it cannot be read. */
+static void daemon_memory(uint64_t *rss, uint64_t *heap) {
+  unsigned long long size = 0, resident = 0;
+  FILE *f = fopen("/proc/self/statm", "re");
+  *rss = 0;
+  if (f != NULL) {
+    if (fscanf(f, "%llu %llu", &size, &resident) == 2)
+      *rss = (uint64_t)resident * (uint64_t)sysconf(_SC_PAGESIZE);
+    fclose(f);
+  }
+  struct mallinfo2 mi = mallinfo2();
+  *heap = (uint64_t)mi.uordblks + (uint64_t)mi.hblkhd;
+}
+
 static int op_stat(td__conn *c, uint64_t seq) {
   td__server *srv = c->srv;
   Tensord__StatReply st = TENSORD__STAT_REPLY__INIT;
@@ -833,6 +874,7 @@ static int op_stat(td__conn *c, uint64_t seq) {
     pp[i] = srv->prefixes[i];
   st.n_prefixes = pp != NULL ? srv->nprefixes : 0;
   st.prefixes = pp;
+  daemon_memory(&st.daemon_rss_bytes, &st.daemon_heap_bytes);
   st.version = (char *)TD_VERSION_STRING;
   st.socket = srv->socket_path;
   r.seq = seq;
@@ -1051,17 +1093,83 @@ static int op_hello(td__conn *c, uint64_t seq, const Tensord__Hello *m) {
   r.body_case = TENSORD__RESPONSE__BODY_HELLO;
   r.hello = &h;
   td__debug("client %d says hello as '%s'", (int)c->hold.peer.pid, c->name);
+  td__event ev = {.type = TD__EV_CONNECT, .by = c};
+  td__event_emit(srv, &ev);
   td__conn_send(c, &r, -1);
   return 0;
 }
 
+static int op_watch(td__conn *c, uint64_t seq, const Tensord__Watch *m) {
+  if (m->prefix.len > TD_KEY_MAX)
+    return reject(c, seq, TD_EINVAL,
+                  "watch: a prefix of %zu bytes; keys have at most %d",
+                  m->prefix.len, TD_KEY_MAX);
+  if (m->prefix.len > 0 && memchr(m->prefix.data, '\0', m->prefix.len))
+    return reject(c, seq, TD_EINVAL,
+                  "watch: the prefix holds a NUL byte, which no key has");
+  td__watch_start(c, seq, m->prefix.data, m->prefix.len);
+  Tensord__Ok ok = TENSORD__OK__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_OK;
+  r.ok = &ok;
+  td__conn_send(c, &r, -1);
+  return 0;
+}
+
+/* The key req names, if any, for the events it sets off. */
+static void request_key(const Tensord__Request *req, const char **key,
+                        size_t *len) {
+  const ProtobufCBinaryData *k = NULL;
+  switch (req->body_case) {
+  case TENSORD__REQUEST__BODY_PUBLISH:
+    k = &req->publish->key;
+    break;
+  case TENSORD__REQUEST__BODY_LOOKUP:
+    k = &req->lookup->key;
+    break;
+  case TENSORD__REQUEST__BODY_UNPUBLISH:
+    k = &req->unpublish->key;
+    break;
+  case TENSORD__REQUEST__BODY_INFO:
+    if (req->info->which_case == TENSORD__INFO__WHICH_KEY)
+      k = &req->info->key;
+    break;
+  default:
+    break;
+  }
+  *key = k != NULL ? (const char *)k->data : NULL;
+  *len = k != NULL ? k->len : 0;
+}
+
+static int dispatch(td__conn *c, Tensord__Request *req);
+
 int td__dispatch(td__conn *c, Tensord__Request *req) {
+  td__server *srv = c->srv;
+  srv->current = c;
+  request_key(req, &srv->current_key, &srv->current_key_len);
+  int err = dispatch(c, req);
+  srv->current = NULL;
+  srv->current_key = NULL;
+  srv->current_key_len = 0;
+  return err;
+}
+
+static int dispatch(td__conn *c, Tensord__Request *req) {
   uint64_t seq = req->seq;
   if (!c->hello && req->body_case != TENSORD__REQUEST__BODY_HELLO)
     return td__conn_error(c, seq, TD_EPROTO,
                           "the first request must be Hello (got request "
                           "type %d)",
                           (int)req->body_case);
+  /* A watcher takes no other request; a second Hello is still a protocol
+   * error, and a Release (never answered) still gives back what it held. */
+  if (c->watching && req->body_case != TENSORD__REQUEST__BODY_HELLO &&
+      req->body_case != TENSORD__REQUEST__BODY_RELEASE)
+    return reject(c, seq, TD_EBUSY,
+                  "this connection watches events (since seq %llu) and "
+                  "takes no other request; open another connection",
+                  (unsigned long long)c->watch_seq);
   switch (req->body_case) {
   case TENSORD__REQUEST__BODY_HELLO:
     return op_hello(c, seq, req->hello);
@@ -1089,6 +1197,8 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
     return op_scope(c, seq, req->scope);
   case TENSORD__REQUEST__BODY_METRICS:
     return op_metrics(c, seq, req->metrics);
+  case TENSORD__REQUEST__BODY_WATCH:
+    return op_watch(c, seq, req->watch);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,

@@ -262,6 +262,7 @@ void td__holdings_init(td__holdings *h, const td__peer *peer) {
   h->nrefs = 0;
   h->ngroups = 0;
   h->groups = NULL;
+  h->name = "";
 }
 
 td__ref *td__ref_find(const td__holdings *h, uint64_t id) {

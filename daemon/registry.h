@@ -8,6 +8,7 @@
 #include "htab.h"
 #include "tensord.h"
 
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -40,7 +41,15 @@ typedef struct td__holdings {
    * connection allocates and frees; the registry only reads it. */
   int ngroups;
   gid_t *groups;
+  /* The client's name (its Hello), owned by its connection: "" before. */
+  const char *name;
 } td__holdings;
+
+/* The holdings a reference belongs to (its peer is theirs). */
+static inline const td__holdings *td__ref_holdings(const td__ref *r) {
+  return (const td__holdings *)((const char *)r->peer -
+                                offsetof(td__holdings, peer));
+}
 
 /* What an operation needs of a storage. */
 #define TD__MAY_READ 04

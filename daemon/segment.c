@@ -4,6 +4,7 @@
 #include "segment.h"
 
 #include "common.h"
+#include "events.h"
 #include "log.h"
 #include "server.h"
 #include "state.h"
@@ -240,6 +241,11 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
 
 void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
+  /* Caused by the request being handled, if any; else (a connection's
+   * close, a scope's end) named after the owner. */
+  td__event ev = {
+      .type = TD__EV_FREE, .s = s, .by = srv->current, .peer = &s->owner};
+  td__event_emit(srv, &ev);
   if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
     free(s);
     return;

@@ -46,12 +46,12 @@ const char *td_version_string(void);
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
  *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
- *   td_key_info, td_stat, td_device_stat, td_client_stat and td_metrics. A
- *   new field takes the place of reserved words. In what you pass in
- *   (td_create_opts, td_publish_opts) zero keeps the old behaviour, so
- *   "zero-initialise, then set" keeps working, and a library that does not
- *   know a field refuses it non-zero with TD_EINVAL rather than ignore it;
- *   in what the library fills in, reserved words are zero.
+ *   td_key_info, td_stat, td_device_stat, td_client_stat, td_metrics and
+ *   td_event. A new field takes the place of reserved words. In what you
+ *   pass in (td_create_opts, td_publish_opts) zero keeps the old behaviour,
+ *   so "zero-initialise, then set" keeps working, and a library that does
+ *   not know a field refuses it non-zero with TD_EINVAL rather than ignore
+ *   it; in what the library fills in, reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
@@ -543,8 +543,11 @@ int td_ping(td_client *c, uint64_t *rtt_ns);
 typedef struct td_holder {
   int32_t pid;
   uint32_t uid;
-  uint32_t refs;        /* references this process's connection holds */
-  uint64_t reserved[2]; /* zero (see ABI above) */
+  uint32_t refs; /* references this process's connection holds */
+  /* The name the client gave in its Hello (libtensord: the process's name,
+   * /proc/self/comm); "" if none. Valid as long as the td_storage_info. */
+  const char *name;
+  uint64_t reserved[1]; /* zero (see ABI above) */
 } td_holder;
 
 typedef struct td_storage_info {
@@ -599,7 +602,13 @@ typedef struct td_stat {
   uint64_t pool_limit;  /* --recycle-bytes; 0: recycling is off */
   uint64_t pool_hits;   /* creates served from the pool */
   uint64_t pool_misses; /* creates of a poolable size it could not serve */
-  uint64_t reserved[3]; /* zero (see ABI above) */
+  /* The daemon's own memory: its resident set (/proc/self/statm) and the
+   * bytes malloc has handed it (mallinfo2; 0 where malloc does not say, as
+   * under a sanitizer); both 0 from a daemon that does not say. Storages'
+   * bytes are in neither unless the daemon maps them. */
+  uint64_t daemon_rss_bytes;
+  uint64_t daemon_heap_bytes;
+  uint64_t reserved[1]; /* zero (see ABI above) */
 } td_stat;
 
 /* Called once per live storage, in id order; a non-zero return stops the
@@ -676,6 +685,63 @@ int td_metrics_get(td_client *c, unsigned largest, unsigned flags,
                    td_metrics **out);
 /* Frees m and everything it points to. NULL ok. */
 void td_metrics_free(td_metrics *m);
+/* ---- events (tensorctl watch; docs/protocol.md) ---- */
+/* A watch is a connection of its own that receives what happens in the
+ * daemon as it happens, for debugging a pipeline. The daemon never waits for
+ * a watcher: a watcher that reads too slowly loses events, and the next one
+ * it gets says how many (dropped). */
+
+/* What happened. Values never change; expect ones you do not know. */
+typedef enum {
+  TD_EVENT_CREATE = 1,     /* a storage was made: id, nbytes, device */
+  TD_EVENT_PUBLISH = 2,    /* key now names storage id */
+  TD_EVENT_TAKE = 3,       /* a lookup took key (unpublished it) */
+  TD_EVENT_UNPUBLISH = 4,  /* key was unpublished */
+  TD_EVENT_FREE = 5,       /* storage id's last reference went */
+  TD_EVENT_CONNECT = 6,    /* a client said Hello */
+  TD_EVENT_DISCONNECT = 7, /* a client went; message says why */
+  TD_EVENT_REFUSED = 8,    /* a request failed: code, message */
+  TD_EVENT_LOOKUP = 9,     /* a lookup (not a take) got key */
+} td_event_type;
+
+/* One event. Fields that do not apply to its type are 0 or "". Strings are
+ * valid until the next td_watch_next or td_watch_close. */
+typedef struct td_event {
+  td_event_type type;
+  int32_t pid;  /* the client that caused it (FREE: see docs/cli.md) */
+  uint32_t uid; /* its uid */
+  int32_t code; /* REFUSED: the negative TD_E* code */
+  int64_t unix_ms;
+  uint64_t id; /* the storage */
+  uint64_t nbytes;
+  td_device device;
+  const char *key;      /* the key, or "" */
+  const char *name;     /* the client's name (its Hello), or "" */
+  const char *message;  /* REFUSED: the daemon's message; DISCONNECT: why */
+  uint64_t dropped;     /* events lost before this one (watcher too slow) */
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_event;
+
+typedef struct td_watch td_watch;
+
+/* Connects to tensord at socket_path (NULL: the default path, with
+ * td_connect's checks) and watches the events whose key begins with prefix
+ * (NULL or "": every event, those without a key too; with a prefix, only
+ * events that name a key). On failure *out is NULL and td_last_error(NULL)
+ * names the cause. A watch is used by one thread at a time. */
+int td_watch_open(const char *socket_path, const char *prefix, td_watch **out);
+/* Waits up to timeout_ms (-1: forever) for the next event and fills *ev.
+ * Returns 0, TD_ETIMEDOUT if none came, TD_EAGAIN if a signal interrupted
+ * the wait (call again, or stop), TD_ECONNRESET once tensord has gone, or
+ * TD_EPROTO for a frame that is not an event. */
+int td_watch_next(td_watch *w, int timeout_ms, td_event *ev);
+/* The socket, for poll(): readable when td_watch_next may have an event. */
+int td_watch_fd(const td_watch *w);
+/* Ends the watch and frees w. NULL ok. */
+void td_watch_close(td_watch *w);
+/* "create", "publish", ...; "unknown" for a value this library does not
+ * know. Never NULL. */
+const char *td_event_type_name(int type);
 
 #pragma GCC visibility pop
 

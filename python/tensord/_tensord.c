@@ -1234,7 +1234,8 @@ static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
  * GIL) and turned into dicts afterwards. */
 typedef struct ls_item {
   td_storage_info info;
-  td_holder *holders;
+  td_holder *holders; /* their names point into names[] */
+  char **names;
   char **keys;
 } ls_item;
 
@@ -1245,6 +1246,9 @@ typedef struct ls_acc {
 
 static void ls_free(ls_acc *a) {
   for (size_t i = 0; i < a->n; i++) {
+    for (size_t h = 0; a->items[i].names && h < a->items[i].info.nholders; h++)
+      free(a->items[i].names[h]);
+    free(a->items[i].names);
     free(a->items[i].holders);
     for (size_t k = 0; k < a->items[i].info.nkeys; k++)
       free(a->items[i].keys[k]);
@@ -1268,11 +1272,18 @@ static int ls_cb(const td_storage_info *info, void *arg) {
   it->info = *info;
   it->info.nkeys = 0;
   it->holders = calloc(info->nholders + 1, sizeof(td_holder));
+  it->names = calloc(info->nholders + 1, sizeof(char *));
   it->keys = calloc(info->nkeys + 1, sizeof(char *));
   a->n++;
-  if (it->holders == NULL || it->keys == NULL)
+  if (it->holders == NULL || it->names == NULL || it->keys == NULL)
     return TD_ENOMEM;
   memcpy(it->holders, info->holders, info->nholders * sizeof(td_holder));
+  for (size_t h = 0; h < info->nholders; h++) {
+    const char *name = info->holders[h].name ? info->holders[h].name : "";
+    if ((it->names[h] = strdup(name)) == NULL)
+      return TD_ENOMEM;
+    it->holders[h].name = it->names[h];
+  }
   for (size_t k = 0; k < info->nkeys; k++) {
     if ((it->keys[k] = strdup(info->keys[k])) == NULL)
       return TD_ENOMEM;
@@ -1311,8 +1322,11 @@ static PyObject *storage_dict(const ls_item *it, int64_t now) {
   int ok = holders && keys;
   for (size_t i = 0; ok && i < s->nholders; i++) {
     PyObject *h =
-        Py_BuildValue("{s:i,s:I,s:I}", "pid", it->holders[i].pid, "uid",
-                      it->holders[i].uid, "refs", it->holders[i].refs);
+        Py_BuildValue("{s:i,s:I,s:I,s:N}", "pid", it->holders[i].pid, "uid",
+                      it->holders[i].uid, "refs", it->holders[i].refs, "name",
+                      PyUnicode_DecodeUTF8(
+                          it->holders[i].name,
+                          (Py_ssize_t)strlen(it->holders[i].name), "replace"));
     ok = h != NULL;
     if (ok)
       PyList_SET_ITEM(holders, (Py_ssize_t)i, h);
@@ -1406,9 +1420,33 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
   }
   if (devices == NULL)
     return NULL;
+  char(*prefix)[TD_PREFIX_MAX] = malloc(64 * sizeof(*prefix));
+  if (prefix == NULL) {
+    Py_DECREF(devices);
+    return PyErr_NoMemory();
+  }
+  size_t np = 0;
+  CALL(self, x, err, td_stat_prefixes(x.c, prefix, 64, &np));
+  if (err < 0) {
+    free(prefix);
+    Py_DECREF(devices);
+    return raise_err(err, x.msg);
+  }
+  PyObject *prefixes = PyList_New(0);
+  for (size_t i = 0; prefixes != NULL && i < np && i < 64; i++) {
+    PyObject *e = PyUnicode_FromString(prefix[i]);
+    if (e == NULL || PyList_Append(prefixes, e) < 0)
+      Py_CLEAR(prefixes);
+    Py_XDECREF(e);
+  }
+  free(prefix);
+  if (prefixes == NULL) {
+    Py_DECREF(devices);
+    return NULL;
+  }
   return Py_BuildValue(
       "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:L,s:i,s:K,s:I,s:I,s:s,s:s,s:s,"
-      "s:{s:K,s:K,s:K,s:K,s:K},s:K,s:N}",
+      "s:{s:K,s:K,s:K,s:K,s:K},s:K,s:N,s:N,s:K,s:K}",
       "storages", st.storages, "bytes_used", st.bytes_used, "capacity",
       st.capacity, "shm_free", st.shm_free, "clients", st.clients, "keys",
       st.keys, "waiters", st.waiters, "uptime_ms", st.uptime_ms, "pid", st.pid,
@@ -1417,7 +1455,8 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
       st.version, "socket", st.socket, "state_dir", st.state_dir, "pool",
       "segments", st.pool_segments, "bytes", st.pool_bytes, "limit",
       st.pool_limit, "hits", st.pool_hits, "misses", st.pool_misses, "instance",
-      st.instance, "devices", devices);
+      st.instance, "devices", devices, "prefixes", prefixes, "daemon_rss_bytes",
+      st.daemon_rss_bytes, "daemon_heap_bytes", st.daemon_heap_bytes);
 }
 
 static PyMethodDef Client_methods[] = {

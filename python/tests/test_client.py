@@ -303,6 +303,8 @@ def test_ls_matches_tensorctl(daemon, client):
         assert mine[k] == ctl[k], k
     assert mine["keys"] == ["listed"] and mine["nbytes"] == 40
     assert mine["holders"][0]["pid"] == os.getpid()
+    assert mine["holders"] == ctl["holders"]  # names included
+    assert mine["holders"][0]["name"]  # the process's name, from its Hello
     assert mine["refs"] == 2  # the Tensor's handle and the key
     client.unpublish("listed")
     t.release()
@@ -316,6 +318,10 @@ def test_stat_matches_tensorctl(daemon, client):
     assert st["socket"] == ctl["socket"] == daemon
     assert st["pid"] == ctl["pid"] and st["version"] == ctl["version"]
     assert isinstance(st["instance"], int) and st["instance"] > 0
+    assert ctl["instance"] == "%016x" % st["instance"]
+    assert st["prefixes"] == ctl["prefixes"]
+    assert st["prefixes"][0] == "/tensord.%016x." % st["instance"]
+    assert st["daemon_rss_bytes"] > 0
 
 
 def test_tensor_not_constructible_nor_picklable(client):

@@ -159,6 +159,18 @@ static void publish_in(buf *o, uint64_t seq, const char *k, uint64_t id,
   add(o, &r);
 }
 
+/* Makes the connection a watcher of the keys under prefix (len bytes). */
+static void watch(buf *o, uint64_t seq, const char *prefix, size_t len) {
+  Tensord__Watch m = TENSORD__WATCH__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  m.prefix.data = (uint8_t *)prefix;
+  m.prefix.len = len;
+  r.seq = seq;
+  r.body_case = TENSORD__REQUEST__BODY_WATCH;
+  r.watch = &m;
+  add(o, &r);
+}
+
 /* Opens a scope (close 0), or ends scope token. */
 static void scope(buf *o, uint64_t seq, int close, uint64_t token) {
   Tensord__Scope m = TENSORD__SCOPE__INIT;
@@ -648,6 +660,29 @@ static void gen_multi(void) {
   publish_in(&s1, 5, "mine", 1, FZ_SCOPE_TOKEN(1));
   segment(&in, 1, &s1);
   write_input("multi_scope_uid", &in);
+
+  /* A watcher: a bad prefix, then a watch of everything; the other
+   * connection's create, publish, take, refusal and free reach it as
+   * events; its own requests after are EBUSY, its Release still works. */
+  start(&in, FZ_HELLO | FZ_MULTI, 0);
+  s0.len = 0;
+  create(&s0, 2, 4096, 0);
+  watch(&s0, 3, "a\0b", 3);
+  watch(&s0, 4, "", 0);
+  segment(&in, 0, &s0);
+  s1.len = 0;
+  create(&s1, 2, 4096, 0);
+  publish(&s1, 3, "seen", 2);
+  lookup(&s1, 4, "seen", 0, 0, 1, 0);
+  lookup(&s1, 5, "missing", 0, 0, 0, 0);
+  segment(&in, 1 | FZ_SEG_EOF, &s1);
+  s0.len = 0;
+  stat_(&s0, 5);
+  watch(&s0, 6, "b/", 2);
+  release(&s0, 1, 0, 1);
+  ping(&s0, 7, "busy");
+  segment(&in, 0, &s0);
+  write_input("multi_watch", &in);
 
   /* Modes: 1 and 2 share a group; 3 is a stranger. */
   start(&in, FZ_HELLO | FZ_MULTI | FZ_CLASS0(1) | FZ_CLASS1(2), 0);

@@ -79,6 +79,9 @@ typedef struct oend {
   mref *refs;
   size_t nrefs, caprefs;
   uint32_t failed_pool; /* thread-pool creates that failed this segment */
+  int watching;   /* a Watch succeeded: every request but Release is EBUSY */
+  int may_watch;  /* it sent a Watch the model let through */
+  size_t nevents; /* Event frames it got (not replies: never matched) */
 } oend;
 
 typedef struct mstorage {
@@ -274,6 +277,13 @@ void oracle_sent(int end, const uint8_t *p, size_t n, int fd) {
 
 void oracle_reply(int end, Tensord__Response *r, size_t len) {
   oend *e = &O.e[end];
+  if (r->body_case == TENSORD__RESPONSE__BODY_EVENT) {
+    /* What happened, streamed to a watcher: no request's reply. */
+    e->nevents++;
+    e->reply_bytes += len + TD__FRAME_HDR;
+    tensord__response__free_unpacked(r, NULL);
+    return;
+  }
   *PUSH(e->replies, e->nreplies, e->capreplies) = r;
   e->reply_bytes += len + TD__FRAME_HDR;
 }
@@ -1147,6 +1157,40 @@ static void close_conn(oend *e) {
       e->items[O.pool[i].item].expect = X_MAYBE;
 }
 
+/* A Watch: Ok, after which the connection is a watcher, or EINVAL for a
+ * prefix no key can begin. */
+static void do_watch(oend *e, item *it) {
+  const Tensord__Watch *m = it->req->watch;
+  int bad = m->prefix.len > TD_KEY_MAX ||
+            (m->prefix.len > 0 && memchr(m->prefix.data, 0, m->prefix.len));
+  if (!bad) {
+    e->watching = 1;
+    e->may_watch = 1;
+  }
+  const Tensord__Response *rep = it->reply;
+  if (O.lost || it->ambiguous || rep == NULL)
+    return;
+  O.checked++;
+  char a[200], b[1200];
+  if (bad && (!is_error(rep) || rep->error->code != TD_EINVAL))
+    FAIL("%s: a bad prefix must get EINVAL, got %s", what(e, it, a, sizeof(a)),
+         reply_str(rep, b, sizeof(b)));
+  if (!bad && rep->body_case != TENSORD__RESPONSE__BODY_OK)
+    refused(e, it, "a Watch with a prefix a key may have gets Ok");
+}
+
+/* A request on a watching connection: EBUSY, and nothing changes. */
+static void do_busy(oend *e, item *it) {
+  const Tensord__Response *rep = it->reply;
+  if (O.lost || it->ambiguous || rep == NULL)
+    return;
+  O.checked++;
+  char a[200], b[1200];
+  if (!is_error(rep) || rep->error->code != TD_EBUSY)
+    FAIL("%s: a watching connection's request must get EBUSY, got %s",
+         what(e, it, a, sizeof(a)), reply_str(rep, b, sizeof(b)));
+}
+
 static void handle(oend *e, item *it) {
   it->handled = 1;
   if (it->cut) {
@@ -1154,7 +1198,14 @@ static void handle(oend *e, item *it) {
     return;
   }
   it->expect = X_MUST;
+  if (e->watching && it->req->body_case != TENSORD__REQUEST__BODY_RELEASE) {
+    do_busy(e, it);
+    return;
+  }
   switch (it->req->body_case) {
+  case TENSORD__REQUEST__BODY_WATCH:
+    do_watch(e, it);
+    return;
   case TENSORD__REQUEST__BODY_CREATE:
     do_create(e, it);
     return;
@@ -1231,6 +1282,9 @@ static void count(oend *e) {
            reply_str(r, b, sizeof(b)));
     return;
   }
+  if (e->nevents > 0 && !e->may_watch)
+    FAIL("client %d: %zu event(s) on a connection that never watched", end,
+         e->nevents);
   for (size_t i = 0; i < e->nitems + e->nreplies; i++) {
     uint64_t seq;
     if (i < e->nitems) {

@@ -337,11 +337,25 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   for (int i = 0; i < 7; i++)
     cr_assert_str_eq(tok[i], cols[i], "header column %d", i);
   free(hdr);
-  char parent[16], child[16];
-  snprintf(parent, sizeof(parent), "%d", (int)getpid());
-  snprintf(child, sizeof(child), "%d", (int)sc.child);
+  /* A holder is "PID (NAME)": the client's name from its Hello. */
+  char parent[32], child[32];
+  snprintf(parent, sizeof(parent), "%d (test_cli)", (int)getpid());
+  snprintf(child, sizeof(child), "%d (test_cli)", (int)sc.child);
   for (int i = 0; i < 3; i++) {
     char *row = lines[i + 1];
+    if (i == 1) {
+      cr_assert(strstr(row, parent) && strstr(row, child),
+                "holders in '%s' name both pids (%s, %s)", row, parent, child);
+    } else {
+      const char *h = strstr(row, parent);
+      cr_assert_not_null(h, "holder '%s' of row %d: %s", parent, i, row);
+      h += strlen(parent);
+      h += strspn(h, " ");
+      cr_assert(h[0] == '-' && h[1] == ' ', "no keys on row %d: %s", i, row);
+    }
+    /* Without the names, the columns are whitespace-separated tokens. */
+    for (char *q; (q = strstr(row, " (test_cli)")) != NULL;)
+      memmove(q, q + 11, strlen(q + 11) + 1);
     int nr = tokens(row, tok, 16);
     cr_assert_geq(nr, 7, "row %d", i);
     cr_assert_eq(strtoull(tok[0], NULL, 10), sc.id[i], "rows sorted by id");
@@ -351,13 +365,18 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
       cr_assert_str_eq(tok[2], "1.0");
       cr_assert_str_eq(tok[3], "MiB");
       cr_assert_str_eq(tok[4], "4", "rw + ro holder + 2 keys");
-      cr_assert(strstr(tok[5], parent) && strstr(tok[5], child),
-                "holders '%s' name both pids (%s, %s)", tok[5], parent, child);
+      char pp[16], cp[16];
+      snprintf(pp, sizeof(pp), "%d", (int)getpid());
+      snprintf(cp, sizeof(cp), "%d", (int)sc.child);
+      cr_assert(strstr(tok[5], pp) && strstr(tok[5], cp),
+                "holders '%s' name both pids (%s, %s)", tok[5], pp, cp);
       cr_assert(strstr(tok[6], "cli/a") && strstr(tok[6], "cli/b"), "keys '%s'",
                 tok[6]);
     } else {
       cr_assert_str_eq(tok[4], "1", "refs of row %d", i);
-      cr_assert_str_eq(tok[5], parent, "holder of row %d", i);
+      char pp[16];
+      snprintf(pp, sizeof(pp), "%d", (int)getpid());
+      cr_assert_str_eq(tok[5], pp, "holder of row %d", i);
       cr_assert_str_eq(tok[6], "-", "no keys on row %d", i);
     }
   }
@@ -427,7 +446,8 @@ TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   cr_assert(strstr(r.out, want) != NULL, "'%s' in %s", want, r.out);
   snprintf(want, sizeof(want), "\"owner_pid\":%d,", (int)getpid());
   cr_assert_eq(count_of(r.out, want), 3, "the test created all three");
-  snprintf(want, sizeof(want), "{\"pid\":%d,\"uid\":%u,\"refs\":1}",
+  snprintf(want, sizeof(want),
+           "{\"pid\":%d,\"uid\":%u,\"refs\":1,\"name\":\"test_cli\"}",
            (int)sc.child, (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "the child holder: %s", r.out);
   cr_assert(strstr(r.out, "\"keys\":[\"cli/b\",\"cli/a\"]") ||
@@ -638,7 +658,7 @@ TDT_TEST(cli, info_id_shows_the_storage_and_its_holders) {
   snprintf(want, sizeof(want), "owner     pid %d, uid %u (", (int)getpid(),
            (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
-  snprintf(want, sizeof(want), " %d (uid %u, 1 ref)", (int)sc.child,
+  snprintf(want, sizeof(want), " %d (test_cli, uid %u, 1 ref)", (int)sc.child,
            (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "  cli/a: uint8[1048576] stride (1) offset 0\n"),

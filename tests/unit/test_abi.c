@@ -82,7 +82,8 @@ Test(abi, struct_layouts_are_those_released) {
   SIZE(td_holder, 32, 8);
   FIELD(td_holder, uid, 4);
   FIELD(td_holder, refs, 8);
-  FIELD(td_holder, reserved, 16);
+  FIELD(td_holder, name, 16); /* was reserved[0] (client names) */
+  FIELD(td_holder, reserved, 24);
 
   SIZE(td_storage_info, 152, 8);
   FIELD(td_storage_info, nbytes, 8);
@@ -137,7 +138,23 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_stat, pool_limit, 656);
   FIELD(td_stat, pool_hits, 664);
   FIELD(td_stat, pool_misses, 672);
-  FIELD(td_stat, reserved, 680);
+  FIELD(td_stat, daemon_rss_bytes, 680); /* was reserved[0..1] (memory) */
+  FIELD(td_stat, daemon_heap_bytes, 688);
+  FIELD(td_stat, reserved, 696);
+
+  SIZE(td_event, 112, 8);
+  FIELD(td_event, pid, 4);
+  FIELD(td_event, uid, 8);
+  FIELD(td_event, code, 12);
+  FIELD(td_event, unix_ms, 16);
+  FIELD(td_event, id, 24);
+  FIELD(td_event, nbytes, 32);
+  FIELD(td_event, device, 40);
+  FIELD(td_event, key, 48);
+  FIELD(td_event, name, 56);
+  FIELD(td_event, message, 64);
+  FIELD(td_event, dropped, 72);
+  FIELD(td_event, reserved, 80);
 }
 
 /* Enum values travel on the wire and in binaries: they never change. */
@@ -156,6 +173,15 @@ Test(abi, enum_values_never_change) {
   cr_expect_eq(TD_UNINIT, 0x4u);
   cr_expect_eq(TD_COW, 0x8u);
   cr_expect_eq(TD_DLPACK_CONSUME, 0x100u);
+  cr_expect_eq(TD_EVENT_CREATE, 1);
+  cr_expect_eq(TD_EVENT_PUBLISH, 2);
+  cr_expect_eq(TD_EVENT_TAKE, 3);
+  cr_expect_eq(TD_EVENT_UNPUBLISH, 4);
+  cr_expect_eq(TD_EVENT_FREE, 5);
+  cr_expect_eq(TD_EVENT_CONNECT, 6);
+  cr_expect_eq(TD_EVENT_DISCONNECT, 7);
+  cr_expect_eq(TD_EVENT_REFUSED, 8);
+  cr_expect_eq(TD_EVENT_LOOKUP, 9);
 }
 
 /* "Zero-initialise, then set": a zeroed td_create_opts asks for the

@@ -1,0 +1,101 @@
+/* events.c: the event stream: what happened, to each watcher whose prefix
+ * matches, through a bounded share of its output (drops are counted). */
+#include "events.h"
+
+#include "log.h"
+#include "tensord.pb-c.h"
+
+#include <string.h>
+
+/* Whether ev passes w's prefix: a key that begins with it, or, with an
+ * empty prefix, anything (events without a key too). */
+static int matches(const td__conn *w, const td__event *ev) {
+  if (w->watch_prefix_len == 0)
+    return 1;
+  return ev->key != NULL && ev->key_len >= w->watch_prefix_len &&
+         memcmp(ev->key, w->watch_prefix, w->watch_prefix_len) == 0;
+}
+
+void td__event_emit_slow(td__server *srv, const td__event *ev) {
+  /* Events are only queued (td__conn_queue never closes a watcher), so
+   * none should happen while one is being sent; if one did, it is not
+   * reported rather than sent from inside this loop. */
+  if (srv->emitting)
+    return;
+  srv->emitting = 1;
+  Tensord__Event e = TENSORD__EVENT__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  e.type = (Tensord__Event__Type)ev->type;
+  e.unix_ms = td__now_ms();
+  if (ev->s != NULL) {
+    e.id = ev->s->id;
+    e.nbytes = ev->s->nbytes;
+    e.device = (Tensord__Device)ev->s->device;
+  }
+  if (ev->key != NULL) {
+    e.key.data = (uint8_t *)ev->key;
+    e.key.len = ev->key_len;
+  }
+  const td__peer *peer = ev->by != NULL ? &ev->by->hold.peer : ev->peer;
+  if (peer != NULL) {
+    e.pid = peer->pid;
+    e.uid = peer->uid;
+  }
+  e.name = ev->by != NULL ? (char *)ev->by->name : "";
+  e.code = ev->code;
+  e.message = ev->message != NULL ? (char *)ev->message : "";
+  r.body_case = TENSORD__RESPONSE__BODY_EVENT;
+  r.event = &e;
+  for (td__conn *w = srv->watchers; w != NULL; w = w->wnext) {
+    if (w->closing || !matches(w, ev))
+      continue;
+    r.seq = w->watch_seq;
+    e.dropped = w->watch_dropped;
+    size_t len = tensord__response__get_packed_size(&r);
+    if (td__wire_pending(&w->wire) + len > TD__WATCH_OUT_MAX) {
+      w->watch_dropped++;
+      continue;
+    }
+    if (td__conn_queue(w, &r) == 0)
+      w->watch_dropped = 0;
+    else
+      w->watch_dropped++;
+  }
+  srv->emitting = 0;
+}
+
+int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
+                    size_t len) {
+  if (c->watching)
+    return TD_EBUSY;
+  td__server *srv = c->srv;
+  if (len > 0) /* an empty prefix may come as NULL */
+    memcpy(c->watch_prefix, prefix, len);
+  c->watch_prefix_len = len;
+  c->watch_seq = seq;
+  c->watch_dropped = 0;
+  c->watching = 1;
+  c->wprev = NULL;
+  c->wnext = srv->watchers;
+  if (srv->watchers != NULL)
+    srv->watchers->wprev = c;
+  srv->watchers = c;
+  td__info("client %d%s%s watches events%s%.*s%s", (int)c->hold.peer.pid,
+           c->name[0] ? " " : "", c->name, len ? " under '" : "", (int)len,
+           (const char *)prefix, len ? "'" : "");
+  return 0;
+}
+
+void td__watch_stop(td__conn *c) {
+  if (!c->watching)
+    return;
+  td__server *srv = c->srv;
+  if (c->wprev != NULL)
+    c->wprev->wnext = c->wnext;
+  else
+    srv->watchers = c->wnext;
+  if (c->wnext != NULL)
+    c->wnext->wprev = c->wprev;
+  c->watching = 0;
+  c->wprev = c->wnext = NULL;
+}

@@ -1,25 +1,10 @@
-/* clitext.c: the text tensorctl's commands print: sizes, ages, JSON strings
- * and the test for a storage id. */
+/* clitext.c: the text tensorctl's commands print: ages, JSON strings and the
+ * test for a storage id (sizes: td__human_bytes, common.h). */
 #include "clitext.h"
 
 #include <ctype.h>
 #include <inttypes.h>
 #include <stdio.h>
-
-char *td__cli_bytes(uint64_t n, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)n;
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    u++;
-  }
-  if (u == 0)
-    snprintf(buf, len, "%" PRIu64 " B", n);
-  else
-    snprintf(buf, len, "%.1f %s", v, units[u]);
-  return buf;
-}
 
 char *td__cli_age(int64_t ms, char *buf, size_t len) {
   int64_t s = ms < 0 ? 0 : ms / 1000;

@@ -1,14 +1,11 @@
-/* clitext.h: the text tensorctl's commands print: sizes, ages, JSON strings
- * and the test for a storage id. Private to tensorctl (and td_show). */
+/* clitext.h: the text tensorctl's commands print: ages, JSON strings and the
+ * test for a storage id (sizes: td__human_bytes, common.h). Private to
+ * tensorctl (and td_show). */
 #ifndef TD_CLIENT_CLITEXT_H
 #define TD_CLIENT_CLITEXT_H
 
 #include <stddef.h>
 #include <stdint.h>
-
-/* n bytes as "512 B", "4.0 MiB" (binary units, one decimal, up to PiB)
- * into buf. Returns buf. */
-char *td__cli_bytes(uint64_t n, char *buf, size_t len);
 
 /* A duration of ms as "5s", "1m05s", "3h02m", "2d04h" (truncated; < 0 is
  * 0s) into buf. Returns buf. */

@@ -1167,7 +1167,7 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     print_json(key, s, whole, &src, &o, &v, base, &st);
   } else {
     char hs[32];
-    td__cli_bytes(td_storage_nbytes(s), hs, sizeof(hs));
+    td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs));
     if (whole)
       printf("storage %" PRIu64 " (%s, cpu): the whole storage as %s%s\n",
              td_storage_id(s), hs, td_dtype_name(src.dtype),

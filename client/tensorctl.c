@@ -1,6 +1,7 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
  * ping, metrics, top, watch. */
 #include "clitext.h"
+#include "common.h"
 #include "show.h"
 #include "tensord.h"
 #include "top.h"
@@ -238,7 +239,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
   char dl[32];
   printf("%-8" PRIu64 " %-7s %10s %5u %-24s %-24s %s\n", s->id,
          device_label(s, dl, sizeof(dl)),
-         td__cli_bytes(s->nbytes, size, sizeof(size)), s->refs, holders, keys,
+         td__human_bytes(s->nbytes, size, sizeof(size)), s->refs, holders, keys,
          td__cli_age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   return 0;
 }
@@ -318,11 +319,11 @@ static int cmd_stat(td_client *c) {
   }
   printf("storages  %" PRIu64 "\n", st.storages);
   printf("used      %s / %s (%.1f%%)\n",
-         td__cli_bytes(st.bytes_used, a, sizeof(a)),
-         td__cli_bytes(st.capacity, b, sizeof(b)),
+         td__human_bytes(st.bytes_used, a, sizeof(a)),
+         td__human_bytes(st.capacity, b, sizeof(b)),
          st.capacity ? 100.0 * (double)st.bytes_used / (double)st.capacity
                      : 0.0);
-  printf("shm free  %s\n", td__cli_bytes(st.shm_free, d, sizeof(d)));
+  printf("shm free  %s\n", td__human_bytes(st.shm_free, d, sizeof(d)));
   printf("clients   %" PRIu64 "\n", st.clients);
   printf("keys      %" PRIu64 "\n", st.keys);
   printf("waiters   %" PRIu64 "\n", st.waiters);
@@ -330,8 +331,8 @@ static int cmd_stat(td_client *c) {
   printf("version   %s (pid %d)\n", st.version, st.pid);
   if (st.daemon_rss_bytes)
     printf("memory    %s resident, %s heap (tensord itself)\n",
-           td__cli_bytes(st.daemon_rss_bytes, a, sizeof(a)),
-           td__cli_bytes(st.daemon_heap_bytes, b, sizeof(b)));
+           td__human_bytes(st.daemon_rss_bytes, a, sizeof(a)),
+           td__human_bytes(st.daemon_heap_bytes, b, sizeof(b)));
   printf("socket    %s\n", st.socket);
   printf("instance  %016" PRIx64 "\n", st.instance);
   /* Where its segments are: a clean-up by hand spares all of these. */
@@ -345,8 +346,8 @@ static int cmd_stat(td_client *c) {
     uint64_t tries = st.pool_hits + st.pool_misses;
     printf("pool      %" PRIu64 " segment(s), %s of %s; %" PRIu64
            " hit(s), %" PRIu64 " miss(es)",
-           st.pool_segments, td__cli_bytes(st.pool_bytes, a, sizeof(a)),
-           td__cli_bytes(st.pool_limit, b, sizeof(b)), st.pool_hits,
+           st.pool_segments, td__human_bytes(st.pool_bytes, a, sizeof(a)),
+           td__human_bytes(st.pool_limit, b, sizeof(b)), st.pool_hits,
            st.pool_misses);
     if (tries)
       printf(" (%.0f%% hits)", 100.0 * (double)st.pool_hits / (double)tries);
@@ -356,11 +357,11 @@ static int cmd_stat(td_client *c) {
   }
   for (size_t i = 0; i < ngpus; i++)
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
-           td__cli_bytes(gpus[i].bytes_used, a, sizeof(a)),
-           td__cli_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
+           td__human_bytes(gpus[i].bytes_used, a, sizeof(a)),
+           td__human_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
            uuid_str(gpus[i].uuid, u, sizeof(u)));
   if (st.quota)
-    printf("quota     %s per uid\n", td__cli_bytes(st.quota, a, sizeof(a)));
+    printf("quota     %s per uid\n", td__human_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)
     printf("clients   at most %u\n", st.max_clients);
   if (st.max_storages_per_client)
@@ -391,7 +392,7 @@ static int info_storage(const td_storage_info *s, void *arg) {
   else
     printf("device    %s\n", device_name(s->device));
   printf("size      %s (%" PRIu64 " bytes)\n",
-         td__cli_bytes(s->nbytes, size, sizeof(size)), s->nbytes);
+         td__human_bytes(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
   printf("owner     pid %d, uid %u (%s)", s->owner_pid, s->owner_uid,
          user_name(s->owner_uid));
@@ -551,7 +552,7 @@ static int print_event(const td_event *ev) {
       printf(" key='%s'", ev->key);
     if (ev->id)
       printf(" storage=%" PRIu64 " %s%s", ev->id,
-             td__cli_bytes(ev->nbytes, size, sizeof(size)),
+             td__human_bytes(ev->nbytes, size, sizeof(size)),
              ev->device == TD_CUDA ? " cuda" : "");
     if (ev->pid) {
       printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);

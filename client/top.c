@@ -4,6 +4,7 @@
 #include "top.h"
 
 #include "clitext.h"
+#include "common.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -157,8 +158,8 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
        "tensord up %s  clients %" PRIu64 "  storages %" PRIu64
        "  used %s / %s  requests %s/s",
        uptime(cur->uptime_ms, u, sizeof(u)), cur->clients_total, cur->storages,
-       td__cli_bytes(cur->bytes_used, a, sizeof(a)),
-       td__cli_bytes(cur->capacity, b, sizeof(b)), rate);
+       td__human_bytes(cur->bytes_used, a, sizeof(a)),
+       td__human_bytes(cur->capacity, b, sizeof(b)), rate);
   line(&f, "%s", "");
   line(&f, "LARGEST STORAGES");
   line(&f, "%10s %10s %5s %5s %8s %8s  %s", "ID", "SIZE", "REFS", "KEYS",
@@ -176,7 +177,7 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
     const td_storage_info *s = &cur->largest[i];
     char key[256];
     line(&f, "%10" PRIu64 " %10s %5u %5zu %8u %8d  %s", s->id,
-         td__cli_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
+         td__human_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
          s->owner_uid, s->owner_pid,
          printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
   }
@@ -205,7 +206,7 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
         snprintf(r, sizeof(r), "%.1f", rows[i].rate);
       line(&f, "%8d %-20.20s %9s %6" PRIu64 " %10s", c->pid,
            c->name[0] ? c->name : "-", r, c->refs,
-           td__cli_bytes(c->bytes_held, a, sizeof(a)));
+           td__human_bytes(c->bytes_held, a, sizeof(a)));
     }
     free(rows);
   }

@@ -1,5 +1,5 @@
-/* clitext.c: the text tensorctl's commands print: ages, JSON strings and the
- * test for a storage id (sizes: td__human_bytes, common.h). */
+/* clitext.c: the text tensorctl's commands print: ages, JSON strings and
+ * views, and the test for a storage id (sizes: td__human_bytes, common.h). */
 #include "clitext.h"
 
 #include <ctype.h>
@@ -30,6 +30,17 @@ void td__cli_json_str(const char *s) {
       putchar(*p);
   }
   putchar('"');
+}
+
+void td__cli_json_view(const td_view *v) {
+  const char *name = td_dtype_name(v->dtype);
+  printf("{\"dtype\":\"%s\",\"shape\":[", name ? name : "?");
+  for (int32_t i = 0; i < v->ndim; i++)
+    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
+  printf("],\"stride\":[");
+  for (int32_t i = 0; i < v->ndim; i++)
+    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
+  printf("],\"offset\":%" PRId64 "}", v->offset);
 }
 
 int td__cli_is_digits(const char *s) {

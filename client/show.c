@@ -804,16 +804,6 @@ static void json_float(td_dtype dt, double x) {
     printf("\"%s\"", b);
 }
 
-static void json_view(const td_view *v) {
-  printf("{\"dtype\":\"%s\",\"shape\":[", td_dtype_name(v->dtype));
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
-  printf("],\"stride\":[");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
-  printf("],\"offset\":%" PRId64 "}", v->offset);
-}
-
 /* "float16 [64, 3] strides [3, 1] offset 0" */
 static void text_view(const td_view *v) {
   printf("%s [", td_dtype_name(v->dtype));
@@ -863,14 +853,14 @@ static void print_json(const char *key, const td_storage *s, int whole,
   printf(",\"storage\":{\"id\":%" PRIu64 ",\"nbytes\":%zu,\"device\":\"cpu\"}"
          ",\"whole_storage\":%s,\"source_view\":",
          td_storage_id(s), td_storage_nbytes(s), whole ? "true" : "false");
-  json_view(src);
+  td__cli_json_view(src);
   printf(",\"index\":");
   if (o->index != NULL)
     td__cli_json_str(o->index);
   else
     printf("null");
   printf(",\"view\":");
-  json_view(v);
+  td__cli_json_view(v);
   printf(",\"total\":%" PRId64 ",\"count\":%" PRId64 ",\"sampled\":%s",
          st->total, st->count, st->sampled ? "true" : "false");
   printf(",\"stats\":{\"zeros\":%" PRIu64, st->zeros);

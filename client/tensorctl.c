@@ -132,17 +132,6 @@ static void json_storage(const td_storage_info *s) {
   printf("],\"nkeys\":%zu}", s->nkeys_total);
 }
 
-static void json_view(const td_view *v) {
-  const char *name = td_dtype_name(v->dtype);
-  printf("{\"dtype\":\"%s\",\"shape\":[", name ? name : "?");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
-  printf("],\"stride\":[");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
-  printf("],\"offset\":%" PRId64 "}", v->offset);
-}
-
 /* Returns the name of uid, or the number; valid until the next call. */
 static const char *user_name(uint32_t uid) {
   static char buf[32];
@@ -423,7 +412,7 @@ static int info_key(const td_key_info *k, void *arg) {
     printf("{\"key\":");
     td__cli_json_str(k->key);
     printf(",\"view\":");
-    json_view(&k->view);
+    td__cli_json_view(&k->view);
     printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
   } else {
     char vb[600];

@@ -41,35 +41,11 @@ static size_t count_of(const char *s, const char *needle) {
 
 /* ---- fixtures ---- */
 
-typedef struct holder_arg {
-  const char *sock;
-  uint64_t id;
-  int ready; /* write end: one byte once holding */
-  int done;  /* read end: EOF when the child may go */
-} holder_arg;
-
-/* Holds storage id read-only until told to go. */
-static int holder(void *p) {
-  holder_arg *a = p;
-  td_client *c;
-  td_storage *s;
-  CHECK(td_connect(a->sock, &c) == 0);
-  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
-  CHECK(write(a->ready, "x", 1) == 1);
-  char ch;
-  while (read(a->done, &ch, 1) > 0)
-    ;
-  td_storage_release(s);
-  td_close(c);
-  return 0;
-}
-
 typedef struct scene {
   td_client *c;
   td_storage *s[3];
   uint64_t id[3];
-  pid_t child;
-  int done_w; /* closing it lets the child go */
+  tdt_holder child;
 } scene;
 
 /* Three storages: 4 KiB; 1 MiB with keys cli/a and cli/b, held by a child
@@ -83,29 +59,11 @@ static void scene_make(scene *sc) {
   }
   cr_assert_eq(td_publish(sc->c, "cli/a", sc->s[1], NULL), 0);
   cr_assert_eq(td_publish(sc->c, "cli/b", sc->s[1], NULL), 0);
-  int ready[2], done[2];
-  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
-  holder_arg a = {d.sock, sc->id[1], ready[1], done[0]};
-  fflush(NULL);
-  sc->child = fork();
-  cr_assert_geq(sc->child, 0);
-  if (sc->child == 0) {
-    close(done[1]);
-    close(ready[0]);
-    _exit(holder(&a));
-  }
-  close(ready[1]);
-  close(done[0]);
-  char ch;
-  cr_assert_eq(read(ready[0], &ch, 1), 1, "the child holds the storage");
-  close(ready[0]);
-  sc->done_w = done[1];
+  tdt_holder_start(&sc->child, d.sock, sc->id[1], NULL);
 }
 
 static void scene_free(scene *sc) {
-  close(sc->done_w);
-  cr_assert_eq(tdt_wait(sc->child), 0);
+  tdt_holder_stop(&sc->child);
   cr_assert_eq(td_unpublish(sc->c, "cli/a"), 0);
   cr_assert_eq(td_unpublish(sc->c, "cli/b"), 0);
   for (int i = 0; i < 3; i++)
@@ -147,7 +105,7 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   /* A holder is "PID (NAME)": the client's name from its Hello. */
   char parent[32], child[32];
   snprintf(parent, sizeof(parent), "%d (test_cli)", (int)getpid());
-  snprintf(child, sizeof(child), "%d (test_cli)", (int)sc.child);
+  snprintf(child, sizeof(child), "%d (test_cli)", (int)sc.child.pid);
   for (int i = 0; i < 3; i++) {
     char *row = lines[i + 1];
     if (i == 1) {
@@ -174,7 +132,7 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
       cr_assert_str_eq(tok[4], "4", "rw + ro holder + 2 keys");
       char pp[16], cp[16];
       snprintf(pp, sizeof(pp), "%d", (int)getpid());
-      snprintf(cp, sizeof(cp), "%d", (int)sc.child);
+      snprintf(cp, sizeof(cp), "%d", (int)sc.child.pid);
       cr_assert(strstr(tok[5], pp) && strstr(tok[5], cp),
                 "holders '%s' name both pids (%s, %s)", tok[5], pp, cp);
       cr_assert(strstr(tok[6], "cli/a") && strstr(tok[6], "cli/b"), "keys '%s'",
@@ -255,7 +213,7 @@ TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   cr_assert_eq(count_of(r.out, want), 3, "the test created all three");
   snprintf(want, sizeof(want),
            "{\"pid\":%d,\"uid\":%u,\"refs\":1,\"name\":\"test_cli\"}",
-           (int)sc.child, (unsigned)getuid());
+           (int)sc.child.pid, (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "the child holder: %s", r.out);
   cr_assert(strstr(r.out, "\"keys\":[\"cli/b\",\"cli/a\"]") ||
                 strstr(r.out, "\"keys\":[\"cli/a\",\"cli/b\"]"),
@@ -465,8 +423,8 @@ TDT_TEST(cli, info_id_shows_the_storage_and_its_holders) {
   snprintf(want, sizeof(want), "owner     pid %d, uid %u (", (int)getpid(),
            (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
-  snprintf(want, sizeof(want), " %d (test_cli, uid %u, 1 ref)", (int)sc.child,
-           (unsigned)getuid());
+  snprintf(want, sizeof(want), " %d (test_cli, uid %u, 1 ref)",
+           (int)sc.child.pid, (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "  cli/a: uint8[1048576] stride (1) offset 0\n"),
             "%s", r.out);

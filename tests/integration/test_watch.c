@@ -516,31 +516,6 @@ TDT_TEST(watch, tensorctl_watch_stops_cleanly_on_sigint_and_a_closed_pipe) {
 
 /* ---- names in ls and info, memory in stat ---- */
 
-typedef struct named_arg {
-  const char *sock;
-  uint64_t id;
-  int ready;  /* write end: a byte once holding */
-  int done;   /* read end: EOF when it may go */
-  int others; /* the parent's ends, closed here */
-} named_arg;
-
-static int named_holder(void *p) {
-  named_arg *a = p;
-  close(a->others);
-  CHECK(prctl(PR_SET_NAME, "trainer") == 0);
-  td_client *c;
-  td_storage *s;
-  CHECK(td_connect(a->sock, &c) == 0);
-  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
-  CHECK(write(a->ready, "x", 1) == 1);
-  char ch;
-  while (read(a->done, &ch, 1) > 0)
-    ;
-  td_storage_release(s);
-  td_close(c);
-  return 0;
-}
-
 typedef struct names_seen {
   uint64_t id;
   pid_t pid;
@@ -573,16 +548,9 @@ TDT_TEST(watch, ls_and_info_name_the_holders) {
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   uint64_t id = td_storage_id(s);
-  int ready[2], done[2];
-  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
-  named_arg a = {d.sock, id, ready[1], done[0], done[1]};
-  pid_t pid = tdt_fork(named_holder, &a);
-  close(ready[1]);
-  close(done[0]);
-  char ch;
-  cr_assert_eq(read(ready[0], &ch, 1), 1);
-  close(ready[0]);
+  tdt_holder holding;
+  tdt_holder_start(&holding, d.sock, id, "trainer");
+  pid_t pid = holding.pid;
 
   names_seen n = {id, pid, 0};
   cr_assert_eq(td_list(c, find_holder, &n), 0);
@@ -616,8 +584,7 @@ TDT_TEST(watch, ls_and_info_name_the_holders) {
   cr_expect(strstr(out, "\"name\":\"trainer\"") != NULL, "%s", out);
   free(out);
 
-  close(done[1]);
-  cr_assert_eq(tdt_wait(pid), 0);
+  tdt_holder_stop(&holding);
   td_storage_release(s);
   td_close(c);
 }

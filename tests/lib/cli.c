@@ -1,5 +1,6 @@
-/* cli.c: running tensorctl from a test and capturing what it writes, and a
- * well-formedness check for its --json documents. */
+/* cli.c: running tensorctl from a test and capturing what it writes, a
+ * well-formedness check for its --json documents, and a client holding a
+ * storage for it to show. */
 #include "cli.h"
 
 #include "harness.h"
@@ -11,6 +12,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 tdt_child tdt_cli_spawn(const char *const *argv, const int *stall) {
@@ -211,4 +213,55 @@ void tdt_expect_json_object(const char *s) {
   const char *end = json_value(s, 0);
   cr_assert_not_null(end, "invalid JSON: %.1000s", s);
   cr_assert_str_eq(end, "\n", "one document and a newline: %.200s", end);
+}
+
+/* ---- a holder ---- */
+
+typedef struct holder_arg {
+  const char *sock;
+  uint64_t id;
+  const char *name;
+  int ready;     /* write end: one byte once holding */
+  int done;      /* read end: EOF when the child may go */
+  int parent[2]; /* the parent's ends of both pipes, closed here */
+} holder_arg;
+
+static int holder(void *p) {
+  holder_arg *a = p;
+  close(a->parent[0]);
+  close(a->parent[1]);
+  if (a->name != NULL)
+    CHECK(prctl(PR_SET_NAME, a->name) == 0);
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
+  CHECK(write(a->ready, "x", 1) == 1);
+  char ch;
+  while (read(a->done, &ch, 1) > 0)
+    ;
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+void tdt_holder_start(tdt_holder *h, const char *sock, uint64_t id,
+                      const char *name) {
+  int ready[2], done[2];
+  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
+  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
+  holder_arg a = {sock, id, name, ready[1], done[0], {ready[0], done[1]}};
+  h->pid = tdt_fork(holder, &a);
+  close(ready[1]);
+  close(done[0]);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "the child holds storage %llu",
+               (unsigned long long)id);
+  close(ready[0]);
+  h->done_w = done[1];
+}
+
+void tdt_holder_stop(tdt_holder *h) {
+  close(h->done_w);
+  cr_assert_eq(tdt_wait(h->pid), 0, "the holder of a storage failed");
 }

@@ -1,9 +1,11 @@
-/* cli.h: running tensorctl from a test and capturing what it writes, and a
- * well-formedness check for its --json documents. */
+/* cli.h: running tensorctl from a test and capturing what it writes, a
+ * well-formedness check for its --json documents, and a client holding a
+ * storage for it to show. */
 #ifndef TD_TEST_CLI_H
 #define TD_TEST_CLI_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 /* What a finished run wrote, and how it ended. */
@@ -43,5 +45,19 @@ void tdt_expect_ok(const tdt_run_result *r, const char *what);
 const char *tdt_json_value(const char *p);
 /* Asserts s is exactly one JSON object and a newline. */
 void tdt_expect_json_object(const char *s);
+
+/* A forked client holding a storage read-only, for ls and info to show. */
+typedef struct tdt_holder {
+  pid_t pid;
+  int done_w; /* closing it lets the child go */
+} tdt_holder;
+
+/* Forks a client of the tensord at sock that opens storage id read-only,
+ * its process named name (NULL: the test's own name), and returns once it
+ * holds it; asserts on failure. */
+void tdt_holder_start(tdt_holder *h, const char *sock, uint64_t id,
+                      const char *name);
+/* Lets h's child release the storage and go; asserts it exited 0. */
+void tdt_holder_stop(tdt_holder *h);
 
 #endif /* TD_TEST_CLI_H */

@@ -2,6 +2,7 @@
  * repr of them, read through a read-only mapping (docs/cli.md). */
 #include "show.h"
 
+#include "clitext.h"
 #include "common.h"
 
 #include <ctype.h>
@@ -792,19 +793,6 @@ typedef struct show_opts {
   const char *index;
 } show_opts;
 
-static void json_str(const char *s) {
-  putchar('"');
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p == '"' || *p == '\\')
-      printf("\\%c", *p);
-    else if (*p < 0x20)
-      printf("\\u%04x", *p);
-    else
-      putchar(*p);
-  }
-  putchar('"');
-}
-
 /* A float for a JSON document: a number, or "nan", "inf", "-inf" as
  * strings (JSON has no such numbers). */
 static void json_float(td_dtype dt, double x) {
@@ -816,16 +804,6 @@ static void json_float(td_dtype dt, double x) {
     printf("\"%s\"", b);
 }
 
-static void json_view(const td_view *v) {
-  printf("{\"dtype\":\"%s\",\"shape\":[", td_dtype_name(v->dtype));
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
-  printf("],\"stride\":[");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
-  printf("],\"offset\":%" PRId64 "}", v->offset);
-}
-
 /* "float16 [64, 3] strides [3, 1] offset 0" */
 static void text_view(const td_view *v) {
   printf("%s [", td_dtype_name(v->dtype));
@@ -835,21 +813,6 @@ static void text_view(const td_view *v) {
   for (int32_t i = 0; i < v->ndim; i++)
     printf("%s%" PRId64, i ? ", " : "", v->stride[i]);
   printf("] offset %" PRId64 "\n", v->offset);
-}
-
-static char *human(uint64_t n, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)n;
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    u++;
-  }
-  if (u == 0)
-    snprintf(buf, len, "%" PRIu64 " B", n);
-  else
-    snprintf(buf, len, "%.1f %s", v, units[u]);
-  return buf;
 }
 
 /* One element, for the JSON "first" and "last" lists. */
@@ -884,20 +847,20 @@ static void print_json(const char *key, const td_storage *s, int whole,
                        const void *base, const td__show_stats *st) {
   printf("{\"key\":");
   if (key != NULL)
-    json_str(key);
+    td__cli_json_str(key);
   else
     printf("null");
   printf(",\"storage\":{\"id\":%" PRIu64 ",\"nbytes\":%zu,\"device\":\"cpu\"}"
          ",\"whole_storage\":%s,\"source_view\":",
          td_storage_id(s), td_storage_nbytes(s), whole ? "true" : "false");
-  json_view(src);
+  td__cli_json_view(src);
   printf(",\"index\":");
   if (o->index != NULL)
-    json_str(o->index);
+    td__cli_json_str(o->index);
   else
     printf("null");
   printf(",\"view\":");
-  json_view(v);
+  td__cli_json_view(v);
   printf(",\"total\":%" PRId64 ",\"count\":%" PRId64 ",\"sampled\":%s",
          st->total, st->count, st->sampled ? "true" : "false");
   printf(",\"stats\":{\"zeros\":%" PRIu64, st->zeros);
@@ -962,7 +925,7 @@ static void print_json(const char *key, const td_storage *s, int whole,
   }
   char repr[2048];
   printf("],\"repr\":");
-  json_str(td__show_repr(v, base, repr, sizeof(repr)));
+  td__cli_json_str(td__show_repr(v, base, repr, sizeof(repr)));
   printf("}\n");
 }
 
@@ -1018,15 +981,6 @@ static void print_text(const td_view *v, const void *base,
   }
   char repr[2048];
   printf("values %s\n", td__show_repr(v, base, repr, sizeof(repr)));
-}
-
-static int is_digits(const char *s) {
-  if (*s == '\0')
-    return 0;
-  for (; *s; s++)
-    if (!isdigit((unsigned char)*s))
-      return 0;
-  return 1;
 }
 
 /* For the tests only: with TENSORCTL_TEST_STALL="W,R" (two inherited fds),
@@ -1120,7 +1074,7 @@ static int resolve(td_client *c, const show_opts *o, td_storage **s, td_view *v,
   int err = TD_ENOENT;
   *whole = 0;
   *key = o->target;
-  if (is_digits(o->target)) {
+  if (td__cli_is_digits(o->target)) {
     errno = 0;
     uint64_t id = strtoull(o->target, NULL, 10);
     err = errno == 0 ? td_storage_open(c, id, flags, s) : TD_ENOENT;
@@ -1203,7 +1157,7 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     print_json(key, s, whole, &src, &o, &v, base, &st);
   } else {
     char hs[32];
-    human(td_storage_nbytes(s), hs, sizeof(hs));
+    td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs));
     if (whole)
       printf("storage %" PRIu64 " (%s, cpu): the whole storage as %s%s\n",
              td_storage_id(s), hs, td_dtype_name(src.dtype),

@@ -1,10 +1,11 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
  * ping, metrics, top, watch. */
+#include "clitext.h"
+#include "common.h"
 #include "show.h"
 #include "tensord.h"
 #include "top.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>
@@ -58,47 +59,6 @@ static void usage(FILE *f) {
           "  --json         one JSON document on stdout (see docs/cli.md)\n"
           "\n"
           "exit status: 0 ok, 1 error, 2 usage\n");
-}
-
-static char *human(uint64_t n, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)n;
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    u++;
-  }
-  if (u == 0)
-    snprintf(buf, len, "%" PRIu64 " B", n);
-  else
-    snprintf(buf, len, "%.1f %s", v, units[u]);
-  return buf;
-}
-
-static char *age(int64_t ms, char *buf, size_t len) {
-  int64_t s = ms < 0 ? 0 : ms / 1000;
-  if (s < 60)
-    snprintf(buf, len, "%" PRId64 "s", s);
-  else if (s < 3600)
-    snprintf(buf, len, "%" PRId64 "m%02" PRId64 "s", s / 60, s % 60);
-  else if (s < 86400)
-    snprintf(buf, len, "%" PRId64 "h%02" PRId64 "m", s / 3600, s / 60 % 60);
-  else
-    snprintf(buf, len, "%" PRId64 "d%02" PRId64 "h", s / 86400, s / 3600 % 24);
-  return buf;
-}
-
-static void json_str(const char *s) {
-  putchar('"');
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p == '"' || *p == '\\')
-      printf("\\%c", *p);
-    else if (*p < 0x20)
-      printf("\\u%04x", *p);
-    else
-      putchar(*p);
-  }
-  putchar('"');
 }
 
 static const char *device_name(td_device d) {
@@ -160,27 +120,16 @@ static void json_storage(const td_storage_info *s) {
   for (size_t i = 0; i < s->nholders; i++) {
     printf("%s{\"pid\":%d,\"uid\":%u,\"refs\":%u,\"name\":", i ? "," : "",
            s->holders[i].pid, s->holders[i].uid, s->holders[i].refs);
-    json_str(s->holders[i].name ? s->holders[i].name : "");
+    td__cli_json_str(s->holders[i].name ? s->holders[i].name : "");
     putchar('}');
   }
   printf("],\"keys\":[");
   for (size_t i = 0; i < s->nkeys; i++) {
     if (i)
       putchar(',');
-    json_str(s->keys[i]);
+    td__cli_json_str(s->keys[i]);
   }
   printf("],\"nkeys\":%zu}", s->nkeys_total);
-}
-
-static void json_view(const td_view *v) {
-  const char *name = td_dtype_name(v->dtype);
-  printf("{\"dtype\":\"%s\",\"shape\":[", name ? name : "?");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->shape[i]);
-  printf("],\"stride\":[");
-  for (int32_t i = 0; i < v->ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v->stride[i]);
-  printf("],\"offset\":%" PRId64 "}", v->offset);
 }
 
 /* Returns the name of uid, or the number; valid until the next call. */
@@ -278,9 +227,9 @@ static int ls_row(const td_storage_info *s, void *arg) {
   }
   char dl[32];
   printf("%-8" PRIu64 " %-7s %10s %5u %-24s %-24s %s\n", s->id,
-         device_label(s, dl, sizeof(dl)), human(s->nbytes, size, sizeof(size)),
-         s->refs, holders, keys,
-         age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+         device_label(s, dl, sizeof(dl)),
+         td__human_bytes(s->nbytes, size, sizeof(size)), s->refs, holders, keys,
+         td__cli_age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   return 0;
 }
 
@@ -294,7 +243,7 @@ static int cmd_ls(td_client *c) {
     printf("],\"count\":%zu", st.n);
     if (err < 0) {
       printf(",\"error\":");
-      json_str(td_last_error(c));
+      td__cli_json_str(td_last_error(c));
     }
     printf("}\n");
   } else if (err == 0 && st.n == 0)
@@ -333,15 +282,15 @@ static int cmd_stat(td_client *c) {
            st.keys, st.waiters, st.uptime_ms, st.pid, st.quota, st.max_clients,
            st.max_storages_per_client, st.daemon_rss_bytes,
            st.daemon_heap_bytes);
-    json_str(st.version);
+    td__cli_json_str(st.version);
     printf(",\"socket\":");
-    json_str(st.socket);
+    td__cli_json_str(st.socket);
     printf(",\"state_dir\":");
-    json_str(st.state_dir);
+    td__cli_json_str(st.state_dir);
     printf(",\"instance\":\"%016" PRIx64 "\",\"prefixes\":[", st.instance);
     for (size_t i = 0; i < shown; i++) {
       printf("%s", i ? "," : "");
-      json_str(prefixes[i]);
+      td__cli_json_str(prefixes[i]);
     }
     printf("]");
     printf(",\"pool\":{\"segments\":%" PRIu64 ",\"bytes\":%" PRIu64
@@ -358,20 +307,21 @@ static int cmd_stat(td_client *c) {
     return 0;
   }
   printf("storages  %" PRIu64 "\n", st.storages);
-  printf("used      %s / %s (%.1f%%)\n", human(st.bytes_used, a, sizeof(a)),
-         human(st.capacity, b, sizeof(b)),
+  printf("used      %s / %s (%.1f%%)\n",
+         td__human_bytes(st.bytes_used, a, sizeof(a)),
+         td__human_bytes(st.capacity, b, sizeof(b)),
          st.capacity ? 100.0 * (double)st.bytes_used / (double)st.capacity
                      : 0.0);
-  printf("shm free  %s\n", human(st.shm_free, d, sizeof(d)));
+  printf("shm free  %s\n", td__human_bytes(st.shm_free, d, sizeof(d)));
   printf("clients   %" PRIu64 "\n", st.clients);
   printf("keys      %" PRIu64 "\n", st.keys);
   printf("waiters   %" PRIu64 "\n", st.waiters);
-  printf("uptime    %s\n", age(st.uptime_ms, u, sizeof(u)));
+  printf("uptime    %s\n", td__cli_age(st.uptime_ms, u, sizeof(u)));
   printf("version   %s (pid %d)\n", st.version, st.pid);
   if (st.daemon_rss_bytes)
     printf("memory    %s resident, %s heap (tensord itself)\n",
-           human(st.daemon_rss_bytes, a, sizeof(a)),
-           human(st.daemon_heap_bytes, b, sizeof(b)));
+           td__human_bytes(st.daemon_rss_bytes, a, sizeof(a)),
+           td__human_bytes(st.daemon_heap_bytes, b, sizeof(b)));
   printf("socket    %s\n", st.socket);
   printf("instance  %016" PRIx64 "\n", st.instance);
   /* Where its segments are: a clean-up by hand spares all of these. */
@@ -385,8 +335,9 @@ static int cmd_stat(td_client *c) {
     uint64_t tries = st.pool_hits + st.pool_misses;
     printf("pool      %" PRIu64 " segment(s), %s of %s; %" PRIu64
            " hit(s), %" PRIu64 " miss(es)",
-           st.pool_segments, human(st.pool_bytes, a, sizeof(a)),
-           human(st.pool_limit, b, sizeof(b)), st.pool_hits, st.pool_misses);
+           st.pool_segments, td__human_bytes(st.pool_bytes, a, sizeof(a)),
+           td__human_bytes(st.pool_limit, b, sizeof(b)), st.pool_hits,
+           st.pool_misses);
     if (tries)
       printf(" (%.0f%% hits)", 100.0 * (double)st.pool_hits / (double)tries);
     printf("\n");
@@ -395,11 +346,11 @@ static int cmd_stat(td_client *c) {
   }
   for (size_t i = 0; i < ngpus; i++)
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
-           human(gpus[i].bytes_used, a, sizeof(a)),
-           human(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
+           td__human_bytes(gpus[i].bytes_used, a, sizeof(a)),
+           td__human_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
            uuid_str(gpus[i].uuid, u, sizeof(u)));
   if (st.quota)
-    printf("quota     %s per uid\n", human(st.quota, a, sizeof(a)));
+    printf("quota     %s per uid\n", td__human_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)
     printf("clients   at most %u\n", st.max_clients);
   if (st.max_storages_per_client)
@@ -430,13 +381,14 @@ static int info_storage(const td_storage_info *s, void *arg) {
   else
     printf("device    %s\n", device_name(s->device));
   printf("size      %s (%" PRIu64 " bytes)\n",
-         human(s->nbytes, size, sizeof(size)), s->nbytes);
+         td__human_bytes(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
   printf("owner     pid %d, uid %u (%s)", s->owner_pid, s->owner_uid,
          user_name(s->owner_uid));
   printf(", gid %u (%s)\n", s->owner_gid, group_name(s->owner_gid));
   printf("mode      %04o\n", s->mode);
-  printf("age       %s\n", age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
+  printf("age       %s\n",
+         td__cli_age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   printf("holders  ");
   if (s->nholders == 0)
     printf(" -");
@@ -458,9 +410,9 @@ static int info_key(const td_key_info *k, void *arg) {
     if (st->nkeys)
       putchar(',');
     printf("{\"key\":");
-    json_str(k->key);
+    td__cli_json_str(k->key);
     printf(",\"view\":");
-    json_view(&k->view);
+    td__cli_json_view(&k->view);
     printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
   } else {
     char vb[600];
@@ -470,19 +422,10 @@ static int info_key(const td_key_info *k, void *arg) {
   return 0;
 }
 
-static int is_number(const char *s) {
-  if (*s == '\0')
-    return 0;
-  for (; *s; s++)
-    if (!isdigit((unsigned char)*s))
-      return 0;
-  return 1;
-}
-
 static int cmd_info(td_client *c, const char *arg) {
   info_state st = {0};
   int err;
-  if (is_number(arg)) {
+  if (td__cli_is_digits(arg)) {
     uint64_t id = strtoull(arg, NULL, 10);
     err = td_info(c, id, NULL, info_storage, info_key, &st);
     if (err == TD_ENOENT) /* maybe a key made of digits */
@@ -500,7 +443,7 @@ static int cmd_rm(td_client *c, const char *key) {
   if (err == 0) {
     if (json) {
       printf("{\"removed\":");
-      json_str(key);
+      td__cli_json_str(key);
       printf("}\n");
     } else {
       printf("removed '%s'\n", key);
@@ -525,13 +468,13 @@ static int cmd_metrics(td_client *c) {
   for (size_t i = 0; i < m->nclients; i++) {
     const td_client_stat *s = &m->clients[i];
     printf("%s{\"pid\":%d,\"uid\":%u,\"name\":", i ? "," : "", s->pid, s->uid);
-    json_str(s->name);
+    td__cli_json_str(s->name);
     printf(",\"requests\":%" PRIu64 ",\"refs\":%" PRIu64
            ",\"bytes_held\":%" PRIu64 "}",
            s->requests, s->refs, s->bytes_held);
   }
   printf("],\"text\":");
-  json_str(m->text);
+  td__cli_json_str(m->text);
   printf("}\n");
   td_metrics_free(m);
   return 0;
@@ -570,15 +513,15 @@ static int print_event(const td_event *ev) {
              ev->id, ev->nbytes, device_name(ev->device));
     if (ev->key[0]) {
       printf(",\"key\":");
-      json_str(ev->key);
+      td__cli_json_str(ev->key);
     }
     printf(",\"pid\":%d,\"uid\":%u,\"name\":", ev->pid, ev->uid);
-    json_str(ev->name);
+    td__cli_json_str(ev->name);
     if (ev->type == TD_EVENT_REFUSED)
       printf(",\"code\":%d,\"error\":\"%s\"", ev->code, td_err_name(ev->code));
     if (ev->message[0]) {
       printf(",\"message\":");
-      json_str(ev->message);
+      td__cli_json_str(ev->message);
     }
     printf("}\n");
   } else {
@@ -598,7 +541,7 @@ static int print_event(const td_event *ev) {
       printf(" key='%s'", ev->key);
     if (ev->id)
       printf(" storage=%" PRIu64 " %s%s", ev->id,
-             human(ev->nbytes, size, sizeof(size)),
+             td__human_bytes(ev->nbytes, size, sizeof(size)),
              ev->device == TD_CUDA ? " cuda" : "");
     if (ev->pid) {
       printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);

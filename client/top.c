@@ -3,6 +3,9 @@
  * Ctrl-C. Rates come from two samples of td_metrics_get. */
 #include "top.h"
 
+#include "clitext.h"
+#include "common.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -52,30 +55,14 @@ static int64_t now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static char *human(uint64_t n, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)n;
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    u++;
-  }
-  if (u == 0)
-    snprintf(buf, len, "%" PRIu64 " B", n);
-  else
-    snprintf(buf, len, "%.1f %s", v, units[u]);
-  return buf;
-}
-
+/* Uptime as ls's age, but "0m05s" under a minute, as the header has
+ * always shown it. Returns buf. */
 static char *uptime(int64_t ms, char *buf, size_t len) {
-  int64_t s = ms < 0 ? 0 : ms / 1000;
-  if (s < 3600)
-    snprintf(buf, len, "%" PRId64 "m%02" PRId64 "s", s / 60, s % 60);
-  else if (s < 86400)
-    snprintf(buf, len, "%" PRId64 "h%02" PRId64 "m", s / 3600, s / 60 % 60);
-  else
-    snprintf(buf, len, "%" PRId64 "d%02" PRId64 "h", s / 86400, s / 3600 % 24);
-  return buf;
+  if (ms < 60000) {
+    snprintf(buf, len, "0m%02" PRId64 "s", ms < 0 ? 0 : ms / 1000);
+    return buf;
+  }
+  return td__cli_age(ms, buf, len);
 }
 
 /* Copies s into buf with control characters (a key may hold any) as '?',
@@ -171,8 +158,8 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
        "tensord up %s  clients %" PRIu64 "  storages %" PRIu64
        "  used %s / %s  requests %s/s",
        uptime(cur->uptime_ms, u, sizeof(u)), cur->clients_total, cur->storages,
-       human(cur->bytes_used, a, sizeof(a)), human(cur->capacity, b, sizeof(b)),
-       rate);
+       td__human_bytes(cur->bytes_used, a, sizeof(a)),
+       td__human_bytes(cur->capacity, b, sizeof(b)), rate);
   line(&f, "%s", "");
   line(&f, "LARGEST STORAGES");
   line(&f, "%10s %10s %5s %5s %8s %8s  %s", "ID", "SIZE", "REFS", "KEYS",
@@ -190,8 +177,8 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
     const td_storage_info *s = &cur->largest[i];
     char key[256];
     line(&f, "%10" PRIu64 " %10s %5u %5zu %8u %8d  %s", s->id,
-         human(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total, s->owner_uid,
-         s->owner_pid,
+         td__human_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
+         s->owner_uid, s->owner_pid,
          printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
   }
   line(&f, "%s", "");
@@ -219,7 +206,7 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
         snprintf(r, sizeof(r), "%.1f", rows[i].rate);
       line(&f, "%8d %-20.20s %9s %6" PRIu64 " %10s", c->pid,
            c->name[0] ? c->name : "-", r, c->refs,
-           human(c->bytes_held, a, sizeof(a)));
+           td__human_bytes(c->bytes_held, a, sizeof(a)));
     }
     free(rows);
   }

@@ -44,6 +44,10 @@ int td__view_check_msg(const td_view *v, size_t nbytes, char *msg, size_t len);
 int td__view_fail(int err, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* Formats n bytes as "512 B", "1.5 GiB" (binary units, one decimal, up to
+ * PiB) into buf; returns buf. */
+char *td__human_bytes(uint64_t n, char *buf, size_t len);
+
 /* The narrow floating-point dtypes as doubles (dtype.c), exactly: every
  * value of these formats is a double. float16 is IEEE binary16; bfloat16
  * the top half of a binary32; float8_e4m3fn has no infinities and one NaN

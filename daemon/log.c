@@ -54,21 +54,6 @@ int64_t td__now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-char *td__human_bytes(uint64_t n, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)n;
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    u++;
-  }
-  if (u == 0)
-    snprintf(buf, len, "%llu B", (unsigned long long)n);
-  else
-    snprintf(buf, len, "%.1f %s", v, units[u]);
-  return buf;
-}
-
 int td__parse_size(const char *s, uint64_t *out) {
   char *end;
   errno = 0;

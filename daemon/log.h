@@ -3,6 +3,8 @@
 #ifndef TD_DAEMON_LOG_H
 #define TD_DAEMON_LOG_H
 
+#include "common.h" /* td__human_bytes, shared with tensorctl */
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -24,8 +26,6 @@ void td__log(int level, const char *fmt, ...)
   } while (0)
 int td__log_level_parse(const char *s);
 int64_t td__now_ms(void); /* wall clock, ms since the epoch */
-/* Formats n bytes as "1.5 GiB"; returns buf. */
-char *td__human_bytes(uint64_t n, char *buf, size_t len);
 /* Parses "64M", "1.5GiB", "4096"; returns 0 or TD_EINVAL. */
 int td__parse_size(const char *s, uint64_t *out);
 

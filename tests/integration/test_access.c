@@ -1,6 +1,7 @@
 /* test_access.c: who may open, look up, take, unpublish and replace what:
  * storage modes, read-only mappings, and the socket's own access, checked
  * from forked clients that run as other users. */
+#include "cli.h"
 #include "harness.h"
 
 #include "tensord.pb-c.h"
@@ -10,7 +11,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
-#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -380,7 +380,8 @@ static int owner_writes(void *arg) {
   return 0;
 }
 
-TDT_TEST(access, mode_0640_group_members_read_but_may_not_write, .timeout = 30) {
+TDT_TEST(access, mode_0640_group_members_read_but_may_not_write,
+         .timeout = 30) {
   need_root();
   start_shared(NULL);
   td_client *c = tdt_connect(&d);
@@ -549,7 +550,7 @@ static int waiters_are(const tdt_daemon *dd) {
 }
 
 TDT_TEST(access, refused_waiter_is_answered_and_the_next_one_served,
-     .timeout = 30) {
+         .timeout = 30) {
   need_root();
   start_shared(NULL);
   /* First in line: a user who may not take it; second: root. */
@@ -765,38 +766,6 @@ TDT_TEST(access, create_with_bits_beyond_0666_is_einval, .timeout = 30) {
 
 /* ---- tensorctl ls -l ---- */
 
-/* Runs argv and captures its stdout into out; returns its exit status. */
-static int capture(const char *const *argv, char *out, size_t len) {
-  int p[2];
-  cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(p[1], STDOUT_FILENO);
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(p[1]);
-  size_t n = 0;
-  for (;;) {
-    struct pollfd pf = {p[0], POLLIN, 0};
-    if (poll(&pf, 1, 10000) != 1) {
-      kill(pid, SIGKILL);
-      break;
-    }
-    ssize_t k = read(p[0], out + n, len - 1 - n);
-    if (k <= 0)
-      break;
-    n += (size_t)k;
-    if (n == len - 1)
-      break;
-  }
-  out[n] = '\0';
-  close(p[0]);
-  return tdt_wait(pid);
-}
-
 /* Finds the ls -l row of storage id in out: its mode, owner and group. */
 static int ls_row(const char *out, uint64_t id, char *mode, char *owner,
                   char *group) {
@@ -826,11 +795,12 @@ TDT_TEST(access, tensorctl_ls_l_shows_mode_owner_and_group, .timeout = 30) {
   o.mode = 0666;
   cr_assert_eq(td_storage_create_ex(c, &o, &open), 0);
 
-  char out[8192];
-  int st = capture((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                         "ls", "-l", NULL},
-                   out, sizeof(out));
-  cr_assert_eq(st, 0, "tensorctl ls -l exited %d: %s", st, out);
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "ls",
+                                    "-l", NULL},
+              &r);
+  tdt_expect_ok(&r, "ls -l");
+  const char *out = r.out;
   cr_assert(strstr(out, "MODE") && strstr(out, "OWNER") && strstr(out, "GROUP"),
             "header: %s", out);
   char mode[16], owner[32], group[32];
@@ -847,11 +817,12 @@ TDT_TEST(access, tensorctl_ls_l_shows_mode_owner_and_group, .timeout = 30) {
   cr_assert_str_eq(mode, "-rw-rw-rw-", "%s", out);
 
   /* Without -l there is no mode column. */
-  st = capture(
-      (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "ls", NULL}, out,
-      sizeof(out));
-  cr_assert_eq(st, 0);
-  cr_assert_null(strstr(out, "-rw-"), "%s", out);
+  tdt_run_free(&r);
+  tdt_cli_run(
+      (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "ls", NULL}, &r);
+  tdt_expect_ok(&r, "ls");
+  cr_assert_null(strstr(r.out, "-rw-"), "%s", r.out);
+  tdt_run_free(&r);
 
   td_storage_release(mine);
   td_storage_release(open);

@@ -1,12 +1,11 @@
 /* test_cli.c: tensorctl against a real tensord: ls, stat, info, rm, ping,
  * their --json documents, exit statuses and messages. */
+#include "cli.h"
 #include "harness.h"
 
 #include <criterion/criterion.h>
-#include <ctype.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <poll.h>
 #include <signal.h>
 #include <string.h>
 
@@ -20,203 +19,11 @@ TestSuite(cli, .init = setup, .fini = tdt_cleanup, .timeout = 60);
 
 /* ---- running tensorctl ---- */
 
-typedef struct run_result {
-  int status; /* exit status, or 128 + signal */
-  char *out;  /* NUL-terminated, malloc'd */
-  size_t out_len;
-  char err[8192];
-} run_result;
-
-static void run_argv(const char *const *argv, run_result *r) {
-  int po[2], pe[2];
-  cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(po[1], STDOUT_FILENO);
-    dup2(pe[1], STDERR_FILENO);
-    unsetenv("TENSORD_SOCKET");
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(po[1]);
-  close(pe[1]);
-  memset(r, 0, sizeof(*r));
-  size_t cap = 1 << 16, ne = 0;
-  r->out = malloc(cap);
-  cr_assert_not_null(r->out);
-  struct pollfd p[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
-  int open_ends = 2, waited = 0;
-  while (open_ends > 0) {
-    int n = poll(p, 2, 100);
-    if (n == 0 && (waited += 100) >= 30000) {
-      kill(pid, SIGKILL);
-      break;
-    }
-    for (int i = 0; i < 2; i++) {
-      if (p[i].fd < 0 || !(p[i].revents & (POLLIN | POLLHUP)))
-        continue;
-      char tmp[8192];
-      ssize_t k = read(p[i].fd, tmp, sizeof(tmp));
-      if (k <= 0) {
-        close(p[i].fd);
-        p[i].fd = -1;
-        open_ends--;
-        continue;
-      }
-      if (i == 0) {
-        if (r->out_len + (size_t)k + 1 > cap) {
-          while (r->out_len + (size_t)k + 1 > cap)
-            cap *= 2;
-          r->out = realloc(r->out, cap);
-          cr_assert_not_null(r->out);
-        }
-        memcpy(r->out + r->out_len, tmp, (size_t)k);
-        r->out_len += (size_t)k;
-      } else {
-        size_t take = sizeof(r->err) - 1 - ne;
-        if ((size_t)k < take)
-          take = (size_t)k;
-        memcpy(r->err + ne, tmp, take);
-        ne += take;
-      }
-    }
-  }
-  for (int i = 0; i < 2; i++)
-    if (p[i].fd >= 0)
-      close(p[i].fd);
-  r->out[r->out_len] = '\0';
-  r->status = tdt_wait(pid);
-}
-
 /* Runs tensorctl --socket SOCK args... (NULL-terminated). */
 #define ctl(r, ...)                                                            \
-  run_argv((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,            \
-                                 __VA_ARGS__, NULL},                           \
-           r)
-
-static void run_free(run_result *r) {
-  free(r->out);
-  r->out = NULL;
-}
-
-static void expect_ok(const run_result *r, const char *what) {
-  cr_assert_eq(r->status, 0, "tensorctl %s: exit %d; stderr: %s", what,
-               r->status, r->err);
-  cr_assert_eq(r->err[0], '\0', "tensorctl %s wrote to stderr: %s", what,
-               r->err);
-}
-
-/* ---- a small JSON checker ---- */
-
-static const char *json_ws(const char *p) {
-  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
-    p++;
-  return p;
-}
-
-static const char *json_value(const char *p, int depth);
-
-static const char *json_string(const char *p) {
-  if (*p++ != '"')
-    return NULL;
-  while (*p != '"') {
-    if ((unsigned char)*p < 0x20)
-      return NULL; /* raw control characters must be escaped */
-    if (*p == '\\') {
-      p++;
-      if (*p == 'u') {
-        for (int i = 1; i <= 4; i++)
-          if (!isxdigit((unsigned char)p[i]))
-            return NULL;
-        p += 5;
-        continue;
-      }
-      if (strchr("\"\\/bfnrt", *p) == NULL || *p == '\0')
-        return NULL;
-    }
-    p++;
-  }
-  return p + 1;
-}
-
-static const char *json_number(const char *p) {
-  if (*p == '-')
-    p++;
-  if (!isdigit((unsigned char)*p))
-    return NULL;
-  if (*p == '0' && isdigit((unsigned char)p[1]))
-    return NULL;
-  while (isdigit((unsigned char)*p))
-    p++;
-  if (*p == '.') {
-    p++;
-    if (!isdigit((unsigned char)*p))
-      return NULL;
-    while (isdigit((unsigned char)*p))
-      p++;
-  }
-  if (*p == 'e' || *p == 'E') {
-    p++;
-    if (*p == '+' || *p == '-')
-      p++;
-    if (!isdigit((unsigned char)*p))
-      return NULL;
-    while (isdigit((unsigned char)*p))
-      p++;
-  }
-  return p;
-}
-
-static const char *json_value(const char *p, int depth) {
-  if (depth > 64)
-    return NULL;
-  p = json_ws(p);
-  if (*p == '{' || *p == '[') {
-    char close = *p == '{' ? '}' : ']';
-    int object = *p == '{';
-    p = json_ws(p + 1);
-    if (*p == close)
-      return p + 1;
-    for (;;) {
-      if (object) {
-        p = json_string(json_ws(p));
-        if (p == NULL)
-          return NULL;
-        p = json_ws(p);
-        if (*p++ != ':')
-          return NULL;
-      }
-      p = json_value(p, depth + 1);
-      if (p == NULL)
-        return NULL;
-      p = json_ws(p);
-      if (*p == close)
-        return p + 1;
-      if (*p++ != ',')
-        return NULL;
-    }
-  }
-  if (*p == '"')
-    return json_string(p);
-  if (strncmp(p, "true", 4) == 0)
-    return p + 4;
-  if (strncmp(p, "false", 5) == 0)
-    return p + 5;
-  if (strncmp(p, "null", 4) == 0)
-    return p + 4;
-  return json_number(p);
-}
-
-/* Asserts s is exactly one JSON object and a newline. */
-static void expect_json_object(const char *s) {
-  cr_assert_eq(s[0], '{', "not an object: %.200s", s);
-  const char *end = json_value(s, 0);
-  cr_assert_not_null(end, "invalid JSON: %.500s", s);
-  cr_assert_str_eq(end, "\n", "one document and a newline: %.200s", end);
-}
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,         \
+                                    __VA_ARGS__, NULL},                        \
+              r)
 
 /* The number after needle (e.g. "\"count\":"), or asserts. */
 static uint64_t json_u64(const char *s, const char *needle) {
@@ -234,35 +41,11 @@ static size_t count_of(const char *s, const char *needle) {
 
 /* ---- fixtures ---- */
 
-typedef struct holder_arg {
-  const char *sock;
-  uint64_t id;
-  int ready; /* write end: one byte once holding */
-  int done;  /* read end: EOF when the child may go */
-} holder_arg;
-
-/* Holds storage id read-only until told to go. */
-static int holder(void *p) {
-  holder_arg *a = p;
-  td_client *c;
-  td_storage *s;
-  CHECK(td_connect(a->sock, &c) == 0);
-  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
-  CHECK(write(a->ready, "x", 1) == 1);
-  char ch;
-  while (read(a->done, &ch, 1) > 0)
-    ;
-  td_storage_release(s);
-  td_close(c);
-  return 0;
-}
-
 typedef struct scene {
   td_client *c;
   td_storage *s[3];
   uint64_t id[3];
-  pid_t child;
-  int done_w; /* closing it lets the child go */
+  tdt_holder child;
 } scene;
 
 /* Three storages: 4 KiB; 1 MiB with keys cli/a and cli/b, held by a child
@@ -276,29 +59,11 @@ static void scene_make(scene *sc) {
   }
   cr_assert_eq(td_publish(sc->c, "cli/a", sc->s[1], NULL), 0);
   cr_assert_eq(td_publish(sc->c, "cli/b", sc->s[1], NULL), 0);
-  int ready[2], done[2];
-  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
-  holder_arg a = {d.sock, sc->id[1], ready[1], done[0]};
-  fflush(NULL);
-  sc->child = fork();
-  cr_assert_geq(sc->child, 0);
-  if (sc->child == 0) {
-    close(done[1]);
-    close(ready[0]);
-    _exit(holder(&a));
-  }
-  close(ready[1]);
-  close(done[0]);
-  char ch;
-  cr_assert_eq(read(ready[0], &ch, 1), 1, "the child holds the storage");
-  close(ready[0]);
-  sc->done_w = done[1];
+  tdt_holder_start(&sc->child, d.sock, sc->id[1], NULL);
 }
 
 static void scene_free(scene *sc) {
-  close(sc->done_w);
-  cr_assert_eq(tdt_wait(sc->child), 0);
+  tdt_holder_stop(&sc->child);
   cr_assert_eq(td_unpublish(sc->c, "cli/a"), 0);
   cr_assert_eq(td_unpublish(sc->c, "cli/b"), 0);
   for (int i = 0; i < 3; i++)
@@ -320,9 +85,9 @@ static int tokens(char *line, char **tok, int max) {
 TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   scene sc;
   scene_make(&sc);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   char *lines[16];
   int n = 0;
   for (char *l = strtok(r.out, "\n"); l && n < 16; l = strtok(NULL, "\n"))
@@ -340,7 +105,7 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
   /* A holder is "PID (NAME)": the client's name from its Hello. */
   char parent[32], child[32];
   snprintf(parent, sizeof(parent), "%d (test_cli)", (int)getpid());
-  snprintf(child, sizeof(child), "%d (test_cli)", (int)sc.child);
+  snprintf(child, sizeof(child), "%d (test_cli)", (int)sc.child.pid);
   for (int i = 0; i < 3; i++) {
     char *row = lines[i + 1];
     if (i == 1) {
@@ -367,7 +132,7 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
       cr_assert_str_eq(tok[4], "4", "rw + ro holder + 2 keys");
       char pp[16], cp[16];
       snprintf(pp, sizeof(pp), "%d", (int)getpid());
-      snprintf(cp, sizeof(cp), "%d", (int)sc.child);
+      snprintf(cp, sizeof(cp), "%d", (int)sc.child.pid);
       cr_assert(strstr(tok[5], pp) && strstr(tok[5], cp),
                 "holders '%s' name both pids (%s, %s)", tok[5], pp, cp);
       cr_assert(strstr(tok[6], "cli/a") && strstr(tok[6], "cli/b"), "keys '%s'",
@@ -380,7 +145,7 @@ TDT_TEST(cli, ls_shows_a_row_per_storage_with_holders_and_keys) {
       cr_assert_str_eq(tok[6], "-", "no keys on row %d", i);
     }
   }
-  run_free(&r);
+  tdt_run_free(&r);
   scene_free(&sc);
 }
 
@@ -390,39 +155,39 @@ TDT_TEST(cli, ls_sizes_are_human_readable) {
   cr_assert_eq(td_storage_create(c, 10, &s[0]), 0);
   cr_assert_eq(td_storage_create(c, 4096, &s[1]), 0);
   cr_assert_eq(td_storage_create(c, 3 << 19, &s[2]), 0);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   cr_assert(strstr(r.out, " 10 B ") != NULL, "%s", r.out);
   cr_assert(strstr(r.out, " 4.0 KiB ") != NULL, "%s", r.out);
   cr_assert(strstr(r.out, " 1.5 MiB ") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   for (int i = 0; i < 3; i++)
     td_storage_release(s[i]);
   td_close(c);
 }
 
 TDT_TEST(cli, ls_of_nothing_says_so) {
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   cr_assert_str_eq(r.out, "no storages\n");
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(json_u64(r.out, "\"count\":"), 0);
   cr_assert(strstr(r.out, "\"storages\":[]") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
 }
 
 TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   scene sc;
   scene_make(&sc);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(count_of(r.out, "\n"), 1, "one line");
   cr_assert(strncmp(r.out, "{\"storages\":[", 13) == 0, "%.100s", r.out);
   cr_assert_eq(json_u64(r.out, "\"count\":"), 3);
@@ -448,7 +213,7 @@ TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   cr_assert_eq(count_of(r.out, want), 3, "the test created all three");
   snprintf(want, sizeof(want),
            "{\"pid\":%d,\"uid\":%u,\"refs\":1,\"name\":\"test_cli\"}",
-           (int)sc.child, (unsigned)getuid());
+           (int)sc.child.pid, (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "the child holder: %s", r.out);
   cr_assert(strstr(r.out, "\"keys\":[\"cli/b\",\"cli/a\"]") ||
                 strstr(r.out, "\"keys\":[\"cli/a\",\"cli/b\"]"),
@@ -457,14 +222,14 @@ TDT_TEST(cli, ls_json_is_one_object_with_a_storages_array) {
   cr_assert_eq(count_of(r.out, "\"nkeys\":0"), 2);
   cr_assert_eq(count_of(r.out, "\"created_unix_ms\":"), 3);
   cr_assert_eq(count_of(r.out, "\"age_ms\":"), 3);
-  run_free(&r);
+  tdt_run_free(&r);
   /* --json may come before the command too. */
-  run_argv((const char *const[]){TENSORCTL_BIN, "--json", "--socket", d.sock,
-                                 "ls", NULL},
-           &r);
-  expect_ok(&r, "--json ls");
-  expect_json_object(r.out);
-  run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--json", "--socket", d.sock,
+                                    "ls", NULL},
+              &r);
+  tdt_expect_ok(&r, "--json ls");
+  tdt_expect_json_object(r.out);
+  tdt_run_free(&r);
   scene_free(&sc);
 }
 
@@ -475,18 +240,18 @@ TDT_TEST(cli, json_escapes_keys) {
   const char *key = "we\"ird\\key\twith\x01"
                     "ctl";
   cr_assert_eq(td_publish(c, key, s, NULL), 0, "%s", td_last_error(c));
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
   cr_assert(strstr(r.out, "\"we\\\"ird\\\\key\\u0009with\\u0001ctl\"") ||
                 strstr(r.out, "\"we\\\"ird\\\\key\\twith\\u0001ctl\""),
             "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "info", key, "--json");
-  expect_ok(&r, "info --json");
-  expect_json_object(r.out);
-  run_free(&r);
+  tdt_expect_ok(&r, "info --json");
+  tdt_expect_json_object(r.out);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, key), 0);
   td_storage_release(s);
   td_close(c);
@@ -497,9 +262,9 @@ TDT_TEST(cli, json_escapes_keys) {
 TDT_TEST(cli, stat_shows_totals) {
   scene sc;
   scene_make(&sc);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "stat");
-  expect_ok(&r, "stat");
+  tdt_expect_ok(&r, "stat");
   cr_assert(strstr(r.out, "storages  3\n") != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "keys      2\n") != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "waiters   0\n") != NULL, "%s", r.out);
@@ -520,17 +285,17 @@ TDT_TEST(cli, stat_shows_totals) {
   snprintf(want, sizeof(want), "          /dev/shm/tensord.%016llx-pool.*\n",
            (unsigned long long)d.instance);
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   scene_free(&sc);
 }
 
 TDT_TEST(cli, stat_json_is_one_object) {
   scene sc;
   scene_make(&sc);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "stat", "--json");
-  expect_ok(&r, "stat --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "stat --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(json_u64(r.out, "\"storages\":"), 3);
   cr_assert_eq(json_u64(r.out, "\"bytes_used\":"), 4096 + (1 << 20) + 10);
   cr_assert_eq(json_u64(r.out, "\"keys\":"), 2);
@@ -550,7 +315,7 @@ TDT_TEST(cli, stat_json_is_one_object) {
            (unsigned long long)d.instance, (unsigned long long)d.instance,
            (unsigned long long)d.instance);
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   scene_free(&sc);
 }
 
@@ -567,26 +332,26 @@ TDT_TEST(cli, stat_shows_the_pool_and_ls_does_not) {
     usleep(2000);
   }
   cr_assert_eq(st.pool_segments, 1);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "stat");
-  expect_ok(&r, "stat");
+  tdt_expect_ok(&r, "stat");
   cr_assert(strstr(r.out, "pool      1 segment(s), 2.0 MiB of ") != NULL, "%s",
             r.out);
   cr_assert(strstr(r.out, "0 hit(s), 1 miss(es)") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "stat", "--json");
-  expect_ok(&r, "stat --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "stat --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(json_u64(r.out, "\"segments\":"), 1);
   cr_assert_eq(json_u64(r.out, "\"bytes\":"), 2 << 20);
   cr_assert_eq(json_u64(r.out, "\"misses\":"), 1);
   cr_assert_gt(json_u64(r.out, "\"limit\":"), 0);
-  run_free(&r);
+  tdt_run_free(&r);
   /* A pooled segment is not a storage. */
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   cr_assert_null(strstr(r.out, "MiB"), "ls lists a pooled segment: %s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   td_close(c);
 }
 
@@ -604,9 +369,9 @@ TDT_TEST(cli, info_key_shows_the_view) {
   v.stride[1] = 4;
   v.offset = 5;
   cr_assert_eq(td_publish(c, "weights.T", s, &v), 0);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "info", "weights");
-  expect_ok(&r, "info weights");
+  tdt_expect_ok(&r, "info weights");
   char want[128];
   snprintf(want, sizeof(want), "storage   %" PRIu64 "\n", td_storage_id(s));
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
@@ -620,11 +385,11 @@ TDT_TEST(cli, info_key_shows_the_view) {
                                 "offset 5\n");
   cr_assert(w && t, "both views: %s", r.out);
   cr_assert_lt(w, t, "the asked-for key first");
-  run_free(&r);
+  tdt_run_free(&r);
 
   ctl(&r, "info", "weights.T", "--json");
-  expect_ok(&r, "info --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "info --json");
+  tdt_expect_json_object(r.out);
   cr_assert(strncmp(r.out, "{\"storage\":{", 12) == 0, "%.80s", r.out);
   cr_assert(strstr(r.out, "\"views\":[{\"key\":\"weights.T\",\"view\":{\"dtype"
                           "\":\"float32\",\"shape\":[4,3],\"stride\":[1,4],"
@@ -634,7 +399,7 @@ TDT_TEST(cli, info_key_shows_the_view) {
                    "{\"key\":\"weights\",\"view\":{\"dtype\":\"float32"
                    "\",\"shape\":[4,3],\"stride\":[3,1],\"offset\":0}") != NULL,
             "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "weights"), 0);
   cr_assert_eq(td_unpublish(c, "weights.T"), 0);
   td_storage_release(s);
@@ -646,9 +411,9 @@ TDT_TEST(cli, info_id_shows_the_storage_and_its_holders) {
   scene_make(&sc);
   char id[32];
   snprintf(id, sizeof(id), "%" PRIu64, sc.id[1]);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "info", id);
-  expect_ok(&r, "info ID");
+  tdt_expect_ok(&r, "info ID");
   char want[128];
   snprintf(want, sizeof(want), "storage   %s\n", id);
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
@@ -658,25 +423,25 @@ TDT_TEST(cli, info_id_shows_the_storage_and_its_holders) {
   snprintf(want, sizeof(want), "owner     pid %d, uid %u (", (int)getpid(),
            (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
-  snprintf(want, sizeof(want), " %d (test_cli, uid %u, 1 ref)", (int)sc.child,
-           (unsigned)getuid());
+  snprintf(want, sizeof(want), " %d (test_cli, uid %u, 1 ref)",
+           (int)sc.child.pid, (unsigned)getuid());
   cr_assert(strstr(r.out, want) != NULL, "%s", r.out);
   cr_assert(strstr(r.out, "  cli/a: uint8[1048576] stride (1) offset 0\n"),
             "%s", r.out);
   cr_assert(strstr(r.out, "  cli/b: uint8[1048576] stride (1) offset 0\n"),
             "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "info", id, "--json");
-  expect_ok(&r, "info ID --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "info ID --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(count_of(r.out, "{\"key\":"), 2);
-  run_free(&r);
+  tdt_run_free(&r);
   /* An id nobody has. */
   ctl(&r, "info", "999999");
   cr_assert_eq(r.status, 1, "stderr: %s", r.err);
   cr_assert(strstr(r.err, "999999") != NULL, "%s", r.err);
   cr_assert_eq(r.out_len, 0);
-  run_free(&r);
+  tdt_run_free(&r);
   scene_free(&sc);
 }
 
@@ -685,11 +450,11 @@ TDT_TEST(cli, info_of_a_key_made_of_digits_falls_back_to_the_key) {
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 16, &s), 0);
   cr_assert_eq(td_publish(c, "31337", s, NULL), 0);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "info", "31337");
-  expect_ok(&r, "info 31337");
+  tdt_expect_ok(&r, "info 31337");
   cr_assert(strstr(r.out, "  31337: uint8[16]") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "31337"), 0);
   td_storage_release(s);
   td_close(c);
@@ -703,11 +468,11 @@ TDT_TEST(cli, rm_unpublishes_then_info_fails) {
   cr_assert_eq(td_storage_create(c, 16, &s), 0);
   cr_assert_eq(td_publish(c, "batch/7", s, NULL), 0);
   td_storage_release(s);
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "rm", "batch/7");
-  expect_ok(&r, "rm");
+  tdt_expect_ok(&r, "rm");
   cr_assert_str_eq(r.out, "removed 'batch/7'\n");
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert(tdt_until(tdt_no_segments, &d, 5000),
             "the key held the last reference");
   ctl(&r, "info", "batch/7");
@@ -716,36 +481,36 @@ TDT_TEST(cli, rm_unpublishes_then_info_fails) {
   cr_assert(strstr(r.err, "key 'batch/7': not published") != NULL, "stderr: %s",
             r.err);
   cr_assert_eq(count_of(r.err, "\n"), 1, "one line: %s", r.err);
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "rm", "batch/7");
   cr_assert_eq(r.status, 1);
   cr_assert(strstr(r.err, "tensorctl rm: key 'batch/7': not published"),
             "stderr: %s", r.err);
-  run_free(&r);
+  tdt_run_free(&r);
   /* --json. */
   cr_assert_eq(td_storage_create(c, 16, &s), 0);
   cr_assert_eq(td_publish(c, "j", s, NULL), 0);
   td_storage_release(s);
   ctl(&r, "rm", "j", "--json");
-  expect_ok(&r, "rm --json");
+  tdt_expect_ok(&r, "rm --json");
   cr_assert_str_eq(r.out, "{\"removed\":\"j\"}\n");
-  run_free(&r);
+  tdt_run_free(&r);
   td_close(c);
 }
 
 /* ---- ping, usage, connection errors ---- */
 
 TDT_TEST(cli, ping_answers) {
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ping");
-  expect_ok(&r, "ping");
+  tdt_expect_ok(&r, "ping");
   cr_assert(strncmp(r.out, "tensord answered in ", 20) == 0, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "ping", "--json");
-  expect_ok(&r, "ping --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ping --json");
+  tdt_expect_json_object(r.out);
   cr_assert(strstr(r.out, "\"rtt_us\":") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
 }
 
 TDT_TEST(cli, usage_errors_exit_2) {
@@ -758,24 +523,24 @@ TDT_TEST(cli, usage_errors_exit_2) {
     int n = 3;
     for (int j = 0; j < 2 && cases[i][j]; j++)
       argv[n++] = cases[i][j];
-    run_result r;
-    run_argv(argv, &r);
+    tdt_run_result r;
+    tdt_cli_run(argv, &r);
     cr_assert_eq(r.status, 2, "tensorctl %s %s: exit %d", cases[i][0],
                  cases[i][1] ? cases[i][1] : "", r.status);
     cr_assert_gt(strlen(r.err), 0, "says why");
     cr_assert_eq(r.out_len, 0);
     if (i == 0)
       cr_assert(strstr(r.err, "unknown command 'frobnicate'"), "%s", r.err);
-    run_free(&r);
+    tdt_run_free(&r);
   }
-  run_result r;
-  run_argv((const char *const[]){TENSORCTL_BIN, NULL}, &r);
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, NULL}, &r);
   cr_assert_eq(r.status, 2, "no command");
-  run_free(&r);
-  run_argv((const char *const[]){TENSORCTL_BIN, "--help", NULL}, &r);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--help", NULL}, &r);
   cr_assert_eq(r.status, 0);
   cr_assert(strstr(r.out, "usage: tensorctl") != NULL, "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
 }
 
 TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
@@ -783,8 +548,8 @@ TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
   snprintf(path, sizeof(path), "%s/nobody-here.sock", d.dir);
   static const char *const cmds[] = {"ls", "stat", "ping"};
   for (int i = 0; i < 3; i++) {
-    run_result r;
-    run_argv(
+    tdt_run_result r;
+    tdt_cli_run(
         (const char *const[]){TENSORCTL_BIN, "--socket", path, cmds[i], NULL},
         &r);
     cr_assert_eq(r.status, 1, "%s: exit %d", cmds[i], r.status);
@@ -794,7 +559,7 @@ TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
     cr_assert(strstr(r.err, "(is tensord running?)") != NULL, "stderr: %s",
               r.err);
     cr_assert_eq(r.out_len, 0, "nothing on stdout: %s", r.out);
-    run_free(&r);
+    tdt_run_free(&r);
   }
 }
 
@@ -807,10 +572,10 @@ TDT_TEST(cli, ls_lists_1500_storages_across_pages, .timeout = 120) {
   for (int i = 0; i < N; i++)
     cr_assert_eq(td_storage_create(c, 1, &s[i]), 0, "create %d: %s", i,
                  td_last_error(c));
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
   cr_assert_eq(json_u64(r.out, "\"count\":"), N);
   cr_assert_eq(count_of(r.out, "{\"id\":"), N);
   /* Every id, in order, once. */
@@ -823,20 +588,20 @@ TDT_TEST(cli, ls_lists_1500_storages_across_pages, .timeout = 120) {
                        td_storage_id(s[i]));
     p = q + 1;
   }
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   cr_assert_eq(count_of(r.out, "\n"), N + 1, "a header and a row each");
-  run_free(&r);
+  tdt_run_free(&r);
   /* With holes. */
   for (int i = 0; i < N; i += 3) {
     td_storage_release(s[i]);
     s[i] = NULL;
   }
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
+  tdt_expect_ok(&r, "ls --json");
   cr_assert_eq(json_u64(r.out, "\"count\":"), N - (N + 2) / 3);
-  run_free(&r);
+  tdt_run_free(&r);
   for (int i = 0; i < N; i++)
     td_storage_release(s[i]);
   free(s);
@@ -938,9 +703,9 @@ TDT_TEST(cli, ls_says_how_many_keys_it_does_not_show) {
     snprintf(key, sizeof(key), "%d-%0100d", i, 0); /* 102 bytes */
     cr_assert_eq(td_publish(c, key, s, NULL), 0);
   }
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "ls");
-  expect_ok(&r, "ls");
+  tdt_expect_ok(&r, "ls");
   int shown = 0;
   for (int i = 0; i < 5; i++) {
     snprintf(key, sizeof(key), "%d-%0100d", i, 0);
@@ -950,7 +715,7 @@ TDT_TEST(cli, ls_says_how_many_keys_it_does_not_show) {
   int hidden = more ? atoi(more + 2) : -1;
   char row[1024];
   snprintf(row, sizeof(row), "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   for (int i = 0; i < 5; i++) {
     snprintf(key, sizeof(key), "%d-%0100d", i, 0);
     cr_assert_eq(td_unpublish(c, key), 0);
@@ -978,9 +743,9 @@ TDT_TEST(cli, info_of_a_storage_with_many_long_keys_fits_one_reply) {
   }
   snprintf(key, 12, "%010d", NKEYS - 1);
   key[10] = '/';
-  run_result r;
+  tdt_run_result r;
   ctl(&r, "info", key);
-  expect_ok(&r, "info");
+  tdt_expect_ok(&r, "info");
   char want[32];
   snprintf(want, sizeof(want), "keys      %d\n", NKEYS);
   cr_assert(strstr(r.out, want) != NULL, "%.300s", r.out);
@@ -990,13 +755,13 @@ TDT_TEST(cli, info_of_a_storage_with_many_long_keys_fits_one_reply) {
   char first[300];
   snprintf(first, sizeof(first), "keys      %d\n  %s: ", NKEYS, key);
   cr_assert(strstr(r.out, first) != NULL, "the asked-for key first");
-  run_free(&r);
+  tdt_run_free(&r);
   ctl(&r, "ls", "--json");
-  expect_ok(&r, "ls --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
   snprintf(want, sizeof(want), "\"nkeys\":%d", NKEYS);
   cr_assert(strstr(r.out, want) != NULL, "%.300s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   td_storage_release(s);
   td_close(c);
   c = tdt_connect(&d);

@@ -1,14 +1,13 @@
 /* test_show.c: tensorctl show against a real tensord: every dtype, NaN and
  * Inf counts, exact int64 extremes, index sub-views, strided and empty
  * views, sampling, --json, bad input, and a storage freed while shown. */
+#include "cli.h"
 #include "harness.h"
 
 #include <criterion/criterion.h>
-#include <ctype.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
-#include <poll.h>
 #include <signal.h>
 #include <string.h>
 
@@ -22,116 +21,16 @@ TestSuite(show, .init = setup, .fini = tdt_cleanup, .timeout = 60);
 
 /* ---- running tensorctl ---- */
 
-typedef struct run_result {
-  int status; /* exit status, or 128 + signal */
-  char *out;  /* NUL-terminated, malloc'd */
-  size_t out_len;
-  char err[8192];
-} run_result;
-
-typedef struct child {
-  pid_t pid;
-  int out, err; /* read ends of its stdout and stderr */
-} child;
-
-/* Starts argv with stdout and stderr to pipes. With stall (two fds: the
- * write end tensorctl signals on, the read end it waits on), tensorctl
- * stops once it holds the storage (TENSORCTL_TEST_STALL, show.c). */
-static child spawn(const char *const *argv, const int *stall) {
-  int po[2], pe[2];
-  cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(po[1], STDOUT_FILENO);
-    dup2(pe[1], STDERR_FILENO);
-    unsetenv("TENSORD_SOCKET");
-    if (stall != NULL) {
-      char env[32];
-      fcntl(stall[0], F_SETFD, 0);
-      fcntl(stall[1], F_SETFD, 0);
-      snprintf(env, sizeof(env), "%d,%d", stall[0], stall[1]);
-      setenv("TENSORCTL_TEST_STALL", env, 1);
-    }
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(po[1]);
-  close(pe[1]);
-  return (child){pid, po[0], pe[0]};
-}
-
-/* Reads ch's output until it exits (30 s at most) into *r. */
-static void collect(child ch, run_result *r) {
-  memset(r, 0, sizeof(*r));
-  size_t cap = 1 << 16, ne = 0;
-  r->out = malloc(cap);
-  cr_assert_not_null(r->out);
-  struct pollfd p[2] = {{ch.out, POLLIN, 0}, {ch.err, POLLIN, 0}};
-  int open_ends = 2, waited = 0;
-  while (open_ends > 0) {
-    int n = poll(p, 2, 100);
-    if (n == 0 && (waited += 100) >= 30000) {
-      kill(ch.pid, SIGKILL);
-      break;
-    }
-    for (int i = 0; i < 2; i++) {
-      if (p[i].fd < 0 || !(p[i].revents & (POLLIN | POLLHUP)))
-        continue;
-      char tmp[8192];
-      ssize_t k = read(p[i].fd, tmp, sizeof(tmp));
-      if (k <= 0) {
-        close(p[i].fd);
-        p[i].fd = -1;
-        open_ends--;
-        continue;
-      }
-      if (i == 0) {
-        while (r->out_len + (size_t)k + 1 > cap) {
-          cap *= 2;
-          r->out = realloc(r->out, cap);
-          cr_assert_not_null(r->out);
-        }
-        memcpy(r->out + r->out_len, tmp, (size_t)k);
-        r->out_len += (size_t)k;
-      } else {
-        size_t take = sizeof(r->err) - 1 - ne;
-        if ((size_t)k < take)
-          take = (size_t)k;
-        memcpy(r->err + ne, tmp, take);
-        ne += take;
-      }
-    }
-  }
-  for (int i = 0; i < 2; i++)
-    if (p[i].fd >= 0)
-      close(p[i].fd);
-  r->out[r->out_len] = '\0';
-  r->status = tdt_wait(ch.pid);
-}
-
 /* Runs tensorctl --socket SOCK show args... (NULL-terminated). */
 #define show(r, ...)                                                           \
-  collect(spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,       \
-                                      "show", __VA_ARGS__, NULL},              \
-                NULL),                                                         \
-          r)
-
-static void run_free(run_result *r) {
-  free(r->out);
-  r->out = NULL;
-}
-
-static void expect_ok(const run_result *r, const char *what) {
-  cr_assert_eq(r->status, 0, "show %s: exit %d; stderr: %s", what, r->status,
-               r->err);
-  cr_assert_eq(r->err[0], '\0', "show %s wrote to stderr: %s", what, r->err);
-}
+  tdt_cli_collect(                                                             \
+      tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,   \
+                                          "show", __VA_ARGS__, NULL},          \
+                    NULL),                                                     \
+      r)
 
 /* Asserts the output has line (a whole line). */
-static void expect_line(const run_result *r, const char *line) {
+static void expect_line(const tdt_run_result *r, const char *line) {
   size_t n = strlen(line);
   for (const char *p = r->out; (p = strstr(p, line)) != NULL; p++)
     if ((p == r->out || p[-1] == '\n') && p[n] == '\n')
@@ -140,120 +39,11 @@ static void expect_line(const run_result *r, const char *line) {
 }
 
 /* Asserts exit 1, nothing on stdout, and stderr saying needle. */
-static void expect_error(const run_result *r, const char *needle) {
+static void expect_error(const tdt_run_result *r, const char *needle) {
   cr_assert_eq(r->status, 1, "exit %d (stderr: %s)", r->status, r->err);
   cr_assert_eq(r->out_len, 0, "stdout on an error: %s", r->out);
   cr_assert(strstr(r->err, needle) != NULL, "stderr '%s' does not say '%s'",
             r->err, needle);
-}
-
-/* ---- a small JSON checker (as test_cli's) ---- */
-
-static const char *json_ws(const char *p) {
-  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
-    p++;
-  return p;
-}
-
-static const char *json_value(const char *p, int depth);
-
-static const char *json_string(const char *p) {
-  if (*p++ != '"')
-    return NULL;
-  while (*p != '"') {
-    if ((unsigned char)*p < 0x20)
-      return NULL;
-    if (*p == '\\') {
-      p++;
-      if (*p == 'u') {
-        for (int i = 1; i <= 4; i++)
-          if (!isxdigit((unsigned char)p[i]))
-            return NULL;
-        p += 5;
-        continue;
-      }
-      if (strchr("\"\\/bfnrt", *p) == NULL || *p == '\0')
-        return NULL;
-    }
-    p++;
-  }
-  return p + 1;
-}
-
-static const char *json_number(const char *p) {
-  if (*p == '-')
-    p++;
-  if (!isdigit((unsigned char)*p))
-    return NULL;
-  if (*p == '0' && isdigit((unsigned char)p[1]))
-    return NULL;
-  while (isdigit((unsigned char)*p))
-    p++;
-  if (*p == '.') {
-    p++;
-    if (!isdigit((unsigned char)*p))
-      return NULL;
-    while (isdigit((unsigned char)*p))
-      p++;
-  }
-  if (*p == 'e' || *p == 'E') {
-    p++;
-    if (*p == '+' || *p == '-')
-      p++;
-    if (!isdigit((unsigned char)*p))
-      return NULL;
-    while (isdigit((unsigned char)*p))
-      p++;
-  }
-  return p;
-}
-
-static const char *json_value(const char *p, int depth) {
-  if (depth > 64)
-    return NULL;
-  p = json_ws(p);
-  if (*p == '{' || *p == '[') {
-    char close = *p == '{' ? '}' : ']';
-    int object = *p == '{';
-    p = json_ws(p + 1);
-    if (*p == close)
-      return p + 1;
-    for (;;) {
-      if (object) {
-        p = json_string(json_ws(p));
-        if (p == NULL)
-          return NULL;
-        p = json_ws(p);
-        if (*p++ != ':')
-          return NULL;
-      }
-      p = json_value(p, depth + 1);
-      if (p == NULL)
-        return NULL;
-      p = json_ws(p);
-      if (*p == close)
-        return p + 1;
-      if (*p++ != ',')
-        return NULL;
-    }
-  }
-  if (*p == '"')
-    return json_string(p);
-  if (strncmp(p, "true", 4) == 0)
-    return p + 4;
-  if (strncmp(p, "false", 5) == 0)
-    return p + 5;
-  if (strncmp(p, "null", 4) == 0)
-    return p + 4;
-  return json_number(p);
-}
-
-/* Asserts s is exactly one JSON object and a newline. */
-static void expect_json_object(const char *s) {
-  cr_assert_eq(s[0], '{', "not an object: %.300s", s);
-  const char *end = json_value(s, 0);
-  cr_assert_not_null(end, "invalid JSON: %.1000s", s);
-  cr_assert_str_eq(end, "\n", "one document and a newline: %.200s", end);
 }
 
 static void expect_has(const char *s, const char *needle) {
@@ -381,9 +171,9 @@ TDT_TEST(show, every_dtype_decoded_counted_and_laid_out_as_numpy) {
     td_view v = vec(k->dtype, k->n);
     td_storage *s =
         put(c, key, k->bytes, (size_t)k->n * td_dtype_size(k->dtype), &v);
-    run_result r;
+    tdt_run_result r;
     show(&r, key);
-    expect_ok(&r, key);
+    tdt_expect_ok(&r, key);
     char line[128];
     snprintf(line, sizeof(line), "key '%s' -> storage %" PRIu64 " (%zu B, cpu)",
              key, td_storage_id(s), td_storage_nbytes(s));
@@ -395,15 +185,15 @@ TDT_TEST(show, every_dtype_decoded_counted_and_laid_out_as_numpy) {
     if (k->range != NULL)
       expect_line(&r, k->range);
     expect_line(&r, k->values);
-    run_free(&r);
+    tdt_run_free(&r);
 
     /* The same as JSON: well formed, NaN and Inf as strings. */
     show(&r, key, "--json");
-    expect_ok(&r, key);
-    expect_json_object(r.out);
+    tdt_expect_ok(&r, key);
+    tdt_expect_json_object(r.out);
     snprintf(line, sizeof(line), "\"dtype\":\"%s\"", name);
     expect_has(r.out, line);
-    run_free(&r);
+    tdt_run_free(&r);
     cr_assert_eq(td_unpublish(c, key), 0);
     td_storage_release(s);
   }
@@ -415,40 +205,40 @@ TDT_TEST(show, json_carries_exact_ints_and_nonfinite_as_strings) {
   td_client *c = tdt_connect(&d);
   td_view v = vec(TD_INT64, 3);
   td_storage *s = put(c, "show/i64", b_i64, sizeof(b_i64), &v);
-  run_result r;
+  tdt_run_result r;
   show(&r, "show/i64", "--json");
-  expect_ok(&r, "--json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"min\":-9223372036854775808");
   expect_has(r.out, "\"max\":9223372036854775807");
   expect_has(r.out, "\"first\":[-9223372036854775808,9223372036854775807,0]");
   expect_has(r.out, "\"last\":[]");
   expect_has(r.out, "\"key\":\"show/i64\"");
   expect_has(r.out, "\"sampled\":false");
-  run_free(&r);
+  tdt_run_free(&r);
   td_storage_release(s);
 
   v = vec(TD_FLOAT16, 6);
   s = put(c, "show/f16", b_f16, sizeof(b_f16), &v);
   show(&r, "--json", "show/f16");
-  expect_ok(&r, "--json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"nan\":1,\"inf\":1");
   expect_has(r.out, "\"max\":\"inf\"");
   expect_has(r.out, "\"std\":\"nan\"");
   expect_has(r.out, "\"first\":[-1.23,0.5,2],\"last\":[\"nan\",\"inf\",0]");
   expect_has(r.out, "\"repr\":\"array([-1.23,  0.5 ,");
-  run_free(&r);
+  tdt_run_free(&r);
   td_storage_release(s);
 
   v = vec(TD_COMPLEX64, 2);
   s = put(c, "show/c64", b_c64, sizeof(b_c64), &v);
   show(&r, "show/c64", "--json");
-  expect_ok(&r, "--json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"first\":[[1,2],[3.5,-4]]");
   expect_has(r.out, "\"mean\":[2.25,-1]");
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "show/i64"), 0);
   cr_assert_eq(td_unpublish(c, "show/f16"), 0);
   cr_assert_eq(td_unpublish(c, "show/c64"), 0);
@@ -467,9 +257,9 @@ TDT_TEST(show, index_sub_view_and_strided_views) {
   td_view v;
   cr_assert_eq(td_view_contiguous(TD_FLOAT32, 3, shape, &v), 0);
   td_storage *s = put(c, "show/cube", x, sizeof(x), &v);
-  run_result r;
+  tdt_run_result r;
   show(&r, "show/cube", "[0, :, 2:5]");
-  expect_ok(&r, "[0, :, 2:5]");
+  tdt_expect_ok(&r, "[0, :, 2:5]");
   expect_line(&r, "view   float32 [2, 3, 4] strides [12, 4, 1] offset 0");
   expect_line(&r, "index  [0, :, 2:5] -> float32 [3, 2] strides [4, 1] "
                   "offset 2");
@@ -477,15 +267,15 @@ TDT_TEST(show, index_sub_view_and_strided_views) {
   expect_line(&r, "min    2   max 11   mean 6.5   std 3.30404");
   expect_line(&r, "values array([ 2.,  3.,  6.,  7., 10., 11.], "
                   "dtype=float32)");
-  run_free(&r);
+  tdt_run_free(&r);
 
   show(&r, "show/cube", "[..., None, -1]");
-  expect_ok(&r, "[..., None, -1]");
+  tdt_expect_ok(&r, "[..., None, -1]");
   expect_line(&r, "index  [..., None, -1] -> float32 [2, 3, 1] strides [12, "
                   "4, 4] offset 3");
   expect_line(&r, "values array([ 3.,  7., 11., 15., 19., 23.], "
                   "dtype=float32)");
-  run_free(&r);
+  tdt_run_free(&r);
 
   /* A published transpose: elements in the view's order, not memory's. */
   int32_t y[6] = {0, 1, 2, 3, 4, 5};
@@ -495,14 +285,14 @@ TDT_TEST(show, index_sub_view_and_strided_views) {
   cr_assert_eq(td_view_transpose(&t, 0, 1), 0);
   td_storage *s2 = put(c, "show/t", y, sizeof(y), &t);
   show(&r, "show/t");
-  expect_ok(&r, "show/t");
+  tdt_expect_ok(&r, "show/t");
   expect_line(&r, "view   int32 [3, 2] strides [1, 3] offset 0");
   expect_line(&r, "values array([0, 3, 1, 4, 2, 5], dtype=int32)");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, "show/t", "[1:, 1]");
-  expect_ok(&r, "[1:, 1]");
+  tdt_expect_ok(&r, "[1:, 1]");
   expect_line(&r, "values array([4, 5], dtype=int32)");
-  run_free(&r);
+  tdt_run_free(&r);
 
   cr_assert_eq(td_unpublish(c, "show/cube"), 0);
   cr_assert_eq(td_unpublish(c, "show/t"), 0);
@@ -517,26 +307,26 @@ TDT_TEST(show, zero_element_views) {
   td_view v;
   cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, shape, &v), 0);
   td_storage *s = put(c, "show/empty", "", 0, &v);
-  run_result r;
+  tdt_run_result r;
   show(&r, "show/empty");
-  expect_ok(&r, "show/empty");
+  tdt_expect_ok(&r, "show/empty");
   expect_line(&r, "count  0   zeros 0   nan 0   inf 0");
   expect_line(&r, "min    -   max -   mean -   std -");
   expect_line(&r, "values array([], shape=(0, 3), dtype=float32)");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, "show/empty", "--json");
-  expect_ok(&r, "--json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"min\":null,\"max\":null,\"mean\":null,\"std\":null");
   expect_has(r.out, "\"first\":[],\"last\":[]");
-  run_free(&r);
+  tdt_run_free(&r);
   /* An index that empties a view that was not. */
   td_storage *s2 = put(c, "show/u8", b_u8, sizeof(b_u8), NULL);
   show(&r, "show/u8", "[3:]");
-  expect_ok(&r, "[3:]");
+  tdt_expect_ok(&r, "[3:]");
   expect_line(&r, "count  0   zeros 0");
   expect_line(&r, "values array([], dtype=uint8)");
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "show/empty"), 0);
   cr_assert_eq(td_unpublish(c, "show/u8"), 0);
   td_storage_release(s);
@@ -554,30 +344,30 @@ TDT_TEST(show, id_is_the_whole_storage_as_uint8_or_dtype) {
   memcpy(td_storage_data(s), f, sizeof(f));
   char id[32], line[128];
   snprintf(id, sizeof(id), "%" PRIu64, td_storage_id(s));
-  run_result r;
+  tdt_run_result r;
   show(&r, id);
-  expect_ok(&r, id);
+  tdt_expect_ok(&r, id);
   snprintf(line, sizeof(line),
            "storage %s (16 B, cpu): the whole storage as uint8", id);
   expect_line(&r, line);
   expect_line(&r, "view   uint8 [16] strides [1] offset 0");
   expect_line(&r, "count  16   zeros 9"); /* 1.0f is 00 00 80 3f */
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, id, "--dtype", "float32", "[1:]");
-  expect_ok(&r, "--dtype");
+  tdt_expect_ok(&r, "--dtype");
   snprintf(line, sizeof(line),
            "storage %s (16 B, cpu): the whole storage as float32 (--dtype)",
            id);
   expect_line(&r, line);
   expect_line(&r, "view   float32 [4] strides [1] offset 0");
   expect_line(&r, "values array([2., 3., 4.], dtype=float32)");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, id, "--json");
-  expect_ok(&r, "--json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"key\":null");
   expect_has(r.out, "\"whole_storage\":true");
-  run_free(&r);
+  tdt_run_free(&r);
   td_storage_release(s);
   td_close(c);
 }
@@ -589,9 +379,9 @@ TDT_TEST(show, sample_and_the_default_limit) {
     x[i] = i;
   td_view v = vec(TD_INT32, 1000);
   td_storage *s = put(c, "show/seq", x, sizeof(x), &v);
-  run_result r;
+  tdt_run_result r;
   show(&r, "show/seq", "--sample", "10");
-  expect_ok(&r, "--sample 10");
+  tdt_expect_ok(&r, "--sample 10");
   expect_line(&r, "count  10   zeros 1");
   expect_line(&r, "sampled 10 of 1000 elements, evenly spaced (--all reads "
                   "every one)");
@@ -599,12 +389,12 @@ TDT_TEST(show, sample_and_the_default_limit) {
   /* The values shown are the view's ends, not the sample's. */
   expect_line(&r, "values array([  0,   1,   2, ..., 997, 998, 999], "
                   "dtype=int32)");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, "show/seq", "--sample", "10", "--json");
-  expect_ok(&r, "--sample --json");
-  expect_json_object(r.out);
+  tdt_expect_ok(&r, "--sample --json");
+  tdt_expect_json_object(r.out);
   expect_has(r.out, "\"total\":1000,\"count\":10,\"sampled\":true");
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "show/seq"), 0);
   td_storage_release(s);
 
@@ -614,20 +404,20 @@ TDT_TEST(show, sample_and_the_default_limit) {
   char id[32], line[128];
   snprintf(id, sizeof(id), "%" PRIu64, td_storage_id(s));
   show(&r, id);
-  expect_ok(&r, "a large storage");
+  tdt_expect_ok(&r, "a large storage");
   snprintf(line, sizeof(line),
            "sampled 67108864 of %zu elements, evenly spaced (--all reads "
            "every one)",
            n);
   expect_line(&r, line);
   expect_line(&r, "count  67108864   zeros 67108864");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, id, "--all");
-  expect_ok(&r, "--all");
+  tdt_expect_ok(&r, "--all");
   snprintf(line, sizeof(line), "count  %zu   zeros %zu", n, n);
   expect_line(&r, line);
   cr_assert_null(strstr(r.out, "sampled"), "%s", r.out);
-  run_free(&r);
+  tdt_run_free(&r);
   td_storage_release(s);
   td_close(c);
 }
@@ -636,16 +426,16 @@ TDT_TEST(show, sample_and_the_default_limit) {
 
 TDT_TEST(show, unknown_keys_ids_and_bad_indices) {
   td_client *c = tdt_connect(&d);
-  run_result r;
+  tdt_run_result r;
   show(&r, "show/nope");
   expect_error(&r, "tensorctl show: key 'show/nope': not published");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, "424242");
   expect_error(&r, "tensorctl show: storage 424242: no such storage");
-  run_free(&r);
+  tdt_run_free(&r);
   show(&r, "99999999999999999999999");
   expect_error(&r, "no such storage");
-  run_free(&r);
+  tdt_run_free(&r);
 
   float x[12] = {0};
   int64_t shape[2] = {4, 3};
@@ -667,11 +457,11 @@ TDT_TEST(show, unknown_keys_ids_and_bad_indices) {
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     show(&r, "show/m", bad[i].index);
     expect_error(&r, bad[i].says);
-    run_free(&r);
+    tdt_run_free(&r);
   }
   show(&r, "show/m", "--dtype", "float64");
   expect_error(&r, "--dtype float64:");
-  run_free(&r);
+  tdt_run_free(&r);
 
   /* Usage errors: exit 2. */
   static const char *const usage[][3] = {
@@ -683,15 +473,16 @@ TDT_TEST(show, unknown_keys_ids_and_bad_indices) {
       {"show/m", "--sample", NULL},
   };
   for (size_t i = 0; i < sizeof(usage) / sizeof(usage[0]); i++) {
-    collect(spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                        "show", usage[i][0], usage[i][1],
-                                        usage[i][2], NULL},
-                  NULL),
-            &r);
+    tdt_cli_collect(
+        tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                            "show", usage[i][0], usage[i][1],
+                                            usage[i][2], NULL},
+                      NULL),
+        &r);
     cr_assert_eq(r.status, 2, "case %zu: exit %d (%s)", i, r.status, r.err);
     cr_assert_eq(r.out_len, 0);
     cr_assert_neq(r.err[0], '\0', "case %zu says why", i);
-    run_free(&r);
+    tdt_run_free(&r);
   }
   /* show takes no reference it keeps and never the key. */
   cr_assert_eq(tdt_storages(&d), 1);
@@ -742,7 +533,8 @@ TDT_TEST(show, storage_freed_while_shown_is_read_whole_then_goes) {
   int sig[2], hold[2];
   cr_assert_eq(pipe2(sig, O_CLOEXEC), 0);
   cr_assert_eq(pipe2(hold, O_CLOEXEC), 0);
-  child ch_ = spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+  tdt_child ch_ =
+      tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
                                           "show", "show/big", NULL},
                     (const int[]){sig[1], hold[0]});
   close(sig[1]);
@@ -759,12 +551,12 @@ TDT_TEST(show, storage_freed_while_shown_is_read_whole_then_goes) {
   cr_assert_eq(tdt_segments(&d), 1, "tensorctl's reference keeps it");
 
   close(hold[1]); /* go on reading */
-  run_result r;
-  collect(ch_, &r);
-  expect_ok(&r, "show/big");
+  tdt_run_result r;
+  tdt_cli_collect(ch_, &r);
+  tdt_expect_ok(&r, "show/big");
   expect_line(&r, "count  8388608   zeros 0   nan 0   inf 0");
   expect_line(&r, "min    1   max 1   mean 1   std 0");
-  run_free(&r);
+  tdt_run_free(&r);
   cr_assert(tdt_until(no_storages, &d, 5000), "freed once tensorctl is done");
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }

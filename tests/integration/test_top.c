@@ -1,6 +1,7 @@
 /* test_top.c: tensorctl top under a pseudo-terminal: it shows what tensord
  * holds, quits cleanly on q, Ctrl-C and SIGTERM (leaving the alternate
  * screen), survives a resize, says why without a terminal or a daemon. */
+#include "cli.h"
 #include "harness.h"
 
 #include <errno.h>
@@ -158,30 +159,6 @@ TDT_TEST(top, says_why_when_tensord_goes) {
   tdt_stopped(&d);
 }
 
-/* Runs tensorctl with stdout and stderr on a pipe; returns its status and
- * what it wrote in out. */
-static int run_piped(const char *const *argv, char *out, size_t len) {
-  int p[2];
-  cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(p[1], STDOUT_FILENO);
-    dup2(p[1], STDERR_FILENO);
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(p[1]);
-  size_t n = 0;
-  ssize_t k;
-  while (n + 1 < len && (k = read(p[0], out + n, len - n - 1)) > 0)
-    n += (size_t)k;
-  out[n] = '\0';
-  close(p[0]);
-  return tdt_wait(pid);
-}
-
 TDT_TEST(top, needs_a_terminal_or_once) {
   tdt_start(&d, NULL);
   make_storage();
@@ -190,36 +167,41 @@ TDT_TEST(top, needs_a_terminal_or_once) {
   cr_assert_eq(td_storage_create(c, 4 << 20, &loud), 0);
   cr_assert_eq(td_publish(c, "top/\033[31mred", loud, NULL), 0, "%s",
                td_last_error(c));
-  static char out[1 << 16];
-  int status = run_piped(
+  tdt_run_result r;
+  tdt_cli_run(
       (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top", NULL},
-      out, sizeof(out));
-  cr_assert_eq(status, 1);
-  cr_assert_not_null(strstr(out, "stdout is not a terminal"), "%s", out);
-  cr_assert_null(strstr(out, "\033["), "escape sequences on a pipe");
+      &r);
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "stdout is not a terminal"), "%s", r.err);
+  cr_assert_null(strstr(r.out, "\033["), "escape sequences on a pipe");
+  cr_assert_null(strstr(r.err, "\033["), "escape sequences on stderr");
+  tdt_run_free(&r);
   /* --once: one plain frame. */
-  status =
-      run_piped((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top",
-                                      "--once", "--interval", "50", NULL},
-                out, sizeof(out));
-  cr_assert_eq(status, 0, "%s", out);
-  cr_assert_not_null(strstr(out, "top/visible"), "%s", out);
-  cr_assert_not_null(strstr(out, "top/?[31mred"), "%s", out);
-  cr_assert_not_null(strstr(out, "requests "), "%s", out);
-  cr_assert_null(strstr(out, "\033["), "escape sequences on a pipe");
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top",
+                                    "--once", "--interval", "50", NULL},
+              &r);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "top/visible"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "top/?[31mred"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "requests "), "%s", r.out);
+  cr_assert_null(strstr(r.out, "\033["), "escape sequences on a pipe");
+  cr_assert_null(strstr(r.err, "\033["), "escape sequences on stderr");
+  tdt_run_free(&r);
   /* Bad intervals and options. */
   static const char *const bad[] = {"0", "abc", "-5", "99999999999"};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-    status = run_piped((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                             "top", "--interval", bad[i], NULL},
-                       out, sizeof(out));
-    cr_assert_eq(status, 2, "--interval %s: exit %d", bad[i], status);
-    cr_assert_not_null(strstr(out, "--interval"), "%s", out);
+    tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top",
+                                      "--interval", bad[i], NULL},
+                &r);
+    cr_assert_eq(r.status, 2, "--interval %s: exit %d", bad[i], r.status);
+    cr_assert_not_null(strstr(r.err, "--interval"), "%s", r.err);
+    tdt_run_free(&r);
   }
-  status = run_piped((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                           "top", "--interval", NULL},
-                     out, sizeof(out));
-  cr_assert_eq(status, 2);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top",
+                                    "--interval", NULL},
+              &r);
+  cr_assert_eq(r.status, 2);
+  tdt_run_free(&r);
   td_storage_release(loud);
   drop_storage();
 }

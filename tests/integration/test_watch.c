@@ -2,6 +2,7 @@
  * tensord: each type in order with its fields, the prefix filter, JSON
  * lines, watchers that never read or leave mid-stream, many watchers, bad
  * input; and client names in ls/info, the daemon's memory in stat. */
+#include "cli.h"
 #include "harness.h"
 #include "raw.h"
 
@@ -401,29 +402,9 @@ TDT_TEST(watch, a_watch_ends_when_tensord_goes) {
 
 /* ---- tensorctl watch ---- */
 
-typedef struct ctl_run {
-  pid_t pid;
-  int out; /* its stdout */
-} ctl_run;
-
-static void ctl_start(ctl_run *cr, const char *const *argv) {
-  int po[2];
-  cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
-  fflush(NULL);
-  cr->pid = fork();
-  cr_assert_geq(cr->pid, 0);
-  if (cr->pid == 0) {
-    dup2(po[1], STDOUT_FILENO);
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(po[1]);
-  cr->out = po[0];
-}
-
 /* Makes refused lookups of key until the tensorctl exits; returns what it
  * wrote, malloc'd, and its exit status in *status. */
-static char *ctl_feed(ctl_run *cr, const char *key, int *status) {
+static char *ctl_feed(tdt_child *cr, const char *key, int *status) {
   td_client *c = tdt_connect(&d);
   size_t cap = 1 << 16, len = 0;
   char *out = malloc(cap);
@@ -447,15 +428,17 @@ static char *ctl_feed(ctl_run *cr, const char *key, int *status) {
   cr_assert(done, "tensorctl watch did not stop");
   out[len] = '\0';
   close(cr->out);
+  close(cr->err);
   *status = tdt_wait(cr->pid);
   td_close(c);
   return out;
 }
 
 TDT_TEST(watch, tensorctl_watch_prints_lines_and_json_lines) {
-  ctl_run cr;
-  ctl_start(&cr, (const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                       "watch", "-n", "3", "cli/", NULL});
+  tdt_child cr =
+      tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                          "watch", "-n", "3", "cli/", NULL},
+                    NULL);
   int status;
   char *out = ctl_feed(&cr, "cli/none", &status);
   cr_assert_eq(status, 0, "exit %d", status);
@@ -471,8 +454,9 @@ TDT_TEST(watch, tensorctl_watch_prints_lines_and_json_lines) {
   cr_expect_eq(lines, 3);
   free(out);
 
-  ctl_start(&cr, (const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                       "--json", "watch", "-n", "2", NULL});
+  cr = tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                           "--json", "watch", "-n", "2", NULL},
+                     NULL);
   out = ctl_feed(&cr, "cli/\"quoted\"", &status);
   cr_assert_eq(status, 0, "exit %d", status);
   lines = 0;
@@ -491,9 +475,9 @@ TDT_TEST(watch, tensorctl_watch_prints_lines_and_json_lines) {
 }
 
 TDT_TEST(watch, tensorctl_watch_stops_cleanly_on_sigint_and_a_closed_pipe) {
-  ctl_run cr;
-  ctl_start(&cr, (const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                       "watch", NULL});
+  tdt_child cr = tdt_cli_spawn(
+      (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "watch", NULL},
+      NULL);
   /* Once it prints, it watches: then SIGINT ends it with status 0. */
   td_client *c = tdt_connect(&d);
   td_storage *t;
@@ -505,14 +489,17 @@ TDT_TEST(watch, tensorctl_watch_stops_cleanly_on_sigint_and_a_closed_pipe) {
   kill(cr.pid, SIGINT);
   cr_expect_eq(tdt_wait(cr.pid), 0);
   close(cr.out);
+  close(cr.err);
 
   /* A reader that goes (head -1): the next line it writes ends it, 0. */
-  ctl_start(&cr, (const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
-                                       "watch", NULL});
+  cr = tdt_cli_spawn(
+      (const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "watch", NULL},
+      NULL);
   p.fd = cr.out;
   for (int i = 0; i < 1000 && poll(&p, 1, 10) == 0; i++)
     cr_assert_eq(td_lookup(c, "pipe/none", 0, 0, &t, NULL), TD_ENOENT);
   close(cr.out);
+  close(cr.err);
   int exited = 0;
   for (int i = 0; i < 100000 && !exited; i++) {
     cr_assert_eq(td_lookup(c, "pipe/none", 0, 0, &t, NULL), TD_ENOENT);
@@ -528,31 +515,6 @@ TDT_TEST(watch, tensorctl_watch_stops_cleanly_on_sigint_and_a_closed_pipe) {
 }
 
 /* ---- names in ls and info, memory in stat ---- */
-
-typedef struct named_arg {
-  const char *sock;
-  uint64_t id;
-  int ready;  /* write end: a byte once holding */
-  int done;   /* read end: EOF when it may go */
-  int others; /* the parent's ends, closed here */
-} named_arg;
-
-static int named_holder(void *p) {
-  named_arg *a = p;
-  close(a->others);
-  CHECK(prctl(PR_SET_NAME, "trainer") == 0);
-  td_client *c;
-  td_storage *s;
-  CHECK(td_connect(a->sock, &c) == 0);
-  CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
-  CHECK(write(a->ready, "x", 1) == 1);
-  char ch;
-  while (read(a->done, &ch, 1) > 0)
-    ;
-  td_storage_release(s);
-  td_close(c);
-  return 0;
-}
 
 typedef struct names_seen {
   uint64_t id;
@@ -574,22 +536,11 @@ static int find_holder(const td_storage_info *info, void *arg) {
 /* Runs tensorctl with args and returns its stdout (malloc'd); asserts it
  * exits 0. */
 static char *ctl_output(const char *const *argv) {
-  ctl_run cr;
-  ctl_start(&cr, argv);
-  size_t cap = 1 << 16, len = 0;
-  char *out = malloc(cap);
-  cr_assert_not_null(out);
-  ssize_t k;
-  while ((k = read(cr.out, out + len, cap - len - 1)) > 0) {
-    len += (size_t)k;
-    if (len + 1 == cap)
-      cr_assert_not_null(out = realloc(out, cap *= 2));
-  }
-  out[len] = '\0';
-  close(cr.out);
-  cr_assert_eq(tdt_wait(cr.pid), 0, "tensorctl %s %s failed", argv[3],
-               argv[4] ? argv[4] : "");
-  return out;
+  tdt_run_result r;
+  tdt_cli_run(argv, &r);
+  cr_assert_eq(r.status, 0, "tensorctl %s %s: exit %d; stderr: %s", argv[3],
+               argv[4] ? argv[4] : "", r.status, r.err);
+  return r.out;
 }
 
 TDT_TEST(watch, ls_and_info_name_the_holders) {
@@ -597,16 +548,9 @@ TDT_TEST(watch, ls_and_info_name_the_holders) {
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
   uint64_t id = td_storage_id(s);
-  int ready[2], done[2];
-  cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
-  cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
-  named_arg a = {d.sock, id, ready[1], done[0], done[1]};
-  pid_t pid = tdt_fork(named_holder, &a);
-  close(ready[1]);
-  close(done[0]);
-  char ch;
-  cr_assert_eq(read(ready[0], &ch, 1), 1);
-  close(ready[0]);
+  tdt_holder holding;
+  tdt_holder_start(&holding, d.sock, id, "trainer");
+  pid_t pid = holding.pid;
 
   names_seen n = {id, pid, 0};
   cr_assert_eq(td_list(c, find_holder, &n), 0);
@@ -640,8 +584,7 @@ TDT_TEST(watch, ls_and_info_name_the_holders) {
   cr_expect(strstr(out, "\"name\":\"trainer\"") != NULL, "%s", out);
   free(out);
 
-  close(done[1]);
-  cr_assert_eq(tdt_wait(pid), 0);
+  tdt_holder_stop(&holding);
   td_storage_release(s);
   td_close(c);
 }
@@ -672,24 +615,11 @@ TDT_TEST(watch, stat_shows_the_daemons_own_memory) {
 /* Runs tensorctl with argv and returns its exit status; its stderr goes to
  * err (NUL-terminated). */
 static int ctl_status(const char *const *argv, char *err, size_t len) {
-  int pe[2];
-  cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(pe[1], STDERR_FILENO);
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(pe[1]);
-  size_t n = 0;
-  ssize_t k;
-  while (n + 1 < len && (k = read(pe[0], err + n, len - 1 - n)) > 0)
-    n += (size_t)k;
-  err[n] = '\0';
-  close(pe[0]);
-  return tdt_wait(pid);
+  tdt_run_result r;
+  tdt_cli_run(argv, &r);
+  snprintf(err, len, "%s", r.err);
+  tdt_run_free(&r);
+  return r.status;
 }
 
 TDT_TEST(watch, tensorctl_watch_refuses_bad_arguments) {

@@ -1,0 +1,27 @@
+/* clitext.h: the text tensorctl's commands print: ages, JSON strings and
+ * views, and the test for a storage id (sizes: td__human_bytes, common.h).
+ * Private to tensorctl (and td_show). */
+#ifndef TD_CLIENT_CLITEXT_H
+#define TD_CLIENT_CLITEXT_H
+
+#include "tensord.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A duration of ms as "5s", "1m05s", "3h02m", "2d04h" (truncated; < 0 is
+ * 0s) into buf. Returns buf. */
+char *td__cli_age(int64_t ms, char *buf, size_t len);
+
+/* Writes s to stdout as a JSON string: quoted, '"' and '\' escaped, control
+ * characters as \u00XX; other bytes (UTF-8) as they are. */
+void td__cli_json_str(const char *s);
+
+/* Writes v to stdout as a JSON object: {"dtype":"float32","shape":[2,3],
+ * "stride":[3,1],"offset":0} ("?" for a dtype without a name). */
+void td__cli_json_view(const td_view *v);
+
+/* Whether s is one or more decimal digits and nothing else. */
+int td__cli_is_digits(const char *s);
+
+#endif /* TD_CLIENT_CLITEXT_H */

@@ -7,6 +7,7 @@
 #include "ops.h"
 #include "server.h"
 #include "state.h"
+#include "upgrade.h"
 
 #include "tensord.pb-c.h"
 
@@ -103,6 +104,10 @@ static void update_events(td__conn *c) {
   }
   if (c->eof && pending == 0) {
     td__conn_close(c, "disconnected");
+    return;
+  }
+  if (c->srv->quiesced) { /* a live upgrade: the socket waits as it is */
+    td__conn_quiesce(c);
     return;
   }
   int ev =
@@ -350,8 +355,9 @@ static void on_poll(uv_poll_t *h, int status, int events) {
     /* libuv reports POLLERR as UV_EBADF: on a Unix socket, a peer that
      * closed (or died) with data it had not read. */
     if (status == UV_EBADF)
-      snprintf(why, sizeof(why), "connection reset (it closed with replies "
-                                 "unread)");
+      snprintf(why, sizeof(why),
+               "connection reset (it closed with replies "
+               "unread)");
     else
       snprintf(why, sizeof(why), "poll failed: %s", uv_strerror(status));
     td__conn_close(c, why);
@@ -452,6 +458,45 @@ int td__conn_accept(td__server *srv, int fd) {
   return 0;
 }
 
+td__conn *td__conn_adopt(td__server *srv, int fd, const td__peer *peer,
+                         gid_t *groups, int ngroups) {
+  td__conn *c = calloc(1, sizeof(*c));
+  if (c == NULL || uv_poll_init(srv->loop, &c->poll, fd) < 0) {
+    free(c);
+    free(groups);
+    close(fd);
+    return NULL;
+  }
+  c->srv = srv;
+  td__wire_init(&c->wire, fd);
+  td__holdings_init(&c->hold, peer);
+  c->hold.groups = groups;
+  c->hold.ngroups = ngroups;
+  uv_timer_init(srv->loop, &c->stall);
+  c->nhandles = 2;
+  c->progress_ms = uv_now(srv->loop);
+  c->next = srv->conns;
+  if (srv->conns)
+    srv->conns->prev = c;
+  srv->conns = c;
+  srv->nconns++;
+  return c;
+}
+
+void td__conn_quiesce(td__conn *c) {
+  if (c->closing)
+    return;
+  if (c->events != 0)
+    uv_poll_stop(&c->poll);
+  c->events = 0;
+  uv_timer_stop(&c->stall);
+}
+
+void td__conn_resume(td__conn *c) {
+  c->progress_ms = uv_now(c->srv->loop);
+  update_events(c);
+}
+
 /* Frees c once its handles are closed and its references dropped. */
 static void conn_unref(td__conn *c) {
   if (--c->nhandles > 0)
@@ -483,6 +528,7 @@ void td__conn_close(td__conn *c, const char *why) {
            (unsigned long long)c->hold.nrefs);
   td__ops_conn_gone(c);
   td__state_conn_gone(srv->state, c);
+  td__upgrade_conn_gone(c);
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
     c->nhandles++;
   td__wire_free(&c->wire);

@@ -9,6 +9,7 @@
 #include "server.h"
 #include "state.h"
 #include "tensord.pb-c.h"
+#include "upgrade.h"
 #include "viewmsg.h"
 #include "waitq.h"
 
@@ -965,6 +966,8 @@ int td__dispatch(td__conn *c, Tensord__Request *req) {
     return op_ping(c, seq, req->ping);
   case TENSORD__REQUEST__BODY_SCOPE:
     return op_scope(c, seq, req->scope);
+  case TENSORD__REQUEST__BODY_UPGRADE:
+    return td__upgrade_request(c, seq, req->upgrade);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,

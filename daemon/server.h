@@ -20,7 +20,8 @@
 #define TD__RECYCLE_SHARE 4
 #define TD__RECYCLE_IDLE_MS 30000
 
-typedef struct td__state td__state; /* state.c */
+typedef struct td__state td__state;     /* state.c */
+typedef struct td__upgrade td__upgrade; /* upgrade.c */
 
 struct td__server {
   uv_loop_t *loop;
@@ -61,6 +62,10 @@ struct td__server {
   uint32_t max_waiters_per_client; /* lookups waiting at once */
   uint64_t max_keys_per_uid;       /* keys one uid has published */
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
+  int quiesced;           /* a live upgrade: nothing is polled */
+  td__upgrade *upgrade;   /* the live upgrade in progress, or NULL */
+  char *const *argv;      /* as started: a spawned upgrade reuses them */
+  const char *binary;     /* the path started from, resolved at start */
 };
 
 typedef struct td__options {
@@ -78,6 +83,8 @@ typedef struct td__options {
   int recycle_set;          /* recycle_bytes was given (0 turns it off) */
   uint64_t recycle_bytes;   /* default: a quarter of the capacity */
   uint64_t recycle_idle_ms; /* 0: the default, 30 s */
+  char *const *argv;        /* the command line (tensorctl upgrade reuses it) */
+  const char *binary;       /* the executable's path, resolved at start */
 } td__options;
 
 /* Sets srv up without a socket: for tests and the fuzz target, which hand
@@ -86,6 +93,16 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
 /* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
  * and signals readiness. */
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* Polls the listening socket and sets up the timers, checks and signal
+ * handlers of a serving daemon (td__server_start, or a live upgrade taking
+ * over). */
+void td__server_listen(td__server *srv);
+/* Starts (on) or stops accepting new clients: a stop leaves them waiting in
+ * the listening socket's backlog. */
+void td__server_accepting(td__server *srv, int on);
+/* Tells systemd (or whoever set NOTIFY_SOCKET) state, with MAINPID=<our
+ * pid>. */
+void td__server_notify(const char *state);
 /* After the loop has ended: without --state-dir, a last sweep of the
  * instance's segments; with it, nothing (the next start sweeps). */
 void td__server_finish(td__server *srv);

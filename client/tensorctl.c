@@ -29,6 +29,11 @@ static void usage(FILE *f) {
           "views\n"
           "  rm KEY      unpublish KEY\n"
           "  ping        round trip to tensord\n"
+          "  upgrade [--binary PATH]\n"
+          "              live upgrade: tensord runs PATH (default: the\n"
+          "              path it was started from) with its arguments plus\n"
+          "              --upgrade and hands everything to it; clients\n"
+          "              notice nothing\n"
           "\n"
           "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
           "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
@@ -464,6 +469,25 @@ static int cmd_ping(td_client *c) {
   return 0;
 }
 
+static int cmd_upgrade(td_client *c, const char *binary) {
+  td_upgrade_info u;
+  int err = td_upgrade(c, binary, &u);
+  if (err < 0)
+    return err;
+  if (json)
+    printf("{\"old_pid\":%d,\"old_version\":", (int)u.old_pid);
+  if (json) {
+    json_str(u.old_version);
+    printf(",\"new_pid\":%d,\"new_version\":", (int)u.new_pid);
+    json_str(u.new_version);
+    printf("}\n");
+  } else {
+    printf("tensord upgraded: pid %d (version %s) -> pid %d (version %s)\n",
+           (int)u.old_pid, u.old_version, (int)u.new_pid, u.new_version);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -495,7 +519,7 @@ int main(int argc, char **argv) {
   }
   const char *cmd = argv[optind++];
   /* Options may also follow the command: "tensorctl ls --json". */
-  const char *arg = NULL;
+  const char *arg = NULL, *binary = NULL;
   for (int i = optind; i < argc; i++) {
     if (strcmp(argv[i], "--json") == 0) {
       json = 1;
@@ -503,6 +527,9 @@ int main(int argc, char **argv) {
       longfmt = 1;
     } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
       socket = argv[++i];
+    } else if (strcmp(argv[i], "--binary") == 0 && i + 1 < argc &&
+               strcmp(cmd, "upgrade") == 0) {
+      binary = argv[++i];
     } else if (arg == NULL) {
       arg = argv[i];
     } else {
@@ -512,7 +539,7 @@ int main(int argc, char **argv) {
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
   int known = needs_arg || strcmp(cmd, "ls") == 0 || strcmp(cmd, "stat") == 0 ||
-              strcmp(cmd, "ping") == 0;
+              strcmp(cmd, "ping") == 0 || strcmp(cmd, "upgrade") == 0;
   if (!known) {
     fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
     usage(stderr);
@@ -543,6 +570,8 @@ int main(int argc, char **argv) {
     err = cmd_info(c, arg);
   else if (strcmp(cmd, "rm") == 0)
     err = cmd_rm(c, arg);
+  else if (strcmp(cmd, "upgrade") == 0)
+    err = cmd_upgrade(c, binary);
   else
     err = cmd_ping(c);
   if (err < 0)

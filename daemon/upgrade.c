@@ -765,6 +765,10 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
     goto out;
   }
   stall("committed");
+  /* From here on only the new side's end (EOF) may make us serve again: a
+   * timeout could not tell a slow new daemon from a dead one, and both
+   * would serve. */
+  ch.timeout_ms = -1;
   err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, NULL, msg, msglen);
   if (err == 0)
     td__info("upgrade: tensord %s (pid %d) serves now: %llu client(s), %llu "

@@ -258,6 +258,10 @@ static int adopt_socket(td__server *srv) {
 }
 
 void td__server_notify(const char *state) {
+  td__server_notify_pid(state, (int)getpid());
+}
+
+void td__server_notify_pid(const char *state, int pid) {
   const char *path = getenv("NOTIFY_SOCKET");
   if (path == NULL || (path[0] != '/' && path[0] != '@'))
     return;
@@ -272,7 +276,8 @@ void td__server_notify(const char *state) {
   if (fd < 0)
     return;
   char msg[128];
-  int n = snprintf(msg, sizeof(msg), "%s\nMAINPID=%d", state, (int)getpid());
+  int n = snprintf(msg, sizeof(msg), "%s%sMAINPID=%d", state,
+                   state[0] ? "\n" : "", pid);
   if (sendto(fd, msg, (size_t)n, MSG_NOSIGNAL, (struct sockaddr *)&sa,
              (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
     td__warn("notifying %s: %s", path, strerror(errno));

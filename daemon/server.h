@@ -45,8 +45,8 @@ struct td__server {
   uint64_t nconns; /* connected: closed ones still draining do not count */
   td__drain *drains, *drains_tail; /* closed clients' holdings: drain.c */
   uint64_t ndrains;
-  uv_idle_t drain_idle; /* drops a slice per turn while drains are queued */
-  int drain_ready;      /* drain_idle is initialised */
+  uv_idle_t drain_idle;  /* drops a slice per turn while drains are queued */
+  int drain_ready;       /* drain_idle is initialised */
   td__waits waits;       /* lookups waiting for keys */
   td__pool pool;         /* freed segments kept for reuse (segment.c) */
   uv_timer_t pool_timer; /* ages the pool out */
@@ -76,9 +76,9 @@ typedef struct td__options {
   uint32_t max_storages_per_client;
   uint32_t max_waiters_per_client; /* 0: the default, 4096 */
   uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
-  uint64_t io_timeout_ms;   /* 0: the default, 30 s */
-  const char *socket_group; /* chown the socket to this group */
-  int socket_mode;          /* chmod the socket; -1: leave it */
+  uint64_t io_timeout_ms;          /* 0: the default, 30 s */
+  const char *socket_group;        /* chown the socket to this group */
+  int socket_mode;                 /* chmod the socket; -1: leave it */
   const char *state_dir;
   int recycle_set;          /* recycle_bytes was given (0 turns it off) */
   uint64_t recycle_bytes;   /* default: a quarter of the capacity */
@@ -103,6 +103,10 @@ void td__server_accepting(td__server *srv, int on);
 /* Tells systemd (or whoever set NOTIFY_SOCKET) state, with MAINPID=<our
  * pid>. */
 void td__server_notify(const char *state);
+/* The same with MAINPID=pid: a live upgrade's old daemon names its
+ * successor before it exits, so that systemd never sees the service's main
+ * process gone (it reads notifications before SIGCHLD). state may be "". */
+void td__server_notify_pid(const char *state, int pid);
 /* After the loop has ended: without --state-dir, a last sweep of the
  * instance's segments; with it, nothing (the next start sweeps). */
 void td__server_finish(td__server *srv);

@@ -805,6 +805,7 @@ static void exit_handed_over(td__upgrade *u) {
       poll(&pf, 1, 10);
     }
   }
+  td__server_notify_pid("", u->new_pid);
   /* No shutdown(2), no unlink: the socket, the connections and the
    * segments are the new tensord's now. The lock on --state-dir is shared
    * with it (one open file), so it stays held. */

@@ -50,6 +50,7 @@ struct td__upgrade {
   uint64_t asker_seq;
   uv_process_t *proc; /* the tensord spawned for the asker, or NULL */
   int child_pid;
+  char binary[256]; /* what it runs, for messages */
   int new_pid;
   char new_version[64];
 };
@@ -261,7 +262,7 @@ static int handed(const td__upgrade *u, const td__conn *c) {
 /* Where a refusal's message goes (tensorctl upgrade) and who logs it. */
 static void fail_asker(td__upgrade *u, int code, const char *msg) {
   if (u->asker != NULL) {
-    td__conn_error(u->asker, u->asker_seq, code, "upgrade: %s", msg);
+    td__conn_error(u->asker, u->asker_seq, code, "%s", msg);
     u->asker = NULL;
   }
 }
@@ -873,17 +874,17 @@ static void on_child_exit(uv_process_t *p, int64_t status, int signum) {
   if (u != NULL && u->proc == p) {
     u->proc = NULL;
     if (u->fd < 0) { /* it never asked for the channel */
-      char msg[256];
+      char msg[512];
       if (signum)
         snprintf(msg, sizeof(msg),
                  "the new tensord (pid %d, %s) was killed by signal %d "
                  "before the handover began",
-                 u->child_pid, srv->binary, signum);
+                 u->child_pid, u->binary, signum);
       else
         snprintf(msg, sizeof(msg),
                  "the new tensord (pid %d, %s) exited with status %lld "
                  "before the handover began",
-                 u->child_pid, srv->binary, (long long)status);
+                 u->child_pid, u->binary, (long long)status);
       td__warn("upgrade: %s; serving on", msg);
       fail_asker(u, TD_EIO, msg);
       upgrade_free(u);
@@ -945,6 +946,7 @@ static int spawn_new(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
   u->asker_seq = seq;
   u->proc = p;
   u->child_pid = p->pid;
+  snprintf(u->binary, sizeof(u->binary), "%s", binary);
   srv->upgrade = u;
   td__info("upgrade: client %d asks for it; started %s as pid %d",
            (int)c->hold.peer.pid, binary, p->pid);

@@ -450,6 +450,27 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   td_close(c);
 }
 
+TDT_TEST(upgrade, tensorctl_upgrade_reports_a_successor_that_fails) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  char out[256];
+  const char *argv[] = {TENSORCTL_BIN, "--socket",   d.sock, "upgrade",
+                        "--binary",    "/bin/false", NULL};
+  cr_assert_eq(run(argv, out, sizeof(out)), 1, "tensorctl said '%s'", out);
+  cr_assert(tdt_log_has(&d, "exited with status 1 before the handover began"));
+  cr_assert_eq(serving_pid(), d.pid);
+  /* And a successor that refuses the handover version. */
+  setenv("TENSORD_HANDOVER_VERSION", "999", 1);
+  tdt_stop(&d);
+  tdt_start(&d, NULL);
+  unsetenv("TENSORD_HANDOVER_VERSION");
+  remember(d.instance);
+  const char *argv2[] = {TENSORCTL_BIN, "--socket", d.sock, "upgrade", NULL};
+  cr_assert_eq(run(argv2, out, sizeof(out)), 1, "tensorctl said '%s'", out);
+  cr_assert(tdt_log_has(&d, "this tensord speaks 999..999"));
+  cr_assert_eq(serving_pid(), d.pid);
+}
+
 /* ---- SIGKILL at each phase ---- */
 
 /* A key (durable with --state-dir) and an unnamed storage a client holds. */

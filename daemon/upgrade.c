@@ -28,7 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Fds per packet: SCM_RIGHTS carries at most 253. */
@@ -778,6 +780,12 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
              (unsigned long long)end.storages, (unsigned long long)end.keys,
              (unsigned long long)end.waiters);
 out:
+  if (err < 0) { /* so that the new side knows we live: best effort */
+    Tensord__Handover__Abort ab = TENSORD__HANDOVER__ABORT__INIT;
+    ab.message = msg;
+    ch.timeout_ms = 100;
+    send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_ABORT, &ab);
+  }
   free(sd.w);
   free(sd.wp);
   chan_free(&ch);
@@ -1373,6 +1381,9 @@ static int take_all(taking *t) {
       err = take_end(t, p->end);
       done = 1;
       break;
+    case TENSORD__HANDOVER__PACKET__BODY_ABORT:
+      err = fail(t, TD_ECANCELED, "%s", p->abort->message);
+      break;
     default:
       err = fail(t, TD_EPROTO, "unexpected packet type %d", (int)p->body_case);
     }
@@ -1422,7 +1433,7 @@ static int rpc(td__wire *w, const Tensord__Request *req,
 /* Connects to the running daemon on path, checks it is ours, and asks it
  * for the handover channel. Returns the channel's fd, or a negative code
  * after printing why. */
-static int ask(const char *path, uint32_t version) {
+static int ask(const char *path, uint32_t version, pid_t *old_pid) {
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof(sa.sun_path)) {
     fprintf(stderr, "tensord: --upgrade: socket path %s is too long\n", path);
@@ -1485,7 +1496,9 @@ static int ask(const char *path, uint32_t version) {
     err = r->error->code < 0 ? r->error->code : TD_EPROTO;
     fprintf(stderr, "tensord: --upgrade: the daemon on %s refused: %s\n", path,
             r->error->message);
-  } else if (r->body_case != TENSORD__RESPONSE__BODY_UPGRADE || cfd < 0) {
+  } else if (r->body_case == TENSORD__RESPONSE__BODY_UPGRADE && cfd >= 0) {
+    *old_pid = r->upgrade->old_pid;
+  } else {
     err = TD_EPROTO;
     fprintf(stderr,
             "tensord: --upgrade: the daemon on %s does not know live "
@@ -1516,6 +1529,33 @@ static void my_versions(uint32_t *lo, uint32_t *hi) {
   }
 }
 
+/* Waits until process pid has exited (its fds, the listening socket among
+ * them, are closed then), 10 s at most. */
+static void wait_gone(pid_t pid) {
+  int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+  if (pfd >= 0) {
+    struct pollfd p = {pfd, POLLIN, 0};
+    while (poll(&p, 1, 10000) < 0 && errno == EINTR)
+      ;
+    close(pfd);
+    return;
+  }
+  /* No pidfd (before Linux 5.3): look at its state, a zombie being gone. */
+  for (int i = 0; i < 1000 && errno != ESRCH; i++) {
+    char path[64], st[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+      return;
+    char *z = fgets(st, sizeof(st), f) ? strrchr(st, ')') : NULL;
+    fclose(f);
+    if (z == NULL || z[1] == '\0' || z[2] == 'Z' || z[2] == 'X')
+      return;
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+}
+
 /* Starts normally instead: this process image again, without --upgrade.
  * Every fd received is close-on-exec. */
 static void start_normally(char **argv, const char *why) {
@@ -1535,6 +1575,38 @@ static void start_normally(char **argv, const char *why) {
   _exit(1);
 }
 
+/* The handover broke off before Commit, for err with why in t->msg. If the
+ * old daemon died (end of stream), starts normally once it is gone, and
+ * does not return; else (it gave up, or sent what this side cannot take,
+ * and serves on) returns the exit status. */
+static int broken_off(taking *t, char **argv, int err, pid_t old) {
+  if (err == TD_ECONNRESET || err == TD_EPIPE) {
+    char why[600];
+    snprintf(why, sizeof(why), "the old daemon (pid %d) is gone (%s)", (int)old,
+             t->msg);
+    wait_gone(old);
+    start_normally(argv, why);
+  }
+  fprintf(stderr,
+          "tensord: --upgrade: %s%s; the old daemon (pid %d) serves "
+          "on\n",
+          err == TD_ECANCELED ? "the old daemon gave the handover up: " : "",
+          t->msg, (int)old);
+  return 1;
+}
+
+/* Sets *err and t->msg for a packet p that came where one of kind want was
+ * due (an Abort, or another), and frees it. */
+static void unexpected(taking *t, Packet *p, const char *want, int *err) {
+  if (p->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT) {
+    *err = fail(t, TD_ECANCELED, "%s", p->abort->message);
+  } else {
+    *err = fail(t, TD_EPROTO, "packet type %d came where %s was due",
+                (int)p->body_case, want);
+  }
+  tensord__handover__packet__free_unpacked(p, NULL);
+}
+
 int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
                       char **argv) {
   char path[sizeof(srv->socket_path)];
@@ -1548,7 +1620,8 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   }
   uint32_t lo, hi;
   my_versions(&lo, &hi);
-  int fd = ask(sock, hi);
+  pid_t old_pid = 0;
+  int fd = ask(sock, hi, &old_pid);
   if (fd < 0)
     return 1;
 
@@ -1568,11 +1641,12 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   }
   Packet *p = NULL;
   int err = chan_recv(&t.ch, &p);
-  if (err < 0 || p->body_case != TENSORD__HANDOVER__PACKET__BODY_BEGIN) {
-    snprintf(t.msg, sizeof(t.msg), "no Begin from the old daemon (%s)",
-             err < 0 ? td_strerror(err) : "another packet");
-    start_normally(argv, t.msg);
-  }
+  if (err < 0)
+    fail(&t, err, "waiting for Begin: %s", td_strerror(err));
+  else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_BEGIN)
+    unexpected(&t, p, "Begin", &err);
+  if (err < 0)
+    return broken_off(&t, argv, err, old_pid);
   const Tensord__Handover__Begin *b = p->begin;
   uint32_t v = b->version < hi ? b->version : hi;
   uint32_t need = b->min_version > lo ? b->min_version : lo;
@@ -1589,7 +1663,6 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
             t.msg, b->daemon_version, (int)b->pid);
     return 1;
   }
-  int old_pid = b->pid;
   char old_version[64];
   snprintf(old_version, sizeof(old_version), "%s", b->daemon_version);
   tensord__handover__packet__free_unpacked(p, NULL);
@@ -1603,18 +1676,19 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   else
     snprintf(t.msg, sizeof(t.msg), "sending Accept: %s", td_strerror(err));
   if (err < 0)
-    start_normally(argv, t.msg);
+    return broken_off(&t, argv, err, old_pid);
   stall("received");
   Tensord__Handover__Ready rd = TENSORD__HANDOVER__READY__INIT;
   err = send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_READY, &rd);
   stall("ready");
   if (err == 0)
     err = chan_recv(&t.ch, &p);
-  if (err < 0 || p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT) {
-    snprintf(t.msg, sizeof(t.msg), "no Commit from the old daemon (%s)",
-             err < 0 ? td_strerror(err) : "another packet");
-    start_normally(argv, t.msg);
-  }
+  if (err < 0)
+    fail(&t, err, "waiting for Commit: %s", td_strerror(err));
+  else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT)
+    unexpected(&t, p, "Commit", &err);
+  if (err < 0)
+    return broken_off(&t, argv, err, old_pid);
   tensord__handover__packet__free_unpacked(p, NULL);
   /* Committed: we serve, whatever becomes of the old daemon. It exits once
    * it reads Started; nothing is polled before. */

@@ -845,6 +845,12 @@ static void on_quiet_check(uv_check_t *h) {
 static int may_upgrade(td__conn *c, uint64_t seq) {
   td__server *srv = c->srv;
   uid_t me = geteuid();
+  /* One set up without a socket (td__server_init: the unit tests, the fuzz
+   * targets) has nothing to hand over, and must never block on a pair. */
+  if (!srv->listening)
+    return td__conn_error(c, seq, TD_ENOSYS,
+                          "upgrade: this tensord serves no socket of its own "
+                          "to hand over");
   if (c->hold.peer.uid != me && c->hold.peer.uid != 0)
     return td__conn_error(c, seq, TD_EPERM,
                           "upgrade: client %d runs as uid %u; only tensord's "

@@ -223,7 +223,8 @@ static void make_state_dir(void) {
 /* ---- carry-over ---- */
 
 TDT_TEST(upgrade, carries_everything_over) {
-  tdt_start(&d, NULL);
+  tdt_start(&d, (const char *const[]){"--quota", "1G", "--max-clients", "77",
+                                      "--max-storages-per-client", "99", NULL});
   remember(d.instance);
   td_client *a = tdt_connect(&d), *b = tdt_connect(&d);
   td_storage *s1, *s2, *s3, *ro, *sc;
@@ -272,6 +273,10 @@ TDT_TEST(upgrade, carries_everything_over) {
   cr_assert_eq(st.instance, instance);
   cr_assert_eq(st.keys, 3);
   cr_assert_eq(st.waiters, 1);
+  /* The limits in force, not the new command line's (which has none). */
+  cr_assert_eq(st.quota, 1ull << 30);
+  cr_assert_eq(st.max_clients, 77);
+  cr_assert_eq(st.max_storages_per_client, 99);
 
   /* The half request completes; the waiter wakes on a key published now. */
   cr_assert_eq(send(h.fd, h.w.out + half, h.w.out_len - half, 0),
@@ -314,6 +319,21 @@ TDT_TEST(upgrade, carries_everything_over) {
   td_close(b);
   td_close(a);
   cr_assert(tdt_until(tdt_no_segments, &d, 5000), "segments left");
+}
+
+TDT_TEST(upgrade, works_with_a_socket_systemd_passed) {
+  tdt_start_inherited(&d);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  upgrade_cli(NULL);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+  cr_assert_eq(st.pid, d.pid);
+  cr_assert_eq(td_storage_release(s), 0);
+  td_close(c);
+  /* tdt_stop checks that the inherited socket stays (it is systemd's). */
 }
 
 /* ---- under load ---- */

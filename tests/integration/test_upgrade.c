@@ -501,6 +501,31 @@ TDT_TEST(upgrade, tensorctl_upgrade_reports_a_successor_that_fails) {
   cr_assert_eq(serving_pid(), d.pid);
 }
 
+TDT_TEST(upgrade, refuses_while_cuda_storages_are_live) {
+#ifndef TDT_CUDA_DOUBLE
+  cr_skip_test("built without the CUDA driver's test double");
+#else
+  setenv("TENSORD_CUDA_DRIVER", TDT_CUDA_DOUBLE, 1);
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_create_opts o = {0};
+  o.nbytes = 4096;
+  o.device = TD_CUDA;
+  td_storage *s;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "%s", td_last_error(c));
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  cr_assert_eq(tdt_wait(pid), 1, "a tensord took CUDA storages over");
+  cr_assert(tdt_log_has(&d, "1 CUDA storages are live; upgrade them away"));
+  cr_assert_eq(serving_pid(), d.pid);
+  /* Once they are gone, the upgrade goes through. */
+  cr_assert_eq(td_storage_release(s), 0);
+  td_close(c);
+  upgrade_cli(NULL);
+  unsetenv("TENSORD_CUDA_DRIVER");
+#endif
+}
+
 /* ---- SIGKILL at each phase ---- */
 
 /* A key (durable with --state-dir) and an unnamed storage a client holds. */

@@ -336,6 +336,42 @@ TDT_TEST(upgrade, works_with_a_socket_systemd_passed) {
   /* tdt_stop checks that the inherited socket stays (it is systemd's). */
 }
 
+/* The number of fds process pid has open. */
+static int fds_of(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+  DIR *dir = opendir(path);
+  cr_assert_not_null(dir);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL)
+    n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+TDT_TEST(upgrade, a_create_on_the_thread_pool_completes_across_it) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  uint64_t seq = tdt_raw_create(&r, 64u << 20); /* past the loop's share */
+  tdt_raw_flush(&r);
+  upgrade_cli(NULL);
+  int fd = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, 10000, &fd);
+  cr_assert_not_null(rep, "the create was lost");
+  cr_assert_eq(rep->seq, seq);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_STORAGE, "got %d",
+               (int)rep->body_case);
+  cr_assert_geq(fd, 0);
+  tensord__response__free_unpacked(rep, NULL);
+  close(fd);
+  cr_assert_eq(tdt_storages(&d), 1);
+  tdt_raw_close(&r);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+}
+
 /* ---- under load ---- */
 
 #define LOADERS 64
@@ -462,6 +498,7 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   cr_assert_eq(td_publish(c, "k", s, NULL), 0);
   static char before[4096], after[4096];
   ls_json(before, sizeof(before));
+  int fds = fds_of(d.pid);
   setenv("TENSORD_HANDOVER_VERSION", "999", 1);
   pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
   unsetenv("TENSORD_HANDOVER_VERSION");
@@ -472,6 +509,10 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   cr_assert_eq(serving_pid(), d.pid);
   ls_json(after, sizeof(after));
   cr_assert_str_eq(after, before);
+  /* The asker's connection closes as the daemon sees its end. */
+  for (int t = 0; t < 2000 && fds_of(d.pid) != fds; t += 10)
+    sleep_ms(10);
+  cr_assert_eq(fds_of(d.pid), fds, "the refused upgrade leaked fds in tensord");
   td_storage *l;
   cr_assert_eq(td_lookup(c, "k", 0, 0, &l, NULL), 0);
   td_storage_release(l);

@@ -1562,9 +1562,10 @@ static void wait_gone(pid_t pid) {
   }
 }
 
-/* Starts normally instead: this process image again, without --upgrade.
- * Every fd received is close-on-exec. */
-static void start_normally(char **argv, const char *why) {
+/* Starts normally instead: this binary (the path resolved at start, else
+ * /proc/self/exe) again, with argv without --upgrade. Every fd received is
+ * close-on-exec. */
+static void start_normally(const char *binary, char **argv, const char *why) {
   td__warn("upgrade: %s; starting normally instead", why);
   size_t n = 0;
   while (argv[n] != NULL)
@@ -1575,7 +1576,7 @@ static void start_normally(char **argv, const char *why) {
     for (size_t i = 0; i < n; i++)
       if (strcmp(argv[i], "--upgrade") != 0)
         args[j++] = argv[i];
-    execv("/proc/self/exe", args);
+    execv(binary ? binary : "/proc/self/exe", args);
   }
   td__error("upgrade: cannot start normally: %s", strerror(errno));
   _exit(1);
@@ -1586,12 +1587,13 @@ static void start_normally(char **argv, const char *why) {
  * does not return; else (it gave up, or sent what this side cannot take,
  * and serves on) returns the exit status. */
 static int broken_off(taking *t, char **argv, int err, pid_t old) {
+  const char *binary = t->srv->binary;
   if (err == TD_ECONNRESET || err == TD_EPIPE) {
     char why[600];
     snprintf(why, sizeof(why), "the old daemon (pid %d) is gone (%s)", (int)old,
              t->msg);
     wait_gone(old);
-    start_normally(argv, why);
+    start_normally(binary, argv, why);
   }
   fprintf(stderr,
           "tensord: --upgrade: %s%s; the old daemon (pid %d) serves "

@@ -32,6 +32,11 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
+/* A wait of base ms, longer when tensord runs under a tool (valgrind). */
+static int patience(int base) {
+  return getenv("TDT_DAEMON_WRAPPER") ? base * 20 : base;
+}
+
 static void remember(uint64_t instance) {
   if (ninstances < 8)
     instances[ninstances++] = instance;
@@ -164,7 +169,7 @@ static void upgrade_cli(const char *const *args) {
   pid_t pid = tdt_spawn(&d, a);
   cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
   d.pid = pid;
-  cr_assert(serves_as(pid, 5000), "the new tensord %d does not serve",
+  cr_assert(serves_as(pid, patience(5000)), "the new tensord %d does not serve",
             (int)pid);
 }
 
@@ -182,7 +187,8 @@ static void upgrade_ctl(void) {
   cr_assert_eq(a, old);
   cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
   d.pid = b;
-  cr_assert(serves_as(b, 5000), "the new tensord %d does not serve", b);
+  cr_assert(serves_as(b, patience(5000)), "the new tensord %d does not serve",
+            b);
 }
 
 /* Copies d's log to stderr, for a failure that needs it. */
@@ -210,7 +216,7 @@ static void wait_stopped(pid_t pid) {
 
 /* Waits until no segment of instance is left in /dev/shm. */
 static int none_of(uint64_t instance) {
-  for (int t = 0; t < 5000 && tdt_segments_of(instance) > 0; t += 10)
+  for (int t = 0; t < patience(5000) && tdt_segments_of(instance) > 0; t += 10)
     sleep_ms(10);
   return tdt_segments_of(instance) == 0;
 }
@@ -282,13 +288,13 @@ TDT_TEST(upgrade, carries_everything_over) {
   cr_assert_eq(send(h.fd, h.w.out + half, h.w.out_len - half, 0),
                (ssize_t)(h.w.out_len - half));
   h.w.out_off = h.w.out_len = 0;
-  Tensord__Response *rep = tdt_raw_reply(&h, 5000);
+  Tensord__Response *rep = tdt_raw_reply(&h, patience(5000));
   cr_assert_not_null(rep, "no Pong after the upgrade");
   cr_assert_eq(rep->seq, pseq);
   cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_PONG);
   tensord__response__free_unpacked(rep, NULL);
   cr_assert_eq(td_publish(b, "later", s3, NULL), 0, "%s", td_last_error(b));
-  rep = tdt_raw_reply(&w, 5000);
+  rep = tdt_raw_reply(&w, patience(5000));
   cr_assert_not_null(rep, "the waiter did not wake");
   cr_assert_eq(rep->seq, wseq);
   cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_LOOKUP, "got %d",
@@ -318,7 +324,7 @@ TDT_TEST(upgrade, carries_everything_over) {
   td_storage_release(s1);
   td_close(b);
   td_close(a);
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000), "segments left");
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)), "segments left");
 }
 
 TDT_TEST(upgrade, works_with_a_socket_systemd_passed) {
@@ -359,7 +365,7 @@ TDT_TEST(upgrade, a_create_on_the_thread_pool_completes_across_it) {
   tdt_raw_flush(&r);
   upgrade_cli(NULL);
   int fd = -1;
-  Tensord__Response *rep = tdt_raw_reply_fd(&r, 10000, &fd);
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(10000), &fd);
   cr_assert_not_null(rep, "the create was lost");
   cr_assert_eq(rep->seq, seq);
   cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_STORAGE, "got %d",
@@ -369,7 +375,7 @@ TDT_TEST(upgrade, a_create_on_the_thread_pool_completes_across_it) {
   close(fd);
   cr_assert_eq(tdt_storages(&d), 1);
   tdt_raw_close(&r);
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
 }
 
 /* ---- under load ---- */
@@ -432,7 +438,7 @@ static long min_iters(void) {
 }
 
 static void wait_iters(long at_least) {
-  for (int t = 0; t < 30000 && min_iters() < at_least; t += 10)
+  for (int t = 0; t < patience(30000) && min_iters() < at_least; t += 10)
     sleep_ms(10);
   cr_assert_geq(min_iters(), at_least, "a loader is stuck");
 }
@@ -473,8 +479,8 @@ static void under_load(int via_ctl) {
   cr_assert_eq(td_stat_get(c, &st), 0);
   cr_assert_eq(st.keys, 0);
   td_close(c);
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000), "%d segment(s) left",
-            tdt_segments(&d));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)),
+            "%d segment(s) left", tdt_segments(&d));
   cr_assert_eq(tdt_storages(&d), 0);
   munmap(sh, sizeof(*sh));
 }
@@ -510,9 +516,12 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   ls_json(after, sizeof(after));
   cr_assert_str_eq(after, before);
   /* The asker's connection closes as the daemon sees its end. */
-  for (int t = 0; t < 2000 && fds_of(d.pid) != fds; t += 10)
+  for (int t = 0; t < patience(2000) && fds_of(d.pid) != fds; t += 10)
     sleep_ms(10);
-  cr_assert_eq(fds_of(d.pid), fds, "the refused upgrade leaked fds in tensord");
+  /* (Under valgrind its own fds come and go.) */
+  if (getenv("TDT_DAEMON_WRAPPER") == NULL)
+    cr_assert_eq(fds_of(d.pid), fds,
+                 "the refused upgrade leaked fds in tensord");
   td_storage *l;
   cr_assert_eq(td_lookup(c, "k", 0, 0, &l, NULL), 0);
   td_storage_release(l);
@@ -622,9 +631,9 @@ static void kill_old_at(const char *phase, int new_serves_on) {
   kill(old, SIGKILL);
   tdt_wait(old);
   d.pid = pid;
-  if (!serves_as(pid, 10000))
+  if (!serves_as(pid, patience(10000)))
     show_log();
-  cr_assert(serves_as(pid, 0),
+  cr_assert(serves_as(pid, patience(0)),
             "tensord %d does not serve after the old "
             "one died at '%s'",
             (int)pid, phase);
@@ -650,7 +659,7 @@ static void kill_old_at(const char *phase, int new_serves_on) {
   td_close(w.c);
   check_serves();
   cr_assert(alive(d.pid));
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
   cr_assert(none_of(old_instance));
 }
 
@@ -686,14 +695,14 @@ static void kill_new_at(const char *phase) {
     return;
   }
   /* Before Started the old one serves on, untouched. */
-  cr_assert(serves_as(d.pid, 5000), "the old tensord does not serve");
+  cr_assert(serves_as(d.pid, patience(5000)), "the old tensord does not serve");
   ls_json(after, sizeof(after));
   cr_assert_str_eq(after, before);
   cr_assert_eq(td_storage_release(w.unnamed), 0, "%s", td_last_error(w.c));
   td_storage_release(w.keyed);
   td_close(w.c);
   check_serves();
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
 }
 
 TDT_TEST(upgrade, sigkill_old_when_quiesced) {
@@ -745,7 +754,7 @@ TDT_TEST(upgrade, keys_survive_an_upgrade_then_a_restart) {
   cr_assert_eq(td_unpublish(c, "after"), 0);
   td_close(c);
   check_serves();
-  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
 }
 
 /* ---- bad input ---- */
@@ -764,7 +773,7 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   tdt_raw_queue(&r, &q);
   tdt_raw_flush(&r);
   int ch = -1;
-  Tensord__Response *rep = tdt_raw_reply_fd(&r, 5000, &ch);
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(5000), &ch);
   cr_assert_not_null(rep);
   cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE);
   cr_assert_eq(rep->upgrade->old_pid, d.pid);
@@ -772,14 +781,14 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   cr_assert_geq(ch, 0, "no handover channel");
   char buf[4096];
   struct pollfd p = {ch, POLLIN, 0};
-  cr_assert_eq(poll(&p, 1, 5000), 1, "no Begin");
+  cr_assert_eq(poll(&p, 1, patience(5000)), 1, "no Begin");
   cr_assert_gt(recv(ch, buf, sizeof(buf), 0), 0); /* Begin */
   memset(buf, 0xff, 64);
   cr_assert_eq(send(ch, buf, 64, 0), 64);
   /* The old side gives up (an Abort) and closes the channel. */
   ssize_t n = 1;
   for (int i = 0; i < 4 && n > 0; i++) {
-    cr_assert_eq(poll(&p, 1, 5000), 1);
+    cr_assert_eq(poll(&p, 1, patience(5000)), 1);
     n = recv(ch, buf, sizeof(buf), 0);
   }
   cr_assert_eq(n, 0, "the old side went on");
@@ -828,10 +837,10 @@ TDT_TEST(upgrade, refuses_another_uid) {
     q.upgrade = &m;
     tdt_raw_queue(&r, &q);
     tdt_raw_flush(&r);
-    Tensord__Response *rep = tdt_raw_reply(&r, 5000);
+    Tensord__Response *rep = tdt_raw_reply(&r, patience(5000));
     if (rep == NULL)
       _exit(5);
-    rep = tdt_raw_reply(&r, 5000);
+    rep = tdt_raw_reply(&r, patience(5000));
     if (rep == NULL || tdt_raw_code(rep) != TD_EPERM ||
         strstr(rep->error->message, "uid 65534") == NULL)
       _exit(6);
@@ -876,7 +885,8 @@ TDT_TEST(upgrade, tells_systemd_the_new_mainpid) {
   int from_old = 0, ready = 0;
   for (int i = 0; i < 2; i++) {
     struct pollfd p = {nfd, POLLIN, 0};
-    cr_assert_eq(poll(&p, 1, 5000), 1, "notification %d missing", i + 1);
+    cr_assert_eq(poll(&p, 1, patience(5000)), 1, "notification %d missing",
+                 i + 1);
     char buf[256] = "";
     cr_assert_gt(recv(nfd, buf, sizeof(buf) - 1, 0), 0);
     cr_assert(strstr(buf, want) != NULL, "notify said '%s'", buf);
@@ -889,5 +899,5 @@ TDT_TEST(upgrade, tells_systemd_the_new_mainpid) {
   unlink(path);
   cr_assert_eq(ready, 1);
   cr_assert_eq(from_old, 1);
-  cr_assert(serves_as(pid, 5000));
+  cr_assert(serves_as(pid, patience(5000)));
 }

@@ -279,6 +279,8 @@ static const char *body_name(int body) {
     return "ping";
   case TENSORD__REQUEST__BODY_WATCH:
     return "watch";
+  case TENSORD__REQUEST__BODY_UPGRADE:
+    return "upgrade";
   }
   return "request";
 }
@@ -1187,6 +1189,35 @@ int td_ping(td_client *c, uint64_t *rtt_ns) {
     *rtt_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
               (uint64_t)(t1.tv_nsec - t0.tv_nsec);
   return err;
+}
+
+int td_upgrade(td_client *c, const char *binary, td_upgrade_info *out) {
+  Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.spawn = 1;
+  m.binary = (char *)(binary ? binary : "");
+  req.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  req.upgrade = &m;
+  Tensord__Response *r;
+  int fd = -1;
+  int err = call(c, &req, &r, &fd);
+  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_UPGRADE, fd)) < 0)
+    return err;
+  if (err < 0)
+    return err;
+  if (fd >= 0)
+    close(fd);
+  if (out != NULL) {
+    memset(out, 0, sizeof(*out));
+    out->old_pid = r->upgrade->old_pid;
+    out->new_pid = r->upgrade->new_pid;
+    snprintf(out->old_version, sizeof(out->old_version), "%s",
+             r->upgrade->old_version);
+    snprintf(out->new_version, sizeof(out->new_version), "%s",
+             r->upgrade->new_version);
+  }
+  tensord__response__free_unpacked(r, NULL);
+  return 0;
 }
 
 /* ---- introspection ---- */

@@ -52,6 +52,11 @@ static void usage(FILE *f) {
           "              take, unpublish, free, connect, disconnect, refused;\n"
           "              with PREFIX only those of keys that begin with it;\n"
           "              -n N stops after N events\n"
+          "  upgrade [--binary PATH]\n"
+          "              live upgrade: tensord runs PATH (default: the\n"
+          "              path it was started from) with its arguments plus\n"
+          "              --upgrade and hands everything to it; clients\n"
+          "              notice nothing\n"
           "\n"
           "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
           "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
@@ -596,6 +601,24 @@ static int cmd_watch(const char *socket, const char *prefix) {
   return err;
 }
 
+static int cmd_upgrade(td_client *c, const char *binary) {
+  td_upgrade_info u;
+  int err = td_upgrade(c, binary, &u);
+  if (err < 0)
+    return err;
+  if (json) {
+    printf("{\"old_pid\":%d,\"old_version\":", (int)u.old_pid);
+    td__cli_json_str(u.old_version);
+    printf(",\"new_pid\":%d,\"new_version\":", (int)u.new_pid);
+    td__cli_json_str(u.new_version);
+    printf("}\n");
+  } else {
+    printf("tensord upgraded: pid %d (version %s) -> pid %d (version %s)\n",
+           (int)u.old_pid, u.old_version, (int)u.new_pid, u.new_version);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -629,7 +652,7 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "show") == 0) /* show parses its own options (show.c) */
     return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
   /* Options may also follow the command: "tensorctl ls --json". */
-  const char *arg = NULL;
+  const char *arg = NULL, *binary = NULL;
   int interval_ms = 1000, once = 0;
   int is_top = strcmp(cmd, "top") == 0;
   for (int i = optind; i < argc; i++) {
@@ -664,6 +687,9 @@ int main(int argc, char **argv) {
       }
     } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
       socket = argv[++i];
+    } else if (strcmp(argv[i], "--binary") == 0 && i + 1 < argc &&
+               strcmp(cmd, "upgrade") == 0) {
+      binary = argv[++i];
     } else if (arg == NULL) {
       arg = argv[i];
     } else {
@@ -675,7 +701,8 @@ int main(int argc, char **argv) {
   int watch = strcmp(cmd, "watch") == 0;
   int known = needs_arg || watch || strcmp(cmd, "ls") == 0 ||
               strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0 ||
-              strcmp(cmd, "metrics") == 0 || is_top;
+              strcmp(cmd, "metrics") == 0 || strcmp(cmd, "upgrade") == 0 ||
+              is_top;
   if (!known) {
     fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
     usage(stderr);
@@ -717,6 +744,8 @@ int main(int argc, char **argv) {
     err = cmd_metrics(c);
   else if (is_top)
     err = td__top(c, interval_ms, once);
+  else if (strcmp(cmd, "upgrade") == 0)
+    err = cmd_upgrade(c, binary);
   else
     err = cmd_ping(c);
   if (err < 0 && !is_top) /* top says why itself */

@@ -8,6 +8,7 @@
 #include "ops.h"
 #include "server.h"
 #include "state.h"
+#include "upgrade.h"
 
 #include "tensord.pb-c.h"
 
@@ -106,6 +107,10 @@ static void update_events(td__conn *c) {
   }
   if (c->eof && pending == 0) {
     td__conn_close(c, "disconnected");
+    return;
+  }
+  if (c->srv->quiesced) { /* a live upgrade: the socket waits as it is */
+    td__conn_quiesce(c);
     return;
   }
   int ev =
@@ -501,6 +506,46 @@ int td__conn_accept(td__server *srv, int fd) {
   return 0;
 }
 
+td__conn *td__conn_adopt(td__server *srv, int fd, const td__peer *peer,
+                         gid_t *groups, int ngroups) {
+  td__conn *c = calloc(1, sizeof(*c));
+  if (c == NULL || uv_poll_init(srv->loop, &c->poll, fd) < 0) {
+    free(c);
+    free(groups);
+    close(fd);
+    return NULL;
+  }
+  c->srv = srv;
+  td__wire_init(&c->wire, fd);
+  td__holdings_init(&c->hold, peer);
+  c->hold.name = c->name;
+  c->hold.groups = groups;
+  c->hold.ngroups = ngroups;
+  uv_timer_init(srv->loop, &c->stall);
+  c->nhandles = 2;
+  c->progress_ms = uv_now(srv->loop);
+  c->next = srv->conns;
+  if (srv->conns)
+    srv->conns->prev = c;
+  srv->conns = c;
+  srv->nconns++;
+  return c;
+}
+
+void td__conn_quiesce(td__conn *c) {
+  if (c->closing)
+    return;
+  if (c->events != 0)
+    uv_poll_stop(&c->poll);
+  c->events = 0;
+  uv_timer_stop(&c->stall);
+}
+
+void td__conn_resume(td__conn *c) {
+  c->progress_ms = uv_now(c->srv->loop);
+  update_events(c);
+}
+
 /* Frees c once its handles are closed and its references dropped. */
 static void conn_unref(td__conn *c) {
   if (--c->nhandles > 0)
@@ -540,6 +585,7 @@ void td__conn_close(td__conn *c, const char *why) {
     srv->current = NULL; /* what its close frees was not its request's */
   td__ops_conn_gone(c);
   td__state_conn_gone(srv->state, c);
+  td__upgrade_conn_gone(c);
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
     c->nhandles++;
   td__wire_free(&c->wire);

@@ -52,11 +52,24 @@ struct td__conn {
   size_t watch_prefix_len;
   char watch_prefix[TD_KEY_MAX];
   td__conn *wprev, *wnext; /* in srv->watchers */
+  uint32_t hindex; /* its number in a live upgrade's handover */
   td__conn *prev, *next;
 };
 
 /* Takes ownership of fd (a connected socket). */
 int td__conn_accept(td__server *srv, int fd);
+/* Takes ownership of fd (a connected socket) and groups (malloc'd, ngroups
+ * of them) for a connection a live upgrade hands over: c is set up like an
+ * accepted one, but nothing is polled until td__conn_resume. Returns c, or
+ * NULL (no memory) with fd and groups freed. */
+td__conn *td__conn_adopt(td__server *srv, int fd, const td__peer *peer,
+                         gid_t *groups, int ngroups);
+/* Stops polling c and its stall timer (a live upgrade is quiescing);
+ * whatever arrives waits in the kernel's buffers. */
+void td__conn_quiesce(td__conn *c);
+/* Polls c again as its state asks (after td__conn_quiesce or
+ * td__conn_adopt). */
+void td__conn_resume(td__conn *c);
 /* Closes c: its socket at the end of this loop turn, its waiters and creates
  * in flight at once; what it holds is dropped now if little, else over the
  * next turns (drain.h), and c freed after that. */

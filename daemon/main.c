@@ -3,6 +3,7 @@
 #include "cudastore.h"
 #include "log.h"
 #include "server.h"
+#include "upgrade.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 static void usage(FILE *f) {
   fprintf(
@@ -67,6 +69,10 @@ static void usage(FILE *f) {
       "                         a loopback ADDR: 127.0.0.1:PORT, [::1]:PORT\n"
       "                         or localhost:PORT (PORT 0: any free port,\n"
       "                         logged)\n"
+      "  --upgrade              take over from the tensord serving the same\n"
+      "                         socket, with its clients, storages, keys and\n"
+      "                         limits (a live upgrade: see\n"
+      "                         docs/operations.md); that tensord exits\n"
       "  --log-level L          error, warn, info (default) or debug\n"
       "  --version              print the version and exit\n");
 }
@@ -125,6 +131,19 @@ static void raise_nofile(void) {
               (unsigned long long)was, (unsigned long long)rl.rlim_cur);
 }
 
+/* The path this tensord was started from, resolved now: after a package
+ * upgrade it holds the new binary, which tensorctl upgrade runs (while
+ * /proc/self/exe names the deleted old one). Returns buf, or NULL. */
+static const char *resolve_binary(const char *argv0, char *buf, size_t len) {
+  if (strchr(argv0, '/') != NULL)
+    return realpath(argv0, buf) ? buf : NULL;
+  ssize_t n = readlink("/proc/self/exe", buf, len - 1);
+  if (n <= 0)
+    return NULL;
+  buf[n] = '\0';
+  return buf;
+}
+
 int main(int argc, char **argv) {
   enum {
     OPT_QUOTA = 256,
@@ -142,6 +161,7 @@ int main(int argc, char **argv) {
     OPT_CUDA_DEVICES,
     OPT_CUDA_CAPACITY,
     OPT_METRICS,
+    OPT_UPGRADE,
   };
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -161,13 +181,14 @@ int main(int argc, char **argv) {
       {"cuda-devices", required_argument, NULL, OPT_CUDA_DEVICES},
       {"cuda-capacity", required_argument, NULL, OPT_CUDA_CAPACITY},
       {"metrics", required_argument, NULL, OPT_METRICS},
+      {"upgrade", no_argument, NULL, OPT_UPGRADE},
       {"log-level", required_argument, NULL, 'l'},
       {"version", no_argument, NULL, 'V'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   td__options o = {0};
-  int huge_off = 0;
+  int huge_off = 0, upgrade = 0;
   const char *cuda_devices = NULL;
   const char *cuda_caps[64];
   size_t ncuda_caps = 0;
@@ -252,6 +273,9 @@ int main(int argc, char **argv) {
     case OPT_CUDA_DEVICES:
       cuda_devices = optarg;
       break;
+    case OPT_UPGRADE:
+      upgrade = 1;
+      break;
     case OPT_CUDA_CAPACITY:
       if (ncuda_caps == sizeof(cuda_caps) / sizeof(cuda_caps[0])) {
         fprintf(stderr, "tensord: --cuda-capacity: more than %zu given\n",
@@ -312,8 +336,16 @@ int main(int argc, char **argv) {
   log_huge_pages(huge_off);
   uv_loop_t *loop = uv_default_loop();
   static td__server srv;
-  if (td__server_start(&srv, loop, &o) < 0)
+  static char binary[PATH_MAX];
+  o.argv = argv;
+  o.binary = resolve_binary(argv[0], binary, sizeof(binary));
+  if (upgrade) {
+    int rc = td__upgrade_start(&srv, loop, &o, argv);
+    if (rc != 0)
+      return rc;
+  } else if (td__server_start(&srv, loop, &o) < 0) {
     return 1;
+  }
   uv_run(loop, UV_RUN_DEFAULT);
   td__server_finish(&srv);
   uv_loop_close(loop);

@@ -29,7 +29,7 @@ static const char *const type_name[TD__METRIC_TYPES] = {
     [0] = "unknown",  [10] = "hello",   [11] = "create", [12] = "open",
     [13] = "release", [14] = "publish", [15] = "lookup", [16] = "unpublish",
     [17] = "list",    [18] = "stat",    [19] = "info",   [20] = "ping",
-    [21] = "scope",   [22] = "metrics", [23] = "watch",
+    [21] = "scope",   [22] = "metrics", [23] = "watch",  [24] = "upgrade",
 };
 
 static const struct {

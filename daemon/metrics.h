@@ -7,7 +7,7 @@
 
 typedef struct td__server td__server;
 
-/* Request bodies are counted by their field number in Request (10 to 22
+/* Request bodies are counted by their field number in Request (10 to 24
  * now); 0 counts requests without a body this tensord knows. */
 #define TD__METRIC_TYPES 32
 /* Errors are counted by -code; 0 counts codes past the table. */

@@ -11,6 +11,7 @@
 #include "server.h"
 #include "state.h"
 #include "tensord.pb-c.h"
+#include "upgrade.h"
 #include "viewmsg.h"
 #include "waitq.h"
 
@@ -1199,6 +1200,8 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
     return op_metrics(c, seq, req->metrics);
   case TENSORD__REQUEST__BODY_WATCH:
     return op_watch(c, seq, req->watch);
+  case TENSORD__REQUEST__BODY_UPGRADE:
+    return td__upgrade_request(c, seq, req->upgrade);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,

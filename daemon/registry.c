@@ -302,6 +302,25 @@ int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
   return 0;
 }
 
+int td__ref_restore(td__registry *r, td__holdings *h, td__storage *s,
+                    uint32_t rw, uint32_t ro) {
+  uint64_t add = (uint64_t)rw + ro;
+  if (add == 0)
+    return 0;
+  if (td__ref_find(h, s->id) != NULL || s->refs + add > UINT32_MAX)
+    return TD_EOVERFLOW;
+  uint32_t had;
+  int err = td__ref_add(r, h, s, rw == 0, &had);
+  if (err < 0)
+    return err;
+  td__ref *ref = td__ref_find(h, s->id);
+  ref->rw = rw;
+  ref->ro = ro;
+  h->nrefs += add - 1;
+  s->refs += (uint32_t)(add - 1);
+  return 0;
+}
+
 /* Unlinks ref from its storage and its holdings and frees it. */
 static void ref_free(td__registry *r, td__holdings *h, td__ref *ref) {
   td__storage *s = ref->storage;

@@ -195,6 +195,12 @@ td__ref *td__ref_find(const td__holdings *h, uint64_t id);
  * has 2^32 - 1 references already; nothing changed on failure. */
 int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
                 uint32_t *had);
+/* Gives h rw read-write and ro read-only references to s at once (a live
+ * upgrade rebuilding what a connection held; h holds none of s yet).
+ * Returns 0, TD_ENOMEM, or TD_EOVERFLOW if the counts do not fit; nothing
+ * changed on failure. */
+int td__ref_restore(td__registry *r, td__holdings *h, td__storage *s,
+                    uint32_t rw, uint32_t ro);
 /* Drops count references of mode ro. Returns 0, or TD_ENOENT if h holds
  * fewer (nothing changed). May free the storage. */
 int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,

@@ -436,6 +436,42 @@ fail:
   return err;
 }
 
+int td__scrape_adopt(td__scrape *sc, td__server *srv, int fd, int tcp,
+                     const char *path, const char *where, uint64_t timeout_ms) {
+  memset(sc, 0, sizeof(*sc));
+  sc->srv = srv;
+  sc->timeout_ms = timeout_ms;
+  sc->tcp = tcp;
+  snprintf(sc->where, sizeof(sc->where), "%s", where);
+  int err;
+  if (tcp) {
+    uv_tcp_init(srv->loop, &sc->listen.tcp);
+    err = uv_tcp_open(&sc->listen.tcp, fd);
+  } else {
+    uv_pipe_init(srv->loop, &sc->listen.pipe, 0);
+    err = uv_pipe_open(&sc->listen.pipe, fd);
+  }
+  sc->open = 1;
+  if (err < 0) {
+    close(fd); /* not the handle's: it failed to take it */
+    td__error("--metrics %s: taking the endpoint over: %s", where,
+              uv_strerror(err));
+    td__scrape_close(sc);
+    return err;
+  }
+  sc->listen.handle.data = sc;
+  err = uv_listen(&sc->listen.stream, TD__SCRAPERS_MAX, on_connection);
+  if (err < 0) {
+    td__error("--metrics %s: listen: %s", where, uv_strerror(err));
+    td__scrape_close(sc);
+    return err;
+  }
+  if (!tcp)
+    snprintf(sc->path, sizeof(sc->path), "%s", path);
+  td__info("metrics on %s%s (taken over)", tcp ? "http://" : "", sc->where);
+  return 0;
+}
+
 void td__scrape_close(td__scrape *sc) {
   if (!sc->open)
     return;

@@ -46,6 +46,13 @@ int td__scrape_parse(const char *addr, struct sockaddr_storage *ss, char *msg,
  * nothing left open. */
 int td__scrape_open(td__scrape *sc, td__server *srv, const char *spec, int mode,
                     uint64_t timeout_ms);
+/* Serves on fd, the listening socket of the endpoint a live upgrade handed
+ * over (a TCP one if tcp; a Unix one at path otherwise), as
+ * td__scrape_open would have set it up. Takes ownership of fd. Returns 0,
+ * or a negative code (logged): then fd is closed and there is no endpoint
+ * (the path is left in place for the next start to clear). */
+int td__scrape_adopt(td__scrape *sc, td__server *srv, int fd, int tcp,
+                     const char *path, const char *where, uint64_t timeout_ms);
 /* Stops listening, unlinks the Unix socket and closes every scraper; their
  * memory goes in their close callbacks. sc->open unset: nothing. */
 void td__scrape_close(td__scrape *sc);

@@ -7,6 +7,7 @@
 #include "log.h"
 #include "segment.h"
 #include "state.h"
+#include "upgrade.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -29,7 +30,7 @@ static void on_accept(uv_poll_t *h, int status, int events);
 
 static void accept_resume(uv_timer_t *t) {
   td__server *srv = td__container_of(t, td__server, accept_timer);
-  if (!srv->stopping)
+  if (!srv->stopping && !srv->quiesced)
     uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
 }
 
@@ -55,6 +56,17 @@ static void on_accept(uv_poll_t *h, int status, int events) {
     int err = td__conn_accept(srv, fd);
     if (err < 0)
       td__error("accepting a client: %s", td_strerror(err));
+  }
+}
+
+void td__server_accepting(td__server *srv, int on) {
+  if (!srv->listening || srv->stopping)
+    return;
+  if (on) {
+    uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+  } else {
+    uv_poll_stop(&srv->listen_poll);
+    uv_timer_stop(&srv->accept_timer);
   }
 }
 
@@ -252,8 +264,11 @@ static int adopt_socket(td__server *srv) {
   return 1;
 }
 
-/* Tells systemd (or whoever set NOTIFY_SOCKET) our state. */
-static void sd_notify_state(const char *state) {
+void td__server_notify(const char *state) {
+  td__server_notify_pid(state, (int)getpid());
+}
+
+void td__server_notify_pid(const char *state, int pid) {
   const char *path = getenv("NOTIFY_SOCKET");
   if (path == NULL || (path[0] != '/' && path[0] != '@'))
     return;
@@ -268,7 +283,8 @@ static void sd_notify_state(const char *state) {
   if (fd < 0)
     return;
   char msg[128];
-  int n = snprintf(msg, sizeof(msg), "%s\nMAINPID=%d", state, (int)getpid());
+  int n = snprintf(msg, sizeof(msg), "%s%sMAINPID=%d", state,
+                   state[0] ? "\n" : "", pid);
   if (sendto(fd, msg, (size_t)n, MSG_NOSIGNAL, (struct sockaddr *)&sa,
              (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
     td__warn("notifying %s: %s", path, strerror(errno));
@@ -474,6 +490,8 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
              "fail with ENOSPC before they reach it",
              td__human_bytes(o->capacity, a, sizeof(a)),
              td__human_bytes(shm_total, b, sizeof(b)));
+  srv->argv = o->argv;
+  srv->binary = o->binary;
   td__registry_init(&srv->reg, capacity, td__storage_gone, srv);
   srv->reg.quota = o->quota;
   srv->max_clients = o->max_clients;
@@ -492,6 +510,21 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
       &srv->pool, recycle,
       (int64_t)(o->recycle_idle_ms ? o->recycle_idle_ms : TD__RECYCLE_IDLE_MS),
       srv->instance);
+}
+
+void td__server_listen(td__server *srv) {
+  uv_loop_t *loop = srv->loop;
+  srv->listening = 1;
+  uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
+  uv_timer_init(loop, &srv->accept_timer);
+  uv_timer_init(loop, &srv->pool_timer);
+  uv_check_init(loop, &srv->unlink_check);
+  uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+  uv_signal_init(loop, &srv->sigint);
+  uv_signal_init(loop, &srv->sigterm);
+  srv->sigint.data = srv->sigterm.data = srv;
+  uv_signal_start(&srv->sigint, on_signal, SIGINT);
+  uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
 }
 
 void td__server_pool_tick(uv_timer_t *t) {
@@ -540,18 +573,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
       goto fail;
   }
   record_instance(srv);
-
-  srv->listening = 1;
-  uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
-  uv_timer_init(loop, &srv->accept_timer);
-  uv_timer_init(loop, &srv->pool_timer);
-  uv_check_init(loop, &srv->unlink_check);
-  uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
-  uv_signal_init(loop, &srv->sigint);
-  uv_signal_init(loop, &srv->sigterm);
-  srv->sigint.data = srv->sigterm.data = srv;
-  uv_signal_start(&srv->sigint, on_signal, SIGINT);
-  uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
+  td__server_listen(srv);
 
   td__info("tensord %s listening on %s%s (capacity %s, pid %d, instance "
            "%016llx)",
@@ -559,7 +581,7 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
            srv->own_socket ? "" : " (inherited)",
            td__human_bytes(srv->reg.capacity, a, sizeof(a)), (int)getpid(),
            (unsigned long long)srv->instance);
-  sd_notify_state("READY=1");
+  td__server_notify("READY=1");
   return 0;
 
 fail:
@@ -610,8 +632,9 @@ void td__server_stop(td__server *srv) {
   if (srv->stopping)
     return;
   srv->stopping = 1;
+  td__upgrade_stop(srv);
   if (srv->listening) {
-    sd_notify_state("STOPPING=1");
+    td__server_notify("STOPPING=1");
     uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, NULL);
     uv_close((uv_handle_t *)&srv->pool_timer, NULL);

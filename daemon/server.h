@@ -22,7 +22,8 @@
 #define TD__RECYCLE_SHARE 4
 #define TD__RECYCLE_IDLE_MS 30000
 
-typedef struct td__state td__state; /* state.c */
+typedef struct td__state td__state;     /* state.c */
+typedef struct td__upgrade td__upgrade; /* upgrade.c */
 
 struct td__server {
   uv_loop_t *loop;
@@ -77,6 +78,10 @@ struct td__server {
   td__conn *current;
   const char *current_key;
   size_t current_key_len;
+  int quiesced;           /* a live upgrade: nothing is polled */
+  td__upgrade *upgrade;   /* the live upgrade in progress, or NULL */
+  char *const *argv;      /* as started: a spawned upgrade reuses them */
+  const char *binary;     /* the path started from, resolved at start */
 };
 
 typedef struct td__options {
@@ -95,6 +100,8 @@ typedef struct td__options {
   uint64_t recycle_bytes;   /* default: a quarter of the capacity */
   uint64_t recycle_idle_ms; /* 0: the default, 30 s */
   const char *metrics;      /* --metrics PATH|ADDR; NULL: none */
+  char *const *argv;        /* the command line (tensorctl upgrade reuses it) */
+  const char *binary;       /* the executable's path, resolved at start */
 } td__options;
 
 /* Sets srv up without a socket: for tests and the fuzz target, which hand
@@ -103,6 +110,20 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
 /* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
  * and signals readiness. */
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
+/* Polls the listening socket and sets up the timers, checks and signal
+ * handlers of a serving daemon (td__server_start, or a live upgrade taking
+ * over). */
+void td__server_listen(td__server *srv);
+/* Starts (on) or stops accepting new clients: a stop leaves them waiting in
+ * the listening socket's backlog. */
+void td__server_accepting(td__server *srv, int on);
+/* Tells systemd (or whoever set NOTIFY_SOCKET) state, with MAINPID=<our
+ * pid>. */
+void td__server_notify(const char *state);
+/* The same with MAINPID=pid: a live upgrade's old daemon names its
+ * successor before it exits, so that systemd never sees the service's main
+ * process gone (it reads notifications before SIGCHLD). state may be "". */
+void td__server_notify_pid(const char *state, int pid);
 /* After the loop has ended: without --state-dir, a last sweep of the
  * instance's segments; with it, nothing (the next start sweeps). */
 void td__server_finish(td__server *srv);

@@ -768,6 +768,56 @@ fail:
   return err < 0 ? err : TD_EIO;
 }
 
+int td__state_adopt(td__server *srv, const char *dir, int dirfd, int lockfd,
+                    uint64_t gen) {
+  td__state *st = calloc(1, sizeof(*st));
+  if (st == NULL) {
+    close(dirfd);
+    close(lockfd);
+    return TD_ENOMEM;
+  }
+  st->srv = srv;
+  st->dirfd = dirfd;
+  st->lockfd = lockfd;
+  st->jfd = -1;
+  snprintf(st->dir, sizeof(st->dir), "%s", dir);
+  uint8_t *sbuf = NULL;
+  size_t snaplen = 0;
+  int err = snapshot_build(srv, gen + 1, &sbuf, &snaplen);
+  if (err == 0)
+    err = open_journal(st, gen + 1);
+  if (err == 0)
+    err = snapshot_write(st->dirfd, sbuf, snaplen, gen + 1);
+  free(sbuf);
+  if (err < 0) {
+    td__error("--state-dir %s: writing snapshot after the upgrade: %s; key "
+              "changes are not kept from now on",
+              dir, td_strerror(err));
+    if (st->jfd >= 0)
+      close(st->jfd);
+    close(lockfd);
+    close(dirfd);
+    free(st);
+    return err;
+  }
+  st->snapshot_bytes = snaplen;
+  srv->state = st;
+  return 0;
+}
+
+int td__state_quiet(const td__state *st) {
+  return st == NULL ||
+         (st->durable == st->ticket && !st->syncing && !st->compacting &&
+          st->dhead == NULL && st->uhead == NULL && st->pending_len == 0);
+}
+
+void td__state_handover(const td__state *st, int *dirfd, int *lockfd,
+                        uint64_t *gen) {
+  *dirfd = st->dirfd;
+  *lockfd = st->lockfd;
+  *gen = st->gen;
+}
+
 /* ---- appending ---- */
 
 static void sync_start(td__state *st);

@@ -36,6 +36,21 @@ void td__state_conn_gone(td__state *st, const td__conn *c);
  * st is NULL, or there is no memory to hold it (then a crash before the
  * sync drops the key that named s). */
 int td__state_hold_unlink(td__state *st, const td__storage *s);
+/* Returns 1 if st has nothing in flight: every key change on disk, no sync
+ * or compaction running, no reply or unlink held. NULL: 1. */
+int td__state_quiet(const td__state *st);
+/* Sets the fds of st's directory and lock file (st keeps them) and the
+ * journal generation being appended, for a live upgrade to hand over. */
+void td__state_handover(const td__state *st, int *dirfd, int *lockfd,
+                        uint64_t *gen);
+/* A live upgrade taking DIR over from the old daemon, which appended
+ * journal generation gen: takes ownership of dirfd and lockfd (the lock is
+ * the old daemon's, shared), writes a fresh snapshot of the keys srv serves
+ * and starts a new journal after it, without replaying anything, and sets
+ * srv->state. Returns 0, or a negative code (logged) with srv->state unset
+ * and both fds closed. */
+int td__state_adopt(td__server *srv, const char *dir, int dirfd, int lockfd,
+                    uint64_t gen);
 /* Writes a final snapshot, unlinks the segments held for the journal, drops
  * the replies still held (their clients are gone) and frees st. Only with
  * no sync or compaction in flight: td__server_stop waits for them. NULL

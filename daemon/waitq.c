@@ -23,6 +23,7 @@ struct td__waiter {
   waitq *q;
   td__lookup_args args;
   int32_t wait_ms;
+  int64_t deadline_ms;       /* loop time it times out at; -1: never */
   td__waiter *qprev, *qnext; /* in q */
   td__waiter *cprev, *cnext; /* in conn->waiters */
 };
@@ -103,6 +104,14 @@ static void on_wait_timeout(uv_timer_t *t) {
 
 int td__wait_add(td__conn *c, const char *key, size_t len,
                  const td__lookup_args *a, int32_t wait_ms) {
+  int64_t deadline =
+      wait_ms > 0 ? (int64_t)uv_now(c->srv->loop) + wait_ms : (int64_t)-1;
+  return td__wait_restore(c, key, len, a, wait_ms, deadline);
+}
+
+int td__wait_restore(td__conn *c, const char *key, size_t len,
+                     const td__lookup_args *a, int32_t wait_ms,
+                     int64_t deadline_ms) {
   td__server *srv = c->srv;
   td__waits *ws = &srv->waits;
   waitq *q = waitq_find(ws, key, len);
@@ -125,6 +134,7 @@ int td__wait_add(td__conn *c, const char *key, size_t len,
   w->q = q;
   w->args = *a;
   w->wait_ms = wait_ms;
+  w->deadline_ms = deadline_ms;
   w->qprev = q->tail;
   if (q->tail)
     q->tail->qnext = w;
@@ -137,8 +147,26 @@ int td__wait_add(td__conn *c, const char *key, size_t len,
   c->waiters = w;
   c->nwaiters++;
   ws->count++;
-  if (wait_ms > 0)
-    uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)wait_ms, 0);
+  if (deadline_ms >= 0) {
+    int64_t now = (int64_t)uv_now(srv->loop);
+    uv_timer_start(&w->timer, on_wait_timeout,
+                   deadline_ms > now ? (uint64_t)(deadline_ms - now) : 0, 0);
+  }
+  return 0;
+}
+
+int td__waits_each(td__waits *ws, td__wait_each_fn fn, void *arg) {
+  for (size_t i = 0; i < ws->queues.nbuckets; i++) {
+    for (td__hnode *n = ws->queues.buckets[i]; n != NULL; n = n->next) {
+      const waitq *q = td__container_of(n, waitq, node);
+      for (const td__waiter *w = q->head; w != NULL; w = w->qnext) {
+        int r = fn(arg, w->conn, q->key, q->len, &w->args, w->wait_ms,
+                   w->deadline_ms);
+        if (r != 0)
+          return r;
+      }
+    }
+  }
   return 0;
 }
 

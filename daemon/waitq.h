@@ -38,6 +38,19 @@ int td__wait_add(td__conn *c, const char *key, size_t len,
 /* Hands key k, just published, to its waiters in arrival order, each through
  * fn, until one of them takes the key. */
 void td__wait_wake(td__server *srv, td__key *k, td__wake_fn fn);
+/* td__wait_add for a lookup handed over by a live upgrade: it times out at
+ * deadline_ms (loop time, CLOCK_MONOTONIC ms, the same in every process;
+ * -1: never), at once if that has passed. Returns 0 or TD_ENOMEM. */
+int td__wait_restore(td__conn *c, const char *key, size_t len,
+                     const td__lookup_args *a, int32_t wait_ms,
+                     int64_t deadline_ms);
+/* Calls fn for every waiter, each key's queue in arrival order, with its
+ * connection, key, arguments, wait and deadline (as td__wait_restore takes
+ * them). Stops at the first non-zero fn return and returns it, else 0. */
+typedef int (*td__wait_each_fn)(void *arg, td__conn *c, const char *key,
+                                size_t len, const td__lookup_args *a,
+                                int32_t wait_ms, int64_t deadline_ms);
+int td__waits_each(td__waits *ws, td__wait_each_fn fn, void *arg);
 /* Drops every waiter of c (connection closing). */
 void td__wait_conn_gone(td__conn *c);
 

@@ -539,6 +539,22 @@ int td_publish_ex(td_client *c, const char *key, const td_storage *s,
 /* Round trip to the daemon; *rtt_ns (if not NULL) gets the time it took. */
 int td_ping(td_client *c, uint64_t *rtt_ns);
 
+/* What a live upgrade did (td_upgrade). */
+typedef struct td_upgrade_info {
+  int32_t old_pid, new_pid;
+  char old_version[32], new_version[32];
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_upgrade_info;
+/* Asks the daemon to upgrade itself live: it starts binary (NULL: the path
+ * it was started from) with its own arguments plus --upgrade, hands every
+ * client, storage, key and waiter to it, and exits. Returns once the new
+ * daemon serves, with *out (if not NULL) filled; or the error that stopped
+ * it (the old daemon then serves on; td_last_error says why). Only the
+ * daemon's uid or root may ask (TD_EPERM); the connection must hold
+ * nothing (TD_EBUSY). This connection is closed by the old daemon's exit:
+ * close c afterwards. */
+int td_upgrade(td_client *c, const char *binary, td_upgrade_info *out);
+
 /* Introspection, as used by tensorctl. */
 typedef struct td_holder {
   int32_t pid;

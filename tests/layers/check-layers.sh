@@ -23,7 +23,9 @@ allowed() { # layer -> the layers its files may include from
 }
 
 owner() { # header name -> the layer that has it
-  [ "$1" = tensord.pb-c.h ] && { echo proto; return; }
+  case "$1" in # generated from proto/*.proto in the build tree
+  tensord.pb-c.h | handover.pb-c.h) echo proto; return ;;
+  esac
   for l in include common proto cuda client daemon; do
     [ -f "$l/$1" ] && { echo "$l"; return; }
   done

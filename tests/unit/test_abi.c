@@ -111,6 +111,13 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_device_stat, storages, 40);
   FIELD(td_device_stat, reserved, 48);
 
+  SIZE(td_upgrade_info, 104, 8);
+  FIELD(td_upgrade_info, old_pid, 0);
+  FIELD(td_upgrade_info, new_pid, 4);
+  FIELD(td_upgrade_info, old_version, 8);
+  FIELD(td_upgrade_info, new_version, 40);
+  FIELD(td_upgrade_info, reserved, 72);
+
   SIZE(td_key_info, 328, 8);
   FIELD(td_key_info, id, 8);
   FIELD(td_key_info, view, 16);

@@ -1,0 +1,989 @@
+/* test_upgrade.c: live upgrade: tensord --upgrade and tensorctl upgrade hand
+ * every client, reference, key, scope and waiter to a new tensord without a
+ * client noticing; an incompatible handover version changes nothing; a
+ * SIGKILL at any phase leaves exactly one daemon (or the --state-dir
+ * recovery path); systemd learns the new MAINPID. */
+#include "harness.h"
+#include "raw.h"
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+
+static tdt_daemon d;
+static char state_dir[64];
+static uint64_t instances[8];
+static int ninstances;
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  nanosleep(&ts, NULL);
+}
+
+/* A wait of base ms, longer when tensord runs under a tool (valgrind). */
+static int patience(int base) {
+  return getenv("TDT_DAEMON_WRAPPER") ? base * 20 : base;
+}
+
+static void remember(uint64_t instance) {
+  if (ninstances < 8)
+    instances[ninstances++] = instance;
+  tdt_note_instance(instance);
+}
+
+static void setup(void) {
+  memset(&d, 0, sizeof(d));
+  state_dir[0] = '\0';
+  ninstances = 0;
+  /* A tensord that tensorctl upgrade spawns is the old one's child; when
+   * the old one exits it becomes ours, so that we can wait for it. */
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  unsetenv("TENSORD_UPGRADE_STALL");
+  unsetenv("TENSORD_HANDOVER_VERSION");
+}
+
+static void teardown(void) {
+  if (d.pid > 0) {
+    kill(d.pid, SIGKILL);
+    tdt_wait(d.pid);
+    d.pid = 0;
+  }
+  for (int i = 0; i < ninstances; i++)
+    tdt_unlink_segments(instances[i]);
+  tdt_rmdir(state_dir);
+  state_dir[0] = '\0';
+  if (d.dir[0] != '\0')
+    tdt_kill(&d);
+}
+
+TestSuite(upgrade, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- helpers ---- */
+
+/* Runs argv, returns its exit status; its stdout (up to len - 1 bytes) in
+ * out if not NULL. */
+static int run(const char *const *argv, char *out, size_t len) {
+  int p[2];
+  cr_assert_eq(pipe(p), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    dup2(p[1], STDOUT_FILENO);
+    close(p[0]);
+    close(p[1]);
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  close(p[1]);
+  size_t n = 0;
+  ssize_t k;
+  char sink[4096];
+  while ((k = read(p[0], out && n < len - 1 ? out + n : sink,
+                   out && n < len - 1 ? len - 1 - n : sizeof(sink))) > 0)
+    if (out && n < len - 1)
+      n += (size_t)k;
+  close(p[0]);
+  if (out)
+    out[n] = '\0';
+  return tdt_wait(pid);
+}
+
+/* tensorctl ls --json without what changes by itself: every "age_ms". */
+static void ls_json(char *out, size_t len) {
+  const char *argv[] = {TENSORCTL_BIN, "--socket", d.sock,
+                        "ls",          "--json",   NULL};
+  cr_assert_eq(run(argv, out, len), 0, "tensorctl ls failed");
+  char *w = out;
+  for (const char *r = out; *r;) {
+    if (strncmp(r, "\"age_ms\":", 9) == 0) {
+      r += 9;
+      while (*r >= '0' && *r <= '9')
+        r++;
+      if (*r == ',')
+        r++;
+      continue;
+    }
+    *w++ = *r++;
+  }
+  *w = '\0';
+}
+
+/* The names of instance's segments in /dev/shm, sorted, one per line. */
+static void segment_names(uint64_t instance, char *out, size_t len) {
+  char prefix[64];
+  snprintf(prefix, sizeof(prefix), "tensord.%016llx.",
+           (unsigned long long)instance);
+  struct dirent **list;
+  int n = scandir("/dev/shm", &list, NULL, alphasort);
+  cr_assert(n >= 0);
+  size_t used = 0;
+  out[0] = '\0';
+  for (int i = 0; i < n; i++) {
+    if (strncmp(list[i]->d_name, prefix, strlen(prefix)) == 0)
+      used += (size_t)snprintf(out + used, len - used, "%s\n", list[i]->d_name);
+    free(list[i]);
+  }
+  free(list);
+}
+
+static int32_t serving_pid(void) {
+  td_client *c;
+  if (td_connect(d.sock, &c) < 0)
+    return 0;
+  td_stat st;
+  int err = td_stat_get(c, &st);
+  td_close(c);
+  return err < 0 ? 0 : st.pid;
+}
+
+/* Waits until the daemon on d's socket is pid; returns whether it is. */
+static int serves_as(pid_t pid, int timeout_ms) {
+  for (int t = 0; t < timeout_ms; t += 20) {
+    if (serving_pid() == pid)
+      return 1;
+    sleep_ms(20);
+  }
+  return serving_pid() == pid;
+}
+
+/* tensord --upgrade next to d's daemon (with args): asserts that the old
+ * one exits 0 and the new one serves, with the same instance. */
+static void upgrade_cli(const char *const *args) {
+  const char *a[8] = {"--upgrade"};
+  for (int i = 0; args && args[i] && i < 6; i++)
+    a[i + 1] = args[i];
+  pid_t old = d.pid;
+  pid_t pid = tdt_spawn(&d, a);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = pid;
+  cr_assert(serves_as(pid, patience(5000)), "the new tensord %d does not serve",
+            (int)pid);
+}
+
+/* tensorctl upgrade: the same, the new daemon spawned by the old one. */
+static void upgrade_ctl(void) {
+  pid_t old = d.pid;
+  char out[256];
+  const char *argv[] = {TENSORCTL_BIN, "--socket", d.sock, "upgrade", NULL};
+  cr_assert_eq(run(argv, out, sizeof(out)), 0, "tensorctl upgrade failed");
+  int a, b;
+  cr_assert_eq(sscanf(out,
+                      "tensord upgraded: pid %d (version %*[^)]) -> pid %d", &a,
+                      &b),
+               2, "tensorctl upgrade said '%s'", out);
+  cr_assert_eq(a, old);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = b;
+  cr_assert(serves_as(b, patience(5000)), "the new tensord %d does not serve",
+            b);
+}
+
+/* Copies d's log to stderr, for a failure that needs it. */
+static void show_log(void) {
+  FILE *f = fopen(d.log, "r");
+  char line[1024];
+  while (f != NULL && fgets(line, sizeof(line), f) != NULL)
+    fputs(line, stderr);
+  if (f != NULL)
+    fclose(f);
+}
+
+static int alive(pid_t pid) {
+  int status;
+  return waitpid(pid, &status, WNOHANG) == 0;
+}
+
+/* Waits until pid (our child) has stopped itself (TENSORD_UPGRADE_STALL). */
+static void wait_stopped(pid_t pid) {
+  int status;
+  cr_assert_eq(waitpid(pid, &status, WUNTRACED), pid);
+  cr_assert(WIFSTOPPED(status), "tensord %d ended (0x%x) instead of stopping",
+            (int)pid, status);
+}
+
+/* Waits until no segment of instance is left in /dev/shm. */
+static int none_of(uint64_t instance) {
+  for (int t = 0; t < patience(5000) && tdt_segments_of(instance) > 0; t += 10)
+    sleep_ms(10);
+  return tdt_segments_of(instance) == 0;
+}
+
+static void make_state_dir(void) {
+  snprintf(state_dir, sizeof(state_dir), "/tmp/tensord-state.XXXXXX");
+  cr_assert_not_null(mkdtemp(state_dir));
+}
+
+/* ---- carry-over ---- */
+
+TDT_TEST(upgrade, carries_everything_over) {
+  tdt_start(&d, (const char *const[]){"--quota", "1G", "--max-clients", "77",
+                                      "--max-storages-per-client", "99", NULL});
+  remember(d.instance);
+  td_client *a = tdt_connect(&d), *b = tdt_connect(&d);
+  td_storage *s1, *s2, *s3, *ro, *sc;
+  cr_assert_eq(td_storage_create(a, 4096, &s1), 0);
+  cr_assert_eq(td_storage_create(a, 8192, &s2), 0);
+  cr_assert_eq(td_storage_create(b, 100, &s3), 0);
+  memset(td_storage_data(s1), 0x5a, 4096);
+  cr_assert_eq(td_publish(a, "plain", s1, NULL), 0);
+  td_view v;
+  int64_t shape[2] = {32, 64};
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, shape, &v), 0);
+  cr_assert_eq(td_view_transpose(&v, 0, 1), 0);
+  cr_assert_eq(td_publish(a, "viewed", s2, &v), 0);
+  cr_assert_eq(td_storage_open(b, td_storage_id(s1), TD_RDONLY, &ro), 0);
+  uint64_t token;
+  cr_assert_eq(td_scope_open(b, &token), 0);
+  cr_assert_eq(td_storage_create(b, 64, &sc), 0);
+  td_publish_opts po = {0};
+  po.scope = token;
+  cr_assert_eq(td_publish_ex(b, "scoped", sc, NULL, &po), 0);
+  /* A waiting lookup, and a request half sent. */
+  tdt_raw w, h;
+  tdt_raw_open(&w, &d);
+  uint64_t wseq = tdt_raw_lookup(&w, "later", 0, -1);
+  tdt_raw_flush(&w);
+  tdt_raw_open(&h, &d);
+  uint64_t pseq = tdt_raw_ping(&h);
+  size_t half = h.w.out_len / 2;
+  cr_assert_eq(send(h.fd, h.w.out, half, 0), (ssize_t)half);
+  sleep_ms(50); /* the half request and the lookup reach the daemon */
+
+  static char before[16384], after[16384], segs0[4096], segs1[4096];
+  ls_json(before, sizeof(before));
+  segment_names(d.instance, segs0, sizeof(segs0));
+  uint64_t instance = d.instance;
+  pid_t old = d.pid;
+  upgrade_cli(NULL);
+  cr_assert_not(alive(old));
+  ls_json(after, sizeof(after));
+  segment_names(instance, segs1, sizeof(segs1));
+  cr_assert_str_eq(after, before, "ls before:\n%s\nafter:\n%s", before, after);
+  cr_assert_str_eq(segs1, segs0);
+  td_stat st;
+  cr_assert_eq(td_stat_get(a, &st), 0, "stat: %s", td_last_error(a));
+  cr_assert_eq(st.pid, d.pid);
+  cr_assert_eq(st.instance, instance);
+  cr_assert_eq(st.keys, 3);
+  cr_assert_eq(st.waiters, 1);
+  /* The limits in force, not the new command line's (which has none). */
+  cr_assert_eq(st.quota, 1ull << 30);
+  cr_assert_eq(st.max_clients, 77);
+  cr_assert_eq(st.max_storages_per_client, 99);
+
+  /* The half request completes; the waiter wakes on a key published now. */
+  cr_assert_eq(send(h.fd, h.w.out + half, h.w.out_len - half, 0),
+               (ssize_t)(h.w.out_len - half));
+  h.w.out_off = h.w.out_len = 0;
+  Tensord__Response *rep = tdt_raw_reply(&h, patience(5000));
+  cr_assert_not_null(rep, "no Pong after the upgrade");
+  cr_assert_eq(rep->seq, pseq);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_PONG);
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_eq(td_publish(b, "later", s3, NULL), 0, "%s", td_last_error(b));
+  rep = tdt_raw_reply(&w, patience(5000));
+  cr_assert_not_null(rep, "the waiter did not wake");
+  cr_assert_eq(rep->seq, wseq);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_LOOKUP, "got %d",
+               (int)rep->body_case);
+  tensord__response__free_unpacked(rep, NULL);
+  tdt_raw_close(&w);
+  tdt_raw_close(&h);
+
+  /* The handles made before serve on: the bytes, a lookup, a release. */
+  td_storage *got;
+  cr_assert_eq(td_lookup(b, "plain", TD_RDONLY, 0, &got, NULL), 0);
+  cr_assert_eq(((unsigned char *)td_storage_data(got))[4095], 0x5a);
+  td_view gv;
+  td_storage *g2;
+  cr_assert_eq(td_lookup(b, "viewed", 0, 0, &g2, &gv), 0);
+  cr_assert_eq(gv.stride[0], 1);
+  cr_assert_eq(td_storage_release(g2), 0);
+  cr_assert_eq(td_storage_release(got), 0);
+  cr_assert_eq(td_scope_close(b, token, NULL), 0);
+  cr_assert_eq(td_unpublish(a, "plain"), 0);
+  cr_assert_eq(td_unpublish(a, "viewed"), 0);
+  cr_assert_eq(td_unpublish(b, "later"), 0);
+  td_storage_release(sc);
+  td_storage_release(ro);
+  td_storage_release(s3);
+  td_storage_release(s2);
+  td_storage_release(s1);
+  td_close(b);
+  td_close(a);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)), "segments left");
+}
+
+/* GET /metrics on the Unix socket at path; the whole reply in out. */
+static void scrape(const char *path, char *out, size_t len) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0,
+               "connect %s: %s", path, strerror(errno));
+  const char *req = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  cr_assert_eq(send(fd, req, strlen(req), MSG_NOSIGNAL), (ssize_t)strlen(req));
+  size_t n = 0;
+  ssize_t k;
+  while (n < len - 1 && (k = recv(fd, out + n, len - 1 - n, 0)) > 0)
+    n += (size_t)k;
+  out[n] = '\0';
+  close(fd);
+  cr_assert(strncmp(out, "HTTP/1.1 200", 12) == 0, "scrape said: %.80s", out);
+}
+
+/* The value of the sample named name (with its labels) in text. */
+static uint64_t sample(const char *text, const char *name) {
+  char want[160];
+  snprintf(want, sizeof(want), "\n%s ", name);
+  const char *at = strstr(text, want);
+  cr_assert_not_null(at, "no sample %s", name);
+  return strtoull(at + strlen(want), NULL, 10);
+}
+
+/* Waits for the watch's next event of type, skipping others. */
+static void next_event(td_watch *w, td_event_type type, const char *key) {
+  td_event ev;
+  for (;;) {
+    int err = td_watch_next(w, patience(5000), &ev);
+    cr_assert_eq(err, 0, "watch: %s", td_strerror(err));
+    if (ev.type == type && strcmp(ev.key, key) == 0)
+      return;
+  }
+}
+
+TDT_TEST(upgrade, carries_watchers_metrics_and_prefixes) {
+  char msock[160];
+  make_state_dir(); /* a directory teardown removes, for the endpoint */
+  snprintf(msock, sizeof(msock), "%s/metrics.sock", state_dir);
+  tdt_start(&d, (const char *const[]){"--metrics", msock, NULL});
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_watch *w;
+  cr_assert_eq(td_watch_open(d.sock, "w/", &w), 0, "%s", td_last_error(NULL));
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "w/1", s, NULL), 0);
+  next_event(w, TD_EVENT_PUBLISH, "w/1");
+  char prefixes0[8][TD_PREFIX_MAX], prefixes1[8][TD_PREFIX_MAX];
+  size_t np0, np1;
+  cr_assert_eq(td_stat_prefixes(c, prefixes0, 8, &np0), 0);
+  static char text0[65536], text1[65536];
+  scrape(msock, text0, sizeof(text0));
+  uint64_t publishes0 =
+      sample(text0, "tensord_requests_total{type=\"publish\"}");
+  uint64_t connects0 = sample(text0, "tensord_connections_total");
+  cr_assert_geq(publishes0, 1);
+
+  upgrade_cli(NULL);
+
+  /* The watcher watches on, on the same connection. */
+  cr_assert_eq(td_publish(c, "w/2", s, NULL), 0, "%s", td_last_error(c));
+  next_event(w, TD_EVENT_PUBLISH, "w/2");
+  /* The endpoint serves on at the same path, with counters that went on. */
+  scrape(msock, text1, sizeof(text1));
+  cr_assert_geq(sample(text1, "tensord_requests_total{type=\"publish\"}"),
+                publishes0 + 1, "counters restarted:\n%s", text1);
+  cr_assert_geq(sample(text1, "tensord_connections_total"), connects0);
+  cr_assert_geq(sample(text1, "tensord_requests_total{type=\"upgrade\"}"), 1);
+  cr_assert_eq(td_stat_prefixes(c, prefixes1, 8, &np1), 0);
+  cr_assert_eq(np1, np0);
+  for (size_t i = 0; i < np0 && i < 8; i++)
+    cr_assert_str_eq(prefixes1[i], prefixes0[i]);
+
+  td_watch_close(w);
+  cr_assert_eq(td_unpublish(c, "w/1"), 0);
+  cr_assert_eq(td_unpublish(c, "w/2"), 0);
+  cr_assert_eq(td_storage_release(s), 0);
+  td_close(c);
+  tdt_stop(&d);
+  cr_assert_neq(access(msock, F_OK), 0, "the endpoint's socket was left");
+}
+
+TDT_TEST(upgrade, works_with_a_socket_systemd_passed) {
+  tdt_start_inherited(&d);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  upgrade_cli(NULL);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+  cr_assert_eq(st.pid, d.pid);
+  cr_assert_eq(td_storage_release(s), 0);
+  td_close(c);
+  /* tdt_stop checks that the inherited socket stays (it is systemd's). */
+}
+
+/* The number of fds process pid has open. */
+static int fds_of(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+  DIR *dir = opendir(path);
+  cr_assert_not_null(dir);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL)
+    n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+TDT_TEST(upgrade, a_create_on_the_thread_pool_completes_across_it) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  uint64_t seq = tdt_raw_create(&r, 64u << 20); /* past the loop's share */
+  tdt_raw_flush(&r);
+  upgrade_cli(NULL);
+  int fd = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(10000), &fd);
+  cr_assert_not_null(rep, "the create was lost");
+  cr_assert_eq(rep->seq, seq);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_STORAGE, "got %d",
+               (int)rep->body_case);
+  cr_assert_geq(fd, 0);
+  tensord__response__free_unpacked(rep, NULL);
+  close(fd);
+  cr_assert_eq(tdt_storages(&d), 1);
+  tdt_raw_close(&r);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+}
+
+/* ---- under load ---- */
+
+#define LOADERS 64
+#define WAITERS 8
+
+typedef struct shared {
+  atomic_int stop;
+  atomic_long iters[LOADERS];
+} shared;
+
+static shared *sh;
+
+static int loader(void *arg) {
+  int i = (int)(intptr_t)arg;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  char key[64];
+  for (long n = 0; !atomic_load(&sh->stop); n++) {
+    td_storage *s, *l, *t;
+    snprintf(key, sizeof(key), "load/%d/%ld", i, n);
+    CHECK_ERR(c, td_storage_create(c, 4096, &s), 0);
+    ((char *)td_storage_data(s))[0] = (char)n;
+    CHECK_ERR(c, td_publish(c, key, s, NULL), 0);
+    CHECK_ERR(c, td_lookup(c, key, TD_RDONLY, 0, &l, NULL), 0);
+    CHECK(((char *)td_storage_data(l))[0] == (char)n);
+    CHECK_ERR(c, td_lookup(c, key, TD_TAKE, 0, &t, NULL), 0);
+    CHECK_ERR(c, td_storage_release(t), 0);
+    CHECK_ERR(c, td_storage_release(l), 0);
+    CHECK_ERR(c, td_storage_release(s), 0);
+    atomic_fetch_add(&sh->iters[i], 1);
+  }
+  td_close(c);
+  return 0;
+}
+
+static int waiter(void *arg) {
+  int i = (int)(intptr_t)arg;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  char key[32];
+  snprintf(key, sizeof(key), "wait/%d", i);
+  td_storage *s;
+  CHECK_ERR(c, td_lookup(c, key, TD_TAKE, -1, &s, NULL), 0);
+  CHECK(((char *)td_storage_data(s))[0] == (char)i);
+  CHECK_ERR(c, td_storage_release(s), 0);
+  td_close(c);
+  return 0;
+}
+
+static long min_iters(void) {
+  long m = -1;
+  for (int i = 0; i < LOADERS; i++) {
+    long v = atomic_load(&sh->iters[i]);
+    if (m < 0 || v < m)
+      m = v;
+  }
+  return m;
+}
+
+static void wait_iters(long at_least) {
+  for (int t = 0; t < patience(30000) && min_iters() < at_least; t += 10)
+    sleep_ms(10);
+  cr_assert_geq(min_iters(), at_least, "a loader is stuck");
+}
+
+static void under_load(int via_ctl) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
+            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  cr_assert(sh != MAP_FAILED);
+  memset(sh, 0, sizeof(*sh));
+  pid_t pids[LOADERS + WAITERS];
+  for (int i = 0; i < LOADERS; i++)
+    pids[i] = tdt_fork(loader, (void *)(intptr_t)i);
+  for (int i = 0; i < WAITERS; i++)
+    pids[LOADERS + i] = tdt_fork(waiter, (void *)(intptr_t)i);
+  wait_iters(2);
+  if (via_ctl)
+    upgrade_ctl();
+  else
+    upgrade_cli(NULL);
+  long mark = min_iters();
+  wait_iters(mark + 3); /* every loader served by the new daemon */
+  td_client *c = tdt_connect(&d);
+  for (int i = 0; i < WAITERS; i++) {
+    td_storage *s;
+    char key[32];
+    snprintf(key, sizeof(key), "wait/%d", i);
+    cr_assert_eq(td_storage_create(c, 64, &s), 0);
+    ((char *)td_storage_data(s))[0] = (char)i;
+    cr_assert_eq(td_publish(c, key, s, NULL), 0, "%s", td_last_error(c));
+    td_storage_release(s);
+  }
+  atomic_store(&sh->stop, 1);
+  for (int i = 0; i < LOADERS + WAITERS; i++)
+    cr_assert_eq(tdt_wait(pids[i]), 0, "client %d had errors", i);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  cr_assert_eq(st.keys, 0);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)),
+            "%d segment(s) left", tdt_segments(&d));
+  cr_assert_eq(tdt_storages(&d), 0);
+  munmap(sh, sizeof(*sh));
+}
+
+TDT_TEST(upgrade, under_load_with_tensord_upgrade, .timeout = 90) {
+  under_load(0);
+}
+
+TDT_TEST(upgrade, under_load_with_tensorctl_upgrade, .timeout = 90) {
+  under_load(1);
+}
+
+/* ---- version skew ---- */
+
+TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  static char before[4096], after[4096];
+  ls_json(before, sizeof(before));
+  int fds = fds_of(d.pid);
+  setenv("TENSORD_HANDOVER_VERSION", "999", 1);
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  unsetenv("TENSORD_HANDOVER_VERSION");
+  cr_assert_neq(tdt_wait(pid), 0, "an incompatible tensord took over");
+  cr_assert(tdt_log_has(&d, "handover version 1 offered, this tensord speaks "
+                            "999..999"));
+  cr_assert(alive(d.pid));
+  cr_assert_eq(serving_pid(), d.pid);
+  ls_json(after, sizeof(after));
+  cr_assert_str_eq(after, before);
+  /* The asker's connection closes as the daemon sees its end. */
+  for (int t = 0; t < patience(2000) && fds_of(d.pid) != fds; t += 10)
+    sleep_ms(10);
+  /* (Under valgrind its own fds come and go.) */
+  if (getenv("TDT_DAEMON_WRAPPER") == NULL)
+    cr_assert_eq(fds_of(d.pid), fds,
+                 "the refused upgrade leaked fds in tensord");
+  td_storage *l;
+  cr_assert_eq(td_lookup(c, "k", 0, 0, &l, NULL), 0);
+  td_storage_release(l);
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(upgrade, tensorctl_upgrade_reports_a_successor_that_fails) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  char out[256];
+  const char *argv[] = {TENSORCTL_BIN, "--socket",   d.sock, "upgrade",
+                        "--binary",    "/bin/false", NULL};
+  cr_assert_eq(run(argv, out, sizeof(out)), 1, "tensorctl said '%s'", out);
+  cr_assert(tdt_log_has(&d, "exited with status 1 before the handover began"));
+  cr_assert_eq(serving_pid(), d.pid);
+  /* And a successor that refuses the handover version. */
+  setenv("TENSORD_HANDOVER_VERSION", "999", 1);
+  tdt_stop(&d);
+  tdt_start(&d, NULL);
+  unsetenv("TENSORD_HANDOVER_VERSION");
+  remember(d.instance);
+  const char *argv2[] = {TENSORCTL_BIN, "--socket", d.sock, "upgrade", NULL};
+  cr_assert_eq(run(argv2, out, sizeof(out)), 1, "tensorctl said '%s'", out);
+  cr_assert(tdt_log_has(&d, "this tensord speaks 999..999"));
+  cr_assert_eq(serving_pid(), d.pid);
+}
+
+TDT_TEST(upgrade, refuses_while_cuda_storages_are_live) {
+#ifndef TDT_CUDA_DOUBLE
+  cr_skip_test("built without the CUDA driver's test double");
+#else
+  setenv("TENSORD_CUDA_DRIVER", TDT_CUDA_DOUBLE, 1);
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_create_opts o = {0};
+  o.nbytes = 4096;
+  o.device = TD_CUDA;
+  td_storage *s;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "%s", td_last_error(c));
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  cr_assert_eq(tdt_wait(pid), 1, "a tensord took CUDA storages over");
+  cr_assert(tdt_log_has(&d, "1 CUDA storages are live; upgrade them away"));
+  cr_assert_eq(serving_pid(), d.pid);
+  /* Once they are gone, the upgrade goes through. */
+  cr_assert_eq(td_storage_release(s), 0);
+  td_close(c);
+  upgrade_cli(NULL);
+  unsetenv("TENSORD_CUDA_DRIVER");
+#endif
+}
+
+/* ---- SIGKILL at each phase ---- */
+
+/* A key (durable with --state-dir) and an unnamed storage a client holds. */
+typedef struct world {
+  td_client *c;
+  td_storage *keyed, *unnamed;
+} world;
+
+static void make_world(world *w) {
+  w->c = tdt_connect(&d);
+  cr_assert_eq(td_storage_create(w->c, 4096, &w->keyed), 0);
+  memset(td_storage_data(w->keyed), 0x77, 4096);
+  cr_assert_eq(td_publish(w->c, "durable", w->keyed, NULL), 0);
+  cr_assert_eq(td_storage_create(w->c, 4096, &w->unnamed), 0);
+}
+
+/* A fresh client can create and look the key up on whatever serves now. */
+static void check_serves(void) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *l;
+  cr_assert_eq(td_storage_create(c, 100, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_lookup(c, "durable", TD_RDONLY, 0, &l, NULL), 0, "%s",
+               td_last_error(c));
+  cr_assert_eq(((unsigned char *)td_storage_data(l))[1000], 0x77);
+  td_storage_release(l);
+  td_storage_release(s);
+  cr_assert_eq(td_unpublish(c, "durable"), 0);
+  td_close(c);
+}
+
+static const char *const *state_args(void) {
+  static const char *a[3];
+  a[0] = "--state-dir";
+  a[1] = state_dir;
+  a[2] = NULL;
+  return a;
+}
+
+/* The old daemon stops at phase and is killed there. */
+static void kill_old_at(const char *phase, int new_serves_on) {
+  make_state_dir();
+  setenv("TENSORD_UPGRADE_STALL", phase, 1);
+  tdt_start(&d, state_args());
+  unsetenv("TENSORD_UPGRADE_STALL");
+  remember(d.instance);
+  uint64_t old_instance = d.instance;
+  world w;
+  make_world(&w);
+  pid_t old = d.pid;
+  pid_t pid = tdt_spawn(
+      &d, (const char *const[]){"--upgrade", "--state-dir", state_dir, NULL});
+  wait_stopped(old);
+  kill(old, SIGKILL);
+  tdt_wait(old);
+  d.pid = pid;
+  if (!serves_as(pid, patience(10000)))
+    show_log();
+  cr_assert(serves_as(pid, patience(0)),
+            "tensord %d does not serve after the old "
+            "one died at '%s'",
+            (int)pid, phase);
+  td_stat st;
+  td_client *c = tdt_connect(&d);
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  td_close(c);
+  if (new_serves_on) {
+    /* Committed: the new one serves everything, the client kept on. */
+    cr_assert_eq(st.instance, old_instance);
+    cr_assert_eq(td_storage_release(w.unnamed), 0, "%s", td_last_error(w.c));
+  } else {
+    /* The state-dir recovery path: a normal start, the key served again,
+     * the unnamed segment swept. */
+    d.instance = st.instance;
+    remember(st.instance);
+    cr_assert_neq(st.instance, old_instance);
+    cr_assert_eq(tdt_segments_of(old_instance), 1,
+                 "unnamed segments of the dead instance left");
+    td_storage_release(w.unnamed);
+  }
+  td_storage_release(w.keyed);
+  td_close(w.c);
+  check_serves();
+  cr_assert(alive(d.pid));
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+  cr_assert(none_of(old_instance));
+}
+
+/* The new daemon stops at phase and is killed there. */
+static void kill_new_at(const char *phase) {
+  make_state_dir();
+  tdt_start(&d, state_args());
+  remember(d.instance);
+  world w;
+  make_world(&w);
+  static char before[4096], after[4096];
+  ls_json(before, sizeof(before));
+  setenv("TENSORD_UPGRADE_STALL", phase, 1);
+  pid_t pid = tdt_spawn(
+      &d, (const char *const[]){"--upgrade", "--state-dir", state_dir, NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  wait_stopped(pid);
+  kill(pid, SIGKILL);
+  tdt_wait(pid);
+  if (strcmp(phase, "started") == 0) {
+    /* After Started the new one was the daemon: the old one is gone, and
+     * this is a crash, which a restart on the state dir recovers. */
+    cr_assert_eq(tdt_wait(d.pid), 0);
+    d.pid = 0;
+    uint64_t old_instance = d.instance;
+    tdt_restart(&d, state_args());
+    remember(d.instance);
+    td_storage_release(w.unnamed);
+    td_storage_release(w.keyed);
+    td_close(w.c);
+    check_serves();
+    cr_assert(none_of(old_instance));
+    return;
+  }
+  /* Before Started the old one serves on, untouched. */
+  cr_assert(serves_as(d.pid, patience(5000)), "the old tensord does not serve");
+  ls_json(after, sizeof(after));
+  cr_assert_str_eq(after, before);
+  cr_assert_eq(td_storage_release(w.unnamed), 0, "%s", td_last_error(w.c));
+  td_storage_release(w.keyed);
+  td_close(w.c);
+  check_serves();
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+}
+
+TDT_TEST(upgrade, sigkill_old_when_quiesced) {
+  kill_old_at("quiesced", 0);
+}
+TDT_TEST(upgrade, sigkill_old_when_sent) {
+  kill_old_at("sent", 0);
+}
+TDT_TEST(upgrade, sigkill_old_when_committed) {
+  kill_old_at("committed", 1);
+}
+TDT_TEST(upgrade, sigkill_new_when_received) {
+  kill_new_at("received");
+}
+TDT_TEST(upgrade, sigkill_new_when_ready) {
+  kill_new_at("ready");
+}
+TDT_TEST(upgrade, sigkill_new_when_started) {
+  kill_new_at("started");
+}
+
+/* ---- --state-dir ---- */
+
+TDT_TEST(upgrade, keys_survive_an_upgrade_then_a_restart) {
+  make_state_dir();
+  tdt_start(&d, state_args());
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  memset(td_storage_data(s), 0x77, 4096);
+  cr_assert_eq(td_publish(c, "durable", s, NULL), 0);
+  td_storage_release(s);
+  upgrade_cli(state_args());
+  /* A key published after the upgrade is journaled by the new daemon. */
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "after", s, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  kill(d.pid, SIGTERM);
+  cr_assert_eq(tdt_wait(d.pid), 0);
+  d.pid = 0;
+  tdt_restart(&d, state_args());
+  c = tdt_connect(&d);
+  td_storage *l;
+  cr_assert_eq(td_lookup(c, "after", 0, 0, &l, NULL), 0, "%s",
+               td_last_error(c));
+  td_storage_release(l);
+  cr_assert_eq(td_unpublish(c, "after"), 0);
+  td_close(c);
+  check_serves();
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+}
+
+/* ---- bad input ---- */
+
+TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
+  Tensord__Request q = TENSORD__REQUEST__INIT;
+  m.handover_version = 1;
+  m.pid = getpid();
+  q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  q.upgrade = &m;
+  tdt_raw_queue(&r, &q);
+  tdt_raw_flush(&r);
+  int ch = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(5000), &ch);
+  cr_assert_not_null(rep);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE);
+  cr_assert_eq(rep->upgrade->old_pid, d.pid);
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_geq(ch, 0, "no handover channel");
+  char buf[4096];
+  struct pollfd p = {ch, POLLIN, 0};
+  cr_assert_eq(poll(&p, 1, patience(5000)), 1, "no Begin");
+  cr_assert_gt(recv(ch, buf, sizeof(buf), 0), 0); /* Begin */
+  memset(buf, 0xff, 64);
+  cr_assert_eq(send(ch, buf, 64, 0), 64);
+  /* The old side gives up (an Abort) and closes the channel. */
+  ssize_t n = 1;
+  for (int i = 0; i < 4 && n > 0; i++) {
+    cr_assert_eq(poll(&p, 1, patience(5000)), 1);
+    n = recv(ch, buf, sizeof(buf), 0);
+  }
+  cr_assert_eq(n, 0, "the old side went on");
+  close(ch);
+  tdt_raw_close(&r);
+  cr_assert_eq(serving_pid(), d.pid);
+  cr_assert(tdt_log_has(&d, "garbled"));
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 100, &s), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(upgrade, refuses_another_uid) {
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  remember(d.instance);
+  if (geteuid() != 0) {
+    tdt_raw r;
+    tdt_raw_open(&r, &d);
+    tdt_raw_close(&r);
+    cr_skip_test("needs root to run a client as another uid");
+  }
+  chmod(d.dir, 0755);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    if (setgid(65534) < 0 || setuid(65534) < 0)
+      _exit(3);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", d.sock);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0)
+      _exit(4);
+    tdt_raw r = {.fd = fd};
+    td__wire_init(&r.w, fd);
+    Tensord__Hello h = TENSORD__HELLO__INIT;
+    Tensord__Request q = TENSORD__REQUEST__INIT;
+    h.version = TD_PROTOCOL_VERSION;
+    q.body_case = TENSORD__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    tdt_raw_queue(&r, &q);
+    Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
+    m.spawn = 1;
+    q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+    q.upgrade = &m;
+    tdt_raw_queue(&r, &q);
+    tdt_raw_flush(&r);
+    Tensord__Response *rep = tdt_raw_reply(&r, patience(5000));
+    if (rep == NULL)
+      _exit(5);
+    rep = tdt_raw_reply(&r, patience(5000));
+    if (rep == NULL || tdt_raw_code(rep) != TD_EPERM ||
+        strstr(rep->error->message, "uid 65534") == NULL)
+      _exit(6);
+    _exit(0);
+  }
+  cr_assert_eq(tdt_wait(pid), 0, "no EPERM naming the uid");
+  cr_assert_eq(serving_pid(), d.pid);
+}
+
+/* ---- systemd ---- */
+
+TDT_TEST(upgrade, tells_systemd_the_new_mainpid) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  /* The old daemon's NOTIFY_SOCKET is the harness's, which is done with
+   * it: a socket of ours takes its path, and the new daemon's. */
+  char path[100];
+  snprintf(path, sizeof(path), "%.60s/notify.sock", d.dir);
+  unlink(path);
+  int nfd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  cr_assert_eq(bind(nfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+  pid_t old = d.pid;
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    int log = open(d.log, O_WRONLY | O_APPEND | O_CLOEXEC);
+    dup2(log, STDERR_FILENO);
+    setenv("NOTIFY_SOCKET", path, 1);
+    execl(TENSORD_BIN, TENSORD_BIN, "--socket", d.sock, "--upgrade", NULL);
+    _exit(127);
+  }
+  cr_assert_eq(tdt_wait(old), 0);
+  d.pid = pid;
+  /* The old daemon names its successor before it exits (so that systemd
+   * never sees the main process gone); the new one says it is ready. */
+  char want[64];
+  snprintf(want, sizeof(want), "MAINPID=%d", (int)pid);
+  int from_old = 0, ready = 0;
+  for (int i = 0; i < 2; i++) {
+    struct pollfd p = {nfd, POLLIN, 0};
+    cr_assert_eq(poll(&p, 1, patience(5000)), 1, "notification %d missing",
+                 i + 1);
+    char buf[256] = "";
+    cr_assert_gt(recv(nfd, buf, sizeof(buf) - 1, 0), 0);
+    cr_assert(strstr(buf, want) != NULL, "notify said '%s'", buf);
+    if (strstr(buf, "READY=1") != NULL)
+      ready++;
+    else
+      from_old++;
+  }
+  close(nfd);
+  unlink(path);
+  cr_assert_eq(ready, 1);
+  cr_assert_eq(from_old, 1);
+  cr_assert(serves_as(pid, patience(5000)));
+}

@@ -555,7 +555,7 @@ int td_connect(const char *socket_path, td_client **out) {
   if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
     int e = errno;
     close(fd);
-    char why[192] = "";
+    char why[320] = "";
     if (e == EACCES)
       why_denied(path, why, sizeof(why));
     return fail(

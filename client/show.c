@@ -629,7 +629,7 @@ static void ffmt_fill(ffmt *f, td_dtype dt, const double *xs, int n, int plus) {
 
 /* Writes x in format f into out (64 bytes): pad_l + 1 + pad_r wide. */
 static void ffmt_one(const ffmt *f, double x, char out[96]) {
-  int k; /* lengths past 96 are cut: widths here stay far below */
+  char buf[192]; /* lengths past 96 are cut: widths here stay far below */
   int width = f->pad_l + 1 + f->pad_r;
   if (!isfinite(x)) {
     const char *s = isnan(x)  ? (f->plus ? "+nan" : "nan")
@@ -643,12 +643,12 @@ static void ffmt_one(const ffmt *f, double x, char out[96]) {
   int e;
   split(f, x, ip, fp, &e);
   if (f->sci)
-    k = snprintf(out, 96, "%*s.%s%.*se%c%0*d", f->pad_l, ip, fp,
-                 f->frac_digits - (int)strlen(fp), "0000000000000000000000",
-                 e < 0 ? '-' : '+', f->exp_digits, abs(e));
+    snprintf(buf, sizeof(buf), "%*s.%s%.*se%c%0*d", f->pad_l, ip, fp,
+             f->frac_digits - (int)strlen(fp), "0000000000000000000000",
+             e < 0 ? '-' : '+', f->exp_digits, abs(e));
   else
-    k = snprintf(out, 96, "%*s.%-*s", f->pad_l, ip, f->pad_r, fp);
-  (void)k;
+    snprintf(buf, sizeof(buf), "%*s.%-*s", f->pad_l, ip, f->pad_r, fp);
+  snprintf(out, 96, "%.95s", buf);
 }
 
 /* ---- the repr ---- */
@@ -757,10 +757,10 @@ char *td__show_repr(const td_view *v, const void *base, char *buf, size_t len) {
       int l = (int)strlen(items[i]);
       w = l > w ? l : w;
     }
-    for (int i = 0; i < n; i++) {
-      char tmp[200];
-      snprintf(tmp, sizeof(tmp), "%*s", w, items[i]);
-      memcpy(items[i], tmp, sizeof(tmp));
+    for (int i = 0; i < n; i++) { /* right-align: w is the longest */
+      int l = (int)strlen(items[i]);
+      memmove(items[i] + (w - l), items[i], (size_t)l + 1);
+      memset(items[i], ' ', (size_t)(w - l));
     }
   }
   if (v->ndim == 0) {

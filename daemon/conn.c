@@ -443,6 +443,18 @@ static int peer_groups(int fd, td__holdings *h) {
   return 0;
 }
 
+/* Starts c's stall timer and puts it on srv's list of connections. */
+static void conn_link(td__server *srv, td__conn *c) {
+  uv_timer_init(srv->loop, &c->stall);
+  c->nhandles = 2;
+  c->progress_ms = uv_now(srv->loop);
+  c->next = srv->conns;
+  if (srv->conns)
+    srv->conns->prev = c;
+  srv->conns = c;
+  srv->nconns++;
+}
+
 int td__conn_accept(td__server *srv, int fd) {
   struct ucred cred;
   socklen_t len = sizeof(cred);
@@ -479,14 +491,7 @@ int td__conn_accept(td__server *srv, int fd) {
     free(c);
     return err;
   }
-  uv_timer_init(srv->loop, &c->stall);
-  c->nhandles = 2;
-  c->progress_ms = uv_now(srv->loop);
-  c->next = srv->conns;
-  if (srv->conns)
-    srv->conns->prev = c;
-  srv->conns = c;
-  srv->nconns++;
+  conn_link(srv, c);
   srv->metrics.connects++;
   if (srv->max_clients && srv->nconns > srv->max_clients) {
     td__warn("refusing client %d (uid %u): %u clients connected, the most "
@@ -521,14 +526,7 @@ td__conn *td__conn_adopt(td__server *srv, int fd, const td__peer *peer,
   c->hold.name = c->name;
   c->hold.groups = groups;
   c->hold.ngroups = ngroups;
-  uv_timer_init(srv->loop, &c->stall);
-  c->nhandles = 2;
-  c->progress_ms = uv_now(srv->loop);
-  c->next = srv->conns;
-  if (srv->conns)
-    srv->conns->prev = c;
-  srv->conns = c;
-  srv->nconns++;
+  conn_link(srv, c);
   return c;
 }
 

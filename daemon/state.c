@@ -657,6 +657,23 @@ static int sweep(const loaded *l) {
   return n;
 }
 
+/* Writes a snapshot of what srv serves as generation gen and opens the
+ * journal that follows it, setting st->snapshot_bytes. Returns 0 or a
+ * negative code. */
+static int fresh_start(td__state *st, uint64_t gen) {
+  uint8_t *sbuf = NULL;
+  size_t snaplen = 0;
+  int err = snapshot_build(st->srv, gen, &sbuf, &snaplen);
+  if (err == 0)
+    err = open_journal(st, gen);
+  if (err == 0)
+    err = snapshot_write(st->dirfd, sbuf, snaplen, gen);
+  free(sbuf);
+  if (err == 0)
+    st->snapshot_bytes = snaplen;
+  return err;
+}
+
 int td__state_open(td__server *srv, const char *dir) {
   td__state *st = calloc(1, sizeof(*st));
   if (st == NULL)
@@ -732,19 +749,11 @@ int td__state_open(td__server *srv, const char *dir) {
            swept);
 
   /* A fresh snapshot, and a new journal after it. */
-  uint8_t *sbuf = NULL;
-  size_t snaplen = 0;
-  err = snapshot_build(srv, gen + 1, &sbuf, &snaplen);
-  if (err == 0)
-    err = open_journal(st, gen + 1);
-  if (err == 0)
-    err = snapshot_write(st->dirfd, sbuf, snaplen, gen + 1);
-  free(sbuf);
+  err = fresh_start(st, gen + 1);
   if (err < 0) {
     td__error("--state-dir %s: writing snapshot: %s", dir, td_strerror(err));
     goto fail;
   }
-  st->snapshot_bytes = snaplen;
   loaded_free(&l);
   /* The replayed records were freed under the storages adopted after them:
    * give that memory back rather than keep it for the daemon's life. */
@@ -781,14 +790,7 @@ int td__state_adopt(td__server *srv, const char *dir, int dirfd, int lockfd,
   st->lockfd = lockfd;
   st->jfd = -1;
   snprintf(st->dir, sizeof(st->dir), "%s", dir);
-  uint8_t *sbuf = NULL;
-  size_t snaplen = 0;
-  int err = snapshot_build(srv, gen + 1, &sbuf, &snaplen);
-  if (err == 0)
-    err = open_journal(st, gen + 1);
-  if (err == 0)
-    err = snapshot_write(st->dirfd, sbuf, snaplen, gen + 1);
-  free(sbuf);
+  int err = fresh_start(st, gen + 1);
   if (err < 0) {
     td__error("--state-dir %s: writing snapshot after the upgrade: %s; key "
               "changes are not kept from now on",
@@ -800,7 +802,6 @@ int td__state_adopt(td__server *srv, const char *dir, int dirfd, int lockfd,
     free(st);
     return err;
   }
-  st->snapshot_bytes = snaplen;
   srv->state = st;
   return 0;
 }

@@ -302,7 +302,7 @@ static char msock[128];
 static int connect_unix(const char *path) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%.107s", path);
   cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
             "connect %s: %s", path, strerror(errno));
   return fd;

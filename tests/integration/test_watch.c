@@ -617,7 +617,7 @@ TDT_TEST(watch, stat_shows_the_daemons_own_memory) {
 static int ctl_status(const char *const *argv, char *err, size_t len) {
   tdt_run_result r;
   tdt_cli_run(argv, &r);
-  snprintf(err, len, "%s", r.err);
+  snprintf(err, len, "%.*s", (int)len - 1, r.err);
   tdt_run_free(&r);
   return r.status;
 }

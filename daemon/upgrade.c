@@ -1068,6 +1068,11 @@ int td__upgrade_request(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
   return 0;
 }
 
+int td__upgrade_asked(const td__conn *c) {
+  const td__upgrade *u = c->srv->upgrade;
+  return u != NULL && (u->asker == c || u->channel == c);
+}
+
 void td__upgrade_conn_gone(td__conn *c) {
   td__upgrade *u = c->srv->upgrade;
   if (u == NULL)

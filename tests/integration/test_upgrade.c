@@ -889,6 +889,60 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   td_close(c);
 }
 
+/* What the connection that asked for tensorctl upgrade does until it is
+ * answered is refused: that connection is not handed over, so a storage or
+ * a waiter it took now would break the handover (or be lost). */
+TDT_TEST(upgrade, the_asker_takes_nothing_until_it_is_answered) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  pid_t old = d.pid;
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  Tensord__Upgrade um = TENSORD__UPGRADE__INIT;
+  Tensord__Request q = TENSORD__REQUEST__INIT;
+  um.spawn = 1;
+  q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  q.upgrade = &um;
+  /* In one write: the daemon reads all three before the new one asks. */
+  uint64_t useq = tdt_raw_queue(&r, &q);
+  uint64_t cseq = tdt_raw_create(&r, 4096);
+  uint64_t lseq = tdt_raw_lookup(&r, "never", 0, -1);
+  tdt_raw_flush(&r);
+  int ccode = 1, lcode = 1, ucode = 1;
+  int32_t new_pid = 0;
+  while (ucode == 1) {
+    Tensord__Response *rep = tdt_raw_reply(&r, patience(10000));
+    cr_assert_not_null(rep, "no reply to the Upgrade (eof %d)", r.eof);
+    if (rep->seq == cseq)
+      ccode = tdt_raw_code(rep);
+    else if (rep->seq == lseq)
+      lcode = tdt_raw_code(rep);
+    else if (rep->seq == useq) {
+      ucode = tdt_raw_code(rep);
+      if (rep->body_case == TENSORD__RESPONSE__BODY_UPGRADE)
+        new_pid = rep->upgrade->new_pid;
+      else
+        cr_log_error("upgrade: %s", rep->error->message);
+    }
+    tensord__response__free_unpacked(rep, NULL);
+  }
+  cr_assert_eq(ccode, TD_EBUSY, "the asker's Create got %d", ccode);
+  cr_assert_eq(lcode, TD_EBUSY, "the asker's Lookup got %d", lcode);
+  cr_assert_eq(ucode, 0, "the upgrade failed (%d)", ucode);
+  cr_assert_gt(new_pid, 0);
+  tdt_raw_close(&r);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = new_pid;
+  cr_assert(serves_as(new_pid, patience(5000)), "tensord %d does not serve",
+            (int)new_pid);
+  cr_assert_eq(tdt_storages(&d), 0);
+  td_stat st;
+  td_client *c = tdt_connect(&d);
+  cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+  cr_assert_eq(st.waiters, 0);
+  td_close(c);
+}
+
 TDT_TEST(upgrade, refuses_another_uid) {
   tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
   remember(d.instance);

@@ -893,6 +893,38 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   td_close(c);
 }
 
+/* A waiting lookup whose deadline passes while the handover runs (the
+ * new tensord stopped after taking everything, before Ready) is answered
+ * once, by the new daemon, with ETIMEDOUT as soon as it serves. */
+TDT_TEST(upgrade, a_waiter_whose_deadline_passes_during_it_times_out_once) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw w;
+  tdt_raw_open(&w, &d);
+  int wait_ms = patience(300);
+  uint64_t seq = tdt_raw_lookup(&w, "never", 0, wait_ms);
+  tdt_raw_flush(&w);
+  sleep_ms(50); /* it waits */
+  pid_t old = d.pid;
+  setenv("TENSORD_UPGRADE_STALL", "received", 1);
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  wait_stopped(pid);
+  sleep_ms(wait_ms + 200);
+  cr_assert_null(tdt_raw_reply(&w, 0), "answered during the handover");
+  cr_assert_eq(kill(pid, SIGCONT), 0);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = pid;
+  Tensord__Response *rep = tdt_raw_reply(&w, patience(5000));
+  cr_assert_not_null(rep, "the waiter was lost");
+  cr_assert_eq(rep->seq, seq);
+  cr_assert_eq(tdt_raw_code(rep), TD_ETIMEDOUT, "got %d", tdt_raw_code(rep));
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_null(tdt_raw_reply(&w, 200), "answered twice");
+  cr_assert(serves_as(pid, patience(5000)));
+  tdt_raw_close(&w);
+}
+
 /* A CUDA create still on the thread pool when tensord --upgrade asks is
  * not among the storages the refusal counts; the handover must not carry
  * it once it completes (its GPU allocation dies with the old process).

@@ -1171,6 +1171,15 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
                   "this connection watches events (since seq %llu) and "
                   "takes no other request; open another connection",
                   (unsigned long long)c->watch_seq);
+  /* Nor does a connection that asked for a live upgrade, until it is
+   * answered: it is not handed over, so a storage, waiter or scope it took
+   * now would make the handover fail (or be lost with it). */
+  if (td__upgrade_asked(c) && req->body_case != TENSORD__REQUEST__BODY_HELLO &&
+      req->body_case != TENSORD__REQUEST__BODY_RELEASE)
+    return reject(c, seq, TD_EBUSY,
+                  "upgrade: this connection asked for a live upgrade and "
+                  "takes no other request until it is answered; open "
+                  "another connection");
   switch (req->body_case) {
   case TENSORD__REQUEST__BODY_HELLO:
     return op_hello(c, seq, req->hello);

@@ -727,6 +727,14 @@ static int expect(chan *ch, int want, Packet **out, char *msg, size_t len) {
   return 0;
 }
 
+/* The CUDA storages srv has: none may be handed over. */
+static uint64_t cuda_storages(const td__server *srv) {
+  uint64_t n = 0;
+  for (const td__storage *s = srv->reg.first; s != NULL; s = s->next)
+    n += s->device != TD_CPU;
+  return n;
+}
+
 /* The whole handover, from the old side, on a quiet daemon. Returns 0 once
  * the new side has started (we must exit now), or a negative code with why
  * in msg (we serve on). */
@@ -740,6 +748,18 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
     return err;
   }
   stall("quiesced");
+  /* may_upgrade counted those of the registry; a CUDA create that was on
+   * the thread pool then has landed since. */
+  uint64_t cuda = cuda_storages(srv);
+  if (cuda > 0) {
+    snprintf(msg, msglen,
+             "%llu CUDA storages are live (made while the upgrade waited "
+             "for creates in flight); upgrade them away first (a GPU "
+             "allocation cannot be handed to another process)",
+             (unsigned long long)cuda);
+    err = TD_EBUSY;
+    goto out;
+  }
   Tensord__Handover__Begin b = TENSORD__HANDOVER__BEGIN__INIT;
   b.version = TD__HANDOVER_VERSION;
   b.min_version = TD__HANDOVER_MIN_VERSION;
@@ -881,7 +901,8 @@ static void on_quiet_check(uv_check_t *h) {
   if (err == 0)
     exit_handed_over(u);
   td__warn("upgrade: %s; serving on", msg);
-  fail_asker(u, err == TD_EPROTONOSUPPORT ? TD_EPROTONOSUPPORT : TD_EIO, msg);
+  fail_asker(u, err == TD_EPROTONOSUPPORT || err == TD_EBUSY ? err : TD_EIO,
+             msg);
   upgrade_free(u);
   resume(srv);
 }
@@ -912,9 +933,7 @@ static int may_upgrade(td__conn *c, uint64_t seq) {
                           "that holds nothing",
                           (unsigned long long)c->hold.nrefs, c->nwaiters,
                           c->nscopes);
-  uint64_t cuda = 0;
-  for (const td__storage *s = srv->reg.first; s != NULL; s = s->next)
-    cuda += s->device != TD_CPU;
+  uint64_t cuda = cuda_storages(srv);
   if (cuda > 0)
     return td__conn_error(c, seq, TD_EBUSY,
                           "upgrade: %llu CUDA storages are live; upgrade them "
@@ -1066,6 +1085,11 @@ int td__upgrade_request(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
       td__conn_quiesce(o);
   uv_check_start(&u->check, on_quiet_check);
   return 0;
+}
+
+int td__upgrade_asked(const td__conn *c) {
+  const td__upgrade *u = c->srv->upgrade;
+  return u != NULL && (u->asker == c || u->channel == c);
 }
 
 void td__upgrade_conn_gone(td__conn *c) {

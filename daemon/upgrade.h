@@ -22,6 +22,10 @@ struct Tensord__Upgrade;
  * once nothing is in flight. Returns 0. */
 int td__upgrade_request(td__conn *c, uint64_t seq,
                         const struct Tensord__Upgrade *m);
+/* Whether c asked for the upgrade in progress (tensorctl upgrade's
+ * connection, or the new tensord's): it is not handed over, so it must take
+ * nothing until it is answered. */
+int td__upgrade_asked(const td__conn *c);
 /* c is closing: an upgrade in progress forgets it. */
 void td__upgrade_conn_gone(td__conn *c);
 /* tensord is stopping: abandons an upgrade in progress (its asker gets an

@@ -6,6 +6,8 @@
 #include "harness.h"
 #include "raw.h"
 
+#include "handover.pb-c.h"
+
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
@@ -14,6 +16,8 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -886,6 +890,201 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   td_storage *s;
   cr_assert_eq(td_storage_create(c, 100, &s), 0);
   td_storage_release(s);
+  td_close(c);
+}
+
+/* A waiting lookup whose deadline passes while the handover runs (the
+ * new tensord stopped after taking everything, before Ready) is answered
+ * once, by the new daemon, with ETIMEDOUT as soon as it serves. */
+TDT_TEST(upgrade, a_waiter_whose_deadline_passes_during_it_times_out_once) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw w;
+  tdt_raw_open(&w, &d);
+  int wait_ms = patience(300);
+  uint64_t seq = tdt_raw_lookup(&w, "never", 0, wait_ms);
+  tdt_raw_flush(&w);
+  sleep_ms(50); /* it waits */
+  pid_t old = d.pid;
+  setenv("TENSORD_UPGRADE_STALL", "received", 1);
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  wait_stopped(pid);
+  sleep_ms(wait_ms + 200);
+  cr_assert_null(tdt_raw_reply(&w, 0), "answered during the handover");
+  cr_assert_eq(kill(pid, SIGCONT), 0);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = pid;
+  Tensord__Response *rep = tdt_raw_reply(&w, patience(5000));
+  cr_assert_not_null(rep, "the waiter was lost");
+  cr_assert_eq(rep->seq, seq);
+  cr_assert_eq(tdt_raw_code(rep), TD_ETIMEDOUT, "got %d", tdt_raw_code(rep));
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_null(tdt_raw_reply(&w, 200), "answered twice");
+  cr_assert(serves_as(pid, patience(5000)));
+  tdt_raw_close(&w);
+}
+
+/* A CUDA create still on the thread pool when tensord --upgrade asks is
+ * not among the storages the refusal counts; the handover must not carry
+ * it once it completes (its GPU allocation dies with the old process).
+ * This test plays the new tensord on the handover channel. */
+TDT_TEST(upgrade, a_cuda_create_in_flight_is_not_handed_over) {
+#ifndef TDT_CUDA_DOUBLE
+  cr_skip_test("built without the CUDA driver's test double");
+#else
+  setenv("TENSORD_CUDA_DRIVER", TDT_CUDA_DOUBLE, 1);
+  setenv("UV_THREADPOOL_SIZE", "1", 1);
+  tdt_start(&d, NULL);
+  unsetenv("UV_THREADPOOL_SIZE");
+  remember(d.instance);
+  tdt_raw a, b;
+  tdt_raw_open(&a, &d);
+  tdt_raw_open(&b, &d);
+  Tensord__Create cm = TENSORD__CREATE__INIT;
+  Tensord__Request cq = TENSORD__REQUEST__INIT;
+  uint8_t uuid[16] = "tdcudadouble"; /* GPU 0 of the double */
+  cm.nbytes = 4096;
+  cm.device = TENSORD__DEVICE__DEVICE_CUDA;
+  cm.device_uuid.data = uuid;
+  cm.device_uuid.len = sizeof(uuid);
+  cq.body_case = TENSORD__REQUEST__BODY_CREATE;
+  cq.create = &cm;
+  Tensord__Upgrade um = TENSORD__UPGRADE__INIT;
+  Tensord__Request uq = TENSORD__REQUEST__INIT;
+  um.handover_version = 1;
+  um.pid = getpid();
+  uq.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  uq.upgrade = &um;
+  /* One thread on the daemon's pool, busy zeroing a large create first:
+   * the CUDA create waits behind it while the Upgrade is taken. */
+  uint64_t bseq = tdt_raw_create(&a, 512u << 20);
+  uint64_t cseq = tdt_raw_queue(&a, &cq);
+  tdt_raw_flush(&a);
+  int unread = 1;
+  for (int t = 0; t < patience(5000) && unread > 0; t++) {
+    cr_assert_eq(ioctl(a.fd, SIOCOUTQ, &unread), 0);
+    if (unread > 0)
+      sleep_ms(1);
+  }
+  cr_assert_eq(unread, 0, "the daemon does not read the creates");
+  tdt_raw_queue(&b, &uq);
+  tdt_raw_flush(&b);
+  int ch = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&b, patience(5000), &ch);
+  cr_assert_not_null(rep);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE, "got %d",
+               (int)rep->body_case);
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_geq(ch, 0, "no handover channel");
+  int carried = 0, aborted = 0;
+  static uint8_t buf[256 * 1024];
+  for (;;) {
+    struct pollfd p = {ch, POLLIN, 0};
+    cr_assert_eq(poll(&p, 1, patience(10000)), 1, "the old side is silent");
+    ssize_t n = recv(ch, buf, sizeof(buf), MSG_CMSG_CLOEXEC);
+    if (n <= 0)
+      break;
+    Tensord__Handover__Packet *pk =
+        tensord__handover__packet__unpack(NULL, (size_t)n, buf);
+    cr_assert_not_null(pk);
+    int end = 0;
+    if (pk->body_case == TENSORD__HANDOVER__PACKET__BODY_BEGIN) {
+      Tensord__Handover__Accept ac = TENSORD__HANDOVER__ACCEPT__INIT;
+      Tensord__Handover__Packet ap = TENSORD__HANDOVER__PACKET__INIT;
+      ac.version = 1;
+      ac.daemon_version = "test";
+      ac.pid = getpid();
+      ap.body_case = TENSORD__HANDOVER__PACKET__BODY_ACCEPT;
+      ap.accept = &ac;
+      uint8_t out[256];
+      size_t len = tensord__handover__packet__pack(&ap, out);
+      cr_assert_eq(send(ch, out, len, MSG_NOSIGNAL), (ssize_t)len);
+    } else if (pk->body_case == TENSORD__HANDOVER__PACKET__BODY_STORAGES) {
+      for (size_t i = 0; i < pk->storages->n_storages; i++)
+        carried +=
+            pk->storages->storages[i]->device == TENSORD__DEVICE__DEVICE_CUDA;
+    } else if (pk->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT) {
+      aborted = 1;
+      cr_log_info("old side: %s", pk->abort->message);
+    } else if (pk->body_case == TENSORD__HANDOVER__PACKET__BODY_END) {
+      end = 1;
+    }
+    tensord__handover__packet__free_unpacked(pk, NULL);
+    if (end)
+      break;
+  }
+  close(ch); /* the old side, waiting for Ready, serves on */
+  cr_assert_eq(carried, 0, "the handover carried %d CUDA storage(s)", carried);
+  cr_assert(aborted, "the old side did not say why it gave up");
+  cr_assert(tdt_log_has(&d, "CUDA storages are live"));
+  for (int i = 0; i < 2; i++) {
+    rep = tdt_raw_reply(&a, patience(10000));
+    cr_assert_not_null(rep, "a create was lost");
+    cr_assert(rep->seq == bseq || rep->seq == cseq);
+    cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_STORAGE, "got %d",
+                 (int)rep->body_case);
+    tensord__response__free_unpacked(rep, NULL);
+  }
+  tdt_raw_close(&b);
+  tdt_raw_close(&a);
+  cr_assert_eq(serving_pid(), d.pid);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+  unsetenv("TENSORD_CUDA_DRIVER");
+#endif
+}
+
+/* What the connection that asked for tensorctl upgrade does until it is
+ * answered is refused: that connection is not handed over, so a storage or
+ * a waiter it took now would break the handover (or be lost). */
+TDT_TEST(upgrade, the_asker_takes_nothing_until_it_is_answered) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  pid_t old = d.pid;
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  Tensord__Upgrade um = TENSORD__UPGRADE__INIT;
+  Tensord__Request q = TENSORD__REQUEST__INIT;
+  um.spawn = 1;
+  q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  q.upgrade = &um;
+  /* In one write: the daemon reads all three before the new one asks. */
+  uint64_t useq = tdt_raw_queue(&r, &q);
+  uint64_t cseq = tdt_raw_create(&r, 4096);
+  uint64_t lseq = tdt_raw_lookup(&r, "never", 0, -1);
+  tdt_raw_flush(&r);
+  int ccode = 1, lcode = 1, ucode = 1;
+  int32_t new_pid = 0;
+  while (ucode == 1) {
+    Tensord__Response *rep = tdt_raw_reply(&r, patience(10000));
+    cr_assert_not_null(rep, "no reply to the Upgrade (eof %d)", r.eof);
+    if (rep->seq == cseq)
+      ccode = tdt_raw_code(rep);
+    else if (rep->seq == lseq)
+      lcode = tdt_raw_code(rep);
+    else if (rep->seq == useq) {
+      ucode = tdt_raw_code(rep);
+      if (rep->body_case == TENSORD__RESPONSE__BODY_UPGRADE)
+        new_pid = rep->upgrade->new_pid;
+      else
+        cr_log_error("upgrade: %s", rep->error->message);
+    }
+    tensord__response__free_unpacked(rep, NULL);
+  }
+  cr_assert_eq(ccode, TD_EBUSY, "the asker's Create got %d", ccode);
+  cr_assert_eq(lcode, TD_EBUSY, "the asker's Lookup got %d", lcode);
+  cr_assert_eq(ucode, 0, "the upgrade failed (%d)", ucode);
+  cr_assert_gt(new_pid, 0);
+  tdt_raw_close(&r);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = new_pid;
+  cr_assert(serves_as(new_pid, patience(5000)), "tensord %d does not serve",
+            (int)new_pid);
+  cr_assert_eq(tdt_storages(&d), 0);
+  td_stat st;
+  td_client *c = tdt_connect(&d);
+  cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+  cr_assert_eq(st.waiters, 0);
   td_close(c);
 }
 

@@ -1589,8 +1589,14 @@ static int ask(const char *path, uint32_t version, pid_t *old_pid) {
   }
   struct ucred cred;
   socklen_t cl = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0 ||
-      (cred.uid != geteuid() && cred.uid != 0)) {
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0) {
+    int e = errno;
+    fprintf(stderr, "tensord: --upgrade: who runs the daemon on %s: %s\n", path,
+            strerror(e));
+    close(fd);
+    return -e;
+  }
+  if (cred.uid != geteuid() && cred.uid != 0) {
     fprintf(stderr,
             "tensord: --upgrade: the daemon on %s runs as uid %u, not as "
             "this uid %u or root; not asking it\n",
@@ -1829,7 +1835,15 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
     return broken_off(&t, argv, err, old_pid);
   tensord__handover__packet__free_unpacked(p, NULL);
   /* Committed: we serve, whatever becomes of the old daemon. It exits once
-   * it reads Started; nothing is polled before. */
+   * it reads Started; nothing is polled before. A SIGTERM or SIGINT from
+   * now on must stop this daemon gracefully, not kill it by the default
+   * action before its handlers are in place (td__server_listen): hold them
+   * pending until then. */
+  sigset_t stops, was;
+  sigemptyset(&stops);
+  sigaddset(&stops, SIGINT);
+  sigaddset(&stops, SIGTERM);
+  sigprocmask(SIG_BLOCK, &stops, &was);
   Tensord__Handover__Started sm = TENSORD__HANDOVER__STARTED__INIT;
   sm.pid = (int32_t)getpid();
   send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, &sm);
@@ -1839,6 +1853,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
 
   uv_update_time(loop);
   td__server_listen(srv);
+  sigprocmask(SIG_SETMASK, &was, NULL);
   if (srv->pool.count > 0)
     uv_timer_start(&srv->pool_timer, td__server_pool_tick, 10, 0);
   for (size_t i = 0; i < t.nconns; i++)

@@ -814,6 +814,29 @@ TDT_TEST(upgrade, sigkill_new_when_started) {
   kill_new_at("started");
 }
 
+/* A SIGTERM that reaches the new daemon between Started and the moment its
+ * handlers are in place stops it gracefully (exit 0, its storages freed),
+ * as one at any other time would: not the signal's default action. */
+TDT_TEST(upgrade, sigterm_right_after_started_stops_gracefully) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  pid_t old = d.pid;
+  setenv("TENSORD_UPGRADE_STALL", "started", 1);
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  wait_stopped(pid);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  td_storage_release(s);
+  td_close(c);
+  d.pid = pid;
+  kill(pid, SIGTERM); /* pending while it is stopped */
+  kill(pid, SIGCONT);
+  tdt_stopped(&d); /* exit 0, no segment, no socket left */
+}
+
 /* ---- --state-dir ---- */
 
 TDT_TEST(upgrade, keys_survive_an_upgrade_then_a_restart) {

@@ -561,6 +561,51 @@ typedef struct ffmt {
   int pad_l, pad_r, frac_digits, exp_digits;
 } ffmt;
 
+#define SHOW_PRECISION 8 /* numpy's default: digits after the point */
+
+/* Sets dig and *exp10 as shortest_digits does, but rounded (from the exact
+ * value, ties to even, as numpy's Dragon4 with a cutoff) to at most
+ * SHOW_PRECISION digits after the point: positional when sci is 0, after the
+ * first digit when it is 1. Leaves them unchanged when they fit. */
+static void cut_digits(int sci, double ax, char dig[24], int *exp10) {
+  int nd = (int)strlen(dig);
+  int frac = sci ? nd - 1 : nd - 1 - *exp10;
+  if (frac <= SHOW_PRECISION)
+    return;
+  char tmp[400];
+  size_t n = 0;
+  const char *q;
+  if (sci) {
+    snprintf(tmp, sizeof(tmp), "%.*e", SHOW_PRECISION, ax);
+  } else {
+    snprintf(tmp, sizeof(tmp), "%.*f", SHOW_PRECISION, ax);
+    /* The decimal exponent of the rounded value: its first non-zero digit. */
+    const char *dot = strchr(tmp, '.');
+    const char *first = tmp;
+    while (*first == '0' || *first == '.')
+      first++;
+    if (*first == '\0') { /* rounded to zero */
+      snprintf(dig, 24, "0");
+      *exp10 = 0;
+      return;
+    }
+    *exp10 = first < dot ? (int)(dot - first) - 1 : -(int)(first - dot);
+    for (q = first; *q && n < 23; q++)
+      if (isdigit((unsigned char)*q))
+        dig[n++] = *q;
+    goto trim;
+  }
+  for (q = tmp; *q && *q != 'e' && n < 23; q++)
+    if (isdigit((unsigned char)*q))
+      dig[n++] = *q;
+  q = strchr(tmp, 'e');
+  *exp10 = q ? atoi(q + 1) : 0;
+trim:
+  while (n > 1 && dig[n - 1] == '0')
+    n--;
+  dig[n] = '\0';
+}
+
 /* A finite value split for layout: sign and integer part, fraction, and
  * (scientific) exponent. */
 static void split(const ffmt *f, double x, char ip[48], char fp[40],
@@ -568,6 +613,7 @@ static void split(const ffmt *f, double x, char ip[48], char fp[40],
   char dig[24], body[40];
   double ax = fabs(x);
   shortest_digits(f->dt, ax, dig, exp10);
+  cut_digits(f->sci, ax, dig, exp10);
   const char *sign = signbit(x) ? "-" : f->plus ? "+" : "";
   if (f->sci) {
     snprintf(ip, 48, "%s%c", sign, dig[0]);

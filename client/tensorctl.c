@@ -28,8 +28,8 @@ static void usage(FILE *f) {
           "\n"
           "commands:\n"
           "  ls [-l]     every live storage: id, device, size, references,\n"
-          "              holders (pids), keys, age; -l adds mode, owner, "
-          "group\n"
+          "              holders (pids and names), keys, age; -l adds mode,\n"
+          "              owner, group\n"
           "  stat        totals: storages, bytes used / capacity, clients,\n"
           "              keys, uptime, version, instance and the prefixes\n"
           "              of its segments in /dev/shm\n"
@@ -685,11 +685,17 @@ int main(int argc, char **argv) {
                         "more)\n");
         return 2;
       }
-    } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
-      socket = argv[++i];
-    } else if (strcmp(argv[i], "--binary") == 0 && i + 1 < argc &&
-               strcmp(cmd, "upgrade") == 0) {
-      binary = argv[++i];
+    } else if (strcmp(argv[i], "--socket") == 0 ||
+               (strcmp(argv[i], "--binary") == 0 &&
+                strcmp(cmd, "upgrade") == 0)) {
+      if (i + 1 >= argc) {
+        fprintf(stderr, "tensorctl %s: %s needs a PATH\n", cmd, argv[i]);
+        return 2;
+      }
+      if (argv[i][2] == 's')
+        socket = argv[++i];
+      else
+        binary = argv[++i];
     } else if (arg == NULL) {
       arg = argv[i];
     } else {

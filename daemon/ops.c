@@ -285,14 +285,13 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     if (known && n > shm_free + freed) {
       td__credit(reg, uid, n);
       td__pool_restore(&srv->pool, victims);
-      return reject(
-          c, seq, TD_ENOSPC,
-          "create of %s (%llu bytes): /dev/shm has %s (%llu bytes) free of "
-          "%s",
-          td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
-          td__human_bytes(shm_free + freed, b, sizeof(b)),
-          (unsigned long long)(shm_free + freed),
-          td__human_bytes(shm_total, d, sizeof(d)));
+      /* The words of shm.c's no_space, which the docs quote: a user sees
+       * one message whichever check refuses. */
+      return reject(c, seq, TD_ENOSPC,
+                    "/dev/shm cannot hold %s (%llu bytes): %s free of %s",
+                    td__human_bytes(n, a, sizeof(a)), (unsigned long long)n,
+                    td__human_bytes(shm_free + freed, b, sizeof(b)),
+                    td__human_bytes(shm_total, d, sizeof(d)));
     }
   }
 

@@ -1,5 +1,5 @@
 /* td-produce.c: creates a float32 matrix in shared memory, fills it, and
- * publishes it under a key; then waits until someone takes it. */
+ * publishes it under a key; then exits, the key keeping the storage alive. */
 #include "tensord.h"
 
 #include <stdio.h>

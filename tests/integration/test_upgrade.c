@@ -3,6 +3,7 @@
  * client noticing; an incompatible handover version changes nothing; a
  * SIGKILL at any phase leaves exactly one daemon (or the --state-dir
  * recovery path); systemd learns the new MAINPID. */
+#include "cli.h"
 #include "harness.h"
 #include "raw.h"
 
@@ -639,6 +640,27 @@ TDT_TEST(upgrade, tensorctl_upgrade_reports_a_successor_that_fails) {
   cr_assert_eq(run(argv2, out, sizeof(out)), 1, "tensorctl said '%s'", out);
   cr_assert(tdt_log_has(&d, "this tensord speaks 999..999"));
   cr_assert_eq(serving_pid(), d.pid);
+}
+
+/* An option that ends the command line without its value is a usage error
+ * that names it, not an argument the command "takes no" of. */
+TDT_TEST(upgrade, tensorctl_options_without_their_value_are_usage_errors) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                    "upgrade", "--binary", NULL},
+              &r);
+  cr_expect_eq(r.status, 2, "tensorctl upgrade --binary: status %d", r.status);
+  cr_expect(strstr(r.err, "tensorctl upgrade: --binary needs a PATH") != NULL,
+            "%s", r.err);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "ls", "--socket", NULL}, &r);
+  cr_expect_eq(r.status, 2, "tensorctl ls --socket: status %d", r.status);
+  cr_expect(strstr(r.err, "tensorctl ls: --socket needs a PATH") != NULL, "%s",
+            r.err);
+  tdt_run_free(&r);
+  cr_assert_eq(serving_pid(), d.pid, "tensorctl upgrade --binary upgraded");
 }
 
 TDT_TEST(upgrade, refuses_while_cuda_storages_are_live) {

@@ -133,6 +133,28 @@ Test(repr, floats_as_numpy_lays_them_out) {
   (void)a;
 }
 
+/* numpy's default precision: at most 8 digits after the point (or after
+ * the first digit, in scientific), rounded from the exact value. */
+Test(repr, floats_stop_at_eight_digits_after_the_point) {
+  float f[] = {-0.104766846f, 2.9438195f, 0.74072933f,
+               3.6352563f,    0.3882146f, 0.08649683f};
+  td_view v = vec(TD_FLOAT32, 6);
+  expect_repr(&v, f,
+              "array([-0.10476685,  2.9438195 ,  0.74072933,  3.6352563 ,  "
+              "0.3882146 ,  0.08649683], dtype=float32)");
+  v = vec(TD_FLOAT64, 2);
+  double tie[] = {0x1p-9, 1.0}; /* 0.001953125: a tie, to even */
+  expect_repr(&v, tie, "array([0.00195312, 1.        ])");
+  double carry[] = {0.999999999, 2.0};
+  expect_repr(&v, carry, "array([1., 2.])");
+  double neg[] = {-0.999999999, 0.5};
+  expect_repr(&v, neg, "array([-1. ,  0.5])");
+  double sci[] = {1.234567891e-5, 1.0};
+  expect_repr(&v, sci, "array([1.23456789e-05, 1.00000000e+00])");
+  double sci_carry[] = {9.9999999999e5, 1e-3};
+  expect_repr(&v, sci_carry, "array([1.e+06, 1.e-03])");
+}
+
 Test(repr, long_views_show_three_at_each_end) {
   static float r[2000];
   for (int i = 0; i < 2000; i++)

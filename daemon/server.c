@@ -14,6 +14,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <pwd.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -641,6 +642,12 @@ void td__server_stop(td__server *srv) {
     uv_close((uv_handle_t *)&srv->unlink_check, NULL);
     uv_close((uv_handle_t *)&srv->sigint, NULL);
     uv_close((uv_handle_t *)&srv->sigterm, NULL);
+    /* Closing them gave the signals their default action back: a second
+     * one (timeout(1) signals the daemon and its process group) would kill
+     * tensord before its segments are unlinked. The stop is under way:
+     * ignore them; SIGKILL still ends it. */
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
     td__scrape_close(&srv->scrape);
     if (srv->own_socket && unlink(srv->socket_path) < 0 && errno != ENOENT)
       td__warn("unlink(%s): %s", srv->socket_path, strerror(errno));

@@ -7,6 +7,7 @@
 
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <signal.h>
 #include <string.h>
 #include <time.h>
 
@@ -262,6 +263,24 @@ TDT_TEST(cleanup, stop_during_a_clean_up_finishes_it) {
   }
   td_close(w);
   tdt_stop(&d);
+}
+
+/* A second SIGTERM while tensord stops (timeout(1) signals the daemon and
+ * its process group) is ignored: the stop, waiting for a create on the
+ * thread pool, finishes, and tensord exits 0 with no segment left. */
+TDT_TEST(cleanup, a_second_sigterm_during_a_stop_is_ignored) {
+  tdt_start(&d, NULL);
+  tdt_raw a;
+  tdt_raw_open(&a, &d);
+  tdt_raw_create(&a, 512u << 20); /* reserving its pages takes a while */
+  tdt_raw_flush(&a);
+  struct timespec ts = {0, 20 * 1000 * 1000};
+  nanosleep(&ts, NULL); /* the create is on the pool */
+  cr_assert_eq(kill(d.pid, SIGTERM), 0);
+  nanosleep(&ts, NULL); /* the stop has begun, waiting for the create */
+  kill(d.pid, SIGTERM);
+  tdt_raw_close(&a);
+  tdt_stopped(&d); /* exit 0, no segment */
 }
 
 /* A client that reconnects at once after a large disconnect is served while

@@ -6,7 +6,7 @@
 # whenever it dies of SIGKILL it is started again with the same socket and
 # state dir; with --restart, soak SIGKILLs it every ~15 s. With --upgrade,
 # soak runs $dir/upgrade (tensord --upgrade with the same options) every
-# ~8 s under load; the old daemon exits 0 and the supervisor follows the new
+# ~6 s under load; the old daemon exits 0 and the supervisor follows the new
 # one by its pid (the end of a daemon it follows, not its child, counts as
 # a SIGKILL: soak tells its own kills from others). Both may be given.
 # Always stops the daemon, removes the state dir, and leaves no segment of

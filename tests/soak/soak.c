@@ -319,7 +319,7 @@ static struct {
   unsigned cripple;        /* $SOAK_CRIPPLE: per 1000 operations, see the top */
   const char *upgrade_cmd; /* --upgrade: starts `tensord --upgrade` */
   unsigned upgrade_every_s;
-} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL, 0, NULL, 8};
+} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL, 0, NULL, 6};
 
 static void note_msg(const char *kind, const char *fmt, va_list ap) {
   char buf[320];
@@ -2026,9 +2026,9 @@ static void usage(FILE *f) {
              "  --restart-every S   seconds between daemon kills (default 15)\n"
              "  --upgrade CMD       run CMD (tensord --upgrade with the\n"
              "                      daemon's options; run.sh makes one) every\n"
-             "                      ~8 s under load; clients must notice\n"
+             "                      ~6 s under load; clients must notice\n"
              "                      nothing. Goes with --restart\n"
-             "  --upgrade-every S   seconds between upgrades (default 8)\n"
+             "  --upgrade-every S   seconds between upgrades (default 6)\n"
              "  --seed N            random seed (default: $TDT_SEED, else from\n"
              "                      the time)\n"
              "  --instances-file F  append each daemon instance seen to F\n"
@@ -2234,7 +2234,9 @@ int main(int argc, char **argv) {
       next_restart = bench_now_ns() + (uint64_t)cfg.restart_every_s *
                                           (700 + CRND() % 600) * 1000000u;
     }
-    if (cfg.upgrade_cmd && now >= next_upgrade &&
+    /* Not while connection errors are allowed after a restart: every
+     * upgrade is judged strictly. */
+    if (cfg.upgrade_cmd && now >= next_upgrade && !restart_window_end &&
         end_ns - now > 3000000000ull) {
       upgrade_daemon();
       next_upgrade = bench_now_ns() + (uint64_t)cfg.upgrade_every_s *

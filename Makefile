@@ -83,7 +83,9 @@ bench: build
 	exit $$rc
 
 # The soak test: 256 clients for SOAK_SECONDS against a private tensord, as
-# root. SOAK_ARGS=--restart also SIGKILLs and restarts the daemon every ~15 s.
+# root. SOAK_ARGS=--restart also SIGKILLs and restarts the daemon every ~15 s;
+# SOAK_ARGS=--upgrade upgrades it live (tensord --upgrade) every ~6 s, and
+# any error a client sees from it fails the run; both may be given.
 SOAK_SECONDS ?= 300
 SOAK_ARGS    ?=
 soak: build

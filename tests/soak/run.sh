@@ -1,18 +1,24 @@
 #!/bin/sh
-# run.sh BUILD_DIR [SECONDS] [--restart]: runs the soak test for SECONDS
-# (default 300) against a private tensord with --state-dir, on a socket every
-# uid may use (soak runs some clients as other uids). A supervisor loop keeps
-# the daemon up as systemd's Restart=on-failure would: whenever it dies of
-# SIGKILL it is started again with the same socket and state dir; with
-# --restart, soak SIGKILLs it every ~15 s. Always stops the daemon, removes
-# the state dir, and leaves no segment of any of its instances in /dev/shm.
-# Exits with soak's status, or 1 if something had to be cleaned up after it.
+# run.sh BUILD_DIR [SECONDS] [--restart] [--upgrade]: runs the soak test for
+# SECONDS (default 300) against a private tensord with --state-dir, on a
+# socket every uid may use (soak runs some clients as other uids). A
+# supervisor loop keeps the daemon up as systemd's Restart=on-failure would:
+# whenever it dies of SIGKILL it is started again with the same socket and
+# state dir; with --restart, soak SIGKILLs it every ~15 s. With --upgrade,
+# soak runs $dir/upgrade (tensord --upgrade with the same options) every
+# ~6 s under load; the old daemon exits 0 and the supervisor follows the new
+# one by its pid (the end of a daemon it follows, not its child, counts as
+# a SIGKILL: soak tells its own kills from others). Both may be given.
+# Always stops the daemon, removes the state dir, and leaves no segment of
+# any of its instances in /dev/shm. Exits with soak's status, or 1 if
+# something had to be cleaned up after it or a daemon exited unexpectedly.
 # $SOAK_OPTS adds options to soak; TDT_SEED and SOAK_CRIPPLE reach it
 # through the environment (see soak --help).
 set -u
 
 usage() {
-  echo "usage: tests/soak/run.sh BUILD_DIR [SECONDS] [--restart]" >&2
+  echo "usage: tests/soak/run.sh BUILD_DIR [SECONDS] [--restart]" \
+       "[--upgrade]" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -20,9 +26,11 @@ build=$(cd "$1" && pwd) || exit 2
 shift
 secs=300
 restart=
+upgrade=
 for a in "$@"; do
   case $a in
   --restart) restart=--restart ;;
+  --upgrade) upgrade=1 ;;
   '' | *[!0-9]*) usage ;;
   *) secs=$a ;;
   esac
@@ -47,6 +55,42 @@ sock=$dir/tensord.sock
 log=$dir/tensord.log
 sup=
 spid=
+set -- --socket "$sock" --socket-mode 0666 --state-dir "$dir/state" \
+  --log-level info
+
+# soak runs this to upgrade live: the new daemon, its pid left for the
+# supervisor in $dir/daemon.pid.new, logging where the first one does.
+{
+  echo '#!/bin/sh'
+  echo "echo \$\$ >'$dir/daemon.pid.new'"
+  echo "exec '$daemon' --upgrade $* 2>>'$log'"
+} >"$dir/upgrade"
+chmod 0755 "$dir/upgrade"
+
+# Whether pid $1 is gone: no process, or a zombie nobody reaped yet (the
+# daemons soak's upgrades start are soak's children).
+gone() {
+  st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)
+  [ -z "$st" ] || [ "$st" = Z ] || [ "$st" = X ]
+}
+
+# After an upgrade: follows the daemon that took over (the pid in
+# $dir/daemon.pid.new, once the one before is gone) into $dir/daemon.pid,
+# until one is gone and none newer serves. Returns at once when stopping.
+follow() {
+  while :; do
+    cur=$(cat "$dir/daemon.pid")
+    while ! gone "$cur"; do
+      [ -e "$dir/stopping" ] && return
+      sleep 0.05
+    done
+    next=$(cat "$dir/daemon.pid.new" 2>/dev/null)
+    if [ -z "$next" ] || [ "$next" = "$cur" ] || gone "$next"; then
+      return
+    fi
+    echo "$next" >"$dir/daemon.pid"
+  done
+}
 
 # Starts tensord, and again whenever it dies of SIGKILL, until $dir/stopping
 # exists. Appends each instance to $dir/instances (the daemon writes its
@@ -55,8 +99,7 @@ spid=
 supervise() {
   while :; do
     was=$(head -n 1 "$sock.instance" 2>/dev/null)
-    "$daemon" --socket "$sock" --socket-mode 0666 --state-dir "$dir/state" \
-      --log-level info 2>>"$log" &
+    "$daemon" "$@" 2>>"$log" &
     dpid=$!
     echo "$dpid" >"$dir/daemon.pid"
     i=0
@@ -72,6 +115,15 @@ supervise() {
     wait "$dpid" 2>/dev/null # no "Killed" from the shell
     rc=$?
     [ -e "$dir/stopping" ] && exit 0
+    if [ $rc -eq 0 ] && [ -n "$upgrade" ]; then
+      next=$(cat "$dir/daemon.pid.new" 2>/dev/null)
+      if [ -n "$next" ] && ! gone "$next"; then
+        echo "$next" >"$dir/daemon.pid"
+        follow # upgraded away: soak checks that the new one serves
+        [ -e "$dir/stopping" ] && exit 0
+        rc=137
+      fi
+    fi
     if [ $rc -ne 137 ]; then
       echo "run.sh: tensord (pid $dpid) exited with status $rc; not" \
            "restarting it" >&2
@@ -110,7 +162,7 @@ stop() {
       sleep 0.1
       i=$((i + 1))
     done
-    wait "$sup" 2>/dev/null
+    wait "$sup" 2>/dev/null || status=1
   fi
   # The daemon unlinks what no key names when it stops; soak unpublished
   # every key, so nothing may be left. Remove what is, and say so.
@@ -140,7 +192,7 @@ stop() {
 trap stop EXIT
 trap 'exit 130' INT TERM
 
-supervise &
+supervise "$@" &
 sup=$!
 i=0
 while [ ! -s "$dir/instances" ]; do
@@ -156,8 +208,8 @@ echo "tensord $("$daemon" --version | cut -d' ' -f2) on $sock, state in" \
      "$dir/state; $(nproc) CPU(s), /dev/shm" \
      "$(df -h -P /dev/shm | awk 'NR == 2 { print $2 }')"
 # shellcheck disable=SC2086 # SOAK_OPTS is split on purpose
-"$soak" --seconds "$secs" $restart --instances-file "$dir/instances" \
-  ${SOAK_OPTS:-} "$sock" &
+"$soak" --seconds "$secs" $restart ${upgrade:+--upgrade "$dir/upgrade"} \
+  --instances-file "$dir/instances" ${SOAK_OPTS:-} "$sock" &
 spid=$!
 wait "$spid"
 status=$?

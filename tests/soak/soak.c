@@ -36,11 +36,27 @@
  *   run's instances, and the daemon's RSS did not grow from the first to the
  *   last part of the run.
  *
+ * - Live upgrades (--upgrade CMD): every ~--upgrade-every seconds the
+ *   coordinator runs CMD (run.sh's: `tensord --upgrade` with the daemon's
+ *   options) under full load, and waits for the old daemon to exit (0, where
+ *   it is the coordinator's child) and the new one to serve (stat's pid) with
+ *   the same instance. Clients must notice nothing: a lost connection is an
+ *   unexpected error as any other, and a client that never comes back from
+ *   a request (a lost reply) keeps the parking below from completing. After
+ *   each upgrade the durable keys are checked, then every client parks
+ *   between operations while the coordinator checks the daemon's state:
+ *   stat's storages and keys agree with its listing, every storage is named
+ *   by a key or held, and /dev/shm holds one segment per storage and the
+ *   pool's segments. The
+ *   summary reports the upgrades and the longest client operation across
+ *   one (lookups that may wait aside), next to the longest otherwise.
+ *
  * The coordinator forks the clients (they die with it) and counts through a
  * shared anonymous mapping of atomic counters. It restarts no daemon itself:
  * with --restart it SIGKILLs the daemon and waits for whoever supervises it
  * (run.sh, as systemd would with Restart=on-failure) to start it again on
- * the same socket and --state-dir. */
+ * the same socket and --state-dir. The daemons --upgrade starts are the
+ * coordinator's children; run.sh's supervisor follows them by pid. */
 #include "bench.h"
 #include "seed.h"
 
@@ -272,6 +288,12 @@ typedef struct shared {
   char msgs[MAX_MSGS][320];
   _Atomic int stop;
   _Atomic int restarting; /* the daemon is down or coming back */
+  /* --upgrade: one is under way; upgrades begun (a client's operation that
+   * sees either change spans one); clients parked for the check after it. */
+  _Atomic int upgrading, hold;
+  _Atomic uint64_t upgrade_gen;
+  _Atomic uint32_t parked;
+  _Atomic uint64_t op_max_ns, op_max_upgrade_ns; /* longest client op */
   _Atomic uint32_t nkilled;
   _Atomic uint64_t killed[MAX_INSTANCES]; /* instances the coordinator killed */
   _Atomic uint32_t recent_next;
@@ -294,8 +316,10 @@ static struct {
   int restart;
   uint64_t seed;
   const char *instances_file;
-  unsigned cripple; /* $SOAK_CRIPPLE: per 1000 operations, see the top */
-} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL, 0};
+  unsigned cripple;        /* $SOAK_CRIPPLE: per 1000 operations, see the top */
+  const char *upgrade_cmd; /* --upgrade: starts `tensord --upgrade` */
+  unsigned upgrade_every_s;
+} cfg = {NULL, 300, 256, 1024, 32, 1, 20, 250, 15, 0, 0, NULL, 0, NULL, 6};
 
 static void note_msg(const char *kind, const char *fmt, va_list ap) {
   char buf[320];
@@ -793,6 +817,24 @@ static int op_missing(client *me) {
   return err;
 }
 
+/* Raises *max to v if v is larger. */
+static void note_max(_Atomic uint64_t *max, uint64_t v) {
+  uint64_t m = atomic_load(max);
+  while (v > m && !atomic_compare_exchange_weak(max, &m, v))
+    ;
+}
+
+/* Between operations: waits while the coordinator checks the daemon's
+ * state after an upgrade, counted in sh->parked. */
+static void park(void) {
+  if (!atomic_load(&sh->hold))
+    return;
+  atomic_fetch_add(&sh->parked, 1);
+  while (atomic_load(&sh->hold) && !atomic_load(&sh->stop))
+    sleep_ms(5);
+  atomic_fetch_sub(&sh->parked, 1);
+}
+
 static int client_main(void *arg) {
   client me = {0};
   me.slot = (int)(intptr_t)arg;
@@ -821,6 +863,7 @@ static int client_main(void *arg) {
       splitmix(cfg.seed ^ ((uint64_t)getpid() << 20) ^ (uint64_t)me.slot) | 1;
 
   while (!atomic_load(&sh->stop)) {
+    park();
     if (me.c == NULL && client_connect(&me) < 0) {
       sleep_ms(20 + below(&me, 30));
       continue;
@@ -829,6 +872,9 @@ static int client_main(void *arg) {
              below(&me, cfg.sleep_max_ms - cfg.sleep_min_ms + 1));
     unsigned r = below(&me, 1000);
     int err;
+    uint64_t gen = atomic_load(&sh->upgrade_gen);
+    int during = atomic_load(&sh->upgrading);
+    uint64_t t = bench_now_ns();
     if (cfg.cripple > below(&me, 1000))
       err = op_missing(&me);
     else if (r < 220)
@@ -861,6 +907,13 @@ static int client_main(void *arg) {
       err = op_durable(&me);
     else
       err = op_list(&me);
+    t = bench_now_ns() - t;
+    if (r < 520 || r >= 680) /* lookups that may wait aside */
+      note_max(during || atomic_load(&sh->upgrading) ||
+                       atomic_load(&sh->upgrade_gen) != gen
+                   ? &sh->op_max_upgrade_ns
+                   : &sh->op_max_ns,
+               t);
     if (is_conn_err(err))
       disconnect(&me);
   }
@@ -989,6 +1042,7 @@ static int replacer_main(void *arg) {
   me.gid = getgid();
   me.rng = splitmix(cfg.seed ^ 0x5eed ^ (uint64_t)me.slot) | 1;
   while (!atomic_load(&sh->stop)) {
+    park();
     if (me.c == NULL) {
       if (client_connect(&me) < 0 || rw_resolve(&me) < 0) {
         if (me.c != NULL)
@@ -1018,6 +1072,9 @@ static uint64_t spawned, killed_clients, client_crashes;
 static uint64_t seen[MAX_INSTANCES];
 static unsigned nseen;
 static uint64_t restarts, longest_outage_ns, unrelated_restarts;
+static uint64_t upgrades, longest_upgrade_ns;
+static unsigned lives; /* restarts: daemon lives before the current one */
+static pid_t upgraded; /* the last daemon --upgrade started, or 0 */
 
 typedef struct rss_sample {
   uint64_t t_ns;
@@ -1198,6 +1255,7 @@ static void restart_daemon(void) {
     sleep_ms(5);
   }
   restarts++;
+  lives++;
   for (;;) {
     int err = coord_connect(30);
     if (err < 0)
@@ -1218,7 +1276,8 @@ static void restart_daemon(void) {
 }
 
 static void sample_rss(uint64_t t0) {
-  if (cur.pid <= 0 || atomic_load(&sh->restarting))
+  if (cur.pid <= 0 || atomic_load(&sh->restarting) ||
+      atomic_load(&sh->upgrading))
     return;
   int64_t v = bench_proc_status(cur.pid, "VmRSS");
   if (v < 0)
@@ -1230,7 +1289,7 @@ static void sample_rss(uint64_t t0) {
       bench_die("out of memory");
   }
   rss[nrss].t_ns = bench_now_ns() - t0;
-  rss[nrss].life = (unsigned)restarts;
+  rss[nrss].life = lives;
   rss[nrss++].rss = v;
 }
 
@@ -1375,6 +1434,154 @@ static size_t keyspace(char ***out) {
   }
   *out = k;
   return i;
+}
+
+/* With every live client parked between operations (up to 10 s; one that
+ * never parks is stuck in a request), checks the daemon's state: stat's
+ * storages and keys agree with its listing, every storage is named by a key
+ * or held, /dev/shm holds one segment per storage and the recycling pool's
+ * files td_stat_get counts. A client the chaos loop
+ * killed just before is cleaned up in the background, so the checks are
+ * retried for up to 5 s before they count. Leaves the clients running. */
+static void check_state(const char *when) {
+  atomic_store(&sh->hold, 1);
+  uint64_t deadline = bench_now_ns() + 10000000000ull;
+  uint32_t want = 0, got = 0;
+  for (;;) {
+    want = 0;
+    for (unsigned i = 0; i < cfg.clients; i++)
+      want += slots[i].pid > 0 && !slots[i].killed;
+    for (int r = 0; r < REPLACERS; r++)
+      want += replacer[r] > 0;
+    got = atomic_load(&sh->parked);
+    if (got >= want || bench_now_ns() > deadline)
+      break;
+    sleep_ms(5);
+  }
+  if (got < want) {
+    violation("%s: %u of %u client(s) did not come back from a request "
+              "within 10 s",
+              when, want - got, want);
+    atomic_store(&sh->hold, 0);
+    return;
+  }
+  listing l = {0};
+  char why[256] = "";
+  deadline = bench_now_ns() + 5000000000ull;
+  for (;;) {
+    int err = td_stat_get(coord, &cur);
+    if (err == 0)
+      err = list_all(&l);
+    if (err < 0) {
+      unexpected("coordinator: %s: stat/list: %s: %s", when, td_err_name(err),
+                 td_last_error(coord));
+      break;
+    }
+    uint64_t keys = 0, bare = 0, bare_id = 0;
+    for (size_t i = 0; i < l.n; i++) {
+      keys += l.v[i].nkeys_total;
+      if (l.v[i].nkeys_total == 0 && l.v[i].holders == 0 && !bare++)
+        bare_id = l.v[i].id;
+    }
+    unsigned segs = count_files(0), pooled = count_files(1);
+    why[0] = '\0';
+    if (cur.storages != l.n || segs != l.n)
+      snprintf(why, sizeof(why),
+               "td_stat_get counts %" PRIu64 " storage(s), td_list %zu, "
+               "/dev/shm %u segment(s)",
+               cur.storages, l.n, segs);
+    else if (cur.keys != keys)
+      snprintf(why, sizeof(why),
+               "td_stat_get counts %" PRIu64 " key(s), td_list's storages "
+               "%" PRIu64,
+               cur.keys, keys);
+    else if (pooled != cur.pool_segments)
+      snprintf(why, sizeof(why),
+               "td_stat_get counts %" PRIu64 " pooled segment(s), /dev/shm "
+               "%u",
+               cur.pool_segments, pooled);
+    else if (bare)
+      snprintf(why, sizeof(why),
+               "%" PRIu64 " storage(s) neither named nor held (id %" PRIu64 ")",
+               bare, bare_id);
+    if (why[0] == '\0' || bench_now_ns() > deadline)
+      break;
+    sleep_ms(50);
+  }
+  if (why[0] != '\0')
+    violation("%s, every client parked for 5 s: %s", when, why);
+  listing_free(&l);
+  atomic_store(&sh->hold, 0);
+}
+
+/* Runs cfg.upgrade_cmd (`tensord --upgrade`) under load; waits for the old
+ * daemon to exit (0, where it is ours) and the new one to serve the same
+ * instance, on the coordinator's own connection, which must see nothing;
+ * then checks the durable keys and the daemon's state. */
+static void upgrade_daemon(void) {
+  pid_t old = cur.pid;
+  uint64_t inst = cur.instance;
+  char when[64];
+  snprintf(when, sizeof(when), "after upgrade %" PRIu64, upgrades + 1);
+  atomic_store(&sh->upgrading, 1);
+  atomic_fetch_add(&sh->upgrade_gen, 1);
+  uint64_t t0 = bench_now_ns();
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0)
+    bench_die("fork: %s", strerror(errno));
+  if (pid == 0) {
+    execl(cfg.upgrade_cmd, cfg.upgrade_cmd, (char *)NULL);
+    fprintf(stderr, "soak: running %s: %s\n", cfg.upgrade_cmd, strerror(errno));
+    _exit(127);
+  }
+  for (;;) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid)
+      bench_die("%s (pid %d) ended with %s %d before it served; see "
+                "tensord's log",
+                cfg.upgrade_cmd, (int)pid,
+                WIFSIGNALED(st) ? "signal" : "exit status",
+                WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+    int err = td_stat_get(coord, &cur);
+    if (err < 0) {
+      unexpected("coordinator: stat across upgrade %" PRIu64 ": %s: %s",
+                 upgrades + 1, td_err_name(err), td_last_error(coord));
+      if (coord_connect(30) < 0)
+        bench_die("tensord is gone: %s", td_last_error(NULL));
+    }
+    if (cur.pid == pid && pid_gone(old))
+      break;
+    if (bench_now_ns() - t0 > 30000000000ull)
+      bench_die("upgrade %" PRIu64 ": after 30 s tensord pid %d serves, old "
+                "pid %d %s; see tensord's log",
+                upgrades + 1, (int)cur.pid, (int)old,
+                pid_gone(old) ? "exited" : "runs on");
+    sleep_ms(5);
+  }
+  uint64_t took = bench_now_ns() - t0;
+  if (took > longest_upgrade_ns)
+    longest_upgrade_ns = took;
+  upgrades++;
+  if (old == upgraded) { /* ours: it must have exited 0 */
+    int st;
+    if (waitpid(old, &st, 0) == old && !(WIFEXITED(st) && !WEXITSTATUS(st)))
+      violation("%s: the old tensord (pid %d) ended with %s %d, not exit "
+                "status 0",
+                when, (int)old, WIFSIGNALED(st) ? "signal" : "exit status",
+                WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+  }
+  upgraded = pid;
+  atomic_store(&sh->upgrading, 0);
+  if (cur.instance != inst)
+    violation("%s: tensord pid %d serves instance %016" PRIx64 ", not "
+              "%016" PRIx64,
+              when, (int)cur.pid, cur.instance, inst);
+  if (check_durable(when, NULL) < 0)
+    unexpected("coordinator: %s: lost the connection checking the durable "
+               "keys: %s",
+               when, td_last_error(coord));
+  check_state(when);
 }
 
 /* The figures of the end-state table. */
@@ -1576,13 +1783,15 @@ static void final_checks(double run_s) {
   /* 6. RSS: the first and the last minute (20% of a shorter run). With
    * restarts, each daemon process is judged on its own life, first 20% of
    * its samples against the last 20%: a restarted daemon's RSS depends on
-   * the journal it replayed, so processes are not compared. */
+   * the journal it replayed, so processes are not compared. A live upgrade
+   * starts no new life: the new daemon serves what the old one had, so its
+   * RSS is judged against the old one's (a leak in the handover shows). */
   double w = run_s >= 300 ? 60 : run_s * 0.2;
   end.rss_from = w;
   end.rss_first = rss_median(0, w, &end.rss_nfirst);
   end.rss_last = rss_median(run_s - w, run_s + 1, &end.rss_nlast);
   end.rss_allowed = rss_allow(end.rss_first);
-  if (restarts == 0) {
+  if (lives == 0) {
     end.rss_ok = end.rss_first > 0 && end.rss_last > 0 &&
                  end.rss_last <= end.rss_allowed;
     if (!end.rss_ok)
@@ -1594,7 +1803,7 @@ static void final_checks(double run_s) {
   } else {
     end.rss_ok = 1;
     end.worst_life = -1;
-    for (unsigned life = 0; life <= restarts; life++) {
+    for (unsigned life = 0; life <= lives; life++) {
       int64_t *v = malloc((nrss + 1) * sizeof(*v));
       size_t n = 0;
       for (size_t k = 0; v != NULL && k < nrss; k++)
@@ -1710,6 +1919,15 @@ static void report(double run_s) {
   if (restarts)
     printf("  %-32s %.0f ms\n", "longest outage (kill to serving)",
            (double)longest_outage_ns / 1e6);
+  printf("  %-32s %" PRIu64 "%s\n", "live upgrades", upgrades,
+         cfg.upgrade_cmd ? "" : " (--upgrade not given)");
+  if (upgrades)
+    printf("  %-32s %.0f ms\n", "longest upgrade (start to serving)",
+           (double)longest_upgrade_ns / 1e6);
+  printf("  %-32s %.0f ms across an upgrade, %.0f ms otherwise\n",
+         "longest client operation",
+         (double)atomic_load(&sh->op_max_upgrade_ns) / 1e6,
+         (double)atomic_load(&sh->op_max_ns) / 1e6);
   printf("  %-32s %" PRIu64 "\n", "connections lost",
          atomic_load(&sh->conn_lost));
   printf("  %-32s %" PRIu64 "\n", "reconnects", atomic_load(&sh->reconnects));
@@ -1756,13 +1974,13 @@ static void report(double run_s) {
          "tensord RSS, median", (double)end.rss_first / MIB, end.rss_from,
          end.rss_nfirst, (double)end.rss_last / MIB, end.rss_from,
          end.rss_nlast, (double)end.rss_allowed / MIB,
-         restarts     ? "; not judged across restarts"
+         lives        ? "; not judged across restarts"
          : end.rss_ok ? ""
                       : "  GREW");
-  if (restarts && end.worst_life >= 0)
-    printf("  %-32s life %d of %" PRIu64 " grew most: %.1f MiB -> %.1f MiB "
+  if (lives && end.worst_life >= 0)
+    printf("  %-32s life %d of %u grew most: %.1f MiB -> %.1f MiB "
            "(first and last 20%% of its %zu samples; allowed %.1f MiB)%s\n",
-           "tensord RSS, per daemon process", end.worst_life, restarts + 1,
+           "tensord RSS, per daemon process", end.worst_life, lives + 1,
            (double)end.life_first / MIB, (double)end.life_last / MIB,
            end.life_samples, (double)rss_allow(end.life_first) / MIB,
            end.rss_ok ? "" : "  GREW");
@@ -1806,6 +2024,11 @@ static void usage(FILE *f) {
              "  --restart           SIGKILL the daemon every ~15 s; something\n"
              "                      must start it again (run.sh does)\n"
              "  --restart-every S   seconds between daemon kills (default 15)\n"
+             "  --upgrade CMD       run CMD (tensord --upgrade with the\n"
+             "                      daemon's options; run.sh makes one) every\n"
+             "                      ~6 s under load; clients must notice\n"
+             "                      nothing. Goes with --restart\n"
+             "  --upgrade-every S   seconds between upgrades (default 6)\n"
              "  --seed N            random seed (default: $TDT_SEED, else from\n"
              "                      the time)\n"
              "  --instances-file F  append each daemon instance seen to F\n"
@@ -1837,6 +2060,8 @@ int main(int argc, char **argv) {
     O_RESTART_EVERY,
     O_SEED,
     O_INSTANCES,
+    O_UPGRADE,
+    O_UPGRADE_EVERY,
   };
   static const struct option opts[] = {
       {"seconds", required_argument, NULL, O_SECONDS},
@@ -1849,6 +2074,8 @@ int main(int argc, char **argv) {
       {"restart-every", required_argument, NULL, O_RESTART_EVERY},
       {"seed", required_argument, NULL, O_SEED},
       {"instances-file", required_argument, NULL, O_INSTANCES},
+      {"upgrade", required_argument, NULL, O_UPGRADE},
+      {"upgrade-every", required_argument, NULL, O_UPGRADE_EVERY},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -1893,6 +2120,16 @@ int main(int argc, char **argv) {
     case O_INSTANCES:
       cfg.instances_file = optarg;
       break;
+    case O_UPGRADE:
+      if (access(optarg, X_OK) < 0)
+        bench_die("--upgrade '%s': %s (a program that starts `tensord "
+                  "--upgrade`)",
+                  optarg, strerror(errno));
+      cfg.upgrade_cmd = optarg;
+      break;
+    case O_UPGRADE_EVERY:
+      cfg.upgrade_every_s = parse_u("--upgrade-every", optarg, 2, 3600);
+      break;
     case 'h':
       usage(stdout);
       return 0;
@@ -1921,13 +2158,21 @@ int main(int argc, char **argv) {
   if (err < 0)
     bench_die("connect to %s: %s", cfg.sock, td_last_error(NULL));
   unsigned others = geteuid() == 0 ? cfg.clients / 4 : 0;
+  char chaos[128] = "";
+  size_t cl = 0;
+  if (cfg.restart)
+    cl += (size_t)snprintf(chaos, sizeof(chaos),
+                           ", tensord SIGKILLed every ~%u s",
+                           cfg.restart_every_s);
+  if (cfg.upgrade_cmd)
+    snprintf(chaos + cl, sizeof(chaos) - cl,
+             ", tensord upgraded live every ~%u s", cfg.upgrade_every_s);
   printf("soak: %u s, %u clients (%u of them as uids %u-%u), sleeping "
          "%u-%u ms between operations, keys soak/0..%u, %u durable; a client "
          "SIGKILLed every ~%u ms%s; seed %" PRIu64 "\n",
          cfg.seconds, cfg.clients, others, (unsigned)other_uid[0],
          (unsigned)other_uid[NUIDS - 1], cfg.sleep_min_ms, cfg.sleep_max_ms,
-         cfg.keys - 1, cfg.durable, cfg.kill_every_ms,
-         cfg.restart ? ", tensord SIGKILLed every ~15 s" : "", cfg.seed);
+         cfg.keys - 1, cfg.durable, cfg.kill_every_ms, chaos, cfg.seed);
   printf("soak: tensord %s, pid %d, instance %016" PRIx64 ", state dir %s\n",
          cur.version, (int)cur.pid, cur.instance,
          cur.state_dir[0] ? cur.state_dir : "(none)");
@@ -1960,6 +2205,8 @@ int main(int argc, char **argv) {
       t0 + (uint64_t)cfg.restart_every_s * (700 + CRND() % 600) * 1000000u;
   uint64_t next_rss = t0, next_durable = t0 + 5000000000ull;
   uint64_t restart_window_end = 0;
+  uint64_t next_upgrade =
+      t0 + (uint64_t)cfg.upgrade_every_s * (700 + CRND() % 600) * 1000000u;
 
   for (;;) {
     uint64_t now = bench_now_ns();
@@ -1985,6 +2232,14 @@ int main(int argc, char **argv) {
        * the restart only at their next call. */
       restart_window_end = bench_now_ns() + 2000000000ull;
       next_restart = bench_now_ns() + (uint64_t)cfg.restart_every_s *
+                                          (700 + CRND() % 600) * 1000000u;
+    }
+    /* Not while connection errors are allowed after a restart: every
+     * upgrade is judged strictly. */
+    if (cfg.upgrade_cmd && now >= next_upgrade && !restart_window_end &&
+        end_ns - now > 3000000000ull) {
+      upgrade_daemon();
+      next_upgrade = bench_now_ns() + (uint64_t)cfg.upgrade_every_s *
                                           (700 + CRND() % 600) * 1000000u;
     }
     if (now >= next_rss) {
@@ -2076,8 +2331,7 @@ int main(int argc, char **argv) {
         n ? ", " : "", reads, reads_min);
   if (err_frac > MAX_ALLOWED_ERR)
     WHY("%s%.1f%% of the clients' requests failed, more than %.0f%%",
-        n ? ", " : "",
-        100 * err_frac, 100 * MAX_ALLOWED_ERR);
+        n ? ", " : "", 100 * err_frac, 100 * MAX_ALLOWED_ERR);
   if (v)
     WHY("%s%" PRIu64 " invariant violation(s)", n ? ", " : "", v);
   if (x)
@@ -2087,10 +2341,17 @@ int main(int argc, char **argv) {
   if (!end.cleanup_ok)
     WHY("%sclean-up left storages", n ? ", " : "");
   td_close(coord);
+  char ups[160] = "";
+  if (cfg.upgrade_cmd)
+    snprintf(ups, sizeof(ups),
+             "; %" PRIu64 " live upgrade(s), the longest client operation "
+             "%.0f ms across one, %.0f ms otherwise",
+             upgrades, (double)atomic_load(&sh->op_max_upgrade_ns) / 1e6,
+             (double)atomic_load(&sh->op_max_ns) / 1e6);
   if (n == 0) {
-    printf("soak: PASS\n");
+    printf("soak: PASS%s\n", ups);
     return 0;
   }
-  printf("soak: FAIL (%s)\n", why);
+  printf("soak: FAIL (%s)%s\n", why, ups);
   return 1;
 }

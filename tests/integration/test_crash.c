@@ -24,11 +24,6 @@ static char state_dir[64]; /* "" when the test uses none */
 static uint64_t instances[8];
 static int ninstances;
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 /* ---- /dev/shm ---- */
 
 static int seg_exists(uint64_t instance, uint64_t id) {
@@ -373,10 +368,10 @@ TDT_TEST(crash, client_killed_between_create_and_publish_leaks_nothing) {
   kill(pid, SIGKILL);
   cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
   for (int i = 0; i < 2500 && n_storages_now() != 1; i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_eq(n_storages_now(), 1, "only the published storage is left");
   for (int i = 0; i < 2500 && tdt_segments(&d) != 1; i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_eq(tdt_segments(&d), 1, "the unpublished segments are unlinked");
   cr_assert_not(seg_exists(d.instance, ids[0]));
   cr_assert_not(seg_exists(d.instance, ids[1]));
@@ -394,7 +389,7 @@ TDT_TEST(crash, client_killed_between_create_and_publish_leaks_nothing) {
     char x;
     cr_assert_eq(poll(&pf, 1, 10000), 1);
     cr_assert_eq(read(p[0], &x, 1), 1);
-    sleep_ms(30 + 40 * round);
+    tdt_sleep_ms(30 + 40 * round);
     kill(pid, SIGKILL);
     cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
     cr_assert(tdt_until(tdt_no_segments, &d, 10000), "round %d: %d segment(s)",
@@ -404,7 +399,7 @@ TDT_TEST(crash, client_killed_between_create_and_publish_leaks_nothing) {
       cr_assert_eq(td_stat_get(c, &st), 0);
       if (st.storages == 0 && st.bytes_used == 0 && st.clients == 1)
         break;
-      sleep_ms(2);
+      tdt_sleep_ms(2);
     }
     cr_assert_eq(st.storages, 0, "round %d", round);
     cr_assert_eq(st.bytes_used, 0, "round %d", round);
@@ -547,7 +542,7 @@ TDT_TEST(crash, sigkill_and_restart_serve_every_key_again) {
   td_storage_release(x);
   cr_assert_eq(td_unpublish(c2, "crash/c"), 0);
   for (int i = 0; i < 2500 && seg_exists(inst1, named[2]); i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_not(seg_exists(inst1, named[2]),
                 "an adopted storage no key names any more is unlinked");
 
@@ -956,7 +951,7 @@ TDT_TEST(crash, two_sigkills_in_a_row_keep_every_key) {
   cr_assert_eq(tdt_segments_of(inst1), NSTOR, "the first instance's storages");
   cr_assert_not(seg_exists(inst2, held_id), "the unnamed one is unlinked");
   for (int i = 0; i < 2500 && seg_exists(inst2, mine_id); i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_eq(tdt_segments_of(inst2), 0);
   finish();
 }

@@ -25,11 +25,6 @@ static char ctl[64];       /* the shim's control files */
 static uint64_t instances[8];
 static int ninstances;
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 static void remember(uint64_t instance) {
   if (ninstances < 8)
     instances[ninstances++] = instance;
@@ -93,7 +88,7 @@ static int ctl_exists(const char *name) {
 /* Waits until the shim says a sync is stuck at the gate. */
 static void wait_gate_reached(void) {
   for (int i = 0; i < 10000 && !ctl_exists("gate.reached"); i++)
-    sleep_ms(1);
+    tdt_sleep_ms(1);
   cr_assert(ctl_exists("gate.reached"), "no sync reached the gate; see %s",
             d.log);
 }
@@ -166,7 +161,8 @@ static void finish(const char *const *keys, int nkeys) {
   td_close(c);
   tdt_stop(&d);
   for (int i = 0; i < ninstances; i++)
-    cr_assert_eq(tdt_segments_of(instances[i]), 0, "instance %d left segments", i);
+    cr_assert_eq(tdt_segments_of(instances[i]), 0, "instance %d left segments",
+                 i);
   rm_dir(state_dir);
   rm_dir(ctl);
   memset(&d, 0, sizeof(d));
@@ -484,7 +480,8 @@ TDT_TEST(durability, failed_sync_answers_eio_naming_the_state_dir) {
  * of a failed write-back), leaving a hole in the middle of the journal that
  * replay stops at. So a change acknowledged after the failure must not sit
  * behind it in the same journal: it must survive the hole. */
-TDT_TEST(durability, change_acknowledged_after_a_failed_sync_survives_its_hole) {
+TDT_TEST(durability,
+         change_acknowledged_after_a_failed_sync_survives_its_hole) {
   start("%s/journal.*");
   td_client *c = tdt_connect(&d);
   td_storage *s;
@@ -500,8 +497,7 @@ TDT_TEST(durability, change_acknowledged_after_a_failed_sync_survives_its_hole) 
   cr_assert_eq(stat(journal, &sb), 0);
   long long written = (long long)sb.st_size;
   cr_assert_gt(written, synced, "the failed change was written, not synced");
-  cr_assert_eq(td_publish(c, "hole/after", s, NULL), 0, "%s",
-               td_last_error(c));
+  cr_assert_eq(td_publish(c, "hole/after", s, NULL), 0, "%s", td_last_error(c));
   td_storage_release(s);
   td_close(c);
   kill9();
@@ -527,8 +523,7 @@ TDT_TEST(durability, change_acknowledged_after_a_failed_sync_survives_its_hole) 
                 d.log);
   cr_assert_geq(offset_of(c, "hole/before"), 0);
   td_close(c);
-  finish((const char *const[]){"hole/before", "hole/failed", "hole/after"},
-         3);
+  finish((const char *const[]){"hole/before", "hole/failed", "hole/after"}, 3);
 }
 
 /* ---- compaction ---- */
@@ -545,7 +540,7 @@ TDT_TEST(durability, compaction_folds_the_journal_and_keys_survive) {
   churn_wait(&ch, 0);
   unsigned long long lowest;
   for (int i = 0; i < 5000 && journals(&lowest) != 1; i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_eq(journals(&lowest), 1, "the folded journal is removed");
   cr_assert_gt(lowest, first, "journal.%llu follows journal.%llu", lowest,
                first);
@@ -869,7 +864,7 @@ TDT_TEST(durability, a_compacted_snapshot_leaves_scoped_keys_out) {
   cr_assert_eq(td_publish(c, "scope/failed", kept, NULL), TD_EIO);
   rm("fail");
   for (int i = 0; i < 5000 && !tdt_log_has(&d, "compacted into snapshot"); i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert(tdt_log_has(&d, "compacted into snapshot"), "see %s", d.log);
   char snap[128];
   snprintf(snap, sizeof(snap), "%s/snapshot", state_dir);

@@ -33,11 +33,6 @@ TestSuite(quota, .init = setup, .fini = tdt_cleanup);
   cr_assert(strstr(td_last_error(c), (needle)) != NULL,                        \
             "message '%s' does not name '%s'", td_last_error(c), (needle))
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 static uint64_t want_clients;
 
 /* Whether the daemon has want_clients connections besides the one asking. */
@@ -99,7 +94,7 @@ static int other_uid_has_its_own_quota(void *arg) {
 }
 
 TDT_TEST(quota, creates_past_the_quota_get_edquot_naming_uid_and_figures,
-     .timeout = 30) {
+         .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--quota", "1M", "--socket-mode", "0666",
                                       NULL});
   td_client *c = tdt_connect(&d);
@@ -186,7 +181,7 @@ TDT_TEST(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
     cr_assert_eq(td_stat_get(c1, &st), 0);
     if (st.clients == 1)
       break;
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   }
   cr_assert_eq(st.clients, 1);
   cr_assert_eq(st.max_clients, 2);
@@ -241,7 +236,7 @@ TDT_TEST(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
     if (err == 0)
       break;
     cr_assert_eq(err, TD_EUSERS, "%s", td_last_error(NULL));
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   }
   cr_assert_not_null(c3, "a place freed up, but no connection got it");
   cr_assert_eq(td_ping(c3, NULL), 0);
@@ -253,7 +248,8 @@ TDT_TEST(quota, max_clients_refuses_the_next_with_eusers, .timeout = 30) {
 
 /* ---- --max-storages-per-client ---- */
 
-TDT_TEST(quota, max_storages_per_client_is_emfile_naming_the_limit, .timeout = 30) {
+TDT_TEST(quota, max_storages_per_client_is_emfile_naming_the_limit,
+         .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--max-storages-per-client", "3", NULL});
   td_client *c = tdt_connect(&d), *o = tdt_connect(&d);
   td_stat st;
@@ -349,7 +345,8 @@ static void send_all(int fd, const void *buf, size_t len) {
                strerror(errno));
 }
 
-TDT_TEST(quota, half_sent_request_is_disconnected_after_io_timeout, .timeout = 30) {
+TDT_TEST(quota, half_sent_request_is_disconnected_after_io_timeout,
+         .timeout = 30) {
   tdt_start(&d, (const char *const[]){"--io-timeout", "300", NULL});
   /* Half a frame header, then nothing. */
   int fd = tdt_raw_connect(&d, 1);
@@ -379,7 +376,7 @@ TDT_TEST(quota, half_sent_request_is_disconnected_after_io_timeout, .timeout = 3
 
   /* An idle client owes nothing and stays, well past the timeout. */
   td_client *c = tdt_connect(&d);
-  sleep_ms(1200);
+  tdt_sleep_ms(1200);
   cr_assert_eq(td_ping(c, NULL), 0, "idle client: %s", td_last_error(c));
   want_clients = 1;
   cr_assert(tdt_until(clients_are, &d, 5000), "only the idle client is left");
@@ -428,7 +425,7 @@ TDT_TEST(quota, client_that_never_reads_is_disconnected, .timeout = 60) {
     cr_assert_eq(td_ping(other, NULL), 0, "%s", td_last_error(other));
     gone = clients_are(&d);
     if (!gone)
-      sleep_ms(100);
+      tdt_sleep_ms(100);
   }
   cr_assert(gone, "a client that reads nothing is still connected after "
                   "10 s with --io-timeout 300");
@@ -490,7 +487,8 @@ static void *connect_thread(void *p) {
   return NULL;
 }
 
-TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60) {
+TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash,
+         .timeout = 60) {
   enum { LIMIT = 64, MAX = 128 };
   if (getenv("TDT_DAEMON_WRAPPER") != NULL)
     cr_skip_test("under a tool such as valgrind the daemon's fds are the "
@@ -514,7 +512,7 @@ TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60)
       stable = 0;
     } else {
       stable++;
-      sleep_ms(50);
+      tdt_sleep_ms(50);
     }
   }
   cr_assert_eq(daemon_fds(), LIMIT, "the daemon's fds are all taken");
@@ -542,7 +540,7 @@ TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60)
   cr_assert_eq(pthread_create(&t, NULL, connect_thread, &j), 0);
   for (int i = 0; i < 100 && !tdt_log_has(&d, "accept: Too many open files");
        i++)
-    sleep_ms(50);
+    tdt_sleep_ms(50);
   cr_assert(tdt_log_has(&d, "accept: Too many open files"), "see %s", d.log);
   cr_assert_eq(td_ping(c, NULL), 0, "%s", td_last_error(c));
   td_close(many[--n]);
@@ -558,7 +556,7 @@ TDT_TEST(quota, running_out_of_fds_is_an_error_reply_not_a_crash, .timeout = 60)
   for (int i = 0; i < 2500 && err == TD_EMFILE; i++) {
     err = td_storage_create(c, 4096, &x);
     if (err == TD_EMFILE)
-      sleep_ms(2);
+      tdt_sleep_ms(2);
   }
   cr_assert_eq(err, 0, "%s", td_last_error(c));
   td_storage_release(x);

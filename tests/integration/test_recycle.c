@@ -56,17 +56,12 @@ static size_t not_all(const td_storage *s, int v) {
   return bad;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 /* Polls c's stat until pool_segments is n (releases need no reply, and
  * other connections' land when they land). */
 static td_stat pool_is(td_client *c, uint64_t n) {
   td_stat st = stat_of(c);
   for (int i = 0; i < 2500 && st.pool_segments != n; i++) {
-    sleep_ms(2);
+    tdt_sleep_ms(2);
     st = stat_of(c);
   }
   cr_assert_eq(st.pool_segments, n, "pool has %llu segment(s), not %llu",
@@ -78,7 +73,7 @@ static td_stat pool_is(td_client *c, uint64_t n) {
  * go are unlinked on tensord's thread pool). Returns how many it holds. */
 static int pooled_files(int n) {
   for (int i = 0; i < 2500 && tdt_pooled_of(d.instance) != n; i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   return tdt_pooled_of(d.instance);
 }
 
@@ -198,8 +193,7 @@ TDT_TEST(recycle, the_pool_gives_way_to_a_create_that_needs_room,
          .timeout = 30) {
   /* The pool counts against the capacity: a create that fits only once
    * the pool is gone must still succeed. */
-  const char *args[] = {"--capacity", "8MiB", "--recycle-bytes", "8MiB",
-                        NULL};
+  const char *args[] = {"--capacity", "8MiB", "--recycle-bytes", "8MiB", NULL};
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *a = make(c, 3 * MiB, 0), *b = make(c, 3 * MiB, 0);
@@ -303,7 +297,8 @@ TDT_TEST(recycle, a_taken_key_recycles_its_segment_with_a_state_dir,
     td_storage_release(t);
     pool_is(c, 1);
   }
-  cr_assert_eq(stat_of(c).pool_hits, 2, "the batches after the first were "
+  cr_assert_eq(stat_of(c).pool_hits, 2,
+               "the batches after the first were "
                "not served from the pool");
   td_close(c);
   tdt_stop(&d);
@@ -319,8 +314,8 @@ typedef struct job {
   uid_t uid;
   size_t n;
   uint64_t flags;
-  int expect; /* every byte of the new storage, or -1 */
-  int fill;   /* then written to every byte, or -1 */
+  int expect;          /* every byte of the new storage, or -1 */
+  int fill;            /* then written to every byte, or -1 */
   const char *publish; /* then published under this key (mode 0644) */
   const char *peek;    /* or: this key is looked up read-only, released */
 } job;
@@ -369,15 +364,15 @@ TDT_TEST(recycle, pages_never_cross_uids, .timeout = 30) {
   pool_is(c, 1);
   /* B asks for uninitialised bytes of the very size A's pooled segment has:
    * it must get fresh pages, never A's. */
-  run_job((job){.uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0,
-                .fill = 0xb2});
+  run_job((job){
+      .uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0, .fill = 0xb2});
   td_stat st = pool_is(c, 2);
   cr_assert_eq(st.pool_hits, 0, "a create of uid B was served A's pages");
   /* Each uid gets its own back. */
-  run_job((job){.uid = UID_A, .n = MiB, .flags = TD_UNINIT, .expect = 0xa1,
-                .fill = -1});
-  run_job((job){.uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0xb2,
-                .fill = -1});
+  run_job((job){
+      .uid = UID_A, .n = MiB, .flags = TD_UNINIT, .expect = 0xa1, .fill = -1});
+  run_job((job){
+      .uid = UID_B, .n = MiB, .flags = TD_UNINIT, .expect = 0xb2, .fill = -1});
   st = stat_of(c);
   cr_assert_eq(st.pool_hits, 2);
   /* Root is a uid like any other here: it gets neither. */
@@ -393,13 +388,16 @@ TDT_TEST(recycle, a_segment_another_uid_mapped_is_never_recycled,
   start_shared();
   td_client *c = tdt_connect(&d);
   /* Without a foreign reader the segment is pooled ... */
-  run_job((job){.uid = UID_A, .n = MiB, .expect = -1, .fill = 1,
-                .publish = "mine"});
+  run_job((job){
+      .uid = UID_A, .n = MiB, .expect = -1, .fill = 1, .publish = "mine"});
   cr_assert_eq(td_unpublish(c, "mine"), 0, "%s", td_last_error(c));
   pool_is(c, 1);
   /* ... but once uid B has mapped it (B may keep its mapping past its
    * release), it must not serve A's next storage, which B may not read. */
-  run_job((job){.uid = UID_A, .n = 3 * MiB, .expect = -1, .fill = 2,
+  run_job((job){.uid = UID_A,
+                .n = 3 * MiB,
+                .expect = -1,
+                .fill = 2,
                 .publish = "shared"});
   run_job((job){.uid = UID_B, .peek = "shared"});
   cr_assert_eq(td_unpublish(c, "shared"), 0, "%s", td_last_error(c));
@@ -520,7 +518,7 @@ TDT_TEST(recycle, a_recycled_segment_reuses_the_processes_mapping,
    * that unmaps it (a small handle's release here, which maps nothing new
    * that could land at the same address). */
   td_storage *small = make(c, 4096, 0);
-  sleep_ms(5200);
+  tdt_sleep_ms(5200);
   cr_assert(mapped_at(was));
   td_storage_release(small);
   cr_assert_not(mapped_at(was), "a warm mapping outlived its time");

@@ -32,11 +32,6 @@ TestSuite(scopes, .init = setup, .fini = tdt_cleanup, .timeout = 30);
 
 /* ---- helpers ---- */
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 static uint8_t pat(size_t i, unsigned seed) {
   return (uint8_t)(i * 31 + seed + i / 4093);
 }
@@ -76,7 +71,7 @@ static td_stat stat_of(td_client *c) {
 static void keys_become(td_client *c, uint64_t n) {
   td_stat st = stat_of(c);
   for (int i = 0; i < 2500 && st.keys != n; i++) {
-    sleep_ms(2);
+    tdt_sleep_ms(2);
     st = stat_of(c);
   }
   cr_assert_eq(st.keys, n, "tensord has %llu key(s), not %llu",
@@ -404,7 +399,7 @@ TDT_TEST(cow, cow_and_plain_read_only_handles_in_one_process) {
   cr_assert_eq(td_unpublish(c, "cow/retry"), 0);
   /* The child's connection ends when the daemon reads its close. */
   for (int i = 0; i < 2500 && (refs = refs_of(c, j.id, pid)) != 0; i++)
-    sleep_ms(2);
+    tdt_sleep_ms(2);
   cr_assert_eq(refs, 0, "the child's references went");
   td_storage_release(s);
   td_close(c);
@@ -455,7 +450,7 @@ TDT_TEST(cow, a_recycled_segment_shows_its_new_bytes_to_a_new_cow_handle) {
   cr_assert_eq(td_storage_release(s), 0);
   td_stat st = stat_of(c);
   for (int i = 0; i < 2500 && st.pool_segments != 1; i++) {
-    sleep_ms(2);
+    tdt_sleep_ms(2);
     st = stat_of(c);
   }
   cr_assert_eq(st.pool_segments, 1, "the freed segment was not pooled");
@@ -764,7 +759,7 @@ TDT_TEST(scopes, publish_into_an_ended_or_unknown_scope_is_enoent) {
       if (err != 0)
         break;
       cr_assert_eq(td_unpublish(c, "scope/late"), 0);
-      sleep_ms(2);
+      tdt_sleep_ms(2);
     }
     cr_assert_eq(err, TD_ENOENT, "scope %zu: %s", i, td_last_error(c));
     char h[20];

@@ -91,11 +91,6 @@ static int join_within(pthread_t t, int ms) {
   return pthread_timedjoin_np(t, NULL, &ts);
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 /* ---- replies that pile up ---- */
 
 typedef struct worker {
@@ -224,7 +219,7 @@ TDT_TEST(threads, td_close_wakes_a_thread_blocked_sending) {
   int sending = 0, inside = 0;
   for (int waited = 0; (!sending || inside < N) && waited < 10000;
        waited += 5) {
-    sleep_ms(5);
+    tdt_sleep_ms(5);
     sending = inside = 0;
     for (int i = 0; i < N; i++) {
       long sc = atomic_load(&w[i].tid) > 0 ? syscall_of(w[i].tid) : -1;

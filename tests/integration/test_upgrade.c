@@ -32,11 +32,6 @@ static char state_dir[64];
 static uint64_t instances[8];
 static int ninstances;
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  nanosleep(&ts, NULL);
-}
-
 /* A wait of base ms, longer when tensord runs under a tool (valgrind). */
 static int patience(int base) {
   return getenv("TDT_DAEMON_WRAPPER") ? base * 20 : base;
@@ -159,7 +154,7 @@ static int serves_as(pid_t pid, int timeout_ms) {
   for (int t = 0; t < timeout_ms; t += 20) {
     if (serving_pid() == pid)
       return 1;
-    sleep_ms(20);
+    tdt_sleep_ms(20);
   }
   return serving_pid() == pid;
 }
@@ -222,7 +217,7 @@ static void wait_stopped(pid_t pid) {
 /* Waits until no segment of instance is left in /dev/shm. */
 static int none_of(uint64_t instance) {
   for (int t = 0; t < patience(5000) && tdt_segments_of(instance) > 0; t += 10)
-    sleep_ms(10);
+    tdt_sleep_ms(10);
   return tdt_segments_of(instance) == 0;
 }
 
@@ -265,7 +260,7 @@ TDT_TEST(upgrade, carries_everything_over) {
   uint64_t pseq = tdt_raw_ping(&h);
   size_t half = h.w.out_len / 2;
   cr_assert_eq(send(h.fd, h.w.out, half, 0), (ssize_t)half);
-  sleep_ms(50); /* the half request and the lookup reach the daemon */
+  tdt_sleep_ms(50); /* the half request and the lookup reach the daemon */
 
   static char before[16384], after[16384], segs0[4096], segs1[4096];
   ls_json(before, sizeof(before));
@@ -530,7 +525,7 @@ static long min_iters(void) {
 
 static void wait_iters(long at_least) {
   for (int t = 0; t < patience(30000) && min_iters() < at_least; t += 10)
-    sleep_ms(10);
+    tdt_sleep_ms(10);
   cr_assert_geq(min_iters(), at_least, "a loader is stuck");
 }
 
@@ -608,7 +603,7 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   cr_assert_str_eq(after, before);
   /* The asker's connection closes as the daemon sees its end. */
   for (int t = 0; t < patience(2000) && fds_of(d.pid) != fds; t += 10)
-    sleep_ms(10);
+    tdt_sleep_ms(10);
   /* (Under valgrind its own fds come and go.) */
   if (getenv("TDT_DAEMON_WRAPPER") == NULL)
     cr_assert_eq(fds_of(d.pid), fds,
@@ -949,13 +944,13 @@ TDT_TEST(upgrade, a_waiter_whose_deadline_passes_during_it_times_out_once) {
   int wait_ms = patience(300);
   uint64_t seq = tdt_raw_lookup(&w, "never", 0, wait_ms);
   tdt_raw_flush(&w);
-  sleep_ms(50); /* it waits */
+  tdt_sleep_ms(50); /* it waits */
   pid_t old = d.pid;
   setenv("TENSORD_UPGRADE_STALL", "received", 1);
   pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
   unsetenv("TENSORD_UPGRADE_STALL");
   wait_stopped(pid);
-  sleep_ms(wait_ms + 200);
+  tdt_sleep_ms(wait_ms + 200);
   cr_assert_null(tdt_raw_reply(&w, 0), "answered during the handover");
   cr_assert_eq(kill(pid, SIGCONT), 0);
   cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
@@ -1010,7 +1005,7 @@ TDT_TEST(upgrade, a_cuda_create_in_flight_is_not_handed_over) {
   for (int t = 0; t < patience(5000) && unread > 0; t++) {
     cr_assert_eq(ioctl(a.fd, SIOCOUTQ, &unread), 0);
     if (unread > 0)
-      sleep_ms(1);
+      tdt_sleep_ms(1);
   }
   cr_assert_eq(unread, 0, "the daemon does not read the creates");
   tdt_raw_queue(&b, &uq);

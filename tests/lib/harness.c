@@ -75,8 +75,8 @@ void tdt_note_instance(uint64_t instance) {
   int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0)
     return;
-  int n = snprintf(line, sizeof(line), "%016llx\n",
-                   (unsigned long long)instance);
+  int n =
+      snprintf(line, sizeof(line), "%016llx\n", (unsigned long long)instance);
   if (write(fd, line, (size_t)n) != n)
     fprintf(stderr, "harness: %s: %s\n", path, strerror(errno));
   close(fd);
@@ -335,8 +335,10 @@ void tdt_stopped(tdt_daemon *d) {
   tdt_kill(d);
   cr_assert_eq(status, 0, "tensord exited with %d", status);
   cr_assert_eq(left, 0, "%d segment(s) of this tensord left in /dev/shm", left);
-  cr_assert_eq(pooled, 0, "%d pooled segment(s) of this tensord left in "
-               "/dev/shm", pooled);
+  cr_assert_eq(pooled, 0,
+               "%d pooled segment(s) of this tensord left in "
+               "/dev/shm",
+               pooled);
   cr_assert_not(sock_left, "tensord left its socket %s", d->sock);
   cr_assert_eq(fds, d->fds_before, "the test leaked %d fd(s)",
                fds - d->fds_before);
@@ -418,6 +420,11 @@ pid_t tdt_fork(int (*fn)(void *), void *arg) {
   if (pid == 0)
     _exit(fn(arg));
   return pid;
+}
+
+void tdt_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  nanosleep(&ts, NULL);
 }
 
 int tdt_wait(pid_t pid) {

@@ -117,6 +117,8 @@ pid_t tdt_fork(int (*fn)(void *), void *arg);
 /* Waits for pid; returns its exit status, or 128 + the signal that ended
  * it. */
 int tdt_wait(pid_t pid);
+/* Sleeps ms milliseconds (an interrupted sleep ends early). */
+void tdt_sleep_ms(int ms);
 
 /* Inside a forked child: on failure, say where and return 1. */
 #define CHECK(cond)                                                            \

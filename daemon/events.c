@@ -82,7 +82,7 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
   srv->watchers = c;
   td__info("client %d%s%s watches events%s%.*s%s", (int)c->hold.peer.pid,
            c->name[0] ? " " : "", c->name, len ? " under '" : "", (int)len,
-           (const char *)prefix, len ? "'" : "");
+           len ? (const char *)prefix : "", len ? "'" : "");
   return 0;
 }
 

@@ -415,10 +415,18 @@ int tdt_log_has(const tdt_daemon *d, const char *needle) {
 
 pid_t tdt_fork(int (*fn)(void *), void *arg) {
   fflush(NULL);
+  pid_t parent = getpid();
   pid_t pid = fork();
   cr_assert(pid >= 0, "fork: %s", strerror(errno));
-  if (pid == 0)
+  if (pid == 0) {
+    /* A test that fails ends its process at once: a child parked in
+     * pause() would outlive it, hold ctest's output pipe open until ctest's
+     * timeout and keep its client connected. It dies with the test (and if
+     * the test died before the prctl, at once). */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
+      _exit(125);
     _exit(fn(arg));
+  }
   return pid;
 }
 

@@ -112,7 +112,9 @@ int tdt_open_fds(void);
 int tdt_log_has(const tdt_daemon *d, const char *needle);
 
 /* Forks a child that runs fn(arg) and exits with its return value (0 for
- * success); returns the child's pid. Use CHECK in fn, not cr_assert. */
+ * success); returns the child's pid. The child is killed (SIGKILL) if the
+ * test's process ends first, so a failing test leaves no child behind. Use
+ * CHECK in fn, not cr_assert. */
 pid_t tdt_fork(int (*fn)(void *), void *arg);
 /* Waits for pid; returns its exit status, or 128 + the signal that ended
  * it. */

@@ -11,21 +11,35 @@
 
 TestSuite(harness, .timeout = 60);
 
+typedef struct {
+  int out;   /* the test's pipe: the child's pid */
+  int ready; /* the dying test's pipe: the child is parked */
+} orphan_arg;
+
 static int write_pid_and_pause(void *p) {
-  int fd = *(int *)p;
+  orphan_arg *a = p;
   pid_t self = getpid();
-  if (write(fd, &self, sizeof(self)) != (ssize_t)sizeof(self))
+  if (write(a->out, &self, sizeof(self)) != (ssize_t)sizeof(self) ||
+      write(a->ready, "r", 1) != 1)
     return 1;
-  close(fd);
+  close(a->out);
+  close(a->ready);
   for (;;)
     pause();
 }
 
 /* Stands for a test's process: forks a child with tdt_fork that parks in
- * pause(), as tests' holders do, then dies as a failed assertion ends a
- * test, without reaping it. */
+ * pause(), as tests' holders do, then, once it is parked, dies as a failed
+ * assertion ends a test, without reaping it. */
 static int failing_test(void *p) {
-  tdt_fork(write_pid_and_pause, p);
+  int q[2];
+  if (pipe(q) < 0)
+    return 2;
+  orphan_arg a = {*(int *)p, q[1]};
+  tdt_fork(write_pid_and_pause, &a);
+  char x;
+  if (read(q[0], &x, 1) != 1)
+    return 2;
   _exit(1);
 }
 

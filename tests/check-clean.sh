@@ -38,7 +38,8 @@ fi
 left=
 if [ -f "$instances" ]; then
   for inst in $(sort -u "$instances"); do
-    for f in /dev/shm/tensord."$inst".*; do
+    # Its storages' segments and its recycling pool's.
+    for f in /dev/shm/tensord."$inst".* /dev/shm/tensord."$inst"-pool.*; do
       [ -e "$f" ] && left="$left ${f#/dev/shm/}"
     done
   done

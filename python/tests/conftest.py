@@ -99,7 +99,13 @@ class Daemon:
             return ""
 
     def segments(self) -> List[str]:
-        return glob.glob(f"/dev/shm/tensord.{self.instance:016x}.*")
+        """This daemon's segments in /dev/shm: its storages' and its
+        recycling pool's (tensord.<instance>-pool.*), which a clean stop
+        unlinks too."""
+        inst = f"{self.instance:016x}"
+        return glob.glob(f"/dev/shm/tensord.{inst}.*") + glob.glob(
+            f"/dev/shm/tensord.{inst}-pool.*"
+        )
 
     def stop(self) -> None:
         """SIGTERM, wait; asserts that no segment is left."""

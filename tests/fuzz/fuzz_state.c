@@ -134,9 +134,18 @@ DIR *opendir(const char *name) {
 }
 
 static void remove_tree(const char *dir) {
-  DIR *d = opendir(dir);
-  if (d == NULL)
+  /* Only a directory of ours: /tmp/tensord-fuzz-state.<pid> could be
+   * another user's symlink or directory. */
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st;
+  if (fd < 0)
     return;
+  DIR *d = NULL;
+  if (fstat(fd, &st) < 0 || st.st_uid != geteuid() ||
+      (d = fdopendir(fd)) == NULL) {
+    close(fd);
+    return;
+  }
   struct dirent *e;
   char path[PATH_MAX + 300];
   while ((e = readdir(d)) != NULL) {
@@ -666,6 +675,19 @@ static void cleanup(void) {
     remove_tree(base);
 }
 
+/* replay.c, after the child that replayed has ended: a crash (a signal, an
+ * ASan report) skips atexit, so the child's private directory goes here. */
+void td_fuzz_replay_cleanup(pid_t child);
+void td_fuzz_replay_cleanup(pid_t child) {
+  static const char *const roots[] = {"/dev/shm", "/tmp"};
+  char dir[PATH_MAX];
+  for (size_t i = 0; i < sizeof(roots) / sizeof(roots[0]); i++) {
+    snprintf(dir, sizeof(dir), "%s/tensord-fuzz-state.%d", roots[i],
+             (int)child);
+    remove_tree(dir);
+  }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static int ready;
   if (!ready) {
@@ -673,6 +695,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     atexit(cleanup);
     ready = 1;
   }
+  /* tests/fuzz/crash_cleanup.sh: a crash with the private directory made,
+   * as a bug the fuzzer finds would crash it. */
+  if (getenv("TD_FUZZ_STATE_CRASH") != NULL)
+    raise(SIGSEGV);
   int fds_before = count_fds();
   if (mkdir(shm_dir, 0700) < 0 || mkdir(state_dir, 0700) < 0)
     die("mkdir in %s: %s", base, strerror(errno));

@@ -1,13 +1,20 @@
 /* replay.c: runs fuzz_request's LLVMFuzzerTestOneInput over files, without
  * libFuzzer: ctest replays the seed corpus and every crash the fuzzer found
  * (tests/fuzz/regressions). Arguments are files or directories (their
- * files, in name order, skipping dot files). A failed check aborts. */
+ * files, in name order, skipping dot files). A failed check aborts; a
+ * target that must clean up after a crash is replayed in a child (see
+ * td_fuzz_replay_cleanup). */
 #include <dirent.h>
+#include <errno.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -96,11 +103,12 @@ static int replay_dir(const char *dir) {
   return count;
 }
 
-int main(int argc, char **argv) {
-  if (argc < 2) {
-    fprintf(stderr, "usage: %s FILE|DIR...\n", argv[0]);
-    return 2;
-  }
+/* A target that leaves files named after its process (fuzz_state's private
+ * /dev/shm) defines this: replay then runs the inputs in a child and calls
+ * it with the child's pid once the child has ended, however it ended. */
+void td_fuzz_replay_cleanup(pid_t child) __attribute__((weak));
+
+static int replay_all(int argc, char **argv) {
   int total = 0, failed = 0;
   for (int i = 1; i < argc; i++) {
     struct stat st;
@@ -116,4 +124,36 @@ int main(int argc, char **argv) {
   }
   printf("replayed %d input(s)%s\n", total, failed ? "; some unreadable" : "");
   return failed;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s FILE|DIR...\n", argv[0]);
+    return 2;
+  }
+  if (td_fuzz_replay_cleanup == NULL)
+    return replay_all(argc, argv);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0) {
+    perror("fork");
+    return 1;
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    _exit(replay_all(argc, argv));
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) {
+      perror("waitpid");
+      return 1;
+    }
+  td_fuzz_replay_cleanup(pid);
+  if (WIFSIGNALED(status)) {
+    fprintf(stderr, "replay: killed by signal %d (%s)\n", WTERMSIG(status),
+            strsignal(WTERMSIG(status)));
+    return 128 + WTERMSIG(status);
+  }
+  return WEXITSTATUS(status);
 }

@@ -20,6 +20,10 @@
  * 0 with why in msg otherwise. Never loads the driver in the caller. */
 int gpu_probe(char *msg, size_t len);
 
+/* The exit status of a real-GPU test binary that found no GPU (gpumain.c):
+ * ctest's SKIP_RETURN_CODE for those tests. */
+#define GPU_SKIPPED 77
+
 /* In a child that will use the driver: loads it, retains the primary
  * context of the device with uuid (NULL: ordinal 0) and makes it current on
  * this thread. Returns the table, or NULL with why on stderr. *dev gets the

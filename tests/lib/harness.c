@@ -283,14 +283,18 @@ uint64_t tdt_storages(const tdt_daemon *d) {
 
 int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
               int timeout_ms) {
-  struct timespec ts = {0, 2 * 1000 * 1000};
-  for (int waited = 0;; waited += 2) {
-    if (pred(d))
-      return 1;
-    if (waited >= timeout_ms)
+  struct timespec ts = {0, 2 * 1000 * 1000}, now;
+  if (timeout_ms < TDT_UNTIL_MIN_MS)
+    timeout_ms = TDT_UNTIL_MIN_MS;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  int64_t end = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000 + timeout_ms;
+  while (!pred(d)) {
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if ((int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000 >= end)
       return pred(d);
     nanosleep(&ts, NULL);
   }
+  return 1;
 }
 
 void tdt_rmdir(const char *dir) {
@@ -415,10 +419,18 @@ int tdt_log_has(const tdt_daemon *d, const char *needle) {
 
 pid_t tdt_fork(int (*fn)(void *), void *arg) {
   fflush(NULL);
+  pid_t parent = getpid();
   pid_t pid = fork();
   cr_assert(pid >= 0, "fork: %s", strerror(errno));
-  if (pid == 0)
+  if (pid == 0) {
+    /* A test that fails ends its process at once: a child parked in
+     * pause() would outlive it, hold ctest's output pipe open until ctest's
+     * timeout and keep its client connected. It dies with the test (and if
+     * the test died before the prctl, at once). */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
+      _exit(125);
     _exit(fn(arg));
+  }
   return pid;
 }
 

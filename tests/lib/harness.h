@@ -103,7 +103,13 @@ td_client *tdt_connect(const tdt_daemon *d);
 int tdt_segments(const tdt_daemon *d);
 /* Storages d has now (asserts the stat call works). */
 uint64_t tdt_storages(const tdt_daemon *d);
-/* Polls pred until it is true or timeout_ms passes; returns pred's last. */
+/* Polls pred until it is true or the deadline passes; returns pred's last.
+ * The deadline only bounds a hang, never decides a verdict: timeout_ms is
+ * what the condition takes on an idle machine, and a loaded one (the suite
+ * at -j, ASan, valgrind) gets no less than TDT_UNTIL_MIN_MS. Only for
+ * conditions that must come true; a "stays false" check needs an event to
+ * wait for instead. */
+#define TDT_UNTIL_MIN_MS 30000
 int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
               int timeout_ms);
 int tdt_no_segments(const tdt_daemon *d);
@@ -112,7 +118,9 @@ int tdt_open_fds(void);
 int tdt_log_has(const tdt_daemon *d, const char *needle);
 
 /* Forks a child that runs fn(arg) and exits with its return value (0 for
- * success); returns the child's pid. Use CHECK in fn, not cr_assert. */
+ * success); returns the child's pid. The child is killed (SIGKILL) if the
+ * test's process ends first, so a failing test leaves no child behind. Use
+ * CHECK in fn, not cr_assert. */
 pid_t tdt_fork(int (*fn)(void *), void *arg);
 /* Waits for pid; returns its exit status, or 128 + the signal that ended
  * it. */

@@ -382,6 +382,14 @@ static void expect_status(int fd, const char *req, int status) {
   free(r);
 }
 
+/* Whether the daemon has closed fd already: no waiting. Call it once what
+ * closed fd must have happened (a reply that came after it). */
+static int closed_now(int fd) {
+  struct pollfd p = {fd, POLLIN, 0};
+  char b;
+  return poll(&p, 1, 0) == 1 && read(fd, &b, 1) <= 0;
+}
+
 static void start_unix(const char *const *extra) {
   const char *args[8] = {"--metrics", msock};
   size_t n = 2;
@@ -452,9 +460,9 @@ TDT_TEST(metrics, serves_http_on_a_unix_socket) {
   tdt_rmdir(dir);
 }
 
-TDT_TEST(metrics, serves_http_on_a_loopback_port) {
-  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
-  /* Port 0: tensord logs the one it got. */
+/* The port of d's TCP endpoint, started on port 0: tensord logs the one it
+ * got. */
+static int logged_port(void) {
   FILE *f = fopen(d.log, "r");
   cr_assert_not_null(f);
   char line[512];
@@ -466,6 +474,12 @@ TDT_TEST(metrics, serves_http_on_a_loopback_port) {
   }
   fclose(f);
   cr_assert_gt(port, 0, "no port in the log");
+  return port;
+}
+
+TDT_TEST(metrics, serves_http_on_a_loopback_port) {
+  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
+  int port = logged_port();
   char *r;
   const char *body =
       http(connect_tcp(port),
@@ -508,27 +522,66 @@ TDT_TEST(metrics, stalled_and_vanishing_scrapers_stall_nothing) {
   free(read_all(mute));
   close(mute);
   close(lazy);
-  /* More scrapers at once than it serves: the extra ones are closed at
-   * once, and the daemon stays. */
+  /* More scrapers at once than it serves: the oldest idle ones make room
+   * for each newcomer, so a scrape still gets through, and the daemon
+   * stays. */
   int many[24];
   for (int i = 0; i < 24; i++)
     many[i] = connect_unix(msock);
-  int closed = 0;
-  for (int i = 0; i < 24; i++) {
-    char b;
-    struct pollfd p = {many[i], POLLIN, 0};
-    if (poll(&p, 1, 50) > 0 && read(many[i], &b, 1) == 0)
-      closed++;
-  }
-  cr_assert_geq(closed, 24 - 16, "only %d of 24 closed", closed);
+  expect_status(connect_unix(msock), "GET /metrics HTTP/1.1\r\n\r\n", 200);
+  /* 25 came, 16 are served: the first 9 were closed before that reply. */
+  for (int i = 0; i < 24 + 1 - 16; i++)
+    cr_assert(closed_now(many[i]), "idle scraper %d of 24 is still open", i);
   for (int i = 0; i < 24; i++)
     close(many[i]);
   cr_assert_eq(td_ping(c, &rtt), 0);
-  expect_status(connect_unix(msock), "GET /metrics HTTP/1.1\r\n\r\n", 200);
   td_storage_release(s);
   td_close(c);
   tdt_stop(&d);
   tdt_rmdir(dir);
+}
+
+/* A crowd of connections that say nothing, or half a request line, must not
+ * lock scrapers out: each newcomer past the 16 served makes the oldest of
+ * them close, and one that sent its request line is closed only after
+ * every idle one. */
+TDT_TEST(metrics, idle_scrapers_make_room_for_real_ones) {
+  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
+  int port = logged_port();
+  enum { ROUNDS = 4, IDLE = 16, HALF = 3, CROWD = IDLE + HALF };
+  int crowd[ROUNDS][CROWD];
+  int slow = -1;
+  for (int r = 0; r < ROUNDS; r++) {
+    if (r == ROUNDS - 1) {
+      /* Past its request line, its headers still to come. */
+      slow = connect_tcp(port);
+      send_all(slow, "GET /metrics HTTP/1.1\r\n", 23);
+    }
+    for (int i = 0; i < CROWD; i++) {
+      crowd[r][i] = connect_tcp(port);
+      if (i >= IDLE)
+        send_all(crowd[r][i], "GET /metr", 9);
+    }
+    /* A real scrape gets through, every time. */
+    char *reply;
+    http(connect_tcp(port), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 200,
+         &reply);
+    free(reply);
+    /* Its arrival closed the oldest of the crowd (accepted before it). */
+    cr_assert(closed_now(crowd[0][0]),
+              "round %d: the oldest idle scraper "
+              "is still open",
+              r);
+  }
+  /* The one past its request line outlived every idle one, and is served. */
+  char *reply;
+  http(slow, "Host: x\r\n\r\n", 200, &reply);
+  free(reply);
+  for (int r = 0; r < ROUNDS; r++)
+    for (int i = 0; i < CROWD; i++)
+      close(crowd[r][i]);
+  cr_assert(tdt_log_has(&d, "closed the oldest"),
+            "the log does not say why scrapers were closed");
 }
 
 TDT_TEST(metrics, refuses_addresses_off_the_loopback) {

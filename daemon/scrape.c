@@ -440,22 +440,28 @@ int td__scrape_open(td__scrape *sc, td__server *srv, const char *spec, int mode,
                 sizeof(sc->path) - 1);
       return TD_ENAMETOOLONG;
     }
+    /* As the main socket's: a directory someone else may write would let
+     * them replace the socket (or, between a bind and a chmod, put a
+     * symbolic link where it was). */
+    err = td__socket_dir(spec, "metrics socket", "--metrics");
+    if (err < 0)
+      return err;
     err = clear_stale(spec);
     if (err < 0)
       return err;
+    int fd = td__socket_bind(spec, (mode_t)(mode >= 0 ? mode : 0600));
+    if (fd < 0) {
+      td__error("--metrics %s: bind: %s", spec, strerror(-fd));
+      return fd;
+    }
     uv_pipe_init(srv->loop, &sc->listen.pipe, 0);
     sc->open = 1;
-    err = uv_pipe_bind(&sc->listen.pipe, spec);
-    if (err < 0) {
-      td__error("--metrics %s: bind: %s", spec, uv_strerror(err));
-      goto fail;
-    }
     snprintf(sc->path, sizeof(sc->path), "%s", spec);
     snprintf(sc->where, sizeof(sc->where), "%s", spec);
-    /* Not listening yet: nobody connects before the mode is right. */
-    if (chmod(spec, (mode_t)(mode >= 0 ? mode : 0600)) < 0) {
-      err = -errno;
-      td__error("--metrics %s: chmod: %s", spec, strerror(errno));
+    err = uv_pipe_open(&sc->listen.pipe, fd);
+    if (err < 0) {
+      close(fd); /* not the handle's: it failed to take it */
+      td__error("--metrics %s: %s", spec, uv_strerror(err));
       goto fail;
     }
   } else {

@@ -709,6 +709,10 @@ TDT_TEST(metrics, refuses_addresses_off_the_loopback) {
       {"[::]:9100", ":: is not a loopback address"},
       {"example.com:80", "'example.com' is not an IP address"},
       {"127.0.0.1:99999", "port '99999' is not a number"},
+      {"127.0.0.1:65536", "port '65536' is not a number from 0 to 65535"},
+      {"[::1]:65536", "port '65536' is not a number from 0 to 65535"},
+      {"127.0.0.1:-1", "port '-1' is not a number"},
+      {"127.0.0.1:http", "port 'http' is not a number"},
       {"127.0.0.1", "neither a path"},
       {"::1:9100", "write an IPv6 address as [::1]:PORT"},
   };

@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -31,6 +32,11 @@ static tdt_daemon d;
 static char state_dir[64];
 static uint64_t instances[8];
 static int ninstances;
+
+/* The bound on a wait for something that must happen (a daemon serving, a
+ * segment going): it only ends a hang, and decides nothing on a machine
+ * slowed by load. */
+#define HANG_MS 30000
 
 /* A wait of base ms, longer when tensord runs under a tool (valgrind). */
 static int patience(int base) {
@@ -462,6 +468,166 @@ TDT_TEST(upgrade, a_create_on_the_thread_pool_completes_across_it) {
   cr_assert_eq(tdt_storages(&d), 1);
   tdt_raw_close(&r);
   cr_assert(tdt_until(tdt_no_segments, &d, patience(5000)));
+}
+
+/* A key's publication time comes over to the millisecond: not stamped anew,
+ * not zero. */
+static int key_time(const td_key_info *k, void *arg) {
+  int64_t *out = arg;
+  if (out[1] == 0) {
+    out[0] = k->published_unix_ms;
+    out[1] = 1;
+  }
+  return 0;
+}
+
+/* The publication time of key, as td_info gives it. */
+static int64_t published(td_client *c, const char *key) {
+  int64_t got[2] = {0, 0};
+  cr_assert_eq(td_info(c, 0, key, NULL, key_time, got), 0, "info %s: %s", key,
+               td_last_error(c));
+  cr_assert_eq(got[1], 1, "info %s: no key", key);
+  return got[0];
+}
+
+static int64_t wall_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Returns once the wall clock has passed ms: a time stamped from now on
+ * differs from ms. (No verdict hangs on how long that takes.) */
+static void after(int64_t ms) {
+  while (wall_ms() <= ms)
+    tdt_sleep_ms(1);
+}
+
+TDT_TEST(upgrade, keys_keep_their_publication_time) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_storage_create(c, 4096, &t), 0);
+  cr_assert_eq(td_publish(c, "first", s, NULL), 0);
+  int64_t first = published(c, "first");
+  after(first);
+  cr_assert_eq(td_publish(c, "second", s, NULL), 0);
+  cr_assert_eq(td_publish(c, "third", t, NULL), 0);
+  int64_t second = published(c, "second"), third = published(c, "third");
+  cr_assert_gt(first, 0);
+  cr_assert_lt(first, second);
+  after(third); /* an upgrade that stamped "now" would show */
+  upgrade_cli(NULL);
+  cr_assert_eq(published(c, "first"), first, "first: %lld, then %lld",
+               (long long)first, (long long)published(c, "first"));
+  cr_assert_eq(published(c, "second"), second, "second: %lld, then %lld",
+               (long long)second, (long long)published(c, "second"));
+  cr_assert_eq(published(c, "third"), third, "third: %lld, then %lld",
+               (long long)third, (long long)published(c, "third"));
+  cr_assert_eq(td_unpublish(c, "first"), 0);
+  cr_assert_eq(td_unpublish(c, "second"), 0);
+  cr_assert_eq(td_unpublish(c, "third"), 0);
+  td_storage_release(t);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- the recycling pool ---- */
+
+#define POOL_UID_A 4311
+#define POOL_UID_B 4312
+#define MiB (1024u * 1024)
+
+typedef struct pool_job {
+  uid_t uid;
+  int expect; /* every byte of its new 1 MiB storage (TD_UNINIT), or -1 */
+  int fill;   /* then written to every byte before it goes */
+} pool_job;
+
+static int as_pool_job(void *arg) {
+  const pool_job *j = arg;
+  if (setgroups(0, NULL) < 0 || setgid(j->uid) < 0 || setuid(j->uid) < 0)
+    return 2;
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_create_opts o = {.nbytes = MiB, .flags = TD_UNINIT};
+  td_storage *s = NULL;
+  CHECK_ERR(c, td_storage_create_ex(c, &o, &s), 0);
+  const uint8_t *p = td_storage_data(s);
+  for (size_t i = 0; j->expect >= 0 && i < MiB; i++)
+    if (p[i] != (uint8_t)j->expect) {
+      fprintf(stderr, "uid %u: byte %zu is 0x%02x, not 0x%02x\n",
+              (unsigned)j->uid, i, p[i], j->expect);
+      return 1;
+    }
+  memset(td_storage_data(s), j->fill, MiB);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+static void pool_job_run(pool_job j) {
+  int st = tdt_wait(tdt_fork(as_pool_job, &j));
+  cr_assert_eq(st, 0, "the job as uid %u exited %d", (unsigned)j.uid, st);
+}
+
+/* Waits until the pool holds n segments (a client's release, or its going,
+ * lands when the daemon reads it); returns its stat. The bound only ends a
+ * hang. */
+static td_stat pool_holds(td_client *c, uint64_t n) {
+  td_stat st;
+  for (int t = 0;; t += 10) {
+    cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
+    if (st.pool_segments == n || t >= patience(HANG_MS))
+      break;
+    tdt_sleep_ms(10);
+  }
+  cr_assert_eq(st.pool_segments, n, "the pool holds %llu segment(s), not %llu",
+               (unsigned long long)st.pool_segments, (unsigned long long)n);
+  return st;
+}
+
+/* Pooled segments keep their owner across an upgrade: they serve that uid
+ * again, and never another (root included). */
+TDT_TEST(upgrade, pooled_segments_keep_their_uid) {
+  if (geteuid() != 0)
+    cr_skip_test("switching identities needs root");
+  tdt_start(&d, (const char *const[]){"--socket-mode", "0666", NULL});
+  remember(d.instance);
+  cr_assert_eq(chmod(d.dir, 0755), 0, "chmod %s: %s", d.dir, strerror(errno));
+  td_client *c = tdt_connect(&d);
+  pool_job_run((pool_job){.uid = POOL_UID_A, .expect = -1, .fill = 0xa1});
+  pool_holds(c, 1);
+  upgrade_cli(NULL);
+  td_stat st = pool_holds(c, 1);
+  uint64_t hits = st.pool_hits;
+  /* Another uid asks for uninitialised bytes of that very size: fresh
+   * pages, never A's. */
+  pool_job_run((pool_job){.uid = POOL_UID_B, .expect = 0, .fill = 0xb2});
+  st = pool_holds(c, 2);
+  cr_assert_eq(st.pool_hits, hits, "uid %u was served a pooled segment",
+               POOL_UID_B);
+  /* Root is another uid too. */
+  td_create_opts o = {.nbytes = MiB, .flags = TD_UNINIT};
+  td_storage *s;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "%s", td_last_error(c));
+  const uint8_t *p = td_storage_data(s);
+  size_t foreign = 0;
+  for (size_t i = 0; i < MiB; i++)
+    foreign += p[i] != 0;
+  cr_assert_eq(foreign, 0, "root was served %zu bytes of another uid's",
+               foreign);
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  cr_assert_eq(st.pool_hits, hits, "root was served a pooled segment");
+  td_storage_release(s);
+  /* A gets its own pages back. */
+  pool_job_run((pool_job){.uid = POOL_UID_A, .expect = 0xa1, .fill = 0});
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  cr_assert_eq(st.pool_hits, hits + 1,
+               "uid %u's pooled segment did not serve it", POOL_UID_A);
+  td_close(c);
 }
 
 /* ---- under load ---- */

@@ -514,6 +514,8 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->max_keys_per_uid =
       o->max_keys_per_uid ? o->max_keys_per_uid : TD__MAX_KEYS_PER_UID;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
+  srv->upgrade_timeout_ms =
+      o->upgrade_timeout_ms ? o->upgrade_timeout_ms : TD__UPGRADE_TIMEOUT_MS;
   uint64_t recycle =
       o->recycle_set ? o->recycle_bytes : capacity / TD__RECYCLE_SHARE;
   if (recycle > capacity)

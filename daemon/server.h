@@ -22,6 +22,9 @@
  * and a pooled segment idle this long goes. */
 #define TD__RECYCLE_SHARE 4
 #define TD__RECYCLE_IDLE_MS 30000
+/* A live upgrade's handover, from Begin to Started, at most (upgrade.c):
+ * the old daemon's clients wait that long for a successor that stalls. */
+#define TD__UPGRADE_TIMEOUT_MS 10000
 
 typedef struct td__state td__state;     /* state.c */
 typedef struct td__upgrade td__upgrade; /* upgrade.c */
@@ -83,6 +86,8 @@ struct td__server {
   td__upgrade *upgrade;   /* the live upgrade in progress, or NULL */
   char *const *argv;      /* as started: a spawned upgrade reuses them */
   const char *binary;     /* the path started from, resolved at start */
+  /* A live upgrade's handover, from Begin to Started, at most. */
+  uint64_t upgrade_timeout_ms;
 };
 
 typedef struct td__options {
@@ -94,6 +99,7 @@ typedef struct td__options {
   uint32_t max_waiters_per_client; /* 0: the default, 4096 */
   uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
   uint64_t io_timeout_ms;          /* 0: the default, 30 s */
+  uint64_t upgrade_timeout_ms;     /* 0: the default, 10 s */
   const char *socket_group;        /* chown the socket to this group */
   int socket_mode;                 /* the socket's mode; -1: 0600 */
   const char *state_dir;

@@ -1161,6 +1161,201 @@ TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
   td_close(c);
 }
 
+/* ---- a successor that stalls: --upgrade-timeout ---- */
+
+/* The old daemon's --upgrade-timeout here: short, so that no test waits
+ * long for it. */
+static const char *deadline_arg(void) {
+  static char ms[16];
+  snprintf(ms, sizeof(ms), "%d", patience(300));
+  return ms;
+}
+
+/* Whether the daemon on d's socket answers a Ping on a fresh connection
+ * within the bound (which only ends a hang: a daemon stuck in a handover
+ * never answers). */
+static int answers_again(void) {
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  uint64_t seq = tdt_raw_ping(&r);
+  tdt_raw_flush(&r);
+  Tensord__Response *rep = tdt_raw_reply(&r, patience(HANG_MS));
+  int ok = rep != NULL && rep->seq == seq &&
+           rep->body_case == TENSORD__RESPONSE__BODY_PONG;
+  if (rep != NULL)
+    tensord__response__free_unpacked(rep, NULL);
+  tdt_raw_close(&r);
+  return ok;
+}
+
+/* A successor that takes the channel and says nothing: the old daemon gives
+ * the handover up at the deadline, tells it why, and serves on as before,
+ * with the fds it had. */
+TDT_TEST(upgrade, a_silent_successor_is_given_up_at_the_deadline) {
+  tdt_start(&d,
+            (const char *const[]){"--upgrade-timeout", deadline_arg(), NULL});
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  static char before[4096], after[4096];
+  ls_json(before, sizeof(before));
+  int fds = settled_fds(c);
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
+  Tensord__Request q = TENSORD__REQUEST__INIT;
+  m.handover_version = 1;
+  m.pid = getpid();
+  q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
+  q.upgrade = &m;
+  tdt_raw_queue(&r, &q);
+  tdt_raw_flush(&r);
+  int ch = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(HANG_MS), &ch);
+  cr_assert_not_null(rep);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE);
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_geq(ch, 0, "no handover channel");
+  /* Begin, then (we say nothing) an Abort naming the deadline, then the
+   * channel's end. */
+  static uint8_t buf[256 * 1024];
+  char why[512] = "";
+  int begun = 0;
+  for (;;) {
+    struct pollfd p = {ch, POLLIN, 0};
+    cr_assert_eq(poll(&p, 1, patience(HANG_MS)), 1,
+                 "the old daemon did not give the silent successor up");
+    ssize_t n = recv(ch, buf, sizeof(buf), MSG_CMSG_CLOEXEC);
+    if (n <= 0)
+      break;
+    Tensord__Handover__Packet *pk =
+        tensord__handover__packet__unpack(NULL, (size_t)n, buf);
+    cr_assert_not_null(pk);
+    begun |= pk->body_case == TENSORD__HANDOVER__PACKET__BODY_BEGIN;
+    if (pk->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT)
+      snprintf(why, sizeof(why), "%s", pk->abort->message);
+    tensord__handover__packet__free_unpacked(pk, NULL);
+  }
+  close(ch);
+  tdt_raw_close(&r);
+  cr_assert(begun, "no Begin");
+  char want[128];
+  snprintf(want, sizeof(want),
+           "the new tensord sent no Accept within --upgrade-timeout %s ms",
+           deadline_arg());
+  cr_assert(strstr(why, want) != NULL, "Abort said '%s', not '%s'", why, want);
+  cr_assert(tdt_log_has(&d, want));
+  cr_assert(answers_again(), "the old daemon does not serve");
+  ls_json(after, sizeof(after));
+  cr_assert_str_eq(after, before);
+  int now = settled_fds(c);
+  if (getenv("TDT_DAEMON_WRAPPER") == NULL)
+    cr_assert_eq(now, fds, "the given-up handover leaked fds: %d, then %d", fds,
+                 now);
+  td_storage *l;
+  cr_assert_eq(td_lookup(c, "k", 0, 0, &l, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(l);
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* A tensord --upgrade that stops at phase (TENSORD_UPGRADE_STALL) while the
+ * old daemon waits for it: the old one gives up at the deadline and serves
+ * on, even after it sent Commit; the successor, let go on, learns that it
+ * may not serve and exits 1. Exactly one daemon serves throughout. */
+static void successor_stops_at(const char *phase, const char *waited_for) {
+  make_state_dir();
+  tdt_start(&d, (const char *const[]){"--upgrade-timeout", deadline_arg(),
+                                      "--state-dir", state_dir, NULL});
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  static char before[4096], after[4096];
+  ls_json(before, sizeof(before));
+  int fds = settled_fds(c);
+  setenv("TENSORD_UPGRADE_STALL", phase, 1);
+  pid_t pid = tdt_spawn(
+      &d, (const char *const[]){"--upgrade", "--state-dir", state_dir, NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  wait_stopped(pid);
+  /* Past the deadline the old daemon serves again, the successor stopped. */
+  cr_assert(answers_again(),
+            "the old daemon did not give the stopped "
+            "successor up (stopped at '%s')",
+            phase);
+  cr_assert_eq(serving_pid(), d.pid);
+  char want[160];
+  snprintf(want, sizeof(want),
+           "the new tensord sent no %s within --upgrade-timeout %s ms",
+           waited_for, deadline_arg());
+  cr_assert(tdt_log_has(&d, want), "no '%s' in the log", want);
+  /* Let go on, the successor finds the handover given up and exits 1. */
+  cr_assert_eq(kill(pid, SIGCONT), 0);
+  cr_assert_eq(tdt_wait(pid), 1, "the successor did not exit 1");
+  cr_assert(tdt_log_has(&d, "the old daemon gave the handover up"));
+  cr_assert_eq(serving_pid(), d.pid);
+  ls_json(after, sizeof(after));
+  cr_assert_str_eq(after, before);
+  int now = settled_fds(c);
+  if (getenv("TDT_DAEMON_WRAPPER") == NULL)
+    cr_assert_eq(now, fds, "the given-up handover leaked fds: %d, then %d", fds,
+                 now);
+  /* And it serves as before: the key, a new key (journaled), a create. */
+  td_storage *l;
+  cr_assert_eq(td_lookup(c, "k", 0, 0, &l, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(l);
+  cr_assert_eq(td_publish(c, "k2", s, NULL), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_unpublish(c, "k2"), 0);
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_storage_release(s);
+  td_close(c);
+}
+
+TDT_TEST(upgrade, a_successor_stopped_before_ready_is_given_up) {
+  successor_stops_at("received", "Ready");
+}
+
+TDT_TEST(upgrade, a_successor_stopped_after_commit_is_given_up) {
+  successor_stops_at("ready", "Started");
+}
+
+/* The deadline never makes two daemons serve: a Started that came before
+ * it is honoured after it. The old daemon stops right after Commit; the new
+ * one says Started and serves; the old one, let go on well past its
+ * deadline, exits as handed over. */
+TDT_TEST(upgrade, a_started_sent_in_time_wins_past_the_deadline) {
+  setenv("TENSORD_UPGRADE_STALL", "committed", 1);
+  tdt_start(&d,
+            (const char *const[]){"--upgrade-timeout", deadline_arg(), NULL});
+  unsetenv("TENSORD_UPGRADE_STALL");
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  pid_t old = d.pid;
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  wait_stopped(old);
+  int64_t past = mono_ms() + atoi(deadline_arg());
+  cr_assert(serves_as(pid, patience(HANG_MS)),
+            "the new tensord does not serve");
+  while (mono_ms() <= past)
+    tdt_sleep_ms(1);
+  cr_assert_eq(kill(old, SIGCONT), 0);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = pid;
+  cr_assert_eq(serving_pid(), pid);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "%s", td_last_error(c));
+  cr_assert_eq(st.pid, pid);
+  cr_assert_eq(td_storage_release(s), 0, "%s", td_last_error(c));
+  td_close(c);
+}
+
 /* A waiting lookup whose deadline passes while the handover runs (the
  * new tensord stopped after taking everything, before Ready) is answered
  * once, by the new daemon, with ETIMEDOUT as soon as it serves. */

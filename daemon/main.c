@@ -45,6 +45,9 @@ static void usage(FILE *f) {
       "  --io-timeout MS        disconnect a client that leaves a request\n"
       "                         half-sent or its replies unread this long\n"
       "                         (default 30000)\n"
+      "  --upgrade-timeout MS   give a live upgrade's handover up, and serve\n"
+      "                         on, if the new tensord has not taken over\n"
+      "                         this long after it began (default 10000)\n"
       "  --state-dir DIR        keep published keys here, durably, so that\n"
       "                         they survive a restart or a crash\n"
       "  --recycle-bytes SIZE   keep up to this many bytes of freed segments\n"
@@ -152,6 +155,7 @@ int main(int argc, char **argv) {
     OPT_MAX_WAITERS,
     OPT_MAX_KEYS,
     OPT_IO_TIMEOUT,
+    OPT_UPGRADE_TIMEOUT,
     OPT_SOCKET_GROUP,
     OPT_SOCKET_MODE,
     OPT_STATE_DIR,
@@ -174,6 +178,7 @@ int main(int argc, char **argv) {
       {"max-waiters-per-client", required_argument, NULL, OPT_MAX_WAITERS},
       {"max-keys-per-uid", required_argument, NULL, OPT_MAX_KEYS},
       {"io-timeout", required_argument, NULL, OPT_IO_TIMEOUT},
+      {"upgrade-timeout", required_argument, NULL, OPT_UPGRADE_TIMEOUT},
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
       {"recycle-bytes", required_argument, NULL, OPT_RECYCLE_BYTES},
       {"recycle-idle", required_argument, NULL, OPT_RECYCLE_IDLE},
@@ -245,6 +250,11 @@ int main(int argc, char **argv) {
     case OPT_IO_TIMEOUT:
       if (parse_count("--io-timeout", optarg, 24ull * 3600 * 1000,
                       &o.io_timeout_ms) < 0)
+        return 2;
+      break;
+    case OPT_UPGRADE_TIMEOUT:
+      if (parse_count("--upgrade-timeout", optarg, 24ull * 3600 * 1000,
+                      &o.upgrade_timeout_ms) < 0)
         return 2;
       break;
     case OPT_STATE_DIR:

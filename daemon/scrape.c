@@ -37,6 +37,7 @@ struct td__scraper {
   td__scrape *sc;
   int nhandles; /* not yet closed: the last to close frees the scraper */
   int closing;
+  int line;     /* its request line has come whole (a '\n' arrived) */
   int answered; /* the reply is queued: what comes now is discarded */
   char *reply;
   size_t len; /* bytes of head[] received */
@@ -213,12 +214,72 @@ static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   }
   if (s->answered)
     return;
+  if (!s->line && memchr(s->head + s->len, '\n', (size_t)n) != NULL)
+    s->line = 1;
   s->len += (size_t)n;
   int complete = head_complete(s->head, s->len);
   if (complete || s->len == sizeof(s->head)) {
     answer(s, complete);
     return;
   }
+}
+
+/* How far s has come, for choosing whom a newcomer displaces: 0 has not
+ * sent a whole request line (nothing yet, or part of one) and has no bytes
+ * waiting to be read; 1 has sent its request line (its headers may still be
+ * coming) or has bytes waiting; 2 is being answered, and is never closed for
+ * a newcomer. */
+static int progress(const td__scraper *s) {
+  if (s->answered)
+    return 2;
+  if (s->line)
+    return 1;
+  /* What the kernel holds for it counts: its request may have come in the
+   * same turn of the loop as the newcomers, before its read callback. */
+  uv_os_fd_t fd;
+  char b;
+  if (uv_fileno(&s->h.handle, &fd) == 0 &&
+      recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
+    return 1;
+  return 0;
+}
+
+/* The scraper to close so that newcomer may be served: the oldest of those
+ * that have come least far (progress), none of them being answered.
+ * Returns NULL when every other scraper is being answered. */
+static td__scraper *displaced(td__scrape *sc, const td__scraper *newcomer) {
+  td__scraper *victim = NULL;
+  int least = 2;
+  /* The list is newest first: the last of the least advanced is the
+   * oldest. */
+  for (td__scraper *s = sc->scrapers; s != NULL; s = s->next) {
+    if (s == newcomer)
+      continue;
+    int p = progress(s);
+    if (p <= least && p < 2) {
+      victim = s;
+      least = p;
+    }
+  }
+  return victim;
+}
+
+/* Logs, once a minute at most (a crowd must not flood the log), what
+ * sc->displaced and sc->refused counted since the last time. */
+static void log_crowd(td__scrape *sc, uint64_t now) {
+  if (sc->crowd_ms != 0 && now - sc->crowd_ms < 60000)
+    return;
+  if (sc->displaced > 0)
+    td__warn("metrics: more than %u scrapers at once on %s: closed the "
+             "oldest of those that had not sent a request, %llu time(s), to "
+             "serve newcomers",
+             TD__SCRAPERS_MAX, sc->where, (unsigned long long)sc->displaced);
+  if (sc->refused > 0)
+    td__warn("metrics: closed %llu new scraper(s) on %s: all %u served at "
+             "once were being answered",
+             (unsigned long long)sc->refused, sc->where, TD__SCRAPERS_MAX);
+  sc->crowd_ms = now;
+  sc->displaced = sc->refused = 0;
 }
 
 static void on_connection(uv_stream_t *server, int status) {
@@ -253,18 +314,26 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   if (sc->nscrapers > TD__SCRAPERS_MAX) {
-    /* Logged once a minute at most: a crowd must not flood the log. */
-    uint64_t now = uv_now(server->loop);
-    sc->refused++;
-    if (sc->refused_ms == 0 || now - sc->refused_ms >= 60000) {
-      td__warn("metrics: %u scrapers on %s already, the most served at "
-               "once; closed %llu new one(s)",
-               TD__SCRAPERS_MAX, sc->where, (unsigned long long)sc->refused);
-      sc->refused_ms = now;
-      sc->refused = 0;
+    /* A crowd that sends nothing must not lock scrapers out: the newcomer
+     * takes the place of the oldest that has come least far, unless every
+     * other one is being answered. */
+    td__scraper *victim = displaced(sc, s);
+    if (victim != NULL) {
+      td__debug("metrics: closing a scraper on %s that has %s, to serve a "
+                "new one (%u at most at once)",
+                sc->where,
+                victim->line ? "not finished its request"
+                             : "not sent a request line",
+                TD__SCRAPERS_MAX);
+      sc->displaced++;
+      scraper_close(victim);
+    } else {
+      sc->refused++;
+      scraper_close(s);
     }
-    scraper_close(s);
-    return;
+    log_crowd(sc, uv_now(server->loop));
+    if (victim == NULL)
+      return;
   }
   uv_timer_start(&s->timer, on_timeout, sc->timeout_ms, 0);
   if (uv_read_start(&s->h.stream, on_alloc, on_read) < 0)
@@ -371,22 +440,28 @@ int td__scrape_open(td__scrape *sc, td__server *srv, const char *spec, int mode,
                 sizeof(sc->path) - 1);
       return TD_ENAMETOOLONG;
     }
+    /* As the main socket's: a directory someone else may write would let
+     * them replace the socket (or, between a bind and a chmod, put a
+     * symbolic link where it was). */
+    err = td__socket_dir(spec, "metrics socket", "--metrics");
+    if (err < 0)
+      return err;
     err = clear_stale(spec);
     if (err < 0)
       return err;
+    int fd = td__socket_bind(spec, (mode_t)(mode >= 0 ? mode : 0600));
+    if (fd < 0) {
+      td__error("--metrics %s: bind: %s", spec, strerror(-fd));
+      return fd;
+    }
     uv_pipe_init(srv->loop, &sc->listen.pipe, 0);
     sc->open = 1;
-    err = uv_pipe_bind(&sc->listen.pipe, spec);
-    if (err < 0) {
-      td__error("--metrics %s: bind: %s", spec, uv_strerror(err));
-      goto fail;
-    }
     snprintf(sc->path, sizeof(sc->path), "%s", spec);
     snprintf(sc->where, sizeof(sc->where), "%s", spec);
-    /* Not listening yet: nobody connects before the mode is right. */
-    if (chmod(spec, (mode_t)(mode >= 0 ? mode : 0600)) < 0) {
-      err = -errno;
-      td__error("--metrics %s: chmod: %s", spec, strerror(errno));
+    err = uv_pipe_open(&sc->listen.pipe, fd);
+    if (err < 0) {
+      close(fd); /* not the handle's: it failed to take it */
+      td__error("--metrics %s: %s", spec, uv_strerror(err));
       goto fail;
     }
   } else {

@@ -9,7 +9,9 @@
 typedef struct td__server td__server;
 typedef struct td__scraper td__scraper; /* scrape.c: one connection */
 
-/* At most this many scrapers are served at once; more are closed at once. */
+/* At most this many scrapers are served at once. One more displaces the
+ * oldest of those that have not sent a request (scrape.c, displaced), or is
+ * closed at once while all of them are being answered. */
 #define TD__SCRAPERS_MAX 16
 /* A request head longer than this is refused (431). */
 #define TD__SCRAPE_HEAD_MAX 4096
@@ -31,8 +33,9 @@ typedef struct td__scrape {
   uint64_t timeout_ms; /* a scraper's whole exchange, at most */
   td__scraper *scrapers;
   unsigned nscrapers;
-  uint64_t refused_ms; /* loop time a crowd was last logged (once a minute) */
-  uint64_t refused;    /* scrapers closed for the crowd since */
+  uint64_t crowd_ms;  /* loop time a crowd was last logged (once a minute) */
+  uint64_t displaced; /* scrapers closed for newcomers since */
+  uint64_t refused;   /* newcomers closed since, all being answered */
 } td__scrape;
 
 /* Parses ADDR, a TCP address on the loopback: 127.x.y.z:PORT, [::1]:PORT

@@ -81,13 +81,15 @@ static const char *uid_name(uid_t uid, char *buf, size_t len) {
   return buf;
 }
 
-/* Checks one directory on the socket's path: it must belong to tensord's
- * user or root, and be writable by no one else unless it is sticky (as /tmp
- * is: there others cannot remove or rename what is ours). Anyone else who
- * owns or may write it could replace the socket with their own and serve
- * tensord's clients memory they control. what says which directory it is.
- * Returns 0 or TD_EACCES, after logging. */
-static int check_dir(const char *dir, const char *what) {
+/* Checks one directory on a socket's path: it must belong to tensord's user
+ * or root, and be writable by no one else unless it is sticky (as /tmp is:
+ * there others cannot remove or rename what is ours). Anyone else who owns
+ * or may write it could replace the socket with their own: the main one, to
+ * serve tensord's clients memory they control; --metrics', to answer its
+ * scrapers. what says which directory it is, sock which socket and opt the
+ * option that chose it. Returns 0 or TD_EACCES, after logging. */
+static int check_dir(const char *dir, const char *what, const char *sock,
+                     const char *opt) {
   struct stat st;
   char who[96], me[96], ok[128];
   if (geteuid() == 0)
@@ -99,8 +101,8 @@ static int check_dir(const char *dir, const char *what) {
       st.st_uid != geteuid()) {
     td__error("%s %s is a symbolic link owned by %s, not by %s: whoever owns "
               "it could point it elsewhere; refusing it (remove it, or "
-              "choose another --socket)",
-              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok);
+              "choose another %s)",
+              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok, opt);
     return TD_EACCES;
   }
   if (stat(dir, &st) < 0) {
@@ -114,29 +116,27 @@ static int check_dir(const char *dir, const char *what) {
   }
   if (st.st_uid != 0 && st.st_uid != geteuid()) {
     td__error("%s %s is owned by %s, not by %s: whoever owns it could "
-              "replace the socket; refusing it (remove it, or choose "
-              "another --socket)",
-              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok);
+              "replace the %s; refusing it (remove it, or choose "
+              "another %s)",
+              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok, sock, opt);
     return TD_EACCES;
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)) {
     td__error("%s %s, owned by %s, has mode %04o: others may write it and "
-              "could replace the socket; refusing it (chmod go-w it, or "
-              "choose another --socket)",
+              "could replace the %s; refusing it (chmod go-w it, or "
+              "choose another %s)",
               what, dir, uid_name(st.st_uid, who, sizeof(who)),
-              (unsigned)(st.st_mode & 07777));
+              (unsigned)(st.st_mode & 07777), sock, opt);
     return TD_EACCES;
   }
   return 0;
 }
 
-/* Makes the socket's directory (mode 0700) if it is missing, then checks it
- * and every directory above it with check_dir: an existing one that another
- * user owns or may write (a directory someone created first, say
- * /tmp/tensord-<uid>) is refused. Returns 0 or a negative code, after
- * logging. */
-static int make_socket_dir(const char *path) {
+int td__socket_dir(const char *path, const char *sock, const char *opt) {
   char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  char what[64], above[64];
+  snprintf(what, sizeof(what), "%s directory", sock);
+  snprintf(above, sizeof(above), "directory above the %s", sock);
   snprintf(dir, sizeof(dir), "%s", path);
   char *slash = strrchr(dir, '/');
   if (slash == NULL) /* relative to the working directory */
@@ -146,26 +146,50 @@ static int make_socket_dir(const char *path) {
   else
     *slash = '\0';
   if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-    td__error("cannot create socket directory %s: %s", dir, strerror(errno));
-    return -errno;
+    int err = -errno;
+    td__error("cannot create %s %s: %s", what, dir, strerror(errno));
+    return err;
   }
-  int err = check_dir(dir, "socket directory");
+  int err = check_dir(dir, what, sock, opt);
   if (err < 0)
     return err;
   char real[PATH_MAX];
   if (realpath(dir, real) == NULL) {
     err = -errno;
-    td__error("socket directory %s: %s", dir, strerror(errno));
+    td__error("%s %s: %s", what, dir, strerror(errno));
     return err;
   }
   for (char *end = strrchr(real, '/'); end != NULL; end = strrchr(real, '/')) {
     if (end == real) /* the root, last */
-      return check_dir("/", "directory above the socket");
+      return check_dir("/", above, sock, opt);
     *end = '\0';
-    if ((err = check_dir(real, "directory above the socket")) < 0)
+    if ((err = check_dir(real, above, sock, opt)) < 0)
       return err;
   }
   return 0;
+}
+
+int td__socket_bind(const char *path, mode_t mode) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof(sa.sun_path))
+    return TD_ENAMETOOLONG;
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  /* bind() makes the socket 0777 less the umask: with the umask that leaves
+   * mode, the socket has its mode from the moment it exists, whatever the
+   * umask was (under 022 others could not connect, lacking the write bit,
+   * but the mode would say 0755), and no chmod follows the path after. */
+  mode_t was = umask((mode_t)(~mode & 0777));
+  int bound = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+  umask(was);
+  if (bound < 0) {
+    int err = -errno;
+    close(fd);
+    return err;
+  }
+  return fd;
 }
 
 /* Unlinks path if it is a socket nobody listens on. */
@@ -192,35 +216,27 @@ static int clear_stale_socket(const char *path) {
   return 0;
 }
 
-static int bind_socket(td__server *srv, const char *path) {
-  struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  if (strlen(path) >= sizeof(sa.sun_path)) {
+/* Binds and listens on path with mode (0600 as the unit's SocketMode=0600,
+ * or --socket-mode's) from the start; --socket-group follows
+ * (socket_access). */
+static int bind_socket(td__server *srv, const char *path, mode_t mode) {
+  if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
     td__error("socket path %s is longer than %zu bytes", path,
-              sizeof(sa.sun_path) - 1);
+              sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
     return TD_ENAMETOOLONG;
   }
-  int err = make_socket_dir(path);
+  int err = td__socket_dir(path, "socket", "--socket");
   if (err < 0)
     return err;
   err = clear_stale_socket(path);
   if (err < 0)
     return err;
-  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return -errno;
-  /* bind() makes the socket 0777 less the umask: under umask 022 others
-   * could not connect (no write bit) but the mode would say 0755. Mode 0600
-   * whatever the umask, as the unit's SocketMode=0600; --socket-mode and
-   * --socket-group change it after (socket_access). The loop has not
-   * started: no other thread sees the umask change. */
-  mode_t was = umask(0177);
-  int bound = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
-  umask(was);
-  if (bound < 0 || listen(fd, SOMAXCONN) < 0) {
-    err = -errno;
-    td__error("cannot listen on %s: %s", path, strerror(errno));
-    close(fd);
+  int fd = td__socket_bind(path, mode);
+  if (fd < 0 || listen(fd, SOMAXCONN) < 0) {
+    err = fd < 0 ? fd : -errno;
+    td__error("cannot listen on %s: %s", path, strerror(-err));
+    if (fd >= 0)
+      close(fd);
     return err;
   }
   srv->listen_fd = fd;
@@ -351,7 +367,8 @@ static void warn_unreachable(const char *path, mode_t mode, gid_t gid) {
   }
 }
 
-/* Gives the socket we bound to --socket-group with --socket-mode. */
+/* Gives the socket we bound (with --socket-mode already) to --socket-group,
+ * and warns of what keeps others out all the same. */
 static int socket_access(td__server *srv, const td__options *o) {
   gid_t gid = (gid_t)-1;
   if (o->socket_group != NULL) {
@@ -369,12 +386,6 @@ static int socket_access(td__server *srv, const td__options *o) {
   }
   if (gid != (gid_t)-1 && chown(srv->socket_path, (uid_t)-1, gid) < 0) {
     td__error("--socket-group %s: chown(%s): %s", o->socket_group,
-              srv->socket_path, strerror(errno));
-    return -errno;
-  }
-  if (o->socket_mode >= 0 &&
-      chmod(srv->socket_path, (mode_t)o->socket_mode) < 0) {
-    td__error("--socket-mode %04o: chmod(%s): %s", o->socket_mode,
               srv->socket_path, strerror(errno));
     return -errno;
   }
@@ -503,6 +514,8 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->max_keys_per_uid =
       o->max_keys_per_uid ? o->max_keys_per_uid : TD__MAX_KEYS_PER_UID;
   srv->io_timeout_ms = o->io_timeout_ms ? o->io_timeout_ms : 30000;
+  srv->upgrade_timeout_ms =
+      o->upgrade_timeout_ms ? o->upgrade_timeout_ms : TD__UPGRADE_TIMEOUT_MS;
   uint64_t recycle =
       o->recycle_set ? o->recycle_bytes : capacity / TD__RECYCLE_SHARE;
   if (recycle > capacity)
@@ -550,7 +563,8 @@ int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
       }
       p = path;
     }
-    err = bind_socket(srv, p);
+    err = bind_socket(srv, p,
+                      (mode_t)(o->socket_mode >= 0 ? o->socket_mode : 0600));
     if (err == 0)
       err = socket_access(srv, o);
   } else if (err > 0 && (o->socket_group || o->socket_mode >= 0)) {

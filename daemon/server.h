@@ -12,6 +12,7 @@
 #include "waitq.h"
 
 #include <stdint.h>
+#include <sys/types.h>
 #include <uv.h>
 
 /* Defaults of the limits that have one (see docs/security.md). */
@@ -21,6 +22,9 @@
  * and a pooled segment idle this long goes. */
 #define TD__RECYCLE_SHARE 4
 #define TD__RECYCLE_IDLE_MS 30000
+/* A live upgrade's handover, from Begin to Started, at most (upgrade.c):
+ * the old daemon's clients wait that long for a successor that stalls. */
+#define TD__UPGRADE_TIMEOUT_MS 10000
 
 typedef struct td__state td__state;     /* state.c */
 typedef struct td__upgrade td__upgrade; /* upgrade.c */
@@ -82,6 +86,8 @@ struct td__server {
   td__upgrade *upgrade;   /* the live upgrade in progress, or NULL */
   char *const *argv;      /* as started: a spawned upgrade reuses them */
   const char *binary;     /* the path started from, resolved at start */
+  /* A live upgrade's handover, from Begin to Started, at most. */
+  uint64_t upgrade_timeout_ms;
 };
 
 typedef struct td__options {
@@ -93,8 +99,9 @@ typedef struct td__options {
   uint32_t max_waiters_per_client; /* 0: the default, 4096 */
   uint64_t max_keys_per_uid;       /* 0: the default, 100000 */
   uint64_t io_timeout_ms;          /* 0: the default, 30 s */
+  uint64_t upgrade_timeout_ms;     /* 0: the default, 10 s */
   const char *socket_group;        /* chown the socket to this group */
-  int socket_mode;                 /* chmod the socket; -1: leave it */
+  int socket_mode;                 /* the socket's mode; -1: 0600 */
   const char *state_dir;
   int recycle_set;          /* recycle_bytes was given (0 turns it off) */
   uint64_t recycle_bytes;   /* default: a quarter of the capacity */
@@ -104,6 +111,20 @@ typedef struct td__options {
   const char *binary;       /* the executable's path, resolved at start */
 } td__options;
 
+/* Makes the directory of path, a Unix socket tensord is about to bind, if
+ * it is missing (mode 0700), then checks it and every directory above it:
+ * each must belong to tensord's user or root and be writable by no one else
+ * unless it is sticky, or whoever owns or may write it could replace the
+ * socket. sock names the socket ("socket", "metrics socket") and opt the
+ * option that chose it ("--socket", "--metrics"), for the messages. Returns
+ * 0, or a negative code after logging why. */
+int td__socket_dir(const char *path, const char *sock, const char *opt);
+/* Returns a new Unix stream socket (non-blocking, close-on-exec) bound to
+ * path, which has mode from the moment it exists (the umask is set around
+ * bind: call it before the loop runs, while no other thread may look), or
+ * -errno (TD_ENAMETOOLONG for a path too long) with nothing left open. The
+ * caller owns the fd. */
+int td__socket_bind(const char *path, mode_t mode);
 /* Sets srv up without a socket: for tests and the fuzz target, which hand
  * it connections with td__conn_accept. */
 void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);

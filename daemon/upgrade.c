@@ -3,10 +3,14 @@
  * Ready / Commit / Started exchange decides which of the two serves on.
  *
  * Exactly one serves whatever dies when: the old side resumes on anything
- * but Started (EOF, an error, a refusal), and exits on Started without
- * touching a socket or a segment; the new side sends Started before it polls
- * anything, and on anything but Commit starts normally instead (which finds
- * the old socket stale if the old daemon died, or live if it resumed). */
+ * but Started (EOF, an error, a refusal, --upgrade-timeout passing), and
+ * exits on Started without touching a socket or a segment; the new side
+ * sends Started before it polls anything, and on anything but Commit starts
+ * normally instead (which finds the old socket stale if the old daemon died,
+ * or live if it resumed). Past the deadline after Commit, the old side shuts
+ * its receiving end first, so that a Started is either queued already or can
+ * no longer be sent: a new side whose Started fails finds the old side's
+ * Abort and exits. */
 #include "upgrade.h"
 
 #include "common.h"
@@ -74,18 +78,35 @@ static void stall(const char *phase) {
 
 typedef struct chan {
   int fd;
-  int timeout_ms;
-  int *fdq; /* received, not yet taken */
+  int timeout_ms;      /* each wait, at most; -1: none */
+  int64_t deadline_ms; /* the whole exchange (now_ms), or 0: none */
+  uint64_t limit_ms;   /* what set the deadline, for messages */
+  int *fdq;            /* received, not yet taken */
   size_t fdq_off, fdq_len, fdq_cap;
   uint8_t *buf;
 } chan;
 
-static int chan_init(chan *ch, int fd, uint64_t timeout_ms) {
+/* CLOCK_MONOTONIC, in ms: the loop's time (uv_now) stands still while the
+ * old side hands over. */
+static int64_t now_ms(void) {
+  return (int64_t)(uv_hrtime() / 1000000);
+}
+
+/* Sets ch up on fd, each wait timeout_ms at most (-1: none) and no deadline
+ * (chan_deadline). Returns 0 or TD_ENOMEM. */
+static int chan_init(chan *ch, int fd, int timeout_ms) {
   memset(ch, 0, sizeof(*ch));
   ch->fd = fd;
-  ch->timeout_ms = timeout_ms > INT32_MAX ? INT32_MAX : (int)timeout_ms;
+  ch->timeout_ms = timeout_ms;
   ch->buf = malloc(CHAN_PACKET_MAX);
   return ch->buf ? 0 : TD_ENOMEM;
+}
+
+/* From now on, every send and receive on ch ends by limit_ms from now. */
+static void chan_deadline(chan *ch, uint64_t limit_ms) {
+  ch->limit_ms = limit_ms;
+  ch->deadline_ms =
+      now_ms() + (int64_t)(limit_ms > INT32_MAX ? INT32_MAX : limit_ms);
 }
 
 /* Closes the fds received and not taken, and frees ch (not its socket). */
@@ -99,13 +120,22 @@ static void chan_free(chan *ch) {
   ch->fdq_off = ch->fdq_len = ch->fdq_cap = 0;
 }
 
-/* Waits for ev on the channel. Returns 0, TD_ETIMEDOUT or TD_ECONNRESET. */
+/* Waits for ev on the channel, until its deadline at most. Returns 0,
+ * TD_ETIMEDOUT or TD_ECONNRESET. */
 static int chan_wait(chan *ch, short ev) {
   struct pollfd p = {ch->fd, ev, 0};
   int n;
-  do
-    n = poll(&p, 1, ch->timeout_ms);
-  while (n < 0 && errno == EINTR);
+  do {
+    int ms = ch->timeout_ms;
+    if (ch->deadline_ms != 0) {
+      int64_t left = ch->deadline_ms - now_ms();
+      if (left <= 0)
+        return TD_ETIMEDOUT;
+      if (ms < 0 || left < ms)
+        ms = (int)left;
+    }
+    n = poll(&p, 1, ms);
+  } while (n < 0 && errno == EINTR);
   if (n == 0)
     return TD_ETIMEDOUT;
   if (n < 0)
@@ -323,6 +353,7 @@ static int send_options(td__upgrade *u, chan *ch) {
   o.max_waiters_per_client = srv->max_waiters_per_client;
   o.max_keys_per_uid = srv->max_keys_per_uid;
   o.io_timeout_ms = srv->io_timeout_ms;
+  o.upgrade_timeout_ms = srv->upgrade_timeout_ms;
   o.recycle_bytes = srv->pool.limit;
   o.recycle_idle_ms = srv->pool.idle_ms;
   o.socket_path = srv->socket_path;
@@ -698,10 +729,18 @@ static int put_waiter(void *arg, td__conn *c, const char *key, size_t len,
 }
 
 /* Reads the new side's answer to what it was sent. Returns 0 if it is of
- * kind want; else a negative code, with why in msg. */
-static int expect(chan *ch, int want, Packet **out, char *msg, size_t len) {
+ * kind want (what names it); else a negative code, with why in msg:
+ * TD_ETIMEDOUT once the channel's deadline has passed. */
+static int expect(chan *ch, int want, const char *what, Packet **out, char *msg,
+                  size_t len) {
   Packet *p = NULL;
   int err = chan_recv(ch, &p);
+  if (err == TD_ETIMEDOUT) {
+    snprintf(msg, len,
+             "the new tensord sent no %s within --upgrade-timeout %llu ms",
+             what, (unsigned long long)ch->limit_ms);
+    return err;
+  }
   if (err < 0) {
     snprintf(msg, len, "%s",
              err == TD_ECONNRESET ? "the new tensord closed the handover"
@@ -715,8 +754,8 @@ static int expect(chan *ch, int want, Packet **out, char *msg, size_t len) {
     return TD_EPROTONOSUPPORT;
   }
   if ((int)p->body_case != want) {
-    snprintf(msg, len, "the new tensord sent packet type %d, not %d",
-             (int)p->body_case, want);
+    snprintf(msg, len, "the new tensord sent packet type %d, not %s (%d)",
+             (int)p->body_case, what, want);
     tensord__handover__packet__free_unpacked(p, NULL);
     return TD_EPROTO;
   }
@@ -735,19 +774,37 @@ static uint64_t cuda_storages(const td__server *srv) {
   return n;
 }
 
-/* The whole handover, from the old side, on a quiet daemon. Returns 0 once
- * the new side has started (we must exit now), or a negative code with why
- * in msg (we serve on). */
+/* Says why sending failed (err) in msg: what was being sent, or that the
+ * deadline passed first. Returns err. */
+static int send_failed(const chan *ch, int err, const char *what, char *msg,
+                       size_t len) {
+  if (err == TD_ETIMEDOUT)
+    snprintf(msg, len,
+             "the new tensord did not take %s within --upgrade-timeout %llu "
+             "ms",
+             what, (unsigned long long)ch->limit_ms);
+  else
+    snprintf(msg, len, "sending %s: %s", what, td_strerror(err));
+  return err;
+}
+
+/* The whole handover, from the old side, on a quiet daemon, within
+ * srv->upgrade_timeout_ms: it blocks the loop, and the clients wait. Returns
+ * 0 once the new side has started (we must exit now), or a negative code
+ * with why in msg (we serve on). */
 static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   td__server *srv = u->srv;
   chan ch;
   sender sd = {0};
-  int err = chan_init(&ch, u->fd, srv->io_timeout_ms);
+  int err = chan_init(&ch, u->fd, -1);
   if (err < 0) {
     snprintf(msg, msglen, "out of memory");
     return err;
   }
   stall("quiesced");
+  /* Every step from here to Started, whatever the new side does or fails
+   * to do: past the deadline we serve on. */
+  chan_deadline(&ch, srv->upgrade_timeout_ms);
   /* may_upgrade counted those of the registry; a CUDA create that was on
    * the thread pool then has landed since. */
   uint64_t cuda = cuda_storages(srv);
@@ -768,10 +825,11 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   Packet *p = NULL;
   err = send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_BEGIN, &b);
   if (err < 0) {
-    snprintf(msg, msglen, "sending Begin: %s", td_strerror(err));
+    send_failed(&ch, err, "Begin", msg, msglen);
     goto out;
   }
-  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_ACCEPT, &p, msg, msglen);
+  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_ACCEPT, "Accept", &p, msg,
+               msglen);
   if (err < 0)
     goto out;
   u->new_pid = p->accept->pid;
@@ -820,25 +878,34 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   if (err == 0)
     err = send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_END, &end);
   if (err < 0) {
-    snprintf(msg, msglen, "sending the state: %s", td_strerror(err));
+    send_failed(&ch, err, "the state", msg, msglen);
     goto out;
   }
   stall("sent");
-  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_READY, NULL, msg, msglen);
+  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_READY, "Ready", NULL, msg,
+               msglen);
   if (err < 0)
     goto out;
   Tensord__Handover__Commit cm = TENSORD__HANDOVER__COMMIT__INIT;
   err = send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_COMMIT, &cm);
   if (err < 0) {
-    snprintf(msg, msglen, "sending Commit: %s", td_strerror(err));
+    send_failed(&ch, err, "Commit", msg, msglen);
     goto out;
   }
   stall("committed");
-  /* From here on only the new side's end (EOF) may make us serve again: a
-   * timeout could not tell a slow new daemon from a dead one, and both
-   * would serve. */
-  ch.timeout_ms = -1;
-  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, NULL, msg, msglen);
+  err = expect(&ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, "Started", NULL,
+               msg, msglen);
+  if (err == TD_ETIMEDOUT) {
+    /* A timeout alone cannot tell a slow new daemon from a dead one: it may
+     * be sending Started now. Shutting our receiving side settles it in the
+     * kernel: a Started queued before is read below, and one sent after
+     * fails (EPIPE), so that its sender finds our Abort and does not serve. */
+    shutdown(ch.fd, SHUT_RD);
+    char late[256];
+    if (expect(&ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, "Started", NULL,
+               late, sizeof(late)) == 0)
+      err = 0; /* it made it: the new side serves */
+  }
   if (err == 0)
     td__info("upgrade: tensord %s (pid %d) serves now: %llu client(s), %llu "
              "storage(s), %llu key(s), %llu waiter(s) handed over",
@@ -849,7 +916,7 @@ out:
   if (err < 0) { /* so that the new side knows we live: best effort */
     Tensord__Handover__Abort ab = TENSORD__HANDOVER__ABORT__INIT;
     ab.message = msg;
-    ch.timeout_ms = 100;
+    chan_deadline(&ch, 100);
     send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_ABORT, &ab);
   }
   free(sd.w);
@@ -901,7 +968,10 @@ static void on_quiet_check(uv_check_t *h) {
   if (err == 0)
     exit_handed_over(u);
   td__warn("upgrade: %s; serving on", msg);
-  fail_asker(u, err == TD_EPROTONOSUPPORT || err == TD_EBUSY ? err : TD_EIO,
+  fail_asker(u,
+             err == TD_EPROTONOSUPPORT || err == TD_EBUSY || err == TD_ETIMEDOUT
+                 ? err
+                 : TD_EIO,
              msg);
   upgrade_free(u);
   resume(srv);
@@ -1192,6 +1262,8 @@ static int take_options(taking *t, const Tensord__Handover__Options *o) {
   srv->max_waiters_per_client = o->max_waiters_per_client;
   srv->max_keys_per_uid = o->max_keys_per_uid;
   srv->io_timeout_ms = o->io_timeout_ms;
+  srv->upgrade_timeout_ms =
+      o->upgrade_timeout_ms ? o->upgrade_timeout_ms : TD__UPGRADE_TIMEOUT_MS;
   snprintf(srv->socket_path, sizeof(srv->socket_path), "%s", o->socket_path);
   srv->own_socket = o->own_socket;
   snprintf(srv->state_dir, sizeof(srv->state_dir), "%s", o->state_dir);
@@ -1739,6 +1811,23 @@ static int broken_off(taking *t, char **argv, int err, pid_t old) {
   return 1;
 }
 
+/* A send to the old daemon failed with err (what says what it was). Either
+ * the old daemon gave the handover up, and its Abort, sent before it closed
+ * its end, waits here, or it died. Returns TD_ECANCELED with the Abort's
+ * reason in t->msg, or err with what failed. */
+static int gave_up(taking *t, int err, const char *what) {
+  Packet *p = NULL;
+  while (chan_recv(&t->ch, &p) == 0) {
+    int aborted = p->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT;
+    if (aborted)
+      fail(t, TD_ECANCELED, "%s", p->abort->message);
+    tensord__handover__packet__free_unpacked(p, NULL);
+    if (aborted)
+      return TD_ECANCELED;
+  }
+  return fail(t, err, "%s: %s", what, td_strerror(err));
+}
+
 /* Sets *err and t->msg for a packet p that came where one of kind want was
  * due (an Abort, or another), and frees it. */
 static void unexpected(taking *t, Packet *p, const char *want, int *err) {
@@ -1818,19 +1907,22 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   if (err == 0)
     err = take_all(&t);
   else
-    snprintf(t.msg, sizeof(t.msg), "sending Accept: %s", td_strerror(err));
+    err = gave_up(&t, err, "sending Accept");
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   stall("received");
   Tensord__Handover__Ready rd = TENSORD__HANDOVER__READY__INIT;
   err = send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_READY, &rd);
   stall("ready");
-  if (err == 0)
+  if (err < 0) {
+    err = gave_up(&t, err, "sending Ready");
+  } else {
     err = chan_recv(&t.ch, &p);
-  if (err < 0)
-    fail(&t, err, "waiting for Commit: %s", td_strerror(err));
-  else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT)
-    unexpected(&t, p, "Commit", &err);
+    if (err < 0)
+      fail(&t, err, "waiting for Commit: %s", td_strerror(err));
+    else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT)
+      unexpected(&t, p, "Commit", &err);
+  }
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   tensord__handover__packet__free_unpacked(p, NULL);
@@ -1846,7 +1938,12 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   sigprocmask(SIG_BLOCK, &stops, &was);
   Tensord__Handover__Started sm = TENSORD__HANDOVER__STARTED__INIT;
   sm.pid = (int32_t)getpid();
-  send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, &sm);
+  err = send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_STARTED, &sm);
+  /* Refused: the old daemon's deadline passed before it read Started, and
+   * it serves on (upgrade.c's opening comment). If it died instead, we
+   * serve, as if it had read it. */
+  if (err < 0 && gave_up(&t, err, "sending Started") == TD_ECANCELED)
+    return broken_off(&t, argv, TD_ECANCELED, old_pid);
   stall("started");
   chan_free(&t.ch);
   close(fd);

@@ -382,6 +382,14 @@ static void expect_status(int fd, const char *req, int status) {
   free(r);
 }
 
+/* Whether the daemon has closed fd already: no waiting. Call it once what
+ * closed fd must have happened (a reply that came after it). */
+static int closed_now(int fd) {
+  struct pollfd p = {fd, POLLIN, 0};
+  char b;
+  return poll(&p, 1, 0) == 1 && read(fd, &b, 1) <= 0;
+}
+
 static void start_unix(const char *const *extra) {
   const char *args[8] = {"--metrics", msock};
   size_t n = 2;
@@ -452,9 +460,9 @@ TDT_TEST(metrics, serves_http_on_a_unix_socket) {
   tdt_rmdir(dir);
 }
 
-TDT_TEST(metrics, serves_http_on_a_loopback_port) {
-  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
-  /* Port 0: tensord logs the one it got. */
+/* The port of d's TCP endpoint, started on port 0: tensord logs the one it
+ * got. */
+static int logged_port(void) {
   FILE *f = fopen(d.log, "r");
   cr_assert_not_null(f);
   char line[512];
@@ -466,6 +474,12 @@ TDT_TEST(metrics, serves_http_on_a_loopback_port) {
   }
   fclose(f);
   cr_assert_gt(port, 0, "no port in the log");
+  return port;
+}
+
+TDT_TEST(metrics, serves_http_on_a_loopback_port) {
+  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
+  int port = logged_port();
   char *r;
   const char *body =
       http(connect_tcp(port),
@@ -508,27 +522,183 @@ TDT_TEST(metrics, stalled_and_vanishing_scrapers_stall_nothing) {
   free(read_all(mute));
   close(mute);
   close(lazy);
-  /* More scrapers at once than it serves: the extra ones are closed at
-   * once, and the daemon stays. */
+  /* More scrapers at once than it serves: the oldest idle ones make room
+   * for each newcomer, so a scrape still gets through, and the daemon
+   * stays. */
   int many[24];
   for (int i = 0; i < 24; i++)
     many[i] = connect_unix(msock);
-  int closed = 0;
-  for (int i = 0; i < 24; i++) {
-    char b;
-    struct pollfd p = {many[i], POLLIN, 0};
-    if (poll(&p, 1, 50) > 0 && read(many[i], &b, 1) == 0)
-      closed++;
-  }
-  cr_assert_geq(closed, 24 - 16, "only %d of 24 closed", closed);
+  expect_status(connect_unix(msock), "GET /metrics HTTP/1.1\r\n\r\n", 200);
+  /* 25 came, 16 are served: the first 9 were closed before that reply. */
+  for (int i = 0; i < 24 + 1 - 16; i++)
+    cr_assert(closed_now(many[i]), "idle scraper %d of 24 is still open", i);
   for (int i = 0; i < 24; i++)
     close(many[i]);
   cr_assert_eq(td_ping(c, &rtt), 0);
-  expect_status(connect_unix(msock), "GET /metrics HTTP/1.1\r\n\r\n", 200);
   td_storage_release(s);
   td_close(c);
   tdt_stop(&d);
   tdt_rmdir(dir);
+}
+
+/* A crowd of connections that say nothing, or half a request line, must not
+ * lock scrapers out: each newcomer past the 16 served makes the oldest of
+ * them close, and one that sent its request line is closed only after
+ * every idle one. */
+TDT_TEST(metrics, idle_scrapers_make_room_for_real_ones) {
+  tdt_start(&d, (const char *const[]){"--metrics", "127.0.0.1:0", NULL});
+  int port = logged_port();
+  enum { ROUNDS = 4, IDLE = 16, HALF = 3, CROWD = IDLE + HALF };
+  int crowd[ROUNDS][CROWD];
+  int slow = -1;
+  for (int r = 0; r < ROUNDS; r++) {
+    if (r == ROUNDS - 1) {
+      /* Past its request line, its headers still to come. */
+      slow = connect_tcp(port);
+      send_all(slow, "GET /metrics HTTP/1.1\r\n", 23);
+    }
+    for (int i = 0; i < CROWD; i++) {
+      crowd[r][i] = connect_tcp(port);
+      if (i >= IDLE)
+        send_all(crowd[r][i], "GET /metr", 9);
+    }
+    /* A real scrape gets through, every time. */
+    char *reply;
+    http(connect_tcp(port), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 200,
+         &reply);
+    free(reply);
+    /* Its arrival closed the oldest of the crowd (accepted before it). */
+    cr_assert(closed_now(crowd[0][0]),
+              "round %d: the oldest idle scraper "
+              "is still open",
+              r);
+  }
+  /* The one past its request line outlived every idle one, and is served. */
+  char *reply;
+  http(slow, "Host: x\r\n\r\n", 200, &reply);
+  free(reply);
+  for (int r = 0; r < ROUNDS; r++)
+    for (int i = 0; i < CROWD; i++)
+      close(crowd[r][i]);
+  cr_assert(tdt_log_has(&d, "closed the oldest"),
+            "the log does not say why scrapers were closed");
+}
+
+/* ---- a Unix socket endpoint's place and mode ---- */
+
+/* Waits until the tensord pid (spawned on d's log) has exited or serves
+ * metrics on path; returns its exit status, or -1 if it serves (then it is
+ * killed). The bound only ends a hang. */
+static int exits_or_serves(pid_t pid, const char *path) {
+  char serving[200];
+  snprintf(serving, sizeof(serving), "metrics on %s", path);
+  for (int t = 0; t < 30000; t += 10) {
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (tdt_log_has(&d, serving)) {
+      kill(pid, SIGTERM);
+      tdt_wait(pid);
+      return -1;
+    }
+    tdt_sleep_ms(10);
+  }
+  kill(pid, SIGKILL);
+  tdt_wait(pid);
+  cr_assert_fail("tensord %d neither exited nor served in 30 s", (int)pid);
+  return -2;
+}
+
+/* As the main socket's, the endpoint's directory, and every one above it,
+ * must be tensord's user's or root's and closed to others' writes unless
+ * sticky: whoever may write it could put their own socket (or, between a
+ * bind and a chmod, a symbolic link) in place of the endpoint. */
+TDT_TEST(metrics, refuses_a_unix_endpoint_in_a_directory_others_may_write) {
+  tdt_start(&d, NULL);
+  char dir[160], path[200], other[160], want[400];
+  snprintf(dir, sizeof(dir), "%s/open", d.dir);
+  snprintf(path, sizeof(path), "%s/m.sock", dir);
+  snprintf(other, sizeof(other), "%s/other.sock", d.dir);
+  cr_assert_eq(mkdir(dir, 0700), 0);
+  cr_assert_eq(chmod(dir, 0777), 0); /* not sticky */
+  pid_t pid = tdt_spawn(
+      &d, (const char *const[]){"--socket", other, "--metrics", path, NULL});
+  cr_assert_eq(exits_or_serves(pid, path), 1,
+               "tensord did not refuse --metrics in a directory of mode 0777");
+  snprintf(want, sizeof(want), "metrics socket directory %s, owned by uid %u",
+           dir, (unsigned)geteuid());
+  cr_assert(tdt_log_has(&d, want), "no '%s' in the log", want);
+  cr_assert(tdt_log_has(&d, "has mode 0777: others may write it and could "
+                            "replace the metrics socket; refusing it (chmod "
+                            "go-w it, or choose another --metrics)"));
+  cr_assert_neq(access(path, F_OK), 0, "a socket was made in %s", dir);
+  if (geteuid() == 0) {
+    /* Another uid's directory, closed to everyone else. */
+    cr_assert_eq(chmod(dir, 0700), 0);
+    cr_assert_eq(chown(dir, 4246, 4246), 0);
+    pid = tdt_spawn(
+        &d, (const char *const[]){"--socket", other, "--metrics", path, NULL});
+    cr_assert_eq(exits_or_serves(pid, path), 1,
+                 "tensord did not refuse --metrics in uid 4246's directory");
+    snprintf(want, sizeof(want),
+             "metrics socket directory %s is owned by uid 4246, not by root, "
+             "tensord's user: whoever owns it could replace the metrics "
+             "socket",
+             dir);
+    cr_assert(tdt_log_has(&d, want), "no '%s' in the log", want);
+    cr_assert_neq(access(path, F_OK), 0, "a socket was made in %s", dir);
+  }
+}
+
+/* The endpoint's socket has its mode from the moment bind() makes it, not
+ * from a chmod after: nobody who watches the directory ever finds it open
+ * to others. bindshim records the mode right after the bind. */
+TDT_TEST(metrics, a_unix_endpoint_has_its_mode_from_the_start) {
+  static const char *const modes[][2] = {{NULL, "0600"}, {"0640", "0640"}};
+  for (size_t i = 0; i < 2; i++) {
+    char dir[64], log[128], asan[512];
+    tdt_mkdtemp(dir);
+    snprintf(msock, sizeof(msock), "%s/m.sock", dir);
+    snprintf(log, sizeof(log), "%s/bind.log", dir);
+    setenv("LD_PRELOAD", TDT_BINDSHIM, 1);
+    setenv("TDT_BIND_WATCH", msock, 1);
+    setenv("TDT_BIND_LOG", log, 1);
+    /* An ASan tensord insists on coming first in the preload list. */
+    const char *was = getenv("ASAN_OPTIONS");
+    char *saved = was ? strdup(was) : NULL;
+    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
+             was && *was ? ":" : "");
+    setenv("ASAN_OPTIONS", asan, 1);
+    mode_t mask = umask(022); /* a bind alone would make it 0755 */
+    if (modes[i][0] != NULL)
+      start_unix((const char *const[]){"--socket-mode", modes[i][0], NULL});
+    else
+      start_unix(NULL);
+    umask(mask);
+    unsetenv("LD_PRELOAD");
+    unsetenv("TDT_BIND_WATCH");
+    unsetenv("TDT_BIND_LOG");
+    if (saved != NULL)
+      setenv("ASAN_OPTIONS", saved, 1);
+    else
+      unsetenv("ASAN_OPTIONS");
+    free(saved);
+    char line[32] = "";
+    FILE *f = fopen(log, "r");
+    cr_assert_not_null(f, "bindshim saw no bind of %s", msock);
+    cr_assert_not_null(fgets(line, sizeof(line), f));
+    fclose(f);
+    line[strcspn(line, "\n")] = '\0';
+    cr_assert_str_eq(line, modes[i][1],
+                     "--socket-mode %s: the endpoint was mode %s as bind() "
+                     "made it, not %s",
+                     modes[i][0] ? modes[i][0] : "(none)", line, modes[i][1]);
+    struct stat st;
+    cr_assert_eq(stat(msock, &st), 0);
+    cr_assert_eq(st.st_mode & 07777, strtoul(modes[i][1], NULL, 8));
+    tdt_stop(&d);
+    tdt_rmdir(dir);
+  }
 }
 
 TDT_TEST(metrics, refuses_addresses_off_the_loopback) {
@@ -539,6 +709,10 @@ TDT_TEST(metrics, refuses_addresses_off_the_loopback) {
       {"[::]:9100", ":: is not a loopback address"},
       {"example.com:80", "'example.com' is not an IP address"},
       {"127.0.0.1:99999", "port '99999' is not a number"},
+      {"127.0.0.1:65536", "port '65536' is not a number from 0 to 65535"},
+      {"[::1]:65536", "port '65536' is not a number from 0 to 65535"},
+      {"127.0.0.1:-1", "port '-1' is not a number"},
+      {"127.0.0.1:http", "port 'http' is not a number"},
       {"127.0.0.1", "neither a path"},
       {"::1:9100", "write an IPv6 address as [::1]:PORT"},
   };

@@ -5,7 +5,9 @@
 #include "metrics.h"
 #include "server.h"
 
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -86,4 +88,53 @@ Test(metrics, rendered_text_escapes_and_counts) {
   while (uv_run(&loop, UV_RUN_NOWAIT) != 0)
     ;
   cr_assert_eq(uv_loop_close(&loop), 0);
+}
+
+/* --metrics ADDR's port: exactly 0 (any free port) to 65535, in decimal
+ * digits and nothing else; the bound is where the parser says, not a
+ * little past it (99999 alone would not tell). */
+Test(metrics, scrape_ports_are_0_to_65535_exactly) {
+  static const struct {
+    const char *addr;
+    int port; /* -1: refused */
+  } cases[] = {
+      {"127.0.0.1:65535", 65535},
+      {"127.0.0.1:65536", -1},
+      {"127.0.0.1:65534", 65534},
+      {"[::1]:65535", 65535},
+      {"[::1]:65536", -1},
+      {"localhost:1", 1},
+      {"127.0.0.1:0", 0}, /* any free port, as documented */
+      {"127.0.0.1:00065535", 65535},
+      {"127.0.0.1:99999", -1},
+      {"127.0.0.1:4294967296", -1},
+      {"127.0.0.1:18446744073709551616", -1},
+      {"127.0.0.1:-1", -1},
+      {"127.0.0.1:-0", -1},
+      {"127.0.0.1:+80", -1},
+      {"127.0.0.1: 80", -1},
+      {"127.0.0.1:80 ", -1},
+      {"127.0.0.1:0x50", -1},
+      {"127.0.0.1:8o", -1},
+      {"127.0.0.1:", -1},
+      {"127.0.0.1:abc", -1},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    struct sockaddr_storage ss;
+    char msg[256] = "";
+    int err = td__scrape_parse(cases[i].addr, &ss, msg, sizeof(msg));
+    if (cases[i].port < 0) {
+      cr_expect_eq(err, TD_EINVAL, "--metrics %s was not refused",
+                   cases[i].addr);
+      cr_expect(strstr(msg, "is not a number from 0 to 65535") != NULL,
+                "--metrics %s: '%s'", cases[i].addr, msg);
+      continue;
+    }
+    cr_expect_eq(err, 0, "--metrics %s: %s", cases[i].addr, msg);
+    in_port_t port = ss.ss_family == AF_INET6
+                         ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                         : ((struct sockaddr_in *)&ss)->sin_port;
+    cr_expect_eq(ntohs(port), cases[i].port, "--metrics %s: port %u",
+                 cases[i].addr, (unsigned)ntohs(port));
+  }
 }

@@ -1047,23 +1047,46 @@ static void test_stall(void) {
   close(r);
 }
 
-static void show_usage(FILE *f) {
+void td__show_usage(FILE *f) {
   fprintf(f, "usage: tensorctl show [--json] [--sample N | --all] "
-             "[--dtype DTYPE] KEY|ID [INDEX]\n"
-             "  INDEX: Python's, e.g. '[0, :, 2:5]', '[..., -1]', '[::2, "
-             "None]'\n");
+             "[--dtype DTYPE] [--socket PATH] KEY|ID [INDEX]\n"
+             "\n"
+             "A view's statistics and its first and last elements, as numpy\n"
+             "writes them. KEY is looked up read-only without waiting; ID\n"
+             "shows the whole storage as uint8 (or --dtype).\n"
+             "\n"
+             "  INDEX          Python's, e.g. '[0, :, 2:5]', '[..., -1]', "
+             "'[::2, None]'\n"
+             "  --sample N     read N elements, evenly spaced (default: all "
+             "up to\n"
+             "                 64 Mi elements, a sample of 64 Mi past that)\n"
+             "  --all          read every element, whatever the size\n"
+             "  --dtype DTYPE  see the view's bytes as DTYPE "
+             "(Tensor.view(dtype))\n"
+             "  --json         one JSON document (see docs/cli.md)\n"
+             "  --             what follows is KEY|ID and INDEX, even if it "
+             "begins\n"
+             "                 with '--'\n");
 }
 
 /* Parses show's arguments into *o. Returns 0, or 2 (usage, said). */
 static int parse_args(int argc, char **argv, show_opts *o) {
+  int dashdash = 0; /* after "--", only KEY|ID and INDEX */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (strcmp(a, "--json") == 0) {
+    if (dashdash) {
+      /* an argument, below */
+    } else if (strcmp(a, "--") == 0) {
+      dashdash = 1;
+      continue;
+    } else if (strcmp(a, "--json") == 0) {
       o->json = 1;
+      continue;
     } else if (strcmp(a, "--all") == 0) {
       o->sample = -1;
+      continue;
     } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      show_usage(stdout);
+      td__show_usage(stdout);
       exit(0);
     } else if (strcmp(a, "--socket") == 0 || strcmp(a, "--sample") == 0 ||
                strcmp(a, "--dtype") == 0) {
@@ -1090,10 +1113,12 @@ static int parse_args(int argc, char **argv, show_opts *o) {
           return 2;
         }
       }
+      continue;
     } else if (a[0] == '-' && a[1] == '-') {
       fprintf(stderr, "tensorctl show: unknown option '%s'\n", a);
       return 2;
-    } else if (o->target == NULL) {
+    }
+    if (o->target == NULL) {
       o->target = a;
     } else if (o->index == NULL) {
       o->index = a;
@@ -1104,7 +1129,7 @@ static int parse_args(int argc, char **argv, show_opts *o) {
   }
   if (o->target == NULL) {
     fprintf(stderr, "tensorctl show: needs a KEY or an ID\n");
-    show_usage(stderr);
+    td__show_usage(stderr);
     return 2;
   }
   return 0;

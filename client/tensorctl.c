@@ -22,48 +22,136 @@ static int longfmt;     /* ls -l */
 static long long count; /* watch -n: stop after this many events; 0: never */
 static int64_t now_ms;
 
+/* One subcommand: its synopsis (after "tensorctl"), the line or lines the
+ * command list gives it, and what its own usage adds (tensorctl CMD -h,
+ * tensorctl help CMD). show's usage is show.c's. */
+typedef struct command {
+  const char *name;
+  const char *synopsis;
+  const char *summary;
+  const char *details;
+} command;
+
+static const command commands[] = {
+    {"ls", "ls [-l]",
+     "every live storage: id, device, size, references,\n"
+     "holders (pids and names), keys, age; -l adds mode,\n"
+     "owner, group",
+     "  -l   mode, owner and group in front of each row\n"},
+    {"stat", "stat",
+     "totals: storages, bytes used / capacity, clients,\n"
+     "keys, uptime, version, instance and the prefixes\n"
+     "of its segments in /dev/shm",
+     NULL},
+    {"info", "info ID|KEY",
+     "everything about one storage, with its published\n"
+     "views",
+     "An argument made only of digits is tried as an id first, then as a\n"
+     "key.\n"},
+    {"show", "show KEY|ID [INDEX]",
+     "a view's statistics and first and last elements\n"
+     "(tensorctl show --help)",
+     NULL},
+    {"rm", "rm KEY", "unpublish KEY", NULL},
+    {"ping", "ping", "round trip to tensord", NULL},
+    {"metrics", "metrics",
+     "the metrics in the Prometheus text format (what\n"
+     "tensord --metrics serves)",
+     "With --json: the request count, uptime and every connected client\n"
+     "(pid, uid, name, requests, references, bytes held), busiest first,\n"
+     "and the text.\n"},
+    {"top", "top [--interval MS] [--once]",
+     "a live view: largest storages, busiest clients,\n"
+     "request rate; redrawn every MS (default 1000)\n"
+     "until q or Ctrl-C; --once: one plain frame",
+     "  --interval MS   redraw every MS milliseconds (10 to 3600000)\n"
+     "  --once          one plain frame (rates over one interval), for a\n"
+     "                  pipe or a log; without it stdout must be a terminal\n"
+     "top takes no --json (tensorctl metrics --json has the figures).\n"},
+    {"watch", "watch [-n N] [PREFIX]",
+     "events as they happen, one line each (with --json:\n"
+     "one JSON object each): create, publish, lookup,\n"
+     "take, unpublish, free, connect, disconnect, refused;\n"
+     "with PREFIX only those of keys that begin with it;\n"
+     "-n N stops after N events",
+     "Each event names the client that caused it: PID (NAME).\n"},
+    {"upgrade", "upgrade [--binary PATH]",
+     "live upgrade: tensord runs PATH (default: the\n"
+     "path it was started from) with its arguments plus\n"
+     "--upgrade and hands everything to it; clients\n"
+     "notice nothing",
+     NULL},
+    {"help", "help [COMMAND]", "this text, or COMMAND's usage", NULL},
+};
+#define NCOMMANDS (sizeof(commands) / sizeof(commands[0]))
+
+static const command *find_command(const char *name) {
+  for (size_t i = 0; i < NCOMMANDS; i++)
+    if (strcmp(commands[i].name, name) == 0)
+      return &commands[i];
+  return NULL;
+}
+
+/* Writes text, each of its lines after the first indented by indent
+ * spaces. */
+static void indented(FILE *f, const char *text, int indent) {
+  for (const char *p = text; *p;) {
+    size_t n = strcspn(p, "\n");
+    fprintf(f, "%.*s\n", (int)n, p);
+    p += n;
+    if (*p == '\n')
+      p++;
+    if (*p)
+      fprintf(f, "%*s", indent, "");
+  }
+}
+
+static const char socket_option[] =
+    "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
+    "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
+    "                 /tmp/tensord-<uid>/tensord.sock)\n";
+static const char json_option[] =
+    "  --json         one JSON document on stdout (see docs/cli.md)\n";
+
 static void usage(FILE *f) {
+  fprintf(f, "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
+             "\n"
+             "commands:\n");
+  for (size_t i = 0; i < NCOMMANDS; i++) {
+    const command *c = &commands[i];
+    if (strlen(c->synopsis) <= 11)
+      fprintf(f, "  %-11s ", c->synopsis);
+    else
+      fprintf(f, "  %s\n%14s", c->synopsis, "");
+    indented(f, c->summary, 14);
+  }
   fprintf(f,
-          "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
-          "\n"
-          "commands:\n"
-          "  ls [-l]     every live storage: id, device, size, references,\n"
-          "              holders (pids and names), keys, age; -l adds mode,\n"
-          "              owner, group\n"
-          "  stat        totals: storages, bytes used / capacity, clients,\n"
-          "              keys, uptime, version, instance and the prefixes\n"
-          "              of its segments in /dev/shm\n"
-          "  info ID|KEY everything about one storage, with its published "
-          "views\n"
-          "  show KEY|ID [INDEX]\n"
-          "              a view's statistics and first and last elements\n"
-          "              (tensorctl show --help)\n"
-          "  rm KEY      unpublish KEY\n"
-          "  ping        round trip to tensord\n"
-          "  metrics     the metrics in the Prometheus text format (what\n"
-          "              tensord --metrics serves)\n"
-          "  top [--interval MS] [--once]\n"
-          "              a live view: largest storages, busiest clients,\n"
-          "              request rate; redrawn every MS (default 1000)\n"
-          "              until q or Ctrl-C; --once: one plain frame\n"
-          "  watch [-n N] [PREFIX]\n"
-          "              events as they happen, one line each (with --json:\n"
-          "              one JSON object each): create, publish, lookup,\n"
-          "              take, unpublish, free, connect, disconnect, refused;\n"
-          "              with PREFIX only those of keys that begin with it;\n"
-          "              -n N stops after N events\n"
-          "  upgrade [--binary PATH]\n"
-          "              live upgrade: tensord runs PATH (default: the\n"
-          "              path it was started from) with its arguments plus\n"
-          "              --upgrade and hands everything to it; clients\n"
-          "              notice nothing\n"
-          "\n"
-          "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
-          "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
-          "                 /tmp/tensord-<uid>/tensord.sock)\n"
-          "  --json         one JSON document on stdout (see docs/cli.md)\n"
-          "\n"
-          "exit status: 0 ok, 1 error, 2 usage\n");
+          "\n%s%s\n"
+          "tensorctl COMMAND --help (or tensorctl help COMMAND): "
+          "COMMAND's usage\n"
+          "exit status: 0 ok, 1 error, 2 usage\n",
+          socket_option, json_option);
+}
+
+/* COMMAND's own usage: tensorctl COMMAND -h, tensorctl help COMMAND. */
+static void command_usage(const command *c, FILE *f) {
+  if (strcmp(c->name, "show") == 0) {
+    td__show_usage(f);
+    return;
+  }
+  if (strcmp(c->name, "help") == 0) {
+    usage(f);
+    return;
+  }
+  int has_json = strcmp(c->name, "top") != 0;
+  fprintf(f, "usage: tensorctl %s%s [--socket PATH]\n\n", c->synopsis,
+          has_json ? " [--json]" : "");
+  indented(f, c->summary, 0);
+  if (c->details != NULL) {
+    fputc('\n', f);
+    fputs(c->details, f);
+  }
+  fprintf(f, "\n%s%s", socket_option, has_json ? json_option : "");
 }
 
 static const char *device_name(td_device d) {
@@ -649,17 +737,59 @@ int main(int argc, char **argv) {
     return 2;
   }
   const char *cmd = argv[optind++];
+  const command *known = find_command(cmd);
+  if (known == NULL) {
+    fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  /* -h or --help anywhere before "--" asks for the command's usage, which
+   * needs no daemon and no valid rest of the line. */
+  for (int i = optind; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+      command_usage(known, stdout);
+      return 0;
+    }
+  if (strcmp(cmd, "help") == 0) {
+    if (optind >= argc) {
+      usage(stdout);
+      return 0;
+    }
+    if (optind + 1 < argc) {
+      fprintf(stderr, "tensorctl help: takes one COMMAND, not '%s %s'\n",
+              argv[optind], argv[optind + 1]);
+      return 2;
+    }
+    const command *c = find_command(argv[optind]);
+    if (c == NULL) {
+      fprintf(stderr,
+              "tensorctl help: unknown command '%s' (tensorctl --help "
+              "lists them)\n",
+              argv[optind]);
+      return 2;
+    }
+    command_usage(c, stdout);
+    return 0;
+  }
   if (strcmp(cmd, "show") == 0) /* show parses its own options (show.c) */
     return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
-  /* Options may also follow the command: "tensorctl ls --json". */
+  /* Options may also follow the command: "tensorctl ls --json". After
+   * "--", everything is an argument (a key that begins with '-'). */
   const char *arg = NULL, *binary = NULL;
-  int interval_ms = 1000, once = 0;
+  int interval_ms = 1000, once = 0, dashdash = 0;
   int is_top = strcmp(cmd, "top") == 0;
   for (int i = optind; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) {
+    if (dashdash) {
+      /* an argument, below */
+    } else if (strcmp(argv[i], "--") == 0) {
+      dashdash = 1;
+      continue;
+    } else if (strcmp(argv[i], "--json") == 0) {
       json = 1;
+      continue;
     } else if (is_top && strcmp(argv[i], "--once") == 0) {
       once = 1;
+      continue;
     } else if (is_top && strcmp(argv[i], "--interval") == 0) {
       char *end = NULL;
       long v = i + 1 < argc ? strtol(argv[++i], &end, 10) : 0;
@@ -672,8 +802,10 @@ int main(int argc, char **argv) {
         return 2;
       }
       interval_ms = (int)v;
+      continue;
     } else if (strcmp(argv[i], "-l") == 0 && strcmp(cmd, "ls") == 0) {
       longfmt = 1;
+      continue;
     } else if (strcmp(argv[i], "-n") == 0 && strcmp(cmd, "watch") == 0) {
       char *end = NULL;
       errno = 0;
@@ -685,6 +817,7 @@ int main(int argc, char **argv) {
                         "more)\n");
         return 2;
       }
+      continue;
     } else if (strcmp(argv[i], "--socket") == 0 ||
                (strcmp(argv[i], "--binary") == 0 &&
                 strcmp(cmd, "upgrade") == 0)) {
@@ -696,7 +829,9 @@ int main(int argc, char **argv) {
         socket = argv[++i];
       else
         binary = argv[++i];
-    } else if (arg == NULL) {
+      continue;
+    }
+    if (arg == NULL) {
       arg = argv[i];
     } else {
       fprintf(stderr, "tensorctl: unexpected argument '%s'\n", argv[i]);
@@ -705,15 +840,6 @@ int main(int argc, char **argv) {
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
   int watch = strcmp(cmd, "watch") == 0;
-  int known = needs_arg || watch || strcmp(cmd, "ls") == 0 ||
-              strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0 ||
-              strcmp(cmd, "metrics") == 0 || strcmp(cmd, "upgrade") == 0 ||
-              is_top;
-  if (!known) {
-    fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
-    usage(stderr);
-    return 2;
-  }
   if (is_top && json) {
     fprintf(stderr, "tensorctl top: --json does not apply (try tensorctl "
                     "metrics --json)\n");
@@ -722,8 +848,9 @@ int main(int argc, char **argv) {
   if (watch) /* a connection of its own (td_watch_open) */
     return cmd_watch(socket, arg) < 0 ? 1 : 0;
   if (needs_arg != (arg != NULL)) {
-    fprintf(stderr, "tensorctl %s: %s\n", cmd,
-            needs_arg ? "needs an argument" : "takes no argument");
+    fprintf(stderr, "tensorctl %s: %s (usage: tensorctl %s)\n", cmd,
+            needs_arg ? "needs an argument" : "takes no argument",
+            known->synopsis);
     return 2;
   }
 

@@ -543,6 +543,77 @@ TDT_TEST(cli, usage_errors_exit_2) {
   tdt_run_free(&r);
 }
 
+/* Every subcommand answers -h and --help (anywhere among its arguments)
+ * with its own usage on stdout and exit 0, and "help CMD" says the same;
+ * none of them needs the daemon. "help" alone is tensorctl --help. */
+TDT_TEST(cli, every_command_answers_help) {
+  static const char *const cmds[] = {"ls",    "stat",   "info",    "show",
+                                     "rm",    "ping",   "metrics", "top",
+                                     "watch", "upgrade"};
+  char nowhere[160];
+  snprintf(nowhere, sizeof(nowhere), "%s/nobody-here.sock", d.dir);
+  for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+    char want[64];
+    snprintf(want, sizeof(want), "usage: tensorctl %s", cmds[i]);
+    const char *const forms[][5] = {
+        {cmds[i], "-h", NULL},
+        {cmds[i], "--help", NULL},
+        {"help", cmds[i], NULL},
+        {cmds[i], "--json", "-h", NULL},
+        {cmds[i], "some-arg", "--help", NULL},
+    };
+    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
+      const char *argv[10] = {TENSORCTL_BIN, "--socket", nowhere};
+      int n = 3;
+      for (int j = 0; forms[f][j] != NULL; j++)
+        argv[n++] = forms[f][j];
+      tdt_run_result r;
+      tdt_cli_run(argv, &r);
+      char what[128];
+      snprintf(what, sizeof(what), "tensorctl %s %s %s", forms[f][0],
+               forms[f][1], forms[f][2] ? forms[f][2] : "");
+      cr_assert_eq(r.status, 0, "%s: exit %d, stderr: %s", what, r.status,
+                   r.err);
+      cr_assert_eq(r.err[0], '\0', "%s: stderr: %s", what, r.err);
+      cr_assert(strncmp(r.out, want, strlen(want)) == 0,
+                "%s: stdout begins with '%s': %s", what, want, r.out);
+      tdt_run_free(&r);
+    }
+  }
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", NULL}, &r);
+  tdt_expect_ok(&r, "help");
+  cr_assert(strncmp(r.out, "usage: tensorctl [", 18) == 0, "%s", r.out);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", "nosuch", NULL}, &r);
+  cr_assert_eq(r.status, 2, "help nosuch: exit %d", r.status);
+  cr_assert_eq(r.out_len, 0, "nothing on stdout: %s", r.out);
+  cr_assert(strstr(r.err, "unknown command 'nosuch'") != NULL, "%s", r.err);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", "ls", "stat", NULL},
+              &r);
+  cr_assert_eq(r.status, 2, "help takes one command: exit %d", r.status);
+  tdt_run_free(&r);
+}
+
+/* "--" ends the options: a key that looks like one can still be named. */
+TDT_TEST(cli, double_dash_ends_the_options) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 8, &s), 0);
+  cr_assert_eq(td_publish(c, "-h", s, NULL), 0);
+  tdt_run_result r;
+  ctl(&r, "info", "--", "-h");
+  tdt_expect_ok(&r, "info -- -h");
+  cr_assert(strstr(r.out, "  -h: uint8") != NULL, "%s", r.out);
+  tdt_run_free(&r);
+  ctl(&r, "rm", "--", "-h");
+  tdt_expect_ok(&r, "rm -- -h");
+  tdt_run_free(&r);
+  td_storage_release(s);
+  td_close(c);
+}
+
 TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {
   char path[160];
   snprintf(path, sizeof(path), "%s/nobody-here.sock", d.dir);

@@ -247,17 +247,17 @@ static const char *group_name(uint32_t gid) {
 /* "4242 (loader)", or "4242" for a client that gave no name. */
 static const char *pid_at(const void *arg, size_t i, char *buf, size_t len) {
   const td_holder *h = &((const td_storage_info *)arg)->holders[i];
+  char name[TD_CLIENT_NAME_MAX + 1];
   if (h->name != NULL && h->name[0] != '\0')
-    snprintf(buf, len, "%d (%s)", h->pid, h->name);
+    snprintf(buf, len, "%d (%s)", h->pid,
+             td__cli_printable(h->name, name, sizeof(name)));
   else
     snprintf(buf, len, "%d", h->pid);
   return buf;
 }
 
 static const char *key_at(const void *arg, size_t i, char *buf, size_t len) {
-  (void)buf;
-  (void)len;
-  return ((const td_storage_info *)arg)->keys[i];
+  return td__cli_printable(((const td_storage_info *)arg)->keys[i], buf, len);
 }
 
 /* Joins items 0..n-1 with commas into buf, whole items only; if some do not
@@ -269,7 +269,7 @@ static void join_list(char *buf, size_t len, size_t n, size_t total,
   size_t used = 0, shown = 0;
   buf[0] = '\0';
   for (; shown < n; shown++) {
-    char tmp[96];
+    char tmp[TD_KEY_MAX + 1];
     const char *item = at(arg, shown, tmp, sizeof(tmp));
     size_t need = strlen(item) + (shown ? 1 : 0);
     if (used + need + tail >= len)
@@ -299,7 +299,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
     st->n++;
     return 0;
   }
-  char size[32], ag[32], holders[160], keys[256];
+  char size[32], ag[32], holders[256], keys[256];
   join_list(holders, sizeof(holders), s->nholders, s->nholders, pid_at, s);
   join_list(keys, sizeof(keys), s->nkeys, s->nkeys_total, key_at, s);
   if (st->n++ == 0) {
@@ -487,9 +487,10 @@ static int info_storage(const td_storage_info *s, void *arg) {
     printf(" -");
   for (size_t i = 0; i < s->nholders; i++) {
     const td_holder *h = &s->holders[i];
+    char name[TD_CLIENT_NAME_MAX + 1];
     printf(" %d (", h->pid);
     if (h->name != NULL && h->name[0] != '\0')
-      printf("%s, ", h->name);
+      printf("%s, ", td__cli_printable(h->name, name, sizeof(name)));
     printf("uid %u, %u ref%s)%s", h->uid, h->refs, h->refs == 1 ? "" : "s",
            i + 1 < s->nholders ? "," : "");
   }
@@ -508,8 +509,9 @@ static int info_key(const td_key_info *k, void *arg) {
     td__cli_json_view(&k->view);
     printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
   } else {
-    char vb[600];
-    printf("  %s: %s\n", k->key, td_view_format(&k->view, vb, sizeof(vb)));
+    char vb[600], kb[TD_KEY_MAX + 1];
+    printf("  %s: %s\n", td__cli_printable(k->key, kb, sizeof(kb)),
+           td_view_format(&k->view, vb, sizeof(vb)));
   }
   st->nkeys++;
   return 0;
@@ -630,8 +632,9 @@ static int print_event(const td_event *ev) {
     printf("%s.%03d %s", when, (int)(ev->unix_ms % 1000), type);
     if (ev->type == TD_EVENT_REFUSED)
       printf(" %s", td_err_name(ev->code));
+    char text[TD__ERRMSG_MAX];
     if (ev->key[0])
-      printf(" key='%s'", ev->key);
+      printf(" key='%s'", td__cli_printable(ev->key, text, sizeof(text)));
     if (ev->id)
       printf(" storage=%" PRIu64 " %s%s", ev->id,
              td__human_bytes(ev->nbytes, size, sizeof(size)),
@@ -639,12 +642,12 @@ static int print_event(const td_event *ev) {
     if (ev->pid) {
       printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);
       if (ev->name[0])
-        printf(" (%s)", ev->name);
+        printf(" (%s)", td__cli_printable(ev->name, text, sizeof(text)));
       if (ev->type == TD_EVENT_CONNECT)
         printf(" uid %u", ev->uid);
     }
     if (ev->message[0])
-      printf(": %s", ev->message);
+      printf(": %s", td__cli_printable(ev->message, text, sizeof(text)));
     putchar('\n');
   }
   return fflush(stdout) == 0 ? 0 : -1;

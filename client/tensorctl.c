@@ -37,7 +37,12 @@ static const command commands[] = {
      "every live storage: id, device, size, references,\n"
      "holders (pids and names), keys, age; -l adds mode,\n"
      "owner, group",
-     "  -l   mode, owner and group in front of each row\n"},
+     "  -l   mode, owner and group in front of each row\n"
+     "\n"
+     "HOLDERS are PID (NAME), NAME the name each client connected with:\n"
+     "td_connect_opts.name, tensord.connect(name=...), $TENSORD_CLIENT_NAME,\n"
+     "else its program (a Python script's name; DataLoader workers are\n"
+     "PROGRAM worker N).\n"},
     {"stat", "stat",
      "totals: storages, bytes used / capacity, clients,\n"
      "keys, uptime, version, instance and the prefixes\n"

@@ -3,6 +3,7 @@
 #include "clitext.h"
 #include "common.h"
 #include "show.h"
+#include "statedict.h"
 #include "tensord.h"
 #include "top.h"
 
@@ -50,11 +51,14 @@ static const command commands[] = {
      NULL},
     {"info", "info ID|KEY",
      "everything about one storage, with its published\n"
-     "views",
+     "views; a state dict's tensors",
      "An argument made only of digits is tried as an id first, then as a\n"
-     "key.\n"},
+     "key. A view that holds a state dict of tensord.torch's\n"
+     "publish_state_dict lists its tensors: name, dtype, shape, bytes\n"
+     "(tensorctl show KEY TENSOR shows one).\n"},
     {"show", "show KEY|ID [INDEX]",
-     "a view's statistics and first and last elements\n"
+     "a view's statistics and first and last elements;\n"
+     "a state dict's tensors, or with TENSOR one of them\n"
      "(tensorctl show --help)",
      NULL},
     {"rm", "rm KEY", "unpublish KEY", NULL},
@@ -458,12 +462,26 @@ static int cmd_stat(td_client *c) {
 
 /* ---- info ---- */
 
+/* A key naming the storage, kept from td_info's callback: its views are
+ * printed after the call, when the storage's bytes may be read (a state
+ * dict's tensors). */
+typedef struct info_key_rec {
+  char *key;
+  uint64_t id;
+  td_view view;
+  int64_t published_unix_ms;
+} info_key_rec;
+
 typedef struct info_state {
-  size_t nkeys;
+  size_t nkeys, cap;
+  info_key_rec *keys;
+  td_device device;
+  int oom;
 } info_state;
 
 static int info_storage(const td_storage_info *s, void *arg) {
-  (void)arg;
+  info_state *st = arg;
+  st->device = s->device;
   if (json) {
     printf("{\"storage\":");
     json_storage(s);
@@ -505,21 +523,76 @@ static int info_storage(const td_storage_info *s, void *arg) {
 
 static int info_key(const td_key_info *k, void *arg) {
   info_state *st = arg;
-  if (json) {
-    if (st->nkeys)
-      putchar(',');
-    printf("{\"key\":");
-    td__cli_json_str(k->key);
-    printf(",\"view\":");
-    td__cli_json_view(&k->view);
-    printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
-  } else {
-    char vb[600], kb[TD_KEY_MAX + 1];
-    printf("  %s: %s\n", td__cli_printable(k->key, kb, sizeof(kb)),
-           td_view_format(&k->view, vb, sizeof(vb)));
+  if (st->nkeys == st->cap) {
+    size_t cap = st->cap ? st->cap * 2 : 8;
+    info_key_rec *r = realloc(st->keys, cap * sizeof(*r));
+    if (r == NULL) {
+      st->oom = 1;
+      return 0;
+    }
+    st->keys = r;
+    st->cap = cap;
   }
+  info_key_rec *r = &st->keys[st->nkeys];
+  if ((r->key = strdup(k->key)) == NULL) {
+    st->oom = 1;
+    return 0;
+  }
+  r->id = k->id;
+  r->view = k->view;
+  r->published_unix_ms = k->published_unix_ms;
   st->nkeys++;
   return 0;
+}
+
+/* Prints key r's view and, if its bytes (in s, NULL if unreadable) are a
+ * state dict, its tensors. */
+static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
+  td__statedict sd = {0};
+  char why[TD__ERRMSG_MAX] = "";
+  int is_sd = 0, err = 0;
+  if (s != NULL && td__statedict_blob_shaped(&r->view) &&
+      td_view_check(&r->view, td_storage_nbytes(s)) == 0) {
+    const uint8_t *b = (const uint8_t *)td_storage_data(s) + r->view.offset;
+    is_sd = td__statedict_is(b, (size_t)r->view.shape[0]);
+    if (is_sd)
+      err = td__statedict_parse(b, (size_t)r->view.shape[0], &sd, why,
+                                sizeof(why));
+  }
+  char kb[TD_KEY_MAX + 1];
+  if (json) {
+    if (i)
+      putchar(',');
+    printf("{\"key\":");
+    td__cli_json_str(r->key);
+    printf(",\"view\":");
+    td__cli_json_view(&r->view);
+    printf(",\"published_unix_ms\":%" PRId64, r->published_unix_ms);
+    if (is_sd && err < 0) {
+      printf(",\"state_dict\":{\"error\":");
+      td__cli_json_str(why);
+      putchar('}');
+    } else if (is_sd) {
+      printf(",\"state_dict\":");
+      td__statedict_print_json(&sd);
+    }
+    putchar('}');
+  } else {
+    char vb[600];
+    td__cli_printable(r->key, kb, sizeof(kb));
+    printf("  %s: %s\n", kb, td_view_format(&r->view, vb, sizeof(vb)));
+    if (is_sd && err < 0)
+      printf("    state dict, corrupt: %s\n",
+             td__cli_printable(why, vb, sizeof(vb)));
+    else if (is_sd) {
+      printf("    state dict: %zu tensor%s in %zu region%s (tensorctl show %s "
+             "TENSOR shows one)\n",
+             sd.ntensors, sd.ntensors == 1 ? "" : "s", sd.nregions,
+             sd.nregions == 1 ? "" : "s", kb);
+      td__statedict_print_text(&sd, "    ");
+    }
+  }
+  td__statedict_free(&sd);
 }
 
 static int cmd_info(td_client *c, const char *arg) {
@@ -533,8 +606,25 @@ static int cmd_info(td_client *c, const char *arg) {
   } else {
     err = td_info(c, 0, arg, info_storage, info_key, &st);
   }
-  if (err == 0 && json)
-    printf("]}\n");
+  if (err == 0) {
+    /* The bytes, read-only and lazily (only the pages read are mapped), if
+     * a key's view could be a state dict; none if they cannot be had. */
+    td_storage *s = NULL;
+    for (size_t i = 0; i < st.nkeys && s == NULL; i++)
+      if (st.device == TD_CPU && td__statedict_blob_shaped(&st.keys[i].view) &&
+          td_storage_open(c, st.keys[i].id, TD_RDONLY | TD_LAZY, &s) < 0)
+        break;
+    for (size_t i = 0; i < st.nkeys; i++)
+      print_info_key(&st.keys[i], i, s);
+    td_storage_release(s);
+    if (st.oom)
+      fprintf(stderr, "tensorctl info: out of memory: some keys not shown\n");
+    if (json)
+      printf("]}\n");
+  }
+  for (size_t i = 0; i < st.nkeys; i++)
+    free(st.keys[i].key);
+  free(st.keys);
   return err;
 }
 

@@ -63,6 +63,7 @@ struct td_client {
   unsigned deferred; /* releases queued, not yet sent (smu) */
   pid_t pid;         /* the process that connected; set once */
   char path[108];    /* set once */
+  char name[TD_CLIENT_NAME_MAX + 1]; /* its Hello's client_name; set once */
 };
 
 struct td_storage {
@@ -424,17 +425,6 @@ static int expect(td_client *c, Tensord__Response *r, int body, int fd) {
               got, body);
 }
 
-static void client_name(char *buf, size_t len) {
-  char comm[64] = "";
-  FILE *f = fopen("/proc/self/comm", "r");
-  if (f != NULL) {
-    if (fgets(comm, sizeof(comm), f) != NULL)
-      comm[strcspn(comm, "\n")] = '\0';
-    fclose(f);
-  }
-  snprintf(buf, len, "%s", comm[0] ? comm : "libtensord");
-}
-
 /* Parses $TENSORD_TRUST_UID (uids separated by commas) and says whether uid
  * is among them. Returns 1, 0, or TD_EINVAL for a malformed list, with the
  * reason recorded. */
@@ -535,8 +525,20 @@ static void why_denied(const char *path, char *buf, size_t len) {
 }
 
 int td_connect(const char *socket_path, td_client **out) {
+  return td_connect_ex(socket_path, NULL, out);
+}
+
+int td_connect_ex(const char *socket_path, const td_connect_opts *o,
+                  td_client **out) {
   char path[108];
   *out = NULL;
+  if (o != NULL)
+    for (size_t i = 0; i < sizeof(o->reserved) / sizeof(o->reserved[0]); i++)
+      if (o->reserved[i] != 0)
+        return fail(NULL, TD_EINVAL,
+                    "connect with reserved[%zu] = 0x%llx: libtensord %s "
+                    "knows no such option",
+                    i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
   if (socket_path == NULL) {
     if (td_default_socket_path(path, sizeof(path)) < 0)
       return fail(NULL, TD_ENAMETOOLONG, "default socket path too long");
@@ -582,12 +584,11 @@ int td_connect(const char *socket_path, td_client **out) {
   td__err_forget(c);
   memcpy(c->path, path, sizeof(path));
 
-  char name[64];
-  client_name(name, sizeof(name));
+  td__client_name(o != NULL ? o->name : NULL, c->name, sizeof(c->name));
   Tensord__Hello h = TENSORD__HELLO__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;
   h.version = TD_PROTOCOL_VERSION;
-  h.client_name = name;
+  h.client_name = c->name;
   req.body_case = TENSORD__REQUEST__BODY_HELLO;
   req.hello = &h;
   Tensord__Response *r;
@@ -977,6 +978,10 @@ td_client *td_storage_client(const td_storage *s) {
 
 uint64_t td_client_instance(const td_client *c) {
   return c->instance;
+}
+
+const char *td_client_name(const td_client *c) {
+  return c->name;
 }
 
 /* ---- keys ---- */

@@ -24,12 +24,22 @@ void td__cli_json_str(const char *s) {
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
     if (*p == '"' || *p == '\\')
       printf("\\%c", *p);
-    else if (*p < 0x20)
+    else if (*p < 0x20 || *p == 0x7f)
       printf("\\u%04x", *p);
     else
       putchar(*p);
   }
   putchar('"');
+}
+
+const char *td__cli_printable(const char *s, char *buf, size_t len) {
+  size_t j = 0;
+  if (len == 0)
+    return buf;
+  for (; *s && j + 1 < len; s++)
+    buf[j++] = ((unsigned char)*s < 0x20 || *s == 0x7f) ? '?' : *s;
+  buf[j] = '\0';
+  return buf;
 }
 
 void td__cli_json_view(const td_view *v) {

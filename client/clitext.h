@@ -14,8 +14,13 @@
 char *td__cli_age(int64_t ms, char *buf, size_t len);
 
 /* Writes s to stdout as a JSON string: quoted, '"' and '\' escaped, control
- * characters as \u00XX; other bytes (UTF-8) as they are. */
+ * characters (and 0x7f) as \u00XX; other bytes (UTF-8) as they are. */
 void td__cli_json_str(const char *s);
+
+/* Copies s into buf (len bytes, cut short if too small) with each control
+ * character (below 0x20, and 0x7f) as '?', so that nobody's key or client
+ * name can drive the terminal it is printed on. Returns buf. */
+const char *td__cli_printable(const char *s, char *buf, size_t len);
 
 /* Writes v to stdout as a JSON object: {"dtype":"float32","shape":[2,3],
  * "stride":[3,1],"offset":0} ("?" for a dtype without a name). */

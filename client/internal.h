@@ -36,6 +36,21 @@ td__copy_path td__copy_plan_path(const td_view *dv, const td_view *sv);
  * such as td_from_dlpack's checks). NULL ok. */
 void td__client_keep_error(const td_client *c);
 
+/* name.c: the name a client connects with (td_connect_opts.name). */
+/* Copies at most TD_CLIENT_NAME_MAX bytes of in into out (len bytes, with
+ * its NUL), each byte outside 0x20..0x7e as '?', as tensord shows names.
+ * Returns the length written. */
+size_t td__client_name_clean(const char *in, char *out, size_t len);
+/* The default name (tensord.h's rule) from what the process's environment
+ * and /proc say: env ($TENSORD_CLIENT_NAME, NULL if unset), comm
+ * (/proc/self/comm without its newline) and cmdline (cmdlen bytes of
+ * /proc/self/cmdline, NUL-separated). Writes it, cleaned, into buf. */
+void td__client_default_name(const char *env, const char *comm,
+                             const char *cmdline, size_t cmdlen, char *buf,
+                             size_t len);
+/* given, cleaned, if not NULL nor "", else this process's default name. */
+void td__client_name(const char *given, char *buf, size_t len);
+
 /* client.c: turns c into a watcher (docs/protocol.md): sends Watch with
  * prefix (len bytes) and waits for its Ok. Returns 0 with *wire the
  * connection's wire and *seq the Watch's seq, from which the caller alone

@@ -4,6 +4,7 @@
 
 #include "clitext.h"
 #include "common.h"
+#include "statedict.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -836,7 +837,8 @@ typedef struct show_opts {
   int64_t sample; /* 0: default; -1: --all; N: --sample N */
   td_dtype dtype; /* --dtype, or TD_DTYPE_INVALID */
   const char *target;
-  const char *index;
+  const char *index; /* the second argument: INDEX, or a state dict's TENSOR */
+  const char *third; /* a state dict's TENSOR's INDEX */
 } show_opts;
 
 /* A float for a JSON document: a number, or "nan", "inf", "-inf" as
@@ -888,21 +890,27 @@ static void json_elem(const td_view *v, const uint8_t *p) {
   }
 }
 
-static void print_json(const char *key, const td_storage *s, int whole,
-                       const td_view *src, const show_opts *o, const td_view *v,
-                       const void *base, const td__show_stats *st) {
+static void print_json(const char *key, const td__sd_tensor *tensor,
+                       const td_storage *s, int whole, const td_view *src,
+                       const char *index, const td_view *v, const void *base,
+                       const td__show_stats *st) {
   printf("{\"key\":");
   if (key != NULL)
     td__cli_json_str(key);
   else
     printf("null");
+  if (tensor != NULL) {
+    printf(",\"tensor\":");
+    td__cli_json_str(tensor->name);
+    printf(",\"region\":%u", tensor->region);
+  }
   printf(",\"storage\":{\"id\":%" PRIu64 ",\"nbytes\":%zu,\"device\":\"cpu\"}"
          ",\"whole_storage\":%s,\"source_view\":",
          td_storage_id(s), td_storage_nbytes(s), whole ? "true" : "false");
   td__cli_json_view(src);
   printf(",\"index\":");
-  if (o->index != NULL)
-    td__cli_json_str(o->index);
+  if (index != NULL)
+    td__cli_json_str(index);
   else
     printf("null");
   printf(",\"view\":");
@@ -1047,23 +1055,51 @@ static void test_stall(void) {
   close(r);
 }
 
-static void show_usage(FILE *f) {
+void td__show_usage(FILE *f) {
   fprintf(f, "usage: tensorctl show [--json] [--sample N | --all] "
-             "[--dtype DTYPE] KEY|ID [INDEX]\n"
-             "  INDEX: Python's, e.g. '[0, :, 2:5]', '[..., -1]', '[::2, "
-             "None]'\n");
+             "[--dtype DTYPE] [--socket PATH] KEY|ID [INDEX]\n"
+             "       tensorctl show [options] KEY [TENSOR [INDEX]]  (a state "
+             "dict)\n"
+             "\n"
+             "A view's statistics and its first and last elements, as numpy\n"
+             "writes them. KEY is looked up read-only without waiting; ID\n"
+             "shows the whole storage as uint8 (or --dtype).\n"
+             "A KEY published by tensord.torch.publish_state_dict lists its\n"
+             "tensors (name, dtype, shape, bytes); with TENSOR, show shows\n"
+             "that tensor (and INDEX indexes it). Its ID shows the raw bytes.\n"
+             "\n"
+             "  INDEX          Python's, e.g. '[0, :, 2:5]', '[..., -1]', "
+             "'[::2, None]'\n"
+             "  --sample N     read N elements, evenly spaced (default: all "
+             "up to\n"
+             "                 64 Mi elements, a sample of 64 Mi past that)\n"
+             "  --all          read every element, whatever the size\n"
+             "  --dtype DTYPE  see the view's bytes as DTYPE "
+             "(Tensor.view(dtype))\n"
+             "  --json         one JSON document (see docs/cli.md)\n"
+             "  --             what follows is KEY|ID and INDEX, even if it "
+             "begins\n"
+             "                 with '--'\n");
 }
 
 /* Parses show's arguments into *o. Returns 0, or 2 (usage, said). */
 static int parse_args(int argc, char **argv, show_opts *o) {
+  int dashdash = 0; /* after "--", only KEY|ID and INDEX */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (strcmp(a, "--json") == 0) {
+    if (dashdash) {
+      /* an argument, below */
+    } else if (strcmp(a, "--") == 0) {
+      dashdash = 1;
+      continue;
+    } else if (strcmp(a, "--json") == 0) {
       o->json = 1;
+      continue;
     } else if (strcmp(a, "--all") == 0) {
       o->sample = -1;
+      continue;
     } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      show_usage(stdout);
+      td__show_usage(stdout);
       exit(0);
     } else if (strcmp(a, "--socket") == 0 || strcmp(a, "--sample") == 0 ||
                strcmp(a, "--dtype") == 0) {
@@ -1090,13 +1126,17 @@ static int parse_args(int argc, char **argv, show_opts *o) {
           return 2;
         }
       }
+      continue;
     } else if (a[0] == '-' && a[1] == '-') {
       fprintf(stderr, "tensorctl show: unknown option '%s'\n", a);
       return 2;
-    } else if (o->target == NULL) {
+    }
+    if (o->target == NULL) {
       o->target = a;
     } else if (o->index == NULL) {
       o->index = a;
+    } else if (o->third == NULL) {
+      o->third = a; /* a state dict's TENSOR INDEX, else refused below */
     } else {
       fprintf(stderr, "tensorctl show: unexpected argument '%s'\n", a);
       return 2;
@@ -1104,15 +1144,16 @@ static int parse_args(int argc, char **argv, show_opts *o) {
   }
   if (o->target == NULL) {
     fprintf(stderr, "tensorctl show: needs a KEY or an ID\n");
-    show_usage(stderr);
+    td__show_usage(stderr);
     return 2;
   }
   return 0;
 }
 
 /* Takes a read-only reference to o->target (an id, else a key) without
- * waiting, and sets *v to the view to show before any index, *whole to
- * whether that is the whole storage (an id). Returns 0, or a TD_E* code
+ * waiting, and sets *v to the published view (a key; checked against the
+ * storage, --dtype not applied) or the whole storage (an id, as --dtype
+ * says), *whole to whether it is the latter. Returns 0, or a TD_E* code
  * with the reason in msg. */
 static int resolve(td_client *c, const show_opts *o, td_storage **s, td_view *v,
                    int *whole, const char **key, char *msg, size_t len) {
@@ -1153,12 +1194,9 @@ static int resolve(td_client *c, const show_opts *o, td_storage **s, td_view *v,
       td__msg(msg, len, err, "%s", td_view_last_error());
       goto fail;
     }
-  } else if (o->dtype != TD_DTYPE_INVALID &&
-             (err = td_view_reinterpret(v, o->dtype)) < 0) {
-    td__msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
-            td_view_last_error());
-    goto fail;
   }
+  /* A key's view is checked before its bytes are read (to see whether it
+   * is a state dict), and --dtype applies after (resolve_key). */
   if ((err = td__view_check_msg(v, td_storage_nbytes(*s), msg, len)) < 0)
     goto fail;
   return 0;
@@ -1168,62 +1206,182 @@ fail:
   return err;
 }
 
+/* Whether v (a key's, checked against its storage at base) is a blob of
+ * tensord.torch.publish_state_dict. */
+static int is_state_dict(const td_view *v, const uint8_t *base) {
+  return td__statedict_blob_shaped(v) &&
+         td__statedict_is(base + v->offset, (size_t)v->shape[0]);
+}
+
+/* What show does with a key that holds a state dict: lists its tensors
+ * (o->index NULL), or sets *v to tensor o->index's view (--dtype applied),
+ * *index to the INDEX after it and *tensor to it, to be shown as any view.
+ * sd is parsed here and the caller's to free. Returns 0 with *listed 1 when
+ * it listed, 0 to show *v, or a TD_E* code with msg. */
+static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
+                      td__statedict *sd, const td__sd_tensor **tensor,
+                      const char **index, int *listed, char *msg, size_t len) {
+  const uint8_t *base = td_storage_data(s);
+  char why[TD__ERRMSG_MAX], key[TD_KEY_MAX + 1], name[128];
+  td__cli_printable(o->target, key, sizeof(key));
+  int err = td__statedict_parse(base + v->offset, (size_t)v->shape[0], sd, why,
+                                sizeof(why));
+  if (err < 0)
+    return td__msg(msg, len, err,
+                   "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
+                   " shows its raw bytes)",
+                   key, why, td_storage_id(s));
+  *listed = o->index == NULL;
+  if (*listed) {
+    if (o->dtype != TD_DTYPE_INVALID)
+      return td__msg(msg, len, TD_EINVAL,
+                     "key '%s' holds a state dict: --dtype applies to one "
+                     "of its tensors (tensorctl show %s TENSOR --dtype %s)",
+                     key, key, td_dtype_name(o->dtype));
+    return 0;
+  }
+  *tensor = td__statedict_find(sd, o->index);
+  if (*tensor == NULL)
+    return td__msg(msg, len, TD_ENOENT,
+                   "key '%s' holds a state dict with no tensor '%s' "
+                   "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
+                   "%" PRIu64 " [INDEX] shows its raw bytes)",
+                   key, td__cli_printable(o->index, name, sizeof(name)), key,
+                   sd->ntensors, sd->ntensors == 1 ? "" : "s",
+                   td_storage_id(s));
+  td_view t;
+  if ((err = td__statedict_view(sd, *tensor, (uint64_t)v->offset, &t, msg,
+                                len)) < 0)
+    return err;
+  if (o->dtype != TD_DTYPE_INVALID &&
+      (err = td_view_reinterpret(&t, o->dtype)) < 0)
+    return td__msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
+                   td_view_last_error());
+  if ((err = td__view_check_msg(&t, td_storage_nbytes(s), msg, len)) < 0)
+    return err;
+  *v = t;
+  *index = o->third;
+  return 0;
+}
+
+static void print_listing(const char *key, const td_storage *s,
+                          const td_view *src, const td__statedict *sd,
+                          int json) {
+  if (json) {
+    printf("{\"key\":");
+    td__cli_json_str(key);
+    printf(",\"storage\":{\"id\":%" PRIu64 ",\"nbytes\":%zu,\"device\":\"cpu\"}"
+           ",\"whole_storage\":false,\"source_view\":",
+           td_storage_id(s), td_storage_nbytes(s));
+    td__cli_json_view(src);
+    printf(",\"state_dict\":");
+    td__statedict_print_json(sd);
+    printf("}\n");
+    return;
+  }
+  char hs[32], kb[TD_KEY_MAX + 1];
+  td__cli_printable(key, kb, sizeof(kb));
+  printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n", kb, td_storage_id(s),
+         td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
+  printf("view   ");
+  text_view(src);
+  printf("state dict: %zu tensor%s in %zu region%s (tensorctl show %s TENSOR "
+         "[INDEX] shows one)\n",
+         sd->ntensors, sd->ntensors == 1 ? "" : "s", sd->nregions,
+         sd->nregions == 1 ? "" : "s", kb);
+  td__statedict_print_text(sd, "");
+}
+
 int td__show_main(const char *socket, int json, int argc, char **argv) {
-  show_opts o = {socket, json, 0, TD_DTYPE_INVALID, NULL, NULL};
+  show_opts o = {socket, json, 0, TD_DTYPE_INVALID, NULL, NULL, NULL};
   int rc = parse_args(argc, argv, &o);
   if (rc != 0)
     return rc;
   char msg[TD__ERRMSG_MAX];
   td_client *c = NULL;
   td_storage *s = NULL;
+  td__statedict sd = {0};
+  const td__sd_tensor *tensor = NULL;
   if (td_connect(o.socket, &c) < 0) {
     fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
     return 1;
   }
   td_view src, v;
   int whole;
-  const char *key;
+  const char *key, *index = o.index;
   int err = resolve(c, &o, &s, &src, &whole, &key, msg, sizeof(msg));
   if (err < 0)
     goto fail;
   /* The handle keeps the mapping, and so the bytes, alive whatever other
    * processes do with the storage until it is released. */
   test_stall();
-  v = src;
-  if (o.index != NULL &&
-      (err = td__show_index(&v, o.index, msg, sizeof(msg))) < 0)
-    goto fail;
   const void *base = td_storage_data(s);
+  if (!whole && is_state_dict(&src, base)) {
+    int listed = 0;
+    if ((err = state_dict(&o, s, &src, &sd, &tensor, &index, &listed, msg,
+                          sizeof(msg))) < 0)
+      goto fail;
+    if (listed) {
+      print_listing(key, s, &src, &sd, o.json);
+      goto done;
+    }
+  } else if (o.third != NULL) {
+    td__statedict_free(&sd);
+    td_storage_release(s);
+    td_close(c);
+    fprintf(stderr,
+            "tensorctl show: unexpected argument '%s' (a third one is an "
+            "INDEX after a state dict's TENSOR)\n",
+            o.third);
+    return 2;
+  } else if (!whole && o.dtype != TD_DTYPE_INVALID &&
+             (err = td_view_reinterpret(&src, o.dtype)) < 0) {
+    td__msg(msg, sizeof(msg), err, "--dtype %s: %s", td_dtype_name(o.dtype),
+            td_view_last_error());
+    goto fail;
+  }
+  v = src;
+  if (index != NULL && (err = td__show_index(&v, index, msg, sizeof(msg))) < 0)
+    goto fail;
   td__show_stats st;
   if ((err = td__show_stats_read(&v, base, o.sample, &st)) < 0) {
     td__msg(msg, sizeof(msg), err, "%s", td_view_last_error());
     goto fail;
   }
   if (o.json) {
-    print_json(key, s, whole, &src, &o, &v, base, &st);
+    print_json(key, tensor, s, whole, &src, index, &v, base, &st);
   } else {
-    char hs[32];
+    char hs[32], kb[TD_KEY_MAX + 1];
     td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs));
     if (whole)
       printf("storage %" PRIu64 " (%s, cpu): the whole storage as %s%s\n",
              td_storage_id(s), hs, td_dtype_name(src.dtype),
              o.dtype != TD_DTYPE_INVALID ? " (--dtype)" : "");
     else
-      printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n", key,
-             td_storage_id(s), hs);
+      printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n",
+             td__cli_printable(key, kb, sizeof(kb)), td_storage_id(s), hs);
+    if (tensor != NULL) {
+      char name[TD__SD_NAME_MAX + 1];
+      printf("tensor '%s' of the state dict (region %u)\n",
+             td__cli_printable(tensor->name, name, sizeof(name)),
+             tensor->region);
+    }
     printf("view   ");
     text_view(&src);
-    if (o.index != NULL) {
-      printf("index  %s -> ", o.index);
+    if (index != NULL) {
+      printf("index  %s -> ", index);
       text_view(&v);
     }
     print_text(&v, base, &st);
   }
+done:
+  td__statedict_free(&sd);
   td_storage_release(s);
   td_close(c);
   return 0;
 fail:
   fprintf(stderr, "tensorctl show: %s\n", msg);
+  td__statedict_free(&sd);
   td_storage_release(s);
   td_close(c);
   return 1;

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* Elements read without --all or --sample: more are sampled evenly. */
 #define TD__SHOW_LIMIT ((int64_t)1 << 26) /* 64 Mi */
@@ -70,6 +71,9 @@ char *td__show_shortest(td_dtype dtype, double x, char *buf, size_t len);
  * write it: "array([-1.23,  0.5 ,  2.  ], dtype=float16)". A 0-d view is
  * "array(1.5, dtype=float16)". Returns buf. */
 char *td__show_repr(const td_view *v, const void *base, char *buf, size_t len);
+
+/* Writes show's usage (tensorctl show --help) to f. */
+void td__show_usage(FILE *f);
 
 /* tensorctl show: argv[0] is "show", options and arguments follow. socket
  * and json are what tensorctl's own options said. Returns the exit status:

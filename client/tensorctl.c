@@ -3,6 +3,7 @@
 #include "clitext.h"
 #include "common.h"
 #include "show.h"
+#include "statedict.h"
 #include "tensord.h"
 #include "top.h"
 
@@ -22,48 +23,144 @@ static int longfmt;     /* ls -l */
 static long long count; /* watch -n: stop after this many events; 0: never */
 static int64_t now_ms;
 
+/* One subcommand: its synopsis (after "tensorctl"), the line or lines the
+ * command list gives it, and what its own usage adds (tensorctl CMD -h,
+ * tensorctl help CMD). show's usage is show.c's. */
+typedef struct command {
+  const char *name;
+  const char *synopsis;
+  const char *summary;
+  const char *details;
+} command;
+
+static const command commands[] = {
+    {"ls", "ls [-l]",
+     "every live storage: id, device, size, references,\n"
+     "holders (pids and names), keys, age; -l adds mode,\n"
+     "owner, group",
+     "  -l   mode, owner and group in front of each row\n"
+     "\n"
+     "HOLDERS are PID (NAME), NAME the name each client connected with:\n"
+     "td_connect_opts.name, tensord.connect(name=...), $TENSORD_CLIENT_NAME,\n"
+     "else its program (a Python script's name; DataLoader workers are\n"
+     "PROGRAM worker N).\n"},
+    {"stat", "stat",
+     "totals: storages, bytes used / capacity, clients,\n"
+     "keys, uptime, version, instance and the prefixes\n"
+     "of its segments in /dev/shm",
+     NULL},
+    {"info", "info ID|KEY",
+     "everything about one storage, with its published\n"
+     "views; a state dict's tensors",
+     "An argument made only of digits is tried as an id first, then as a\n"
+     "key. A view that holds a state dict of tensord.torch's\n"
+     "publish_state_dict lists its tensors: name, dtype, shape, bytes\n"
+     "(tensorctl show KEY TENSOR shows one).\n"},
+    {"show", "show KEY|ID [INDEX]",
+     "a view's statistics and first and last elements;\n"
+     "a state dict's tensors, or with TENSOR one of them\n"
+     "(tensorctl show --help)",
+     NULL},
+    {"rm", "rm KEY", "unpublish KEY", NULL},
+    {"ping", "ping", "round trip to tensord", NULL},
+    {"metrics", "metrics",
+     "the metrics in the Prometheus text format (what\n"
+     "tensord --metrics serves)",
+     "With --json: the request count, uptime and every connected client\n"
+     "(pid, uid, name, requests, references, bytes held), busiest first,\n"
+     "and the text.\n"},
+    {"top", "top [--interval MS] [--once]",
+     "a live view: largest storages, busiest clients,\n"
+     "request rate; redrawn every MS (default 1000)\n"
+     "until q or Ctrl-C; --once: one plain frame",
+     "  --interval MS   redraw every MS milliseconds (10 to 3600000)\n"
+     "  --once          one plain frame (rates over one interval), for a\n"
+     "                  pipe or a log; without it stdout must be a terminal\n"
+     "top takes no --json (tensorctl metrics --json has the figures).\n"},
+    {"watch", "watch [-n N] [PREFIX]",
+     "events as they happen, one line each (with --json:\n"
+     "one JSON object each): create, publish, lookup,\n"
+     "take, unpublish, free, connect, disconnect, refused;\n"
+     "with PREFIX only those of keys that begin with it;\n"
+     "-n N stops after N events",
+     "Each event names the client that caused it: PID (NAME).\n"},
+    {"upgrade", "upgrade [--binary PATH]",
+     "live upgrade: tensord runs PATH (default: the\n"
+     "path it was started from) with its arguments plus\n"
+     "--upgrade and hands everything to it; clients\n"
+     "notice nothing",
+     NULL},
+    {"help", "help [COMMAND]", "this text, or COMMAND's usage", NULL},
+};
+#define NCOMMANDS (sizeof(commands) / sizeof(commands[0]))
+
+static const command *find_command(const char *name) {
+  for (size_t i = 0; i < NCOMMANDS; i++)
+    if (strcmp(commands[i].name, name) == 0)
+      return &commands[i];
+  return NULL;
+}
+
+/* Writes text, each of its lines after the first indented by indent
+ * spaces. */
+static void indented(FILE *f, const char *text, int indent) {
+  for (const char *p = text; *p;) {
+    size_t n = strcspn(p, "\n");
+    fprintf(f, "%.*s\n", (int)n, p);
+    p += n;
+    if (*p == '\n')
+      p++;
+    if (*p)
+      fprintf(f, "%*s", indent, "");
+  }
+}
+
+static const char socket_option[] =
+    "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
+    "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
+    "                 /tmp/tensord-<uid>/tensord.sock)\n";
+static const char json_option[] =
+    "  --json         one JSON document on stdout (see docs/cli.md)\n";
+
 static void usage(FILE *f) {
+  fprintf(f, "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
+             "\n"
+             "commands:\n");
+  for (size_t i = 0; i < NCOMMANDS; i++) {
+    const command *c = &commands[i];
+    if (strlen(c->synopsis) <= 11)
+      fprintf(f, "  %-11s ", c->synopsis);
+    else
+      fprintf(f, "  %s\n%14s", c->synopsis, "");
+    indented(f, c->summary, 14);
+  }
   fprintf(f,
-          "usage: tensorctl [--socket PATH] [--json] COMMAND [ARG]\n"
-          "\n"
-          "commands:\n"
-          "  ls [-l]     every live storage: id, device, size, references,\n"
-          "              holders (pids and names), keys, age; -l adds mode,\n"
-          "              owner, group\n"
-          "  stat        totals: storages, bytes used / capacity, clients,\n"
-          "              keys, uptime, version, instance and the prefixes\n"
-          "              of its segments in /dev/shm\n"
-          "  info ID|KEY everything about one storage, with its published "
-          "views\n"
-          "  show KEY|ID [INDEX]\n"
-          "              a view's statistics and first and last elements\n"
-          "              (tensorctl show --help)\n"
-          "  rm KEY      unpublish KEY\n"
-          "  ping        round trip to tensord\n"
-          "  metrics     the metrics in the Prometheus text format (what\n"
-          "              tensord --metrics serves)\n"
-          "  top [--interval MS] [--once]\n"
-          "              a live view: largest storages, busiest clients,\n"
-          "              request rate; redrawn every MS (default 1000)\n"
-          "              until q or Ctrl-C; --once: one plain frame\n"
-          "  watch [-n N] [PREFIX]\n"
-          "              events as they happen, one line each (with --json:\n"
-          "              one JSON object each): create, publish, lookup,\n"
-          "              take, unpublish, free, connect, disconnect, refused;\n"
-          "              with PREFIX only those of keys that begin with it;\n"
-          "              -n N stops after N events\n"
-          "  upgrade [--binary PATH]\n"
-          "              live upgrade: tensord runs PATH (default: the\n"
-          "              path it was started from) with its arguments plus\n"
-          "              --upgrade and hands everything to it; clients\n"
-          "              notice nothing\n"
-          "\n"
-          "  --socket PATH  tensord's socket (default: $TENSORD_SOCKET, else\n"
-          "                 $XDG_RUNTIME_DIR/tensord.sock, else\n"
-          "                 /tmp/tensord-<uid>/tensord.sock)\n"
-          "  --json         one JSON document on stdout (see docs/cli.md)\n"
-          "\n"
-          "exit status: 0 ok, 1 error, 2 usage\n");
+          "\n%s%s\n"
+          "tensorctl COMMAND --help (or tensorctl help COMMAND): "
+          "COMMAND's usage\n"
+          "exit status: 0 ok, 1 error, 2 usage\n",
+          socket_option, json_option);
+}
+
+/* COMMAND's own usage: tensorctl COMMAND -h, tensorctl help COMMAND. */
+static void command_usage(const command *c, FILE *f) {
+  if (strcmp(c->name, "show") == 0) {
+    td__show_usage(f);
+    return;
+  }
+  if (strcmp(c->name, "help") == 0) {
+    usage(f);
+    return;
+  }
+  int has_json = strcmp(c->name, "top") != 0;
+  fprintf(f, "usage: tensorctl %s%s [--socket PATH]\n\n", c->synopsis,
+          has_json ? " [--json]" : "");
+  indented(f, c->summary, 0);
+  if (c->details != NULL) {
+    fputc('\n', f);
+    fputs(c->details, f);
+  }
+  fprintf(f, "\n%s%s", socket_option, has_json ? json_option : "");
 }
 
 static const char *device_name(td_device d) {
@@ -159,17 +256,17 @@ static const char *group_name(uint32_t gid) {
 /* "4242 (loader)", or "4242" for a client that gave no name. */
 static const char *pid_at(const void *arg, size_t i, char *buf, size_t len) {
   const td_holder *h = &((const td_storage_info *)arg)->holders[i];
+  char name[TD_CLIENT_NAME_MAX + 1];
   if (h->name != NULL && h->name[0] != '\0')
-    snprintf(buf, len, "%d (%s)", h->pid, h->name);
+    snprintf(buf, len, "%d (%s)", h->pid,
+             td__cli_printable(h->name, name, sizeof(name)));
   else
     snprintf(buf, len, "%d", h->pid);
   return buf;
 }
 
 static const char *key_at(const void *arg, size_t i, char *buf, size_t len) {
-  (void)buf;
-  (void)len;
-  return ((const td_storage_info *)arg)->keys[i];
+  return td__cli_printable(((const td_storage_info *)arg)->keys[i], buf, len);
 }
 
 /* Joins items 0..n-1 with commas into buf, whole items only; if some do not
@@ -181,7 +278,7 @@ static void join_list(char *buf, size_t len, size_t n, size_t total,
   size_t used = 0, shown = 0;
   buf[0] = '\0';
   for (; shown < n; shown++) {
-    char tmp[96];
+    char tmp[TD_KEY_MAX + 1];
     const char *item = at(arg, shown, tmp, sizeof(tmp));
     size_t need = strlen(item) + (shown ? 1 : 0);
     if (used + need + tail >= len)
@@ -211,7 +308,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
     st->n++;
     return 0;
   }
-  char size[32], ag[32], holders[160], keys[256];
+  char size[32], ag[32], holders[256], keys[256];
   join_list(holders, sizeof(holders), s->nholders, s->nholders, pid_at, s);
   join_list(keys, sizeof(keys), s->nkeys, s->nkeys_total, key_at, s);
   if (st->n++ == 0) {
@@ -365,12 +462,26 @@ static int cmd_stat(td_client *c) {
 
 /* ---- info ---- */
 
+/* A key naming the storage, kept from td_info's callback: its views are
+ * printed after the call, when the storage's bytes may be read (a state
+ * dict's tensors). */
+typedef struct info_key_rec {
+  char *key;
+  uint64_t id;
+  td_view view;
+  int64_t published_unix_ms;
+} info_key_rec;
+
 typedef struct info_state {
-  size_t nkeys;
+  size_t nkeys, cap;
+  info_key_rec *keys;
+  td_device device;
+  int oom;
 } info_state;
 
 static int info_storage(const td_storage_info *s, void *arg) {
-  (void)arg;
+  info_state *st = arg;
+  st->device = s->device;
   if (json) {
     printf("{\"storage\":");
     json_storage(s);
@@ -399,9 +510,10 @@ static int info_storage(const td_storage_info *s, void *arg) {
     printf(" -");
   for (size_t i = 0; i < s->nholders; i++) {
     const td_holder *h = &s->holders[i];
+    char name[TD_CLIENT_NAME_MAX + 1];
     printf(" %d (", h->pid);
     if (h->name != NULL && h->name[0] != '\0')
-      printf("%s, ", h->name);
+      printf("%s, ", td__cli_printable(h->name, name, sizeof(name)));
     printf("uid %u, %u ref%s)%s", h->uid, h->refs, h->refs == 1 ? "" : "s",
            i + 1 < s->nholders ? "," : "");
   }
@@ -411,20 +523,76 @@ static int info_storage(const td_storage_info *s, void *arg) {
 
 static int info_key(const td_key_info *k, void *arg) {
   info_state *st = arg;
-  if (json) {
-    if (st->nkeys)
-      putchar(',');
-    printf("{\"key\":");
-    td__cli_json_str(k->key);
-    printf(",\"view\":");
-    td__cli_json_view(&k->view);
-    printf(",\"published_unix_ms\":%" PRId64 "}", k->published_unix_ms);
-  } else {
-    char vb[600];
-    printf("  %s: %s\n", k->key, td_view_format(&k->view, vb, sizeof(vb)));
+  if (st->nkeys == st->cap) {
+    size_t cap = st->cap ? st->cap * 2 : 8;
+    info_key_rec *r = realloc(st->keys, cap * sizeof(*r));
+    if (r == NULL) {
+      st->oom = 1;
+      return 0;
+    }
+    st->keys = r;
+    st->cap = cap;
   }
+  info_key_rec *r = &st->keys[st->nkeys];
+  if ((r->key = strdup(k->key)) == NULL) {
+    st->oom = 1;
+    return 0;
+  }
+  r->id = k->id;
+  r->view = k->view;
+  r->published_unix_ms = k->published_unix_ms;
   st->nkeys++;
   return 0;
+}
+
+/* Prints key r's view and, if its bytes (in s, NULL if unreadable) are a
+ * state dict, its tensors. */
+static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
+  td__statedict sd = {0};
+  char why[TD__ERRMSG_MAX] = "";
+  int is_sd = 0, err = 0;
+  if (s != NULL && td__statedict_blob_shaped(&r->view) &&
+      td_view_check(&r->view, td_storage_nbytes(s)) == 0) {
+    const uint8_t *b = (const uint8_t *)td_storage_data(s) + r->view.offset;
+    is_sd = td__statedict_is(b, (size_t)r->view.shape[0]);
+    if (is_sd)
+      err = td__statedict_parse(b, (size_t)r->view.shape[0], &sd, why,
+                                sizeof(why));
+  }
+  char kb[TD_KEY_MAX + 1];
+  if (json) {
+    if (i)
+      putchar(',');
+    printf("{\"key\":");
+    td__cli_json_str(r->key);
+    printf(",\"view\":");
+    td__cli_json_view(&r->view);
+    printf(",\"published_unix_ms\":%" PRId64, r->published_unix_ms);
+    if (is_sd && err < 0) {
+      printf(",\"state_dict\":{\"error\":");
+      td__cli_json_str(why);
+      putchar('}');
+    } else if (is_sd) {
+      printf(",\"state_dict\":");
+      td__statedict_print_json(&sd);
+    }
+    putchar('}');
+  } else {
+    char vb[600];
+    td__cli_printable(r->key, kb, sizeof(kb));
+    printf("  %s: %s\n", kb, td_view_format(&r->view, vb, sizeof(vb)));
+    if (is_sd && err < 0)
+      printf("    state dict, corrupt: %s\n",
+             td__cli_printable(why, vb, sizeof(vb)));
+    else if (is_sd) {
+      printf("    state dict: %zu tensor%s in %zu region%s (tensorctl show %s "
+             "TENSOR shows one)\n",
+             sd.ntensors, sd.ntensors == 1 ? "" : "s", sd.nregions,
+             sd.nregions == 1 ? "" : "s", kb);
+      td__statedict_print_text(&sd, "    ");
+    }
+  }
+  td__statedict_free(&sd);
 }
 
 static int cmd_info(td_client *c, const char *arg) {
@@ -438,8 +606,25 @@ static int cmd_info(td_client *c, const char *arg) {
   } else {
     err = td_info(c, 0, arg, info_storage, info_key, &st);
   }
-  if (err == 0 && json)
-    printf("]}\n");
+  if (err == 0) {
+    /* The bytes, read-only and lazily (only the pages read are mapped), if
+     * a key's view could be a state dict; none if they cannot be had. */
+    td_storage *s = NULL;
+    for (size_t i = 0; i < st.nkeys && s == NULL; i++)
+      if (st.device == TD_CPU && td__statedict_blob_shaped(&st.keys[i].view) &&
+          td_storage_open(c, st.keys[i].id, TD_RDONLY | TD_LAZY, &s) < 0)
+        break;
+    for (size_t i = 0; i < st.nkeys; i++)
+      print_info_key(&st.keys[i], i, s);
+    td_storage_release(s);
+    if (st.oom)
+      fprintf(stderr, "tensorctl info: out of memory: some keys not shown\n");
+    if (json)
+      printf("]}\n");
+  }
+  for (size_t i = 0; i < st.nkeys; i++)
+    free(st.keys[i].key);
+  free(st.keys);
   return err;
 }
 
@@ -542,8 +727,9 @@ static int print_event(const td_event *ev) {
     printf("%s.%03d %s", when, (int)(ev->unix_ms % 1000), type);
     if (ev->type == TD_EVENT_REFUSED)
       printf(" %s", td_err_name(ev->code));
+    char text[TD__ERRMSG_MAX];
     if (ev->key[0])
-      printf(" key='%s'", ev->key);
+      printf(" key='%s'", td__cli_printable(ev->key, text, sizeof(text)));
     if (ev->id)
       printf(" storage=%" PRIu64 " %s%s", ev->id,
              td__human_bytes(ev->nbytes, size, sizeof(size)),
@@ -551,12 +737,12 @@ static int print_event(const td_event *ev) {
     if (ev->pid) {
       printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);
       if (ev->name[0])
-        printf(" (%s)", ev->name);
+        printf(" (%s)", td__cli_printable(ev->name, text, sizeof(text)));
       if (ev->type == TD_EVENT_CONNECT)
         printf(" uid %u", ev->uid);
     }
     if (ev->message[0])
-      printf(": %s", ev->message);
+      printf(": %s", td__cli_printable(ev->message, text, sizeof(text)));
     putchar('\n');
   }
   return fflush(stdout) == 0 ? 0 : -1;
@@ -649,17 +835,59 @@ int main(int argc, char **argv) {
     return 2;
   }
   const char *cmd = argv[optind++];
+  const command *known = find_command(cmd);
+  if (known == NULL) {
+    fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  /* -h or --help anywhere before "--" asks for the command's usage, which
+   * needs no daemon and no valid rest of the line. */
+  for (int i = optind; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+      command_usage(known, stdout);
+      return 0;
+    }
+  if (strcmp(cmd, "help") == 0) {
+    if (optind >= argc) {
+      usage(stdout);
+      return 0;
+    }
+    if (optind + 1 < argc) {
+      fprintf(stderr, "tensorctl help: takes one COMMAND, not '%s %s'\n",
+              argv[optind], argv[optind + 1]);
+      return 2;
+    }
+    const command *c = find_command(argv[optind]);
+    if (c == NULL) {
+      fprintf(stderr,
+              "tensorctl help: unknown command '%s' (tensorctl --help "
+              "lists them)\n",
+              argv[optind]);
+      return 2;
+    }
+    command_usage(c, stdout);
+    return 0;
+  }
   if (strcmp(cmd, "show") == 0) /* show parses its own options (show.c) */
     return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
-  /* Options may also follow the command: "tensorctl ls --json". */
+  /* Options may also follow the command: "tensorctl ls --json". After
+   * "--", everything is an argument (a key that begins with '-'). */
   const char *arg = NULL, *binary = NULL;
-  int interval_ms = 1000, once = 0;
+  int interval_ms = 1000, once = 0, dashdash = 0;
   int is_top = strcmp(cmd, "top") == 0;
   for (int i = optind; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) {
+    if (dashdash) {
+      /* an argument, below */
+    } else if (strcmp(argv[i], "--") == 0) {
+      dashdash = 1;
+      continue;
+    } else if (strcmp(argv[i], "--json") == 0) {
       json = 1;
+      continue;
     } else if (is_top && strcmp(argv[i], "--once") == 0) {
       once = 1;
+      continue;
     } else if (is_top && strcmp(argv[i], "--interval") == 0) {
       char *end = NULL;
       long v = i + 1 < argc ? strtol(argv[++i], &end, 10) : 0;
@@ -672,8 +900,10 @@ int main(int argc, char **argv) {
         return 2;
       }
       interval_ms = (int)v;
+      continue;
     } else if (strcmp(argv[i], "-l") == 0 && strcmp(cmd, "ls") == 0) {
       longfmt = 1;
+      continue;
     } else if (strcmp(argv[i], "-n") == 0 && strcmp(cmd, "watch") == 0) {
       char *end = NULL;
       errno = 0;
@@ -685,6 +915,7 @@ int main(int argc, char **argv) {
                         "more)\n");
         return 2;
       }
+      continue;
     } else if (strcmp(argv[i], "--socket") == 0 ||
                (strcmp(argv[i], "--binary") == 0 &&
                 strcmp(cmd, "upgrade") == 0)) {
@@ -696,7 +927,9 @@ int main(int argc, char **argv) {
         socket = argv[++i];
       else
         binary = argv[++i];
-    } else if (arg == NULL) {
+      continue;
+    }
+    if (arg == NULL) {
       arg = argv[i];
     } else {
       fprintf(stderr, "tensorctl: unexpected argument '%s'\n", argv[i]);
@@ -705,15 +938,6 @@ int main(int argc, char **argv) {
   }
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
   int watch = strcmp(cmd, "watch") == 0;
-  int known = needs_arg || watch || strcmp(cmd, "ls") == 0 ||
-              strcmp(cmd, "stat") == 0 || strcmp(cmd, "ping") == 0 ||
-              strcmp(cmd, "metrics") == 0 || strcmp(cmd, "upgrade") == 0 ||
-              is_top;
-  if (!known) {
-    fprintf(stderr, "tensorctl: unknown command '%s'\n", cmd);
-    usage(stderr);
-    return 2;
-  }
   if (is_top && json) {
     fprintf(stderr, "tensorctl top: --json does not apply (try tensorctl "
                     "metrics --json)\n");
@@ -722,8 +946,9 @@ int main(int argc, char **argv) {
   if (watch) /* a connection of its own (td_watch_open) */
     return cmd_watch(socket, arg) < 0 ? 1 : 0;
   if (needs_arg != (arg != NULL)) {
-    fprintf(stderr, "tensorctl %s: %s\n", cmd,
-            needs_arg ? "needs an argument" : "takes no argument");
+    fprintf(stderr, "tensorctl %s: %s (usage: tensorctl %s)\n", cmd,
+            needs_arg ? "needs an argument" : "takes no argument",
+            known->synopsis);
     return 2;
   }
 

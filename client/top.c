@@ -65,16 +65,6 @@ static char *uptime(int64_t ms, char *buf, size_t len) {
   return td__cli_age(ms, buf, len);
 }
 
-/* Copies s into buf with control characters (a key may hold any) as '?',
- * so that nobody's key can drive the terminal. Returns buf. */
-static const char *printable(const char *s, char *buf, size_t len) {
-  size_t j = 0;
-  for (; *s && j + 1 < len; s++)
-    buf[j++] = ((unsigned char)*s < 0x20 || *s == 0x7f) ? '?' : *s;
-  buf[j] = '\0';
-  return buf;
-}
-
 /* A client and its request rate between two samples. */
 typedef struct row {
   const td_client_stat *c;
@@ -179,11 +169,13 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
     line(&f, "%10" PRIu64 " %10s %5u %5zu %8u %8d  %s", s->id,
          td__human_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
          s->owner_uid, s->owner_pid,
-         printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
+         td__cli_printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
   }
   line(&f, "%s", "");
   line(&f, "BUSIEST CLIENTS");
-  line(&f, "%8s %-20s %9s %6s %10s", "PID", "NAME", "REQ/S", "REFS", "BYTES");
+  /* The name last and whole (up to TD_CLIENT_NAME_MAX): "train.py worker
+   * 11" must not lose its number to a column. */
+  line(&f, "%8s %9s %6s %10s  %s", "PID", "REQ/S", "REFS", "BYTES", "NAME");
   row *rows = calloc(cur->nclients ? cur->nclients : 1, sizeof(*rows));
   if (rows != NULL) {
     for (size_t i = 0; i < cur->nclients; i++) {
@@ -204,9 +196,10 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
       char r[32] = "-";
       if (rows[i].rate >= 0)
         snprintf(r, sizeof(r), "%.1f", rows[i].rate);
-      line(&f, "%8d %-20.20s %9s %6" PRIu64 " %10s", c->pid,
-           c->name[0] ? c->name : "-", r, c->refs,
-           td__human_bytes(c->bytes_held, a, sizeof(a)));
+      char name[sizeof(c->name)];
+      line(&f, "%8d %9s %6" PRIu64 " %10s  %s", c->pid, r, c->refs,
+           td__human_bytes(c->bytes_held, a, sizeof(a)),
+           c->name[0] ? td__cli_printable(c->name, name, sizeof(name)) : "-");
     }
     free(rows);
   }

@@ -45,13 +45,14 @@ const char *td_version_string(void);
  *   values, and existing values never change: expect codes you do not know
  *   (td_strerror and td_err_name name any code). TD_DTYPE_COUNT_ grows.
  * - the structs below that end in reserved[] keep their size and layout:
- *   td_create_opts, td_publish_opts, td_holder, td_storage_info,
- *   td_key_info, td_stat, td_device_stat, td_client_stat, td_metrics and
- *   td_event. A new field takes the place of reserved words. In what you
- *   pass in (td_create_opts, td_publish_opts) zero keeps the old behaviour,
- *   so "zero-initialise, then set" keeps working, and a library that does
- *   not know a field refuses it non-zero with TD_EINVAL rather than ignore
- *   it; in what the library fills in, reserved words are zero.
+ *   td_create_opts, td_publish_opts, td_connect_opts, td_holder,
+ *   td_storage_info, td_key_info, td_stat, td_device_stat, td_client_stat,
+ *   td_metrics and td_event. A new field takes the place of reserved words.
+ *   In what you pass in (td_create_opts, td_publish_opts, td_connect_opts)
+ *   zero keeps the old behaviour, so "zero-initialise, then set" keeps
+ *   working, and a library that does not know a field refuses it non-zero
+ *   with TD_EINVAL rather than ignore it; in what the library fills in,
+ *   reserved words are zero.
  * - td_view is fixed: its layout never changes.
  * The wire protocol is versioned apart (TD_PROTOCOL_VERSION). */
 
@@ -407,6 +408,34 @@ int td_default_socket_path(char *buf, size_t len);
  * TD_EINVAL. On success *out is a client usable from any thread. On failure
  * *out is NULL and td_last_error(NULL) names the cause. */
 int td_connect(const char *socket_path, td_client **out);
+
+/* Client names. A client connects with a name that operators see wherever
+ * it is listed: the holders of tensorctl ls and info, the clients of top and
+ * metrics --json, the events of watch. At most TD_CLIENT_NAME_MAX bytes of
+ * printable ASCII travel (a longer name is cut there; every other byte
+ * becomes '?', as tensord shows any byte outside 0x20..0x7e). */
+#define TD_CLIENT_NAME_MAX 63
+
+/* How td_connect_ex connects. Zero-initialise, then set. */
+typedef struct td_connect_opts {
+  /* The client's name, e.g. "train.py worker 1". NULL or "": the default,
+   * which is $TENSORD_CLIENT_NAME if set and not empty (for wrappers and
+   * launchers to name what they start), else the program's name: for an
+   * interpreter (python*, pypy*, perl*, node*, ruby*) the script's base
+   * name ("python3 -u train.py" -> "train.py") or the module of -m
+   * ("python3 -m torch.distributed.run" -> "torch.distributed.run"); for
+   * any other program the base name of argv[0]; and where the process
+   * renamed itself (its /proc/self/comm no longer begins like argv[0]) that
+   * name, the comm. td_connect uses the default. */
+  const char *name;
+  uint64_t reserved[7]; /* zero (see ABI above); non-zero is TD_EINVAL */
+} td_connect_opts;
+/* td_connect with options; o NULL is td_connect. */
+int td_connect_ex(const char *socket_path, const td_connect_opts *o,
+                  td_client **out);
+/* Returns the name c connected with, as tensord shows it (cut and with '?'
+ * for other bytes, as above). Valid as long as c. */
+const char *td_client_name(const td_client *c);
 /* Closes the connection; the daemon drops every reference this client held.
  * Calls other threads are making on c return TD_ENOTCONN at once. Storage
  * handles made by c stay mapped until they are released. NULL ok. */
@@ -560,8 +589,9 @@ typedef struct td_holder {
   int32_t pid;
   uint32_t uid;
   uint32_t refs; /* references this process's connection holds */
-  /* The name the client gave in its Hello (libtensord: the process's name,
-   * /proc/self/comm); "" if none. Valid as long as the td_storage_info. */
+  /* The name the client connected with (its Hello; libtensord's rule is
+   * td_connect_opts.name's), printable ASCII; "" if none. Valid as long as
+   * the td_storage_info. */
   const char *name;
   uint64_t reserved[1]; /* zero (see ABI above) */
 } td_holder;

@@ -143,12 +143,17 @@ def _undo_lookup(
         t.release()
 
 
-def connect(path: Optional[str] = None) -> Client:
+def connect(path: Optional[str] = None, name: Optional[str] = None) -> Client:
     """Connects to tensord at path (None: $TENSORD_SOCKET, else
     $XDG_RUNTIME_DIR/tensord.sock, else /tmp/tensord-<uid>/tensord.sock).
 
+    name: what tensorctl ls, info, top and watch call this client (at most
+    63 bytes of printable ASCII are kept; others show as '?'). None: the
+    default, $TENSORD_CLIENT_NAME if set, else the program's name (the
+    script, "train.py", not "python3"). Client.name says which it got.
+
     The Client is a context manager, may be used from several threads at
-    once, and reconnects by itself in a forked child.
+    once, and reconnects by itself in a forked child, with the same name.
     """
-    return Client(path)
+    return Client(path, name)
 

@@ -377,6 +377,7 @@ static int64_t real_ms(void) {
 typedef struct Client {
   PyObject_HEAD td_client *c; /* NULL once closed */
   char *path;                 /* the socket, resolved at connect */
+  char *name;                 /* asked for, or NULL: a forked child's too */
   unsigned gen;               /* g_forkgen of c's process */
   int closed;
   long inflight; /* calls on c in progress */
@@ -433,7 +434,8 @@ static int cl_enter(Client *self, call *x) {
     self->c = NULL;
     self->inflight = 0;
     td_close(old);
-    err = td_connect(self->path, &c);
+    td_connect_opts o = {.name = self->name};
+    err = td_connect_ex(self->path, &o, &c);
     if (err < 0)
       snprintf(x->msg, sizeof(x->msg), "after fork(): %s", td_last_error(NULL));
     else {
@@ -574,10 +576,22 @@ static void tensor_maybe_drop(Tensor *t) {
 /* ---- Client methods ---- */
 
 static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"path", NULL};
-  PyObject *pathobj = Py_None, *bytes = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:Client", kwlist, &pathobj))
+  static char *kwlist[] = {"path", "name", NULL};
+  PyObject *pathobj = Py_None, *nameobj = Py_None, *bytes = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:Client", kwlist, &pathobj,
+                                   &nameobj))
     return NULL;
+  const char *name = NULL;
+  if (nameobj != Py_None) {
+    Py_ssize_t n;
+    if (!PyUnicode_Check(nameobj))
+      return PyErr_Format(PyExc_TypeError, "name must be a str or None, not %s",
+                          Py_TYPE(nameobj)->tp_name);
+    if ((name = PyUnicode_AsUTF8AndSize(nameobj, &n)) == NULL)
+      return NULL;
+    if ((size_t)n != strlen(name))
+      return PyErr_Format(PyExc_ValueError, "name contains a NUL character");
+  }
   char dflt[4096];
   const char *path;
   if (pathobj == Py_None) {
@@ -591,7 +605,8 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     path = PyBytes_AS_STRING(bytes);
   }
   Client *self = (Client *)type->tp_alloc(type, 0);
-  if (self == NULL || (self->path = strdup(path)) == NULL) {
+  if (self == NULL || (self->path = strdup(path)) == NULL ||
+      (name != NULL && (self->name = strdup(name)) == NULL)) {
     Py_XDECREF(bytes);
     Py_XDECREF(self);
     return PyErr_NoMemory();
@@ -601,8 +616,9 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   td_client *c = NULL;
   int err;
   char msg[1024] = "";
+  td_connect_opts o = {.name = self->name};
   Py_BEGIN_ALLOW_THREADS
-    err = td_connect(self->path, &c);
+    err = td_connect_ex(self->path, &o, &c);
     if (err < 0)
       snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
   Py_END_ALLOW_THREADS
@@ -623,6 +639,7 @@ static void Client_dealloc(Client *self) {
     cl_close(self);
   Py_END_ALLOW_THREADS
   free(self->path);
+  free(self->name);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1520,11 +1537,26 @@ static PyObject *Client_get_instance(Client *self, void *unused) {
   return PyLong_FromUnsignedLongLong(inst);
 }
 
+static PyObject *Client_get_name(Client *self, void *unused) {
+  (void)unused;
+  call x;
+  int err;
+  char name[TD_CLIENT_NAME_MAX + 1] = "";
+  /* Through cl_enter: a forked child reconnects first, and says its name. */
+  CALL(self, x, err,
+       (snprintf(name, sizeof(name), "%s", td_client_name(x.c)), 0));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  return PyUnicode_FromString(name);
+}
+
 static PyGetSetDef Client_getset[] = {
     {"closed", (getter)Client_get_closed, NULL, "True once close()d", NULL},
     {"path", (getter)Client_get_path, NULL, "the daemon's socket", NULL},
     {"instance", (getter)Client_get_instance, NULL,
      "the daemon's instance: storage ids are per instance", NULL},
+    {"name", (getter)Client_get_name, NULL,
+     "the name this client connected with, as tensorctl shows it", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1534,8 +1566,9 @@ static PyTypeObject ClientType = {
     .tp_dealloc = (destructor)Client_dealloc,
     .tp_repr = (reprfunc)Client_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Client(path=None): a connection to tensord, safe to share "
-              "between threads, reconnected transparently in a forked child.",
+    .tp_doc = "Client(path=None, name=None): a connection to tensord, safe "
+              "to share between threads, reconnected transparently in a "
+              "forked child (with the same name).",
     .tp_weaklistoffset = offsetof(Client, weakrefs),
     .tp_methods = Client_methods,
     .tp_getset = Client_getset,
@@ -2410,7 +2443,7 @@ static PyObject *mod_default_socket_path(PyObject *m, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"connect", (PyCFunction)(void (*)(void))mod_connect,
      METH_VARARGS | METH_KEYWORDS,
-     "connect(path=None) -> Client (None: $TENSORD_SOCKET, "
+     "connect(path=None, name=None) -> Client (None: $TENSORD_SOCKET, "
      "$XDG_RUNTIME_DIR/tensord.sock, /tmp/tensord-<uid>/tensord.sock)"},
     {"find", (PyCFunction)mod_find, METH_O,
      "find(ptr) -> (Tensor, offset) | None: the storage this process maps "

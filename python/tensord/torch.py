@@ -167,9 +167,14 @@ _TD_DTYPES = frozenset(
 # --------------------------------------------------------------------------
 # Process-global clients.
 
+_NAME_MAX = 63  # bytes of a client name tensord keeps (TD_CLIENT_NAME_MAX)
+
 _clients_lock = threading.Lock()
 _clients: Dict[Optional[str], Any] = {}
 _own_clients: set = set()  # ids of the clients client_for() connected itself
+# The name client_for() connects with (None: libtensord's default, the
+# program's); a DataLoader worker's is "<program> worker <id>".
+_process_name: Optional[str] = None
 
 
 def client_for(path: Optional[str] = None) -> "tensord.Client":
@@ -179,11 +184,13 @@ def client_for(path: Optional[str] = None) -> "tensord.Client":
     rest of libtensord's rule). The client is connected on first use and
     reused afterwards, also by forked children (the Client reconnects by
     itself after a fork). A closed client is replaced by a new connection.
+    It connects with the default name (the program's), or in a DataLoader
+    worker with "<program> worker <id>".
     """
     with _clients_lock:
         c = _clients.get(path)
         if c is None or c.closed:
-            c = tensord.connect(path)
+            c = tensord.connect(path, name=_process_name)
             _clients[path] = c
             _clients[c.path] = c
             _own_clients.add(id(c))
@@ -333,8 +340,16 @@ def installed() -> bool:
     return _state.installed
 
 
-def _worker_setup(path: Optional[str], scope: int) -> None:
-    """Installs the reducers in a DataLoader worker, publishing into scope."""
+def _worker_setup(path: Optional[str], scope: int, name: str) -> None:
+    """Installs the reducers in a DataLoader worker, publishing into scope,
+    through a client of its own named name."""
+    global _process_name
+    with _clients_lock:
+        # A forked worker inherits its parent's clients, which would
+        # reconnect under the parent's name: this process is told apart.
+        _process_name = name
+        _clients.clear()
+        _own_clients.clear()
     with _state_lock:
         _state.client = client_for(path)
         _state.scope = scope
@@ -531,15 +546,23 @@ class _Collate:
 
 
 class _WorkerInit:
-    """Wraps worker_init_fn: installs the reducers with the iterator's scope."""
+    """Wraps worker_init_fn: installs the reducers with the iterator's scope,
+    on a client named "<program> worker <id>" (program: the name of the main
+    process's client)."""
 
-    def __init__(self, fn: Optional[Callable[[int], None]], path: str, scope: int):
+    def __init__(
+        self, fn: Optional[Callable[[int], None]], path: str, scope: int, program: str
+    ):
         self.fn = fn
         self.path = path
         self.scope = scope
+        self.program = program
 
     def __call__(self, worker_id: int) -> None:
-        _worker_setup(self.path, self.scope)
+        suffix = " worker %d" % worker_id
+        # Names are cut at 63 bytes: the worker's number must survive.
+        name = self.program[: _NAME_MAX - len(suffix)] + suffix
+        _worker_setup(self.path, self.scope, name)
         if self.fn is not None:
             self.fn(worker_id)
 
@@ -561,7 +584,9 @@ class _MultiProcessingIter(_dataloader._MultiProcessingDataLoaderIter):
     def __init__(self, loader, client) -> None:
         self._td_client = client
         self._td_scope = client.scope_open()
-        init = _WorkerInit(loader.worker_init_fn, client.path, self._td_scope)
+        init = _WorkerInit(
+            loader.worker_init_fn, client.path, self._td_scope, client.name
+        )
         try:
             super().__init__(_LoaderOverride(loader, worker_init_fn=init))
         except BaseException:

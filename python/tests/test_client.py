@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -40,6 +41,65 @@ def test_connect_path_ping_close(daemon):
         c.ping()
     assert e.value.code == -107 and e.value.name == "ENOTCONN"
     assert "closed" in str(e.value)
+
+
+def test_connect_name(daemon):
+    with tensord.connect(daemon, name="train.py worker 1") as c:
+        assert c.name == "train.py worker 1"
+        t = c.empty(4)
+        (mine,) = [s for s in c.ls() if s["id"] == t.storage_id]
+        assert mine["holders"] == [
+            {"pid": os.getpid(), "uid": os.getuid(), "refs": 1,
+             "name": "train.py worker 1"}
+        ]
+        t.release()
+        # A forked child reconnects under the same name.
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(w, c.name.encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            assert f.read() == b"train.py worker 1"
+        assert os.waitpid(pid, 0)[1] == 0
+    # Cut at 63 bytes, each byte outside printable ASCII as '?'.
+    with tensord.Client(daemon, "tab\there \u00e9" + "x" * 80) as c:
+        assert c.name == ("tab?here ??" + "x" * 80)[:63]
+    with pytest.raises(ValueError):
+        tensord.connect(daemon, name="nul\0inside")
+    with pytest.raises(TypeError):
+        tensord.connect(daemon, name=b"bytes")
+    with tensord.connect(daemon, name="") as c:  # "": the default
+        assert c.name and c.name != ""
+
+
+def test_default_name_is_the_program(daemon, tmp_path):
+    """Without a name a client is its script (not python3), or the module of
+    -m; $TENSORD_CLIENT_NAME overrides the default, not a given name."""
+    prog = (
+        "import sys, tensord\n"
+        "print(tensord.connect(sys.argv[1]).name)\n"
+        "print(tensord.connect(sys.argv[1], name='given').name)\n"
+    )
+    (tmp_path / "train.py").write_text(prog)
+    (tmp_path / "mymod.py").write_text(prog)
+    env = dict(os.environ)
+    env.pop("TENSORD_CLIENT_NAME", None)
+
+    def names(*args, **extra):
+        out = subprocess.run(
+            [sys.executable, *args, daemon], capture_output=True, text=True,
+            check=True, timeout=60, cwd=str(tmp_path), env={**env, **extra},
+        )
+        return out.stdout.split()
+
+    assert names("-u", str(tmp_path / "train.py")) == ["train.py", "given"]
+    assert names("-m", "mymod") == ["mymod", "given"]
+    out = names("train.py", TENSORD_CLIENT_NAME="job-7")
+    assert out == ["job-7", "given"]
 
 
 def test_client_context_manager(daemon):

@@ -260,3 +260,60 @@ def test_iterable_dataset(clean):
     assert_same(got, want)
     assert all(in_tensord(x) for x in tensors_in(got))
     del got
+
+
+class HoldInWorkers(torch.utils.data.Dataset):
+    """Each sample makes a storage in the worker that fetches it and keeps
+    it (until the worker exits), and says who made it: worker id, pid,
+    storage id, and the name of the worker's client."""
+
+    held = []  # per process: the worker's storages
+
+    def __init__(self, sock, n):
+        self.sock = sock
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        c = tdt.client_for(self.sock)
+        t = c.empty((16,), "uint8")
+        HoldInWorkers.held.append(t)
+        return {"wid": info.id, "pid": os.getpid(), "sid": t.storage_id,
+                "name": c.name}
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_workers_are_named_program_worker_n(clean, daemon, start):
+    """A worker's connection is '<program> worker <id>' in tensorctl ls and
+    in Client.ls(); the main process keeps the program's name."""
+    from test_client import tensorctl_json
+
+    c = clean
+    main = c.name
+    assert main and main not in ("python3", "python"), main
+    loader = tdt.DataLoader(
+        HoldInWorkers(daemon, 2), batch_size=1, num_workers=2, client=c,
+        persistent_workers=True, multiprocessing_context=start,
+    )
+    batches = list(loader)  # the workers live on (persistent) and hold
+    assert sorted(int(b["wid"]) for b in batches) == [0, 1]
+    listed = {s["id"]: s for s in tensorctl_json(daemon, "ls")["storages"]}
+    ours = {s["id"]: s for s in c.ls()}
+    for b in batches:
+        wid, pid, sid = int(b["wid"]), int(b["pid"]), int(b["sid"])
+        want = "%s worker %d" % (main, wid)
+        assert b["name"] == [want]  # Client.name in the worker
+        for where, ls in (("tensorctl ls --json", listed), ("Client.ls()", ours)):
+            holders = ls[sid]["holders"]
+            assert {"pid": pid, "name": want} in [
+                {"pid": h["pid"], "name": h["name"]} for h in holders
+            ], (where, holders)
+    ctl = tensorctl_json(daemon, "metrics")["clients"]
+    names = {(x["pid"], x["name"]) for x in ctl}
+    for b in batches:
+        assert (int(b["pid"][0]), "%s worker %d" % (main, int(b["wid"]))) in names
+    assert (os.getpid(), main) in names
+    del batches, loader  # the workers exit, and their storages go

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,62 @@ def test_packed_layout(clean):
     assert raw[o : o + 16] == torch.ones(4).numpy().tobytes()
     t.release()
     c.unpublish("models/layout")
+
+
+def tensorctl(sock, *args, check=True):
+    ctl = os.environ.get("TENSORCTL_BIN") or os.path.join(
+        REPO, "build", "client", "tensorctl"
+    )
+    return subprocess.run(
+        [ctl, "--socket", sock, *args], capture_output=True, text=True,
+        check=check, timeout=30,
+    )
+
+
+def test_tensorctl_lists_and_shows_a_published_state_dict(clean, daemon):
+    """tensorctl info and show read publish_state_dict's blob: every tensor
+    with its dtype, shape and bytes, and each one's values as torch has
+    them."""
+    c = clean
+    sd = sample_state()
+    tdt.publish_state_dict(c, "models/ctl", sd)
+    info = json.loads(tensorctl(daemon, "--json", "info", "models/ctl").stdout)
+    (view,) = info["views"]
+    listed = {t["name"]: t for t in view["state_dict"]["tensors"]}
+    assert list(listed) == list(sd)  # all of them, in order
+    for name, want in sd.items():
+        t = listed[name]
+        assert t["dtype"] == str(want.dtype)[len("torch."):], name
+        assert t["shape"] == list(want.shape), name
+        assert t["stride"] == list(want.stride()), name
+        assert t["storage_offset"] == want.storage_offset(), name
+        assert t["nbytes"] == want.numel() * want.element_size(), name
+    text = tensorctl(daemon, "info", "models/ctl").stdout
+    assert "state dict: %d tensors in " % len(sd) in text
+    assert re.search(r"^    emb\.weight +float32 +\[10, 6\] +240 B$", text, re.M), text
+    for name in ("emb.weight", "strided", "strided_t", "scalar", "mask", "half",
+                 "bytes_of_big", "norm.num_batches_tracked"):
+        want = sd[name]
+        out = tensorctl(daemon, "--json", "show", "models/ctl", name).stdout
+        got = json.loads(out)
+        assert got["tensor"] == name
+        assert got["view"]["shape"] == list(want.shape), name
+        assert got["view"]["stride"] == list(want.stride()), name
+        # The shortest decimals that read back as the same values in the
+        # tensor's own dtype.
+        first = torch.tensor(got["first"], dtype=want.dtype)
+        assert torch.equal(first, want.reshape(-1)[:3]), (name, got["first"])
+        assert got["total"] == want.numel(), name
+    # An INDEX after the TENSOR, as Python's.
+    out = json.loads(
+        tensorctl(daemon, "--json", "show", "models/ctl", "strided", "[1, 2:]").stdout
+    )
+    want = sd["strided"][1, 2:]
+    assert torch.equal(torch.tensor(out["first"], dtype=want.dtype), want[:3])
+    bad = tensorctl(daemon, "show", "models/ctl", "nope", check=False)
+    assert bad.returncode == 1
+    assert "no tensor 'nope' (tensorctl show models/ctl lists its" in bad.stderr
+    c.unpublish("models/ctl")
 
 
 def test_readonly_load_writes_stay_private(clean):

@@ -357,6 +357,118 @@ TDT_TEST(cli, stat_shows_the_pool_and_ls_does_not) {
 
 /* ---- info ---- */
 
+/* ---- client names ---- */
+
+/* A name with control characters, quotes and more than TD_CLIENT_NAME_MAX
+ * bytes, and what every listing must show of it: cut at 63 bytes, each
+ * byte outside printable ASCII as '?'. */
+#define HOSTILE                                                                \
+  "evil\033[2J\"q\\\n\xc3\xa9-"                                                \
+  "0123456789012345678901234567890123456789012345678901234567890123456789"
+#define HOSTILE_SHOWN                                                          \
+  "evil?[2J\"q\\???"                                                           \
+  "-"                                                                          \
+  "012345678901234567890123456789012345678901234567"
+#define HOSTILE_JSON                                                           \
+  "evil?[2J\\\"q\\\\???"                                                       \
+  "-"                                                                          \
+  "012345678901234567890123456789012345678901234567"
+
+/* ls, info and their --json name each holder with the name it connected
+ * with: one given (td_connect_opts.name), one from $TENSORD_CLIENT_NAME, the
+ * default (the program, test_cli) and a hostile one, cleaned. */
+TDT_TEST(cli, holders_show_the_name_each_client_connected_with) {
+  _Static_assert(sizeof(HOSTILE_SHOWN) - 1 == TD_CLIENT_NAME_MAX, "63 bytes");
+  td_client *c = tdt_connect(&d);
+  cr_assert_str_eq(td_client_name(c), "test_cli", "the default: argv[0]");
+  td_storage *s[2];
+  uint64_t id[2];
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(td_storage_create(c, 4096, &s[i]), 0);
+    id[i] = td_storage_id(s[i]);
+  }
+  tdt_holder given, wrapped, hostile;
+  tdt_holder_start_as(&given, d.sock, id[0], NULL, "train.py worker 1");
+  cr_assert_eq(setenv("TENSORD_CLIENT_NAME", "wrapped job 7", 1), 0);
+  tdt_holder_start(&wrapped, d.sock, id[0], NULL);
+  cr_assert_eq(unsetenv("TENSORD_CLIENT_NAME"), 0);
+  tdt_holder_start_as(&hostile, d.sock, id[1], NULL, HOSTILE);
+
+  char want[160], ids[32];
+  tdt_run_result r;
+  ctl(&r, "ls");
+  tdt_expect_ok(&r, "ls");
+  snprintf(want, sizeof(want), "%d (train.py worker 1)", (int)given.pid);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  snprintf(want, sizeof(want), "%d (wrapped job 7)", (int)wrapped.pid);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  snprintf(want, sizeof(want), "%d (test_cli)", (int)getpid());
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  snprintf(want, sizeof(want), "%d (" HOSTILE_SHOWN ")", (int)hostile.pid);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  cr_assert_null(strchr(r.out, '\033'), "an escape reached the terminal");
+  tdt_run_free(&r);
+
+  ctl(&r, "--json", "ls");
+  tdt_expect_ok(&r, "ls --json");
+  tdt_expect_json_object(r.out);
+  snprintf(want, sizeof(want),
+           "{\"pid\":%d,\"uid\":%u,\"refs\":1,\"name\":"
+           "\"train.py worker 1\"}",
+           (int)given.pid, (unsigned)getuid());
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  snprintf(want, sizeof(want), "\"name\":\"" HOSTILE_JSON "\"}");
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  tdt_run_free(&r);
+
+  snprintf(ids, sizeof(ids), "%" PRIu64, id[0]);
+  ctl(&r, "info", ids);
+  tdt_expect_ok(&r, "info");
+  snprintf(want, sizeof(want), "%d (train.py worker 1, uid", (int)given.pid);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  snprintf(want, sizeof(want), "%d (wrapped job 7, uid", (int)wrapped.pid);
+  cr_assert(strstr(r.out, want) != NULL, "'%s' in:\n%s", want, r.out);
+  tdt_run_free(&r);
+  snprintf(ids, sizeof(ids), "%" PRIu64, id[1]);
+  ctl(&r, "--json", "info", ids);
+  tdt_expect_ok(&r, "info --json");
+  tdt_expect_json_object(r.out);
+  cr_assert(strstr(r.out, "\"name\":\"" HOSTILE_JSON "\"") != NULL, "%s",
+            r.out);
+  tdt_run_free(&r);
+
+  tdt_holder_stop(&hostile);
+  tdt_holder_stop(&wrapped);
+  tdt_holder_stop(&given);
+  for (int i = 0; i < 2; i++)
+    td_storage_release(s[i]);
+  td_close(c);
+}
+
+/* td_connect_ex: reserved words must be zero; NULL options and a NULL or
+ * empty name are td_connect's default. */
+TDT_TEST(cli, connect_ex_checks_its_options) {
+  td_connect_opts o = {0};
+  td_client *c = NULL;
+  o.reserved[3] = 1;
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), TD_EINVAL);
+  cr_assert_null(c);
+  cr_assert(strstr(td_last_error(NULL), "reserved[3]") != NULL, "%s",
+            td_last_error(NULL));
+  o.reserved[3] = 0;
+  o.name = "";
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), 0, "%s", td_last_error(NULL));
+  cr_assert_str_eq(td_client_name(c), "test_cli");
+  td_close(c);
+  cr_assert_eq(td_connect_ex(d.sock, NULL, &c), 0, "%s", td_last_error(NULL));
+  cr_assert_str_eq(td_client_name(c), "test_cli");
+  td_close(c);
+  o.name = "a\tb";
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), 0, "%s", td_last_error(NULL));
+  cr_assert_str_eq(td_client_name(c), "a?b");
+  td_close(c);
+}
+
 TDT_TEST(cli, info_key_shows_the_view) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
@@ -541,6 +653,77 @@ TDT_TEST(cli, usage_errors_exit_2) {
   cr_assert_eq(r.status, 0);
   cr_assert(strstr(r.out, "usage: tensorctl") != NULL, "%s", r.out);
   tdt_run_free(&r);
+}
+
+/* Every subcommand answers -h and --help (anywhere among its arguments)
+ * with its own usage on stdout and exit 0, and "help CMD" says the same;
+ * none of them needs the daemon. "help" alone is tensorctl --help. */
+TDT_TEST(cli, every_command_answers_help) {
+  static const char *const cmds[] = {"ls",    "stat",   "info",    "show",
+                                     "rm",    "ping",   "metrics", "top",
+                                     "watch", "upgrade"};
+  char nowhere[160];
+  snprintf(nowhere, sizeof(nowhere), "%s/nobody-here.sock", d.dir);
+  for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+    char want[64];
+    snprintf(want, sizeof(want), "usage: tensorctl %s", cmds[i]);
+    const char *const forms[][5] = {
+        {cmds[i], "-h", NULL},
+        {cmds[i], "--help", NULL},
+        {"help", cmds[i], NULL},
+        {cmds[i], "--json", "-h", NULL},
+        {cmds[i], "some-arg", "--help", NULL},
+    };
+    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
+      const char *argv[10] = {TENSORCTL_BIN, "--socket", nowhere};
+      int n = 3;
+      for (int j = 0; forms[f][j] != NULL; j++)
+        argv[n++] = forms[f][j];
+      tdt_run_result r;
+      tdt_cli_run(argv, &r);
+      char what[128];
+      snprintf(what, sizeof(what), "tensorctl %s %s %s", forms[f][0],
+               forms[f][1], forms[f][2] ? forms[f][2] : "");
+      cr_assert_eq(r.status, 0, "%s: exit %d, stderr: %s", what, r.status,
+                   r.err);
+      cr_assert_eq(r.err[0], '\0', "%s: stderr: %s", what, r.err);
+      cr_assert(strncmp(r.out, want, strlen(want)) == 0,
+                "%s: stdout begins with '%s': %s", what, want, r.out);
+      tdt_run_free(&r);
+    }
+  }
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", NULL}, &r);
+  tdt_expect_ok(&r, "help");
+  cr_assert(strncmp(r.out, "usage: tensorctl [", 18) == 0, "%s", r.out);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", "nosuch", NULL}, &r);
+  cr_assert_eq(r.status, 2, "help nosuch: exit %d", r.status);
+  cr_assert_eq(r.out_len, 0, "nothing on stdout: %s", r.out);
+  cr_assert(strstr(r.err, "unknown command 'nosuch'") != NULL, "%s", r.err);
+  tdt_run_free(&r);
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "help", "ls", "stat", NULL},
+              &r);
+  cr_assert_eq(r.status, 2, "help takes one command: exit %d", r.status);
+  tdt_run_free(&r);
+}
+
+/* "--" ends the options: a key that looks like one can still be named. */
+TDT_TEST(cli, double_dash_ends_the_options) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 8, &s), 0);
+  cr_assert_eq(td_publish(c, "-h", s, NULL), 0);
+  tdt_run_result r;
+  ctl(&r, "info", "--", "-h");
+  tdt_expect_ok(&r, "info -- -h");
+  cr_assert(strstr(r.out, "  -h: uint8") != NULL, "%s", r.out);
+  tdt_run_free(&r);
+  ctl(&r, "rm", "--", "-h");
+  tdt_expect_ok(&r, "rm -- -h");
+  tdt_run_free(&r);
+  td_storage_release(s);
+  td_close(c);
 }
 
 TDT_TEST(cli, missing_socket_exits_1_and_asks_if_tensord_runs) {

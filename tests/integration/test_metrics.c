@@ -1,6 +1,7 @@
 /* test_metrics.c: tensorctl metrics' text (well-formed, right, monotonic) and
  * tensord --metrics: HTTP over a Unix socket and a loopback TCP port, bad
  * requests, scrapers that stall, leave or never read, refused addresses. */
+#include "cli.h"
 #include "harness.h"
 
 #include <arpa/inet.h>
@@ -293,6 +294,54 @@ TDT_TEST(metrics, text_is_well_formed_and_right) {
   for (int i = 0; i < 3; i++)
     td_storage_release(s[i]);
   td_close(c);
+}
+
+/* Per-client figures (td_metrics' clients, metrics --json, top) name each
+ * client with the name it connected with. The Prometheus text has no
+ * per-client series (pids and names would be unbounded label values), so
+ * no name reaches it, however hostile. */
+TDT_TEST(metrics, clients_are_named_and_names_stay_out_of_the_text) {
+  tdt_start(&d, NULL);
+  static const char *const names[2] = {"train.py worker 1",
+                                       "q\"} 1\nevil{x=\"\\"};
+  td_client *c[2];
+  for (int i = 0; i < 2; i++) {
+    td_connect_opts o = {.name = names[i]};
+    cr_assert_eq(td_connect_ex(d.sock, &o, &c[i]), 0, "%s",
+                 td_last_error(NULL));
+  }
+  td_metrics *m;
+  cr_assert_eq(td_metrics_get(c[0], 0, 0, &m), 0, "%s", td_last_error(c[0]));
+  cr_assert_eq(m->nclients, 2);
+  int seen = 0;
+  for (size_t i = 0; i < m->nclients; i++) {
+    cr_assert_eq(m->clients[i].pid, getpid());
+    if (strcmp(m->clients[i].name, "train.py worker 1") == 0)
+      seen |= 1;
+    if (strcmp(m->clients[i].name, "q\"} 1?evil{x=\"\\") == 0)
+      seen |= 2;
+  }
+  cr_assert_eq(seen, 3, "both names listed");
+  exposition e;
+  parse(m->text, &e); /* asserts it is well formed */
+  cr_assert_null(strstr(m->text, "worker"), "%s", m->text);
+  cr_assert_null(strstr(m->text, "evil"), "%s", m->text);
+  free(e.s);
+  td_metrics_free(m);
+
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "--json",
+                                    "metrics", NULL},
+              &r);
+  tdt_expect_ok(&r, "metrics --json");
+  tdt_expect_json_object(r.out);
+  cr_assert_not_null(strstr(r.out, "\"name\":\"train.py worker 1\""), "%s",
+                     r.out);
+  cr_assert_not_null(strstr(r.out, "\"name\":\"q\\\"} 1?evil{x=\\\"\\\\\""),
+                     "%s", r.out);
+  tdt_run_free(&r);
+  for (int i = 0; i < 2; i++)
+    td_close(c[i]);
 }
 
 /* ---- the --metrics endpoint ---- */

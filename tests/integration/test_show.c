@@ -495,6 +495,268 @@ TDT_TEST(show, unknown_keys_ids_and_bad_indices) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
+/* ---- state dicts (tensord.torch.publish_state_dict's blobs) ---- */
+
+/* The manifest of a state dict as publish_state_dict lays it out: tensors
+ * "enc.weight" (float32 [2, 3], region 0), "enc.tied" (its row 1: the same
+ * region), "steps" (int64, 0-d, region 1), "mask" (bool [4], region 2), and
+ * one whose name needs escaping; regions at bytes 1024, 1088, 1152. */
+#define SD_MANIFEST                                                            \
+  "{\"tensors\":{\"enc.weight\":{\"dtype\":\"float32\",\"shape\":[2,3],"       \
+  "\"stride\":[3,1],\"storage_offset\":0,\"region\":0},\"enc.tied\":{"         \
+  "\"dtype\":\"float32\",\"shape\":[3],\"stride\":[1],\"storage_offset\":3,"   \
+  "\"region\":0},\"steps\":{\"dtype\":\"int64\",\"shape\":[],\"stride\":[],"   \
+  "\"storage_offset\":0,\"region\":1},\"mask\":{\"dtype\":\"bool\",\"shape\":" \
+  "[4],\"stride\":[1],\"storage_offset\":0,\"region\":2},\"odd "               \
+  "\\\"q\\\\\\u00e9"                                                           \
+  "\\u001b[2J\":{\"dtype\":\"uint8\",\"shape\":[1],\"stride\":[1],"            \
+  "\"storage_offset\":0,\"region\":2}},\"regions\":[{\"offset\":1024,"         \
+  "\"nbytes\":24},{\"offset\":1088,\"nbytes\":8},{\"offset\":1152,\"nbytes\":" \
+  "4}"                                                                         \
+  "]}"
+#define SD_BYTES 1216
+
+/* Writes a blob (header, manifest, the regions' values) at b, whose
+ * manifest length field says ml (0: the manifest's own). */
+static void sd_fill(uint8_t *b, const char *manifest, uint64_t ml) {
+  size_t n = strlen(manifest);
+  cr_assert_leq(16 + n, 1024, "the manifest fits before the regions");
+  memset(b, 0, SD_BYTES);
+  memcpy(b, "TDSTATE1", 8);
+  if (ml == 0)
+    ml = n;
+  for (int i = 0; i < 8; i++)
+    b[8 + i] = (uint8_t)(ml >> (8 * i));
+  memcpy(b + 16, manifest, n);
+  float w[6] = {0, 0.5f, 1, 1.5f, 2, 2.5f};
+  memcpy(b + 1024, w, sizeof(w));
+  int64_t steps = 42;
+  memcpy(b + 1088, &steps, sizeof(steps));
+  uint8_t mask[4] = {1, 0, 1, 1};
+  memcpy(b + 1152, mask, sizeof(mask));
+}
+
+/* A storage of pre + SD_BYTES bytes with a blob at byte pre, published under
+ * key as uint8[SD_BYTES] at offset pre (as publish_state_dict publishes,
+ * with pre 0). */
+static td_storage *put_sd(td_client *c, const char *key, const char *manifest,
+                          uint64_t ml, size_t pre) {
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, pre + SD_BYTES, &s), 0);
+  sd_fill((uint8_t *)td_storage_data(s) + pre, manifest, ml);
+  int64_t n = SD_BYTES;
+  td_view v;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, &n, &v), 0);
+  v.offset = (int64_t)pre;
+  cr_assert_eq(td_publish(c, key, s, &v), 0, "%s", td_last_error(c));
+  return s;
+}
+
+/* Runs tensorctl --socket SOCK args... */
+#define ctl(r, ...)                                                            \
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,         \
+                                    __VA_ARGS__, NULL},                        \
+              r)
+
+TDT_TEST(show, a_state_dict_lists_its_tensors_and_shows_each) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s = put_sd(c, "sd/m", SD_MANIFEST, 0, 0);
+  tdt_run_result r;
+
+  show(&r, "sd/m");
+  tdt_expect_ok(&r, "show sd/m");
+  expect_line(&r, "state dict: 5 tensors in 3 regions (tensorctl show sd/m "
+                  "TENSOR [INDEX] shows one)");
+  expect_line(&r, "NAME          DTYPE    SHAPE   BYTES");
+  expect_line(&r, "enc.weight    float32  [2, 3]  24 B");
+  expect_line(&r, "enc.tied      float32  [3]     12 B");
+  expect_line(&r, "steps         int64    []      8 B");
+  expect_line(&r, "mask          bool     [4]     4 B");
+  /* Names are untrusted: no control character reaches the terminal. */
+  expect_line(&r, "odd \"q\\\xc3\xa9?[2J  uint8    [1]     1 B");
+  cr_assert_null(strstr(r.out, "values"), "no blob statistics: %s", r.out);
+  tdt_run_free(&r);
+
+  show(&r, "--json", "sd/m");
+  tdt_expect_ok(&r, "show --json sd/m");
+  tdt_expect_json_object(r.out);
+  expect_has(r.out, "\"key\":\"sd/m\"");
+  expect_has(r.out, "\"state_dict\":{\"tensors\":[{\"name\":\"enc.weight\","
+                    "\"dtype\":\"float32\",\"shape\":[2,3],\"stride\":[3,1],"
+                    "\"storage_offset\":0,\"region\":0,\"nbytes\":24}");
+  expect_has(r.out, "{\"name\":\"steps\",\"dtype\":\"int64\",\"shape\":[],"
+                    "\"stride\":[],\"storage_offset\":0,\"region\":1,"
+                    "\"nbytes\":8}");
+  expect_has(r.out, "\"name\":\"odd \\\"q\\\\\xc3\xa9\\u001b[2J\"");
+  expect_has(r.out, "\"regions\":[{\"offset\":1024,\"nbytes\":24},{\"offset\":"
+                    "1088,\"nbytes\":8},{\"offset\":1152,\"nbytes\":4}]");
+  tdt_run_free(&r);
+
+  show(&r, "sd/m", "enc.weight");
+  tdt_expect_ok(&r, "show sd/m enc.weight");
+  expect_line(&r, "tensor 'enc.weight' of the state dict (region 0)");
+  expect_line(&r, "view   float32 [2, 3] strides [3, 1] offset 256");
+  expect_line(&r,
+              "values array([0. , 0.5, 1. , 1.5, 2. , 2.5], dtype=float32)");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "enc.weight", "[1, 1:]");
+  tdt_expect_ok(&r, "show sd/m enc.weight [1, 1:]");
+  expect_line(&r, "index  [1, 1:] -> float32 [2] strides [1] offset 260");
+  expect_line(&r, "values array([2. , 2.5], dtype=float32)");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "enc.tied");
+  tdt_expect_ok(&r, "show sd/m enc.tied");
+  expect_line(&r, "values array([1.5, 2. , 2.5], dtype=float32)");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "steps");
+  tdt_expect_ok(&r, "show sd/m steps");
+  expect_line(&r, "values array(42)");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "mask", "--json");
+  tdt_expect_ok(&r, "show sd/m mask --json");
+  tdt_expect_json_object(r.out);
+  expect_has(r.out, "\"key\":\"sd/m\",\"tensor\":\"mask\",\"region\":2,");
+  expect_has(r.out, "\"first\":[true,false,true],\"last\":[true]");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "enc.weight", "--dtype", "int32");
+  tdt_expect_ok(&r, "show sd/m enc.weight --dtype int32");
+  expect_line(&r, "view   int32 [2, 3] strides [3, 1] offset 256");
+  tdt_run_free(&r);
+
+  /* An unknown TENSOR says how to find the names. */
+  show(&r, "sd/m", "enc.wieght");
+  expect_error(&r, "key 'sd/m' holds a state dict with no tensor "
+                   "'enc.wieght' (tensorctl show sd/m lists its 5 tensors;");
+  tdt_run_free(&r);
+  show(&r, "sd/m", "--dtype", "int32");
+  expect_error(&r, "--dtype applies to one of its tensors");
+  tdt_run_free(&r);
+
+  /* info lists them too; its id still shows the raw bytes. */
+  ctl(&r, "info", "sd/m");
+  tdt_expect_ok(&r, "info sd/m");
+  expect_line(&r, "  sd/m: uint8[1216] stride (1) offset 0");
+  expect_line(&r, "    state dict: 5 tensors in 3 regions (tensorctl show "
+                  "sd/m TENSOR shows one)");
+  expect_line(&r, "    enc.weight    float32  [2, 3]  24 B");
+  tdt_run_free(&r);
+  ctl(&r, "--json", "info", "sd/m");
+  tdt_expect_ok(&r, "info --json sd/m");
+  tdt_expect_json_object(r.out);
+  expect_has(r.out, "\"published_unix_ms\":");
+  expect_has(r.out, ",\"state_dict\":{\"tensors\":[{\"name\":\"enc.weight\"");
+  tdt_run_free(&r);
+  char id[32];
+  snprintf(id, sizeof(id), "%" PRIu64, td_storage_id(s));
+  show(&r, id, "[0:6]");
+  tdt_expect_ok(&r, "show ID [0:6]");
+  expect_has(r.out, "the whole storage as uint8");
+  expect_line(&r, "values array([84, 68, 83, 84, 65, 84], dtype=uint8)");
+  tdt_run_free(&r);
+
+  /* A blob published at an offset in its storage. */
+  td_storage *at = put_sd(c, "sd/at", SD_MANIFEST, 0, 64);
+  show(&r, "sd/at", "enc.tied");
+  tdt_expect_ok(&r, "show sd/at enc.tied");
+  expect_line(&r,
+              "view   float32 [3] strides [1] offset 275"); /* (64+1024)/4+3 */
+  expect_line(&r, "values array([1.5, 2. , 2.5], dtype=float32)");
+  tdt_run_free(&r);
+  /* ... at an offset that leaves float32 regions unaligned. */
+  td_storage *odd = put_sd(c, "sd/odd", SD_MANIFEST, 0, 2);
+  show(&r, "sd/odd", "enc.weight");
+  expect_error(&r, "tensor 'enc.weight': its region 0 starts at byte 1026 of "
+                   "the storage, not a multiple of float32's 4 bytes");
+  tdt_run_free(&r);
+  show(&r, "sd/odd", "mask");
+  tdt_expect_ok(&r, "show sd/odd mask: bools are aligned anywhere");
+  tdt_run_free(&r);
+
+  const char *keys[] = {"sd/m", "sd/at", "sd/odd"};
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(td_unpublish(c, keys[i]), 0);
+  td_storage_release(s);
+  td_storage_release(at);
+  td_storage_release(odd);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+}
+
+/* A corrupt blob (bytes that begin like a state dict and lie after) is a
+ * clear error for show, a line in info, and never a crash. */
+TDT_TEST(show, a_corrupt_state_dict_is_a_clear_error) {
+  td_client *c = tdt_connect(&d);
+  static const char past[] =
+      "{\"tensors\":{},\"regions\":[{\"offset\":1200,\"nbytes\":100}]}";
+  static const char outside[] =
+      "{\"tensors\":{\"w\":{\"dtype\":\"float32\",\"shape\":[100],\"stride\":"
+      "[1],\"storage_offset\":0,\"region\":0}},\"regions\":[{\"offset\":1024,"
+      "\"nbytes\":24}]}";
+  static const char cut[] = "{\"tensors\":{\"w\":{\"dtype\":\"float3";
+  td_storage *s[4] = {
+      put_sd(c, "sd/past", past, 0, 0),
+      put_sd(c, "sd/outside", outside, 0, 0),
+      put_sd(c, "sd/cut", cut, 0, 0),
+      put_sd(c, "sd/long", past, (uint64_t)1 << 40, 0),
+  };
+  static const char *const says[4] = {
+      "region 0 (bytes 1200 + 100) reaches past the blob's 1216 bytes",
+      "tensor 'w': float32 view of region 0 (24 bytes): ",
+      "tensor 'w': manifest byte 32: a string runs past the manifest's end",
+      "a manifest of 1099511627776 bytes in a blob of 1216",
+  };
+  static const char *const keys[4] = {"sd/past", "sd/outside", "sd/cut",
+                                      "sd/long"};
+  tdt_run_result r;
+  for (int i = 0; i < 4; i++) {
+    char want[256];
+    snprintf(want, sizeof(want),
+             "tensorctl show: key '%s': a corrupt state dict: %s", keys[i],
+             says[i]);
+    show(&r, keys[i]);
+    expect_error(&r, want);
+    snprintf(want, sizeof(want),
+             "(tensorctl show %" PRIu64 " shows its raw bytes)\n",
+             td_storage_id(s[i]));
+    expect_has(r.err, want);
+    tdt_run_free(&r);
+    show(&r, keys[i], "w", "[0]");
+    expect_error(&r, "a corrupt state dict: ");
+    tdt_run_free(&r);
+    ctl(&r, "info", keys[i]);
+    tdt_expect_ok(&r, "info of a corrupt state dict");
+    snprintf(want, sizeof(want), "    state dict, corrupt: %s", says[i]);
+    expect_has(r.out, want);
+    tdt_run_free(&r);
+    ctl(&r, "--json", "info", keys[i]);
+    tdt_expect_ok(&r, "info --json of a corrupt state dict");
+    tdt_expect_json_object(r.out);
+    expect_has(r.out, ",\"state_dict\":{\"error\":\"");
+    tdt_run_free(&r);
+    char id[32];
+    snprintf(id, sizeof(id), "%" PRIu64, td_storage_id(s[i]));
+    show(&r, id);
+    tdt_expect_ok(&r, "show ID of a corrupt state dict: its raw bytes");
+    tdt_run_free(&r);
+    cr_assert_eq(td_unpublish(c, keys[i]), 0);
+    td_storage_release(s[i]);
+  }
+  /* Bytes that are not a state dict at all stay a plain uint8 view. */
+  td_storage *plain = put(c, "sd/plain", "TDSTAT", 6, NULL);
+  show(&r, "sd/plain");
+  tdt_expect_ok(&r, "show of 6 bytes");
+  expect_has(r.out, "values array([84, 68, 83, 84, 65, 84], dtype=uint8)");
+  tdt_run_free(&r);
+  show(&r, "sd/plain", "[0]", "x");
+  cr_assert_eq(r.status, 2, "a third argument for a plain view: %d (%s)",
+               r.status, r.err);
+  tdt_run_free(&r);
+  cr_assert_eq(td_unpublish(c, "sd/plain"), 0);
+  td_storage_release(plain);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+}
+
 /* ---- a storage freed while shown ---- */
 
 /* In a forked child: creates 32 MiB of float32 ones, publishes them as

@@ -205,3 +205,37 @@ TDT_TEST(top, needs_a_terminal_or_once) {
   td_storage_release(loud);
   drop_storage();
 }
+
+/* The busiest clients are named by the name each connected with, whole
+ * (the last column), control characters shown as '?'. */
+TDT_TEST(top, clients_show_the_name_they_connected_with) {
+  tdt_start(&d, NULL);
+  make_storage(); /* c: the default name, the program's (test_top) */
+  td_client *named[2];
+  static const char *const names[2] = {"torch.distributed.run worker 11",
+                                       "x\033]0;t\007y"};
+  for (int i = 0; i < 2; i++) {
+    td_connect_opts o = {.name = names[i]};
+    cr_assert_eq(td_connect_ex(d.sock, &o, &named[i]), 0, "%s",
+                 td_last_error(NULL));
+  }
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "top",
+                                    "--once", "--interval", "50", NULL},
+              &r);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  const char *busiest = strstr(r.out, "BUSIEST CLIENTS\n");
+  cr_assert_not_null(busiest, "%s", r.out);
+  cr_assert(strstr(busiest, "REQ/S") < strstr(busiest, "NAME"),
+            "NAME is the last column: %s", busiest);
+  char want[64];
+  snprintf(want, sizeof(want), "  torch.distributed.run worker 11\n");
+  cr_assert_not_null(strstr(busiest, want), "%s", r.out);
+  cr_assert_not_null(strstr(busiest, "  x?]0;t?y\n"), "%s", r.out);
+  cr_assert_not_null(strstr(busiest, "  test_top\n"), "%s", r.out);
+  cr_assert_null(strchr(r.out, '\033'), "an escape on the pipe");
+  tdt_run_free(&r);
+  for (int i = 0; i < 2; i++)
+    td_close(named[i]);
+  drop_storage();
+}

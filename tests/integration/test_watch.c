@@ -402,10 +402,14 @@ TDT_TEST(watch, a_watch_ends_when_tensord_goes) {
 
 /* ---- tensorctl watch ---- */
 
-/* Makes refused lookups of key until the tensorctl exits; returns what it
- * wrote, malloc'd, and its exit status in *status. */
-static char *ctl_feed(tdt_child *cr, const char *key, int *status) {
-  td_client *c = tdt_connect(&d);
+/* Makes refused lookups of key, on a client connected with name (NULL:
+ * the default), until the tensorctl exits; returns what it wrote, malloc'd,
+ * and its exit status in *status. */
+static char *ctl_feed_as(tdt_child *cr, const char *key, const char *name,
+                         int *status) {
+  td_connect_opts o = {.name = name};
+  td_client *c = NULL;
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), 0, "%s", td_last_error(NULL));
   size_t cap = 1 << 16, len = 0;
   char *out = malloc(cap);
   cr_assert_not_null(out);
@@ -432,6 +436,10 @@ static char *ctl_feed(tdt_child *cr, const char *key, int *status) {
   *status = tdt_wait(cr->pid);
   td_close(c);
   return out;
+}
+
+static char *ctl_feed(tdt_child *cr, const char *key, int *status) {
+  return ctl_feed_as(cr, key, NULL, status);
 }
 
 TDT_TEST(watch, tensorctl_watch_prints_lines_and_json_lines) {
@@ -471,6 +479,60 @@ TDT_TEST(watch, tensorctl_watch_prints_lines_and_json_lines) {
     }
   }
   cr_expect_eq(lines, 2);
+  free(out);
+}
+
+/* Events name the client by the name it connected with (td_connect_opts),
+ * cleaned of control characters; tensorctl watch prints it, in text and in
+ * JSON. */
+TDT_TEST(watch, events_carry_the_name_a_client_connected_with) {
+  td_watch *w = watch_open(NULL);
+  td_connect_opts o = {.name = "train.py worker 1"};
+  td_client *c = NULL;
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), 0, "%s", td_last_error(NULL));
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 4096, &s), 0);
+  td_storage_release(s);
+  td_close(c);
+  td_event ev;
+  next_of(w, getpid(), &ev);
+  expect_type(&ev, TD_EVENT_CONNECT);
+  cr_expect_str_eq(ev.name, "train.py worker 1");
+  next_of(w, getpid(), &ev);
+  expect_type(&ev, TD_EVENT_CREATE);
+  cr_expect_str_eq(ev.name, "train.py worker 1");
+  do
+    next_of(w, getpid(), &ev);
+  while (ev.type != TD_EVENT_DISCONNECT);
+  cr_expect_str_eq(ev.name, "train.py worker 1");
+  o.name = "x\033]0;t\007y";
+  cr_assert_eq(td_connect_ex(d.sock, &o, &c), 0, "%s", td_last_error(NULL));
+  next_of(w, getpid(), &ev);
+  expect_type(&ev, TD_EVENT_CONNECT);
+  cr_expect_str_eq(ev.name, "x?]0;t?y");
+  td_close(c);
+  td_watch_close(w);
+
+  tdt_child cr =
+      tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                          "watch", "-n", "2", "nm/", NULL},
+                    NULL);
+  int status;
+  char *out = ctl_feed_as(&cr, "nm/none", "train.py worker 1", &status);
+  cr_assert_eq(status, 0, "exit %d", status);
+  char want[64];
+  snprintf(want, sizeof(want),
+           " by pid %d (train.py worker 1): ", (int)getpid());
+  cr_expect(strstr(out, want) != NULL, "'%s' in:\n%s", want, out);
+  free(out);
+  cr = tdt_cli_spawn((const char *const[]){TENSORCTL_BIN, "--socket", d.sock,
+                                           "--json", "watch", "-n", "2", "nm/",
+                                           NULL},
+                     NULL);
+  out = ctl_feed_as(&cr, "nm/none", "x\033]0;t\007y", &status);
+  cr_assert_eq(status, 0, "exit %d", status);
+  cr_expect(strstr(out, "\"name\":\"x?]0;t?y\"") != NULL, "%s", out);
+  cr_expect_null(strchr(out, '\033'), "%s", out);
   free(out);
 }
 

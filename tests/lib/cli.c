@@ -221,9 +221,10 @@ typedef struct holder_arg {
   const char *sock;
   uint64_t id;
   const char *name;
-  int ready;     /* write end: one byte once holding */
-  int done;      /* read end: EOF when the child may go */
-  int parent[2]; /* the parent's ends of both pipes, closed here */
+  const char *connect_name; /* td_connect_opts.name, or NULL */
+  int ready;                /* write end: one byte once holding */
+  int done;                 /* read end: EOF when the child may go */
+  int parent[2];            /* the parent's ends of both pipes, closed here */
 } holder_arg;
 
 static int holder(void *p) {
@@ -234,7 +235,8 @@ static int holder(void *p) {
     CHECK(prctl(PR_SET_NAME, a->name) == 0);
   td_client *c;
   td_storage *s;
-  CHECK(td_connect(a->sock, &c) == 0);
+  td_connect_opts o = {.name = a->connect_name};
+  CHECK(td_connect_ex(a->sock, &o, &c) == 0);
   CHECK(td_storage_open(c, a->id, TD_RDONLY, &s) == 0);
   CHECK(write(a->ready, "x", 1) == 1);
   char ch;
@@ -247,10 +249,16 @@ static int holder(void *p) {
 
 void tdt_holder_start(tdt_holder *h, const char *sock, uint64_t id,
                       const char *name) {
+  tdt_holder_start_as(h, sock, id, name, NULL);
+}
+
+void tdt_holder_start_as(tdt_holder *h, const char *sock, uint64_t id,
+                         const char *comm, const char *connect_name) {
   int ready[2], done[2];
   cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
   cr_assert_eq(pipe2(done, O_CLOEXEC), 0);
-  holder_arg a = {sock, id, name, ready[1], done[0], {ready[0], done[1]}};
+  holder_arg a = {
+      sock, id, comm, connect_name, ready[1], done[0], {ready[0], done[1]}};
   h->pid = tdt_fork(holder, &a);
   close(ready[1]);
   close(done[0]);

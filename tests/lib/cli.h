@@ -57,6 +57,11 @@ typedef struct tdt_holder {
  * holds it; asserts on failure. */
 void tdt_holder_start(tdt_holder *h, const char *sock, uint64_t id,
                       const char *name);
+/* tdt_holder_start, its process named comm (NULL: the test's own name),
+ * connecting with td_connect_opts.name = connect_name (NULL: the
+ * default). */
+void tdt_holder_start_as(tdt_holder *h, const char *sock, uint64_t id,
+                         const char *comm, const char *connect_name);
 /* Lets h's child release the storage and go; asserts it exited 0. */
 void tdt_holder_stop(tdt_holder *h);
 

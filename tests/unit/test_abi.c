@@ -79,6 +79,10 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_publish_opts, event, 8); /* was reserved[0] (CUDA events) */
   FIELD(td_publish_opts, reserved, 16);
 
+  SIZE(td_connect_opts, 64, 8); /* new with client names */
+  FIELD(td_connect_opts, name, 0);
+  FIELD(td_connect_opts, reserved, 8);
+
   SIZE(td_holder, 32, 8);
   FIELD(td_holder, uid, 4);
   FIELD(td_holder, refs, 8);
@@ -209,6 +213,17 @@ Test(abi, zeroed_publish_opts_publish_an_ordinary_key) {
   for (size_t i = 0; i < sizeof(o.reserved) / sizeof(o.reserved[0]); i++)
     cr_assert_eq(o.reserved[i], 0);
   cr_assert_eq(sizeof(o.reserved) / sizeof(o.reserved[0]), 6);
+}
+
+/* A zeroed td_connect_opts connects as td_connect does: the default
+ * name. */
+Test(abi, zeroed_connect_opts_ask_for_the_default_name) {
+  td_connect_opts o = {0};
+  cr_assert_null(o.name);
+  cr_assert_eq(sizeof(o.reserved) / sizeof(o.reserved[0]), 7);
+  for (size_t i = 0; i < sizeof(o.reserved) / sizeof(o.reserved[0]); i++)
+    cr_assert_eq(o.reserved[i], 0);
+  cr_assert_eq(TD_CLIENT_NAME_MAX, 63);
 }
 
 /* A new code is named like the others. */

@@ -80,9 +80,14 @@ typedef struct td__backend {
   /* Sets the bytes the backend has free and in all. Returns 0, or a
    * negative code with both unchanged. */
   int (*space)(uint64_t *free_bytes, uint64_t *total_bytes);
-  /* Describes an existing segment. Returns 0, or a negative code
-   * (TD_ENOENT if there is none of that name). */
-  int (*describe)(const char *name, td__segment_desc *out);
+  /* Describes an existing segment that this daemon's uid made, for a
+   * start that adopts segments by name: anyone may have made a file under
+   * that name since, so only a regular file of the daemon's euid, with no
+   * permission bits beyond 0600 and no other name, is one. Returns 0, or a
+   * negative code with msg filled: TD_ENOENT if there is none of that name,
+   * TD_EPERM for a file that is not the daemon's. */
+  int (*describe)(const char *name, td__segment_desc *out, char *msg,
+                  size_t len);
 } td__backend;
 
 extern const td__backend td__shm_backend;

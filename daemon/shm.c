@@ -145,16 +145,19 @@ static int shm_rename(const char *from, const char *to) {
   char a[TD__SEGMENT_NAME_MAX + 16], b[TD__SEGMENT_NAME_MAX + 16];
   if (shm_path(from, a, sizeof(a)) < 0 || shm_path(to, b, sizeof(b)) < 0)
     return TD_ENAMETOOLONG;
-  /* RENAME_NOREPLACE would be exact, but names are never reused: the
-   * target cannot exist. */
-  return rename(a, b) < 0 ? -errno : 0;
+  /* Never over a file that is there: whoever made it (any local user may)
+   * would lose it to us, and as root we would replace it silently. */
+  return renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_NOREPLACE) < 0 ? -errno
+                                                                  : 0;
 }
 
 static int shm_reuse(const char *from, const char *to, uint64_t nbytes,
                      int zero, char *msg, size_t len) {
   int err = shm_rename(from, to);
   if (err < 0) {
-    shm_unlink_name(from);
+    /* Someone else's file under to: the caller may try another name. */
+    if (!td__name_taken(err))
+      shm_unlink_name(from);
     return td__msg(msg, len, err, "renaming pooled %s to %s: %s", from, to,
                    td_strerror(err));
   }

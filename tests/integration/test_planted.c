@@ -1,6 +1,8 @@
 /* test_planted.c: other local users who plant files under tensord's names.
  * /dev/shm shows every name and size to everyone: a file planted where a
- * journaled segment went missing is never adopted at a restart. */
+ * journaled segment went missing is never adopted at a restart, and names
+ * taken ahead of tensord never block a create or replace the taker's
+ * file. */
 #include "harness.h"
 
 #include <criterion/criterion.h>
@@ -18,10 +20,16 @@
 static tdt_daemon d;
 static char state_dir[64];
 static uint64_t first; /* the instance whose segments a restart adopts */
+/* Files a test had PLANTER make under names tensord may use. */
+#define SQUAT_MAX 160
+static char squatted[SQUAT_MAX][96];
+static int nsquatted;
+static char gate_dir[64]; /* randshim's gate file lives here */
 
 static void setup(void) {
   memset(&d, 0, sizeof(d));
-  state_dir[0] = '\0';
+  nsquatted = 0;
+  state_dir[0] = gate_dir[0] = '\0';
   first = 0;
 }
 
@@ -30,8 +38,12 @@ static void teardown(void) {
   tdt_cleanup();
   if (first != 0)
     tdt_unlink_segments(first);
+  for (int i = 0; i < nsquatted; i++)
+    unlink(squatted[i]);
   if (state_dir[0] != '\0')
     tdt_rmdir(state_dir);
+  if (gate_dir[0] != '\0')
+    tdt_rmdir(gate_dir);
 }
 
 TestSuite(planted, .init = setup, .fini = teardown, .timeout = 60);
@@ -211,4 +223,196 @@ TDT_TEST(planted, a_fifo_or_a_symlink_at_a_journaled_name_is_not_adopted) {
   td_close(c);
   cr_assert_eq(tdt_segments_of(first), 0,
                "planted files are left under tensord's names");
+}
+
+/* ---- names taken ahead of tensord ---- */
+
+/* Adds a name to take: "/dev/shm/tensord.<d's instance><what><n><tail>". */
+static void squat_name(const char *what, int n, const char *tail) {
+  cr_assert_lt(nsquatted, SQUAT_MAX);
+  snprintf(squatted[nsquatted++], sizeof(squatted[0]),
+           "/dev/shm/tensord.%016llx%s%d%s", (unsigned long long)d.instance,
+           what, n, tail);
+}
+
+static int squat_as_planter(void *arg) {
+  (void)arg;
+  CHECK(become_planter());
+  for (int i = 0; i < nsquatted; i++)
+    CHECK(make_file(squatted[i], 0, 0, 0644) == 0);
+  return 0;
+}
+
+/* PLANTER, a user with no access to tensord, makes an empty file, mode
+ * 0644, under every name squat_name added. */
+static void squat(void) {
+  cr_assert_eq(tdt_wait(tdt_fork(squat_as_planter, NULL)), 0,
+               "cannot make files in /dev/shm as uid %d", PLANTER);
+}
+
+/* Asserts every squatted file is as PLANTER made it (none was replaced, or
+ * adopted and written), then removes them. */
+static void squatted_intact(void) {
+  for (int i = 0; i < nsquatted; i++) {
+    struct stat sb;
+    cr_assert_eq(stat(squatted[i], &sb), 0, "%s: %s", squatted[i],
+                 strerror(errno));
+    cr_assert(sb.st_uid == PLANTER && sb.st_size == 0,
+              "%s was replaced (uid %u, %lld bytes)", squatted[i],
+              (unsigned)sb.st_uid, (long long)sb.st_size);
+  }
+  for (; nsquatted > 0; nsquatted--)
+    unlink(squatted[nsquatted - 1]);
+}
+
+static td_stat stat_of(td_client *c) {
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0, "stat: %s", td_last_error(c));
+  return st;
+}
+
+/* Polls until the pool holds n segments (a release needs no reply). */
+static void pool_is(td_client *c, uint64_t n) {
+  td_stat st = stat_of(c);
+  for (int i = 0; i < 2500 && st.pool_segments != n; i++) {
+    tdt_sleep_ms(2);
+    st = stat_of(c);
+  }
+  cr_assert_eq(st.pool_segments, n, "the pool holds %llu segment(s), not %llu",
+               (unsigned long long)st.pool_segments, (unsigned long long)n);
+}
+
+static td_storage *make(td_client *c, size_t n) {
+  td_create_opts o = {.nbytes = n};
+  td_storage *s = NULL;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "create of %zu bytes: %s",
+               n, td_last_error(c));
+  const uint8_t *p = td_storage_data(s);
+  for (size_t i = 0; i < n; i++)
+    cr_assert_eq(p[i], 0, "byte %zu of a new storage is 0x%02x", i, p[i]);
+  return s;
+}
+
+/* Creates on the loop (small) and on the thread pool (large), then through
+ * the recycling pool, and asserts each succeeds. */
+static void creates_go_on(td_client *c) {
+  td_storage *small[8], *large[2];
+  for (int i = 0; i < 8; i++)
+    small[i] = make(c, 4096);
+  for (int i = 0; i < 2; i++)
+    large[i] = make(c, 1 << 20);
+  td_storage_release(large[0]); /* into the pool ... */
+  pool_is(c, 1);
+  uint64_t hits = stat_of(c).pool_hits;
+  large[0] = make(c, 1 << 20); /* ... and out of it */
+  cr_assert_eq(stat_of(c).pool_hits, hits + 1,
+               "the pool did not serve the create");
+  for (int i = 0; i < 8; i++)
+    td_storage_release(small[i]);
+  for (int i = 0; i < 2; i++)
+    td_storage_release(large[i]);
+}
+
+TDT_TEST(planted, names_taken_ahead_of_tensord_do_not_block_creates) {
+  need_root();
+  tdt_start(&d, NULL);
+  /* The instance shows in /dev/shm: take the names of the storages and of
+   * the pool to come, as they would be if they followed from it. */
+  for (int k = 1; k <= 40; k++) {
+    squat_name(".", k, "");
+    squat_name("-pool.", k, "");
+  }
+  squat();
+  td_client *c = tdt_connect(&d);
+  creates_go_on(c);
+  td_close(c);
+  squatted_intact();
+}
+
+/* ---- names taken all the same ---- */
+
+/* The tails randshim makes tensord draw, over and over. */
+#define TAILS 4
+static const char *const tail[TAILS] = {
+    "-a0a0a0a0a0a0a0a0", "-a1a1a1a1a1a1a1a1", "-a2a2a2a2a2a2a2a2",
+    "-a3a3a3a3a3a3a3a3"};
+
+/* Starts tensord under randshim, then makes its names foreseeable: each
+ * draw gives the next of tail[], round and round. */
+static void start_foreseeable(void) {
+  tdt_mkdtemp(gate_dir);
+  char gate[96], cycle[8], asan[512];
+  snprintf(gate, sizeof(gate), "%s/foreseeable", gate_dir);
+  snprintf(cycle, sizeof(cycle), "%d", TAILS);
+  setenv("LD_PRELOAD", TDT_RANDSHIM, 1);
+  setenv("TDT_RANDOM_GATE", gate, 1);
+  setenv("TDT_RANDOM_CYCLE", cycle, 1);
+  /* An ASan tensord insists on coming first in the preload list. */
+  const char *was = getenv("ASAN_OPTIONS");
+  snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
+           was && *was ? ":" : "");
+  setenv("ASAN_OPTIONS", asan, 1);
+  tdt_start(&d, NULL);
+  unsetenv("LD_PRELOAD");
+  unsetenv("TDT_RANDOM_GATE");
+  /* Its instance is drawn: from now on, tensord's draws are foreseen. */
+  int fd = open(gate, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  cr_assert_geq(fd, 0, "%s: %s", gate, strerror(errno));
+  close(fd);
+}
+
+TDT_TEST(planted, a_name_taken_all_the_same_is_drawn_again) {
+  need_root();
+  start_foreseeable();
+  /* Every name but one tail in four is taken, for the first storages and
+   * pool entries: each create, and each rename into or out of the pool,
+   * meets names taken until its draw comes round to the free tail. */
+  for (int k = 1; k <= 24; k++) {
+    for (int t = 0; t < TAILS - 1; t++) {
+      squat_name(".", k, tail[t]);
+      squat_name("-pool.", k, tail[t]);
+    }
+  }
+  squat();
+  td_client *c = tdt_connect(&d);
+  creates_go_on(c);
+  td_close(c);
+  cr_assert(tdt_log_has(&d, "which tensord did not make; trying another name"),
+            "no name was drawn again; see %s", d.log);
+  squatted_intact();
+}
+
+TDT_TEST(planted, a_create_whose_every_name_is_taken_fails_naming_the_last) {
+  need_root();
+  start_foreseeable();
+  for (int t = 0; t < TAILS; t++) {
+    squat_name(".", 1, tail[t]); /* storage 1's every name */
+    for (int k = 1; k <= 8; k++) /* and the pool's for 8 tries */
+      squat_name("-pool.", k, tail[t]);
+  }
+  squat();
+  td_client *c = tdt_connect(&d);
+  td_create_opts o = {.nbytes = 1 << 20};
+  td_storage *s = NULL;
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), TD_EEXIST, "%s",
+               td_last_error(c));
+  char want[128];
+  snprintf(want, sizeof(want),
+           "8 names for storage 1 were all taken in /dev/shm, the last "
+           "/tensord.%016llx.1-a",
+           (unsigned long long)d.instance);
+  cr_assert(strstr(td_last_error(c), want), "'%s' does not say '%s'",
+            td_last_error(c), want);
+  /* Storage 2's names are free. A segment whose every pool name is taken
+   * is not pooled, but unlinked. */
+  s = make(c, 1 << 20);
+  td_storage_release(s);
+  for (int i = 0; i < 2500 && tdt_segments(&d) > TAILS; i++)
+    tdt_sleep_ms(2);
+  cr_assert_eq(tdt_segments(&d), TAILS, "storage 2's segment is left");
+  pool_is(c, 0);
+  cr_assert(tdt_log_has(&d, "already exists; unlinking it"),
+            "see %s", d.log);
+  td_close(c);
+  squatted_intact();
 }

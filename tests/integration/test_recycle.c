@@ -125,9 +125,8 @@ TDT_TEST(recycle, a_larger_segment_is_cut_to_size, .timeout = 30) {
   cr_assert_eq(stat_of(c).pool_hits, 1);
   cr_assert_eq(td_storage_nbytes(s), n);
   char path[128];
-  snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
-           (unsigned long long)d.instance,
-           (unsigned long long)td_storage_id(s));
+  cr_assert(tdt_segment_path(d.instance, td_storage_id(s), path,
+                             sizeof(path)));
   struct stat sb;
   cr_assert_eq(stat(path, &sb), 0, "%s: %s", path, strerror(errno));
   cr_assert_eq((uint64_t)sb.st_size, n, "segment of %lld bytes, not %zu",

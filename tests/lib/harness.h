@@ -53,7 +53,7 @@ int tdt_segments_of(uint64_t instance);
  * of instance, whatever tail its name has after the id. Returns 1, or 0 if
  * there is no such segment (path then unchanged). */
 int tdt_segment_path(uint64_t instance, uint64_t id, char *path, size_t len);
-/* Segments in its recycling pool ("tensord.<instance>-pool.<n>"), which
+/* Segments in its recycling pool ("tensord.<instance>-pool.<n>-<tail>"), which
  * tdt_stop also requires gone and tdt_kill removes. */
 int tdt_pooled_of(uint64_t instance);
 /* Removes the files in dir (a test's temporary directory; "" ok), the

@@ -115,8 +115,14 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
     }
     /* That process may keep its mapping past its release: the pages must
      * never serve another storage of the owner, which it might not be
-     * allowed to read (root reads everything anyway). */
-    if (c->hold.peer.uid != s->owner.uid && c->hold.peer.uid != 0)
+     * allowed to read. Root's processes count too: root reads everything,
+     * but a process may map as root and then drop to another uid
+     * (setresuid), keeping the mapping. Only the owner's own uid does not
+     * count (for a root owner, root's). SO_PEERCRED names the euid at
+     * connect: a process that can switch between the owner's uid and
+     * another (a saved set-user-ID) may look up as the owner at any time
+     * anyway. */
+    if (c->hold.peer.uid != s->owner.uid)
       s->foreign = 1;
   }
   return 0;

@@ -56,8 +56,8 @@ static int another_name(td__segment_req *req, int tries) {
   }
   td__warn("storage %llu: %s, which tensord did not make; trying another name",
            (unsigned long long)s->id, req->msg);
-  int err = td__segment_name(s->name, prefix, s->id, req->msg,
-                             sizeof(req->msg));
+  int err =
+      td__segment_name(s->name, prefix, s->id, req->msg, sizeof(req->msg));
   if (err < 0) {
     req->fd = err;
     return -1;
@@ -349,8 +349,7 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
    * is never replaced: another is drawn. */
   char msg[160];
   int err = TD_EEXIST;
-  for (int tries = 0; td__name_taken(err) && tries < TD__NAME_TRIES;
-       tries++) {
+  for (int tries = 0; td__name_taken(err) && tries < TD__NAME_TRIES; tries++) {
     if (tries > 0)
       td__warn("cannot pool %s as %s: %s, which tensord did not make; "
                "trying another name",

@@ -72,8 +72,8 @@ static int shm_path(const char *name, char *buf, size_t len) {
  * which means nothing to a regular file). Returns the fd, which the caller
  * owns, with *sb filled; or a negative code with msg saying why: TD_EPERM
  * for a file that is not tensord's, else the open's or fstat's error. */
-static int open_ours(const char *name, int flags, int one_link,
-                     struct stat *sb, char *msg, size_t len) {
+static int open_ours(const char *name, int flags, int one_link, struct stat *sb,
+                     char *msg, size_t len) {
   char path[TD__SEGMENT_NAME_MAX + 16];
   if (shm_path(name, path, sizeof(path)) < 0)
     return td__msg(msg, len, TD_ENAMETOOLONG, "segment name %s is too long",
@@ -90,8 +90,8 @@ static int open_ours(const char *name, int flags, int one_link,
   else if (!S_ISREG(sb->st_mode))
     err = td__msg(msg, len, TD_EPERM,
                   "segment %s is %s, not a regular file: not tensord's", path,
-                  S_ISFIFO(sb->st_mode)  ? "a FIFO"
-                  : S_ISDIR(sb->st_mode) ? "a directory"
+                  S_ISFIFO(sb->st_mode)   ? "a FIFO"
+                  : S_ISDIR(sb->st_mode)  ? "a directory"
                   : S_ISSOCK(sb->st_mode) ? "a socket"
                                           : "a device");
   else if (sb->st_uid != me)
@@ -123,8 +123,8 @@ static int shm_open_export(const char *name, int readonly) {
    * off) does not change its bytes, and does not deny the storage. */
   struct stat sb;
   char msg[160];
-  int fd = open_ours(name, readonly ? O_RDONLY : O_RDWR, 0, &sb, msg,
-                     sizeof(msg));
+  int fd =
+      open_ours(name, readonly ? O_RDONLY : O_RDWR, 0, &sb, msg, sizeof(msg));
   if (fd == TD_EPERM)
     td__error("%s; refusing to hand it out", msg);
   return fd;
@@ -147,8 +147,7 @@ static int shm_rename(const char *from, const char *to) {
     return TD_ENAMETOOLONG;
   /* Never over a file that is there: whoever made it (any local user may)
    * would lose it to us, and as root we would replace it silently. */
-  return renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_NOREPLACE) < 0 ? -errno
-                                                                  : 0;
+  return renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_NOREPLACE) < 0 ? -errno : 0;
 }
 
 static int shm_reuse(const char *from, const char *to, uint64_t nbytes,

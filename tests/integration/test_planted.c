@@ -119,10 +119,10 @@ TDT_TEST(planted, a_file_planted_at_a_journaled_name_is_not_adopted) {
     cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "%s", td_last_error(c));
     memset(td_storage_data(s), 0x11, N);
     cr_assert_eq(td_publish(c, keys[i], s, NULL), 0, "%s", td_last_error(c));
-    cr_assert(tdt_segment_path(first, td_storage_id(s), path[i],
-                               sizeof(path[i])),
-              "no segment of storage %llu in /dev/shm",
-              (unsigned long long)td_storage_id(s));
+    cr_assert(
+        tdt_segment_path(first, td_storage_id(s), path[i], sizeof(path[i])),
+        "no segment of storage %llu in /dev/shm",
+        (unsigned long long)td_storage_id(s));
     td_storage_release(s);
   }
   td_close(c);
@@ -156,8 +156,8 @@ TDT_TEST(planted, a_file_planted_at_a_journaled_name_is_not_adopted) {
                  path[i]);
   cr_assert(tdt_log_has(&d, "is owned by uid 4313, not tensord's uid 0"),
             "no reason logged for %s; see %s", keys[1], d.log);
-  cr_assert(tdt_log_has(&d, "has mode 0640"),
-            "no reason logged for %s; see %s", keys[2], d.log);
+  cr_assert(tdt_log_has(&d, "has mode 0640"), "no reason logged for %s; see %s",
+            keys[2], d.log);
   cr_assert(tdt_log_has(&d, "has 2 links"), "no reason logged for %s; see %s",
             keys[3], d.log);
   /* Nothing names them now: the start swept them with the rest. */
@@ -171,8 +171,7 @@ TDT_TEST(planted, a_file_planted_at_a_journaled_name_is_not_adopted) {
   size_t bad = 0;
   for (size_t i = 0; i < N; i++)
     bad += b[i] != 0x11;
-  cr_assert_eq(bad, 0, "%zu byte(s) of 'kept' changed across the restart",
-               bad);
+  cr_assert_eq(bad, 0, "%zu byte(s) of 'kept' changed across the restart", bad);
   td_storage_release(s);
   td_close(c);
   for (int i = 0; i < 2500 && tdt_segments_of(first) > 0; i++)
@@ -193,8 +192,8 @@ TDT_TEST(planted, a_fifo_or_a_symlink_at_a_journaled_name_is_not_adopted) {
     td_storage *s = NULL;
     cr_assert_eq(td_storage_create(c, N, &s), 0, "%s", td_last_error(c));
     cr_assert_eq(td_publish(c, keys[i], s, NULL), 0, "%s", td_last_error(c));
-    cr_assert(tdt_segment_path(first, td_storage_id(s), path[i],
-                               sizeof(path[i])));
+    cr_assert(
+        tdt_segment_path(first, td_storage_id(s), path[i], sizeof(path[i])));
     td_storage_release(s);
   }
   td_close(c);
@@ -209,8 +208,7 @@ TDT_TEST(planted, a_fifo_or_a_symlink_at_a_journaled_name_is_not_adopted) {
            (unsigned long long)first);
   cr_assert_eq(make_file(target, N, 0xee, 0600), 0);
   cr_assert_eq(unlink(path[1]), 0, "%s: %s", path[1], strerror(errno));
-  cr_assert_eq(symlink(target, path[1]), 0, "%s: %s", path[1],
-               strerror(errno));
+  cr_assert_eq(symlink(target, path[1]), 0, "%s: %s", path[1], strerror(errno));
 
   tdt_restart(&d, args);
   c = tdt_connect(&d);
@@ -285,8 +283,8 @@ static void pool_is(td_client *c, uint64_t n) {
 static td_storage *make(td_client *c, size_t n) {
   td_create_opts o = {.nbytes = n};
   td_storage *s = NULL;
-  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "create of %zu bytes: %s",
-               n, td_last_error(c));
+  cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "create of %zu bytes: %s", n,
+               td_last_error(c));
   const uint8_t *p = td_storage_data(s);
   for (size_t i = 0; i < n; i++)
     cr_assert_eq(p[i], 0, "byte %zu of a new storage is 0x%02x", i, p[i]);
@@ -411,8 +409,7 @@ TDT_TEST(planted, a_create_whose_every_name_is_taken_fails_naming_the_last) {
     tdt_sleep_ms(2);
   cr_assert_eq(tdt_segments(&d), TAILS, "storage 2's segment is left");
   pool_is(c, 0);
-  cr_assert(tdt_log_has(&d, "already exists; unlinking it"),
-            "see %s", d.log);
+  cr_assert(tdt_log_has(&d, "already exists; unlinking it"), "see %s", d.log);
   td_close(c);
   squatted_intact();
 }

@@ -126,8 +126,7 @@ TDT_TEST(recycle, a_larger_segment_is_cut_to_size, .timeout = 30) {
   cr_assert_eq(stat_of(c).pool_hits, 1);
   cr_assert_eq(td_storage_nbytes(s), n);
   char path[128];
-  cr_assert(tdt_segment_path(d.instance, td_storage_id(s), path,
-                             sizeof(path)));
+  cr_assert(tdt_segment_path(d.instance, td_storage_id(s), path, sizeof(path)));
   struct stat sb;
   cr_assert_eq(stat(path, &sb), 0, "%s: %s", path, strerror(errno));
   cr_assert_eq((uint64_t)sb.st_size, n, "segment of %lld bytes, not %zu",

@@ -258,8 +258,7 @@ int tdt_segments_of(uint64_t instance) {
   return count_prefix(prefix);
 }
 
-int tdt_segment_path(uint64_t instance, uint64_t id, char *path,
-                     size_t len) {
+int tdt_segment_path(uint64_t instance, uint64_t id, char *path, size_t len) {
   /* "tensord.<instance>.<id>", and after it nothing, or a '-' and the
    * random tail that keeps the name unpredictable. */
   char name[64];

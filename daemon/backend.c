@@ -41,18 +41,39 @@ int td__segment_prefix(const char *name, char out[TD__PREFIX_MAX]) {
   return 0;
 }
 
+/* Name tails, drawn from the kernel 32 at a time (one getrandom(2) per 32
+ * names), by each thread that names segments for itself: the loop, and a
+ * worker that retries a taken name. Kept only in tensord's memory, they
+ * are as unforeseeable as if drawn one by one. */
+#define TAILS_PER_DRAW 32
+static _Thread_local uint64_t tails[TAILS_PER_DRAW];
+static _Thread_local unsigned ntails;
+
+/* Sets *tail to the next random tail. Returns 0, or a negative code with
+ * errno's message in msg. */
+static int next_tail(uint64_t *tail, char *msg, size_t len) {
+  if (ntails == 0) {
+    ssize_t n;
+    /* 256 bytes come whole, and never block once the kernel's pool is
+     * ready (it was: the instance id came from it at start). */
+    while ((n = getrandom(tails, sizeof(tails), 0)) < 0 && errno == EINTR)
+      ;
+    if (n != (ssize_t)sizeof(tails))
+      return td__msg(msg, len, n < 0 ? -errno : TD_EIO,
+                     "naming a segment: getrandom: %s",
+                     n < 0 ? strerror(errno) : "short read");
+    ntails = TAILS_PER_DRAW;
+  }
+  *tail = tails[TAILS_PER_DRAW - ntails--];
+  return 0;
+}
+
 int td__segment_name(char out[TD__SEGMENT_NAME_MAX], const char *prefix,
                      uint64_t seq, char *msg, size_t len) {
-  uint64_t tail;
-  ssize_t n;
-  /* Never short for 8 bytes, and never blocking once the kernel's pool is
-   * ready (it was: the instance id came from it at start). */
-  while ((n = getrandom(&tail, sizeof(tail), 0)) < 0 && errno == EINTR)
-    ;
-  if (n != (ssize_t)sizeof(tail))
-    return td__msg(msg, len, n < 0 ? -errno : TD_EIO,
-                   "naming a segment: getrandom: %s",
-                   n < 0 ? strerror(errno) : "short read");
+  uint64_t tail = 0;
+  int err = next_tail(&tail, msg, len);
+  if (err < 0)
+    return err;
   char name[TD__SEGMENT_NAME_MAX];
   int k = snprintf(name, sizeof(name), "%s%llu-%016llx", prefix,
                    (unsigned long long)seq, (unsigned long long)tail);

@@ -115,10 +115,11 @@ int td__segment_prefix_valid(const char *p);
 /* Sets out to name's prefix: the name up to and including its last '.'.
  * Returns 0, or TD_EINVAL for a name that is not a segment's. */
 int td__segment_prefix(const char *name, char out[TD__PREFIX_MAX]);
-/* Sets out to a fresh segment name: prefix, seq, '-' and 16 hex digits from
- * getrandom(2) (a system call: it may run on the loop). Returns 0, or a
- * negative code with msg filled and out unchanged: TD_ENAMETOOLONG if the
- * name would not fit, or getrandom's error. */
+/* Sets out to a fresh segment name: prefix, seq, '-' and 16 hex digits
+ * from getrandom(2) (one call per 32 names and thread: it may run on the
+ * loop). Thread-safe. Returns 0, or a negative code with msg filled and out
+ * unchanged: TD_ENAMETOOLONG if the name would not fit, or getrandom's
+ * error. */
 int td__segment_name(char out[TD__SEGMENT_NAME_MAX], const char *prefix,
                      uint64_t seq, char *msg, size_t len);
 /* Returns 1 if err, from a create or rename of a segment, says its new name

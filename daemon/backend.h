@@ -15,10 +15,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Segment names are "/tensord.<instance>.<id>" on every backend, so that one
- * prefix names everything an instance made. */
+/* Segment names are "/tensord.<instance>.<id>-<tail>" on every backend, so
+ * that one prefix names everything an instance made; the tail is 16 random
+ * hex digits, so that no one who sees the prefix in /dev/shm can take the
+ * next name first. Names from before the tail ("/tensord.<instance>.<id>")
+ * live on in journals and are served as they are. */
 #define TD__SEGMENT_NAME_MAX 64
 #define TD__PREFIX_MAX 48
+/* A create or rename that finds its name taken tries this many names in
+ * all: each is 2^-64 likely to be guessed, so a second miss means someone
+ * took the names on purpose. */
+#define TD__NAME_TRIES 8
 
 /* What a backend knows of one segment. */
 typedef struct td__segment_desc {
@@ -41,8 +48,8 @@ typedef struct td__backend {
   td_device device;
   /* Makes segment name of nbytes, readable and writable by the daemon's user
    * only, with every page reserved. Returns a read-write fd (>= 0) the
-   * caller owns, or a negative code with msg filled; nothing is left behind
-   * on failure. */
+   * caller owns, or a negative code with msg filled (TD_EEXIST: a file of
+   * that name is there, and stays); nothing is left behind on failure. */
   int (*create)(const char *name, uint64_t nbytes, char *msg, size_t len);
   /* Makes segment name of nbytes on the device whose UUID is uuid (a GPU),
    * for backends of devices that come in several (NULL for the CPU's, and
@@ -61,15 +68,17 @@ typedef struct td__backend {
   /* Frees the segment's name; its bytes go when no process maps them. A
    * segment already gone is not an error. */
   void (*unlink)(const char *name);
-  /* Gives segment from the name to (which must not exist), bytes and all:
-   * how a freed segment enters the recycling pool. Returns 0 or a negative
-   * code (from unchanged). */
+  /* Gives segment from the name to, bytes and all: how a freed segment
+   * enters the recycling pool. A file under to is never replaced. Returns 0
+   * or a negative code (from unchanged): td__name_taken for a to that is
+   * someone else's. */
   int (*rename)(const char *from, const char *to);
   /* Serves a create of nbytes from the pooled segment from: renames it
    * to, sets its size to nbytes (freeing a tail, reserving pages that are
    * missing) and, if zero, makes every byte read as zero again.
    * Returns a read-write fd the caller owns, or a negative code with msg
-   * filled; on failure neither from nor to is left behind. */
+   * filled: if td__name_taken, to is someone else's and from is as it was;
+   * on any other failure neither from nor to is left behind. */
   int (*reuse)(const char *from, const char *to, uint64_t nbytes, int zero,
                char *msg, size_t len);
   /* Unlinks every segment whose name (without the leading '/') starts with
@@ -80,9 +89,14 @@ typedef struct td__backend {
   /* Sets the bytes the backend has free and in all. Returns 0, or a
    * negative code with both unchanged. */
   int (*space)(uint64_t *free_bytes, uint64_t *total_bytes);
-  /* Describes an existing segment. Returns 0, or a negative code
-   * (TD_ENOENT if there is none of that name). */
-  int (*describe)(const char *name, td__segment_desc *out);
+  /* Describes an existing segment that this daemon's uid made, for a
+   * start that adopts segments by name: anyone may have made a file under
+   * that name since, so only a regular file of the daemon's euid, with no
+   * permission bits beyond 0600 and no other name, is one. Returns 0, or a
+   * negative code with msg filled: TD_ENOENT if there is none of that name,
+   * TD_EPERM for a file that is not the daemon's. */
+  int (*describe)(const char *name, td__segment_desc *out, char *msg,
+                  size_t len);
 } td__backend;
 
 extern const td__backend td__shm_backend;
@@ -101,5 +115,18 @@ int td__segment_prefix_valid(const char *p);
 /* Sets out to name's prefix: the name up to and including its last '.'.
  * Returns 0, or TD_EINVAL for a name that is not a segment's. */
 int td__segment_prefix(const char *name, char out[TD__PREFIX_MAX]);
+/* Sets out to a fresh segment name: prefix, seq, '-' and 16 hex digits
+ * from getrandom(2) (one call per 32 names and thread: it may run on the
+ * loop). Thread-safe. Returns 0, or a negative code with msg filled and out
+ * unchanged: TD_ENAMETOOLONG if the name would not fit, or getrandom's
+ * error. */
+int td__segment_name(char out[TD__SEGMENT_NAME_MAX], const char *prefix,
+                     uint64_t seq, char *msg, size_t len);
+/* Returns 1 if err, from a create or rename of a segment, says its new name
+ * is someone else's: a file is there (TD_EEXIST), or the sticky bit of
+ * /dev/shm keeps a rename off it (TD_EPERM). */
+static inline int td__name_taken(int err) {
+  return err == TD_EEXIST || err == TD_EPERM;
+}
 
 #endif /* TD_DAEMON_BACKEND_H */

@@ -570,8 +570,10 @@ static int cuda_space(uint64_t *free_bytes, uint64_t *total_bytes) {
   return TD_ENOSYS;
 }
 
-static int cuda_describe(const char *name, td__segment_desc *out) {
-  return TD_ENOENT;
+static int cuda_describe(const char *name, td__segment_desc *out, char *msg,
+                         size_t len) {
+  return td__msg(msg, len, TD_ENOENT,
+                 "segment %s: device memory does not outlive tensord", name);
 }
 
 const td__backend td__cuda_backend = {

@@ -115,8 +115,14 @@ static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
     }
     /* That process may keep its mapping past its release: the pages must
      * never serve another storage of the owner, which it might not be
-     * allowed to read (root reads everything anyway). */
-    if (c->hold.peer.uid != s->owner.uid && c->hold.peer.uid != 0)
+     * allowed to read. Root's processes count too: root reads everything,
+     * but a process may map as root and then drop to another uid
+     * (setresuid), keeping the mapping. Only the owner's own uid does not
+     * count (for a root owner, root's). SO_PEERCRED names the euid at
+     * connect: a process that can switch between the owner's uid and
+     * another (a saved set-user-ID) may look up as the owner at any time
+     * anyway. */
+    if (c->hold.peer.uid != s->owner.uid)
       s->foreign = 1;
   }
   return 0;
@@ -295,8 +301,11 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     }
   }
 
-  td__create *cr = calloc(1, sizeof(*cr));
-  td__storage *s = calloc(1, sizeof(*s));
+  /* A name no one can foresee (td__segment_name), for the id to come. */
+  char name[TD__SEGMENT_NAME_MAX];
+  err = td__segment_name(name, srv->prefix, reg->next_id, msg, sizeof(msg));
+  td__create *cr = err < 0 ? NULL : calloc(1, sizeof(*cr));
+  td__storage *s = err < 0 ? NULL : calloc(1, sizeof(*s));
   if (cr == NULL || s == NULL) {
     free(cr);
     free(s);
@@ -304,6 +313,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     if (pooled)
       td__pool_untake(&srv->pool, pooled);
     td__pool_restore(&srv->pool, victims);
+    if (err < 0)
+      return reject(c, seq, err, "create: %s", msg);
     return reject(c, seq, TD_ENOMEM, "create: out of memory");
   }
   s->mode = m->mode ? m->mode : 0600;
@@ -314,8 +325,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     memcpy(s->uuid, m->device_uuid.data, 16);
   s->owner = c->hold.peer;
   s->created_ms = td__now_ms();
-  snprintf(s->name, sizeof(s->name), "%s%llu", srv->prefix,
-           (unsigned long long)s->id);
+  memcpy(s->name, name, sizeof(name));
   cr->conn = c;
   cr->seq = seq;
   cr->start_ns = c->req_ns;

@@ -110,7 +110,7 @@ td__pooled *td__pool_pop(td__pool *p) {
   return e;
 }
 
-void td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX]) {
-  snprintf(name, TD__SEGMENT_NAME_MAX, "%s%llu", p->prefix,
-           (unsigned long long)++p->next_seq);
+int td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX], char *msg,
+                  size_t len) {
+  return td__segment_name(name, p->prefix, ++p->next_seq, msg, len);
 }

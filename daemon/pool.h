@@ -60,7 +60,9 @@ void td__pool_restore(td__pool *p, td__pooled *list);
 void td__pool_put(td__pool *p, td__pooled *e);
 /* Removes the oldest entry and returns it (the caller owns it), or NULL. */
 td__pooled *td__pool_pop(td__pool *p);
-/* Sets name to a fresh pool name. */
-void td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX]);
+/* Sets name to a fresh pool name, "<prefix><seq>-<random tail>"
+ * (td__segment_name). Returns 0, or a negative code with msg filled. */
+int td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX], char *msg,
+                  size_t len);
 
 #endif /* TD_DAEMON_POOL_H */

@@ -73,7 +73,8 @@ struct td__storage {
   td__ref *holders;
   td__key *keys;
   /* The backend's name for the bytes (for shm, the object's name,
-   * "/tensord.<instance>.<id>"); the registry only carries it. */
+   * "/tensord.<instance>.<id>-<random tail>"); the registry only carries
+   * it. */
   char name[64];
   /* TD_CUDA: the GPU's UUID, and the bytes its allocation really has
    * (nbytes rounded up to the granularity; set by the create). */

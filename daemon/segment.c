@@ -37,6 +37,58 @@ static void unlink_pooled(td__segment_req *req) {
   }
 }
 
+/* req->s's name was taken (req->fd says how, req->msg by whom) on the
+ * tries-th name: gives s another, unless that was the last try. Returns 0,
+ * or -1 with req->fd and req->msg saying why the create fails. Runs on the
+ * thread pool: it touches only req and its storage, which no one else
+ * sees until the create ends. */
+static int another_name(td__segment_req *req, int tries) {
+  td__storage *s = req->s;
+  char prefix[TD__PREFIX_MAX];
+  if (tries >= TD__NAME_TRIES || td__segment_prefix(s->name, prefix) < 0) {
+    req->fd = td__msg(req->msg, sizeof(req->msg), req->fd,
+                      "%d names for storage %llu were all taken in /dev/shm, "
+                      "the last %s (%s): someone else is making files under "
+                      "tensord's names",
+                      tries, (unsigned long long)s->id, s->name,
+                      td_strerror(req->fd));
+    return -1;
+  }
+  td__warn("storage %llu: %s, which tensord did not make; trying another name",
+           (unsigned long long)s->id, req->msg);
+  int err =
+      td__segment_name(s->name, prefix, s->id, req->msg, sizeof(req->msg));
+  if (err < 0) {
+    req->fd = err;
+    return -1;
+  }
+  return 0;
+}
+
+/* Makes s's segment afresh: req->fd gets its fd, or -1 for memory that
+ * travels without one (s->legacy), or a negative code with req->msg. */
+static void make_fresh(td__segment_req *req, const td__backend *b) {
+  td__storage *s = req->s;
+  for (int tries = 1;; tries++) {
+    if (b->create_on != NULL) {
+      td__created out = {0};
+      req->fd = b->create_on(s->name, s->uuid, s->nbytes, &out, req->msg,
+                             sizeof(req->msg));
+      if (req->fd >= 0) {
+        s->alloc_size = out.alloc_size;
+        if (out.legacy) { /* made, but no fd: create_finish knows by s */
+          s->legacy = 1;
+          memcpy(s->ipc_handle, out.ipc_handle, sizeof(s->ipc_handle));
+          req->fd = -1;
+        }
+      }
+    } else
+      req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
+    if (req->fd != TD_EEXIST || another_name(req, tries) < 0)
+      return;
+  }
+}
+
 static void create_work(uv_work_t *w) {
   td__segment_req *req = td__container_of(w, td__segment_req, work);
   td__storage *s = req->s;
@@ -52,30 +104,25 @@ static void create_work(uv_work_t *w) {
     return;
   }
   if (e != NULL) {
-    req->fd = b->reuse(e->name, s->name, s->nbytes, req->zero, req->msg,
-                       sizeof(req->msg));
+    for (int tries = 1;; tries++) {
+      req->fd = b->reuse(e->name, s->name, s->nbytes, req->zero, req->msg,
+                         sizeof(req->msg));
+      if (!td__name_taken(req->fd)) /* reused, or nothing left */
+        break;
+      if (another_name(req, tries) < 0) {
+        b->unlink(e->name); /* still pooled: a taken name leaves it */
+        break;
+      }
+    }
     req->reused = req->fd >= 0;
-    if (req->fd < 0) /* reuse left nothing: make a fresh one instead */
+    if (req->fd < 0) /* make a fresh one instead */
       td__warn("storage %llu: %s; making a fresh segment",
                (unsigned long long)s->id, req->msg);
     free(e);
     if (req->fd >= 0)
       return;
   }
-  if (b->create_on != NULL) {
-    td__created out = {0};
-    req->fd = b->create_on(s->name, s->uuid, s->nbytes, &out, req->msg,
-                           sizeof(req->msg));
-    if (req->fd >= 0) {
-      s->alloc_size = out.alloc_size;
-      if (out.legacy) { /* made, but no fd: create_finish knows by s */
-        s->legacy = 1;
-        memcpy(s->ipc_handle, out.ipc_handle, sizeof(s->ipc_handle));
-        req->fd = -1;
-      }
-    }
-  } else
-    req->fd = b->create(s->name, s->nbytes, req->msg, sizeof(req->msg));
+  make_fresh(req, b);
 }
 
 static void create_after(uv_work_t *w, int status) {
@@ -298,8 +345,23 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
   td__pooled *e = calloc(1, sizeof(*e));
   if (e == NULL)
     return 0;
-  td__pool_name(p, e->name);
-  int err = b->rename(name, e->name);
+  /* A name someone else took (any local user may make files in /dev/shm)
+   * is never replaced: another is drawn. */
+  char msg[160];
+  int err = TD_EEXIST;
+  for (int tries = 0; td__name_taken(err) && tries < TD__NAME_TRIES; tries++) {
+    if (tries > 0)
+      td__warn("cannot pool %s as %s: %s, which tensord did not make; "
+               "trying another name",
+               name, e->name, td_strerror(err));
+    err = td__pool_name(p, e->name, msg, sizeof(msg));
+    if (err < 0) {
+      td__warn("cannot pool %s: %s; unlinking it", name, msg);
+      free(e);
+      return 0;
+    }
+    err = b->rename(name, e->name);
+  }
   if (err < 0) {
     td__warn("cannot pool %s as %s: %s; unlinking it", name, e->name,
              td_strerror(err));

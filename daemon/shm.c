@@ -53,9 +53,81 @@ static int shm_create(const char *name, uint64_t nbytes, char *msg,
   return fd;
 }
 
+/* shm_open's names are files in /dev/shm: renaming one there renames the
+ * object. */
+static int shm_path(const char *name, char *buf, size_t len) {
+  int n = snprintf(buf, len, "/dev/shm%s", name);
+  return n < 0 || (size_t)n >= len ? TD_ENAMETOOLONG : 0;
+}
+
+/* Opens segment name (flags O_RDONLY or O_RDWR) and checks, on the file it
+ * opened rather than by name (no race), that tensord made it: /dev/shm is
+ * open to every local user, who may create a file under a name tensord
+ * uses while tensord's is gone (a reboot, logind's RemoveIPC, a clean-up
+ * by hand), so a name alone proves nothing. Ours is a regular file of
+ * tensord's euid with no permission bit beyond 0600 (shm_create makes
+ * segments 0600 and nothing changes that: a storage's mode is tensord's to
+ * enforce, never the file's) and, if one_link, no other name. A symbolic
+ * link is not followed, and a FIFO does not hold the open up (O_NONBLOCK,
+ * which means nothing to a regular file). Returns the fd, which the caller
+ * owns, with *sb filled; or a negative code with msg saying why: TD_EPERM
+ * for a file that is not tensord's, else the open's or fstat's error. */
+static int open_ours(const char *name, int flags, int one_link, struct stat *sb,
+                     char *msg, size_t len) {
+  char path[TD__SEGMENT_NAME_MAX + 16];
+  if (shm_path(name, path, sizeof(path)) < 0)
+    return td__msg(msg, len, TD_ENAMETOOLONG, "segment name %s is too long",
+                   name);
+  /* glibc passes the flags on to open(2) (and adds the last two itself). */
+  int fd = shm_open(name, flags | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0)
+    return td__msg(msg, len, -errno, "segment %s: %s", path, strerror(errno));
+  int err;
+  uid_t me = geteuid();
+  if (fstat(fd, sb) < 0)
+    err = td__msg(msg, len, -errno, "segment %s: fstat: %s", path,
+                  strerror(errno));
+  else if (!S_ISREG(sb->st_mode))
+    err = td__msg(msg, len, TD_EPERM,
+                  "segment %s is %s, not a regular file: not tensord's", path,
+                  S_ISFIFO(sb->st_mode)   ? "a FIFO"
+                  : S_ISDIR(sb->st_mode)  ? "a directory"
+                  : S_ISSOCK(sb->st_mode) ? "a socket"
+                                          : "a device");
+  else if (sb->st_uid != me)
+    err = td__msg(msg, len, TD_EPERM,
+                  "segment %s is owned by uid %u, not tensord's uid %u: not "
+                  "tensord's",
+                  path, (unsigned)sb->st_uid, (unsigned)me);
+  else if (sb->st_mode & 07777 & ~0600u)
+    err = td__msg(msg, len, TD_EPERM,
+                  "segment %s has mode %04o, where tensord makes every "
+                  "segment 0600: not tensord's",
+                  path, (unsigned)(sb->st_mode & 07777));
+  else if (one_link && sb->st_nlink != 1)
+    err = td__msg(msg, len, TD_EPERM,
+                  "segment %s has %llu links, where tensord's have one: "
+                  "another name reaches it",
+                  path, (unsigned long long)sb->st_nlink);
+  else
+    return fd;
+  close(fd);
+  return err;
+}
+
 static int shm_open_export(const char *name, int readonly) {
-  int fd = shm_open(name, (readonly ? O_RDONLY : O_RDWR) | O_CLOEXEC, 0);
-  return fd < 0 ? -errno : fd;
+  /* The name stays tensord's while it serves the storage (in sticky
+   * /dev/shm only its uid or root can remove it); but if it went anyway,
+   * a file planted in its place is never handed to a client. Another name
+   * of the file (a hard link someone made where protected_hardlinks is
+   * off) does not change its bytes, and does not deny the storage. */
+  struct stat sb;
+  char msg[160];
+  int fd =
+      open_ours(name, readonly ? O_RDONLY : O_RDWR, 0, &sb, msg, sizeof(msg));
+  if (fd == TD_EPERM)
+    td__error("%s; refusing to hand it out", msg);
+  return fd;
 }
 
 static void shm_unlink_name(const char *name) {
@@ -69,27 +141,22 @@ static void shm_unlink_name(const char *name) {
     td__warn("shm_unlink(%s): %s", name, strerror(errno));
 }
 
-/* shm_open's names are files in /dev/shm: renaming one there renames the
- * object. */
-static int shm_path(const char *name, char *buf, size_t len) {
-  int n = snprintf(buf, len, "/dev/shm%s", name);
-  return n < 0 || (size_t)n >= len ? TD_ENAMETOOLONG : 0;
-}
-
 static int shm_rename(const char *from, const char *to) {
   char a[TD__SEGMENT_NAME_MAX + 16], b[TD__SEGMENT_NAME_MAX + 16];
   if (shm_path(from, a, sizeof(a)) < 0 || shm_path(to, b, sizeof(b)) < 0)
     return TD_ENAMETOOLONG;
-  /* RENAME_NOREPLACE would be exact, but names are never reused: the
-   * target cannot exist. */
-  return rename(a, b) < 0 ? -errno : 0;
+  /* Never over a file that is there: whoever made it (any local user may)
+   * would lose it to us, and as root we would replace it silently. */
+  return renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_NOREPLACE) < 0 ? -errno : 0;
 }
 
 static int shm_reuse(const char *from, const char *to, uint64_t nbytes,
                      int zero, char *msg, size_t len) {
   int err = shm_rename(from, to);
   if (err < 0) {
-    shm_unlink_name(from);
+    /* Someone else's file under to: the caller may try another name. */
+    if (!td__name_taken(err))
+      shm_unlink_name(from);
     return td__msg(msg, len, err, "renaming pooled %s to %s: %s", from, to,
                    td_strerror(err));
   }
@@ -173,15 +240,13 @@ static int shm_unlink_prefix(const char *prefix, td__keep_fn keep, void *arg) {
   return n;
 }
 
-static int shm_describe(const char *name, td__segment_desc *out) {
-  int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0)
-    return -errno;
+static int shm_describe(const char *name, td__segment_desc *out, char *msg,
+                        size_t len) {
   struct stat sb;
-  int err = fstat(fd, &sb) < 0 ? -errno : 0;
+  int fd = open_ours(name, O_RDONLY, 1, &sb, msg, len);
+  if (fd < 0)
+    return fd;
   close(fd);
-  if (err < 0)
-    return err;
   out->nbytes = (uint64_t)sb.st_size;
   snprintf(out->where, sizeof(out->where), "/dev/shm%s", name);
   return 0;

@@ -568,10 +568,14 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
   int err;
   if (s == NULL) {
     td__segment_desc d;
-    err = td__backend_for(TD_CPU)->describe(m->segment, &d);
-    if (err < 0) {
+    err = td__backend_for(TD_CPU)->describe(m->segment, &d, msg, sizeof(msg));
+    if (err == TD_ENOENT) {
       td__warn("state: key '%s': segment %s is gone (%s); dropped", key,
                m->segment, td_strerror(err));
+      return err;
+    }
+    if (err < 0) { /* planted under its name, perhaps: never served */
+      td__warn("state: key '%s': %s; dropped", key, msg);
       return err;
     }
     if (d.nbytes != m->nbytes) {

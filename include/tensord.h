@@ -633,7 +633,7 @@ typedef struct td_stat {
   uint64_t waiters;
   int64_t uptime_ms;
   int32_t pid;
-  uint64_t instance; /* segments are /dev/shm/tensord.<instance, %016x>.<id> */
+  uint64_t instance; /* segments: /dev/shm/tensord.<instance, %016x>.<id>-... */
   uint64_t quota;    /* bytes per uid; 0: none */
   uint32_t max_clients;
   uint32_t max_storages_per_client;

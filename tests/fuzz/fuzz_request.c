@@ -85,7 +85,9 @@ static uint64_t next_token;
 /* Scope tokens: the daemon draws them with getrandom (ops.c), which the
  * build wraps (-Wl,--wrap=getrandom, in tensord's own objects only) so that
  * in an input they come as FZ_SCOPE_TOKEN(0), (1), ...: seeds and mutations
- * can then publish into the scopes they open. */
+ * can then publish into the scopes they open. A token is the only 8-byte
+ * draw: segment names' random tails come 32 to a draw (backend.c), from the
+ * real getrandom. */
 ssize_t __real_getrandom(void *buf, size_t len, unsigned flags);
 ssize_t __wrap_getrandom(void *buf, size_t len, unsigned flags);
 ssize_t __wrap_getrandom(void *buf, size_t len, unsigned flags) {

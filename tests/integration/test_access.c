@@ -705,9 +705,8 @@ TDT_TEST(access, read_only_reader_of_another_user_cannot_write, .timeout = 30) {
   cr_assert_eq(td_storage_create_ex(c, &o, &s), 0, "%s", td_last_error(c));
   fill_pattern(s, 2);
   cr_assert_eq(td_publish(c, "ro/k", s, NULL), 0);
-  snprintf(seg_path, sizeof(seg_path), "/dev/shm/tensord.%016llx.%llu",
-           (unsigned long long)d.instance,
-           (unsigned long long)td_storage_id(s));
+  cr_assert(tdt_segment_path(d.instance, td_storage_id(s), seg_path,
+                             sizeof(seg_path)));
   struct stat sb;
   cr_assert_eq(stat(seg_path, &sb), 0, "segment %s: %s", seg_path,
                strerror(errno));

@@ -27,11 +27,8 @@ static int ninstances;
 /* ---- /dev/shm ---- */
 
 static int seg_exists(uint64_t instance, uint64_t id) {
-  char path[96];
-  snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
-           (unsigned long long)instance, (unsigned long long)id);
-  struct stat sb;
-  return stat(path, &sb) == 0;
+  char path[128];
+  return tdt_segment_path(instance, id, path, sizeof(path));
 }
 
 static void remember(uint64_t instance) {
@@ -966,9 +963,8 @@ TDT_TEST(crash, key_whose_segment_vanished_is_dropped_with_a_warning) {
   td_close(c);
   kill9();
   /* Someone removes a segment while tensord is down. */
-  char path[96];
-  snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
-           (unsigned long long)inst1, (unsigned long long)named[2]);
+  char path[128];
+  cr_assert(tdt_segment_path(inst1, named[2], path, sizeof(path)));
   cr_assert_eq(unlink(path), 0, "%s: %s", path, strerror(errno));
 
   restart(1);

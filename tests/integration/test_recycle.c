@@ -7,6 +7,7 @@
 
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -125,9 +126,7 @@ TDT_TEST(recycle, a_larger_segment_is_cut_to_size, .timeout = 30) {
   cr_assert_eq(stat_of(c).pool_hits, 1);
   cr_assert_eq(td_storage_nbytes(s), n);
   char path[128];
-  snprintf(path, sizeof(path), "/dev/shm/tensord.%016llx.%llu",
-           (unsigned long long)d.instance,
-           (unsigned long long)td_storage_id(s));
+  cr_assert(tdt_segment_path(d.instance, td_storage_id(s), path, sizeof(path)));
   struct stat sb;
   cr_assert_eq(stat(path, &sb), 0, "%s: %s", path, strerror(errno));
   cr_assert_eq((uint64_t)sb.st_size, n, "segment of %lld bytes, not %zu",
@@ -316,7 +315,8 @@ typedef struct job {
   uint64_t flags;
   int expect;          /* every byte of the new storage, or -1 */
   int fill;            /* then written to every byte, or -1 */
-  const char *publish; /* then published under this key (mode 0644) */
+  const char *publish; /* then published under this key */
+  uint32_t mode;       /* of the new storage; 0: 0644 */
   const char *peek;    /* or: this key is looked up read-only, released */
 } job;
 
@@ -330,7 +330,8 @@ static int as_job(void *arg) {
   if (j->peek != NULL) {
     CHECK_ERR(c, td_lookup(c, j->peek, TD_RDONLY, 0, &s, NULL), 0);
   } else {
-    td_create_opts o = {.nbytes = j->n, .flags = j->flags, .mode = 0644};
+    td_create_opts o = {
+        .nbytes = j->n, .flags = j->flags, .mode = j->mode ? j->mode : 0644};
     CHECK_ERR(c, td_storage_create_ex(c, &o, &s), 0);
     uint8_t *p = td_storage_data(s);
     for (size_t i = 0; j->expect >= 0 && i < j->n; i++)
@@ -404,6 +405,85 @@ TDT_TEST(recycle, a_segment_another_uid_mapped_is_never_recycled,
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
   td_stat st = pool_is(c, 1);
   cr_assert_eq(st.pool_bytes, MiB, "the segment B mapped was pooled");
+  td_close(c);
+}
+
+/* A process that looked up as root, kept its mapping, and became uid B. */
+typedef struct dropper {
+  const uint8_t *map;
+  size_t n;
+  int go; /* read end: a byte comes once A has written its next storage */
+} dropper;
+
+static int drop_then_read(void *arg) {
+  const dropper *dr = arg;
+  CHECK(setgroups(0, NULL) == 0 && setresgid(UID_B, UID_B, UID_B) == 0 &&
+        setresuid(UID_B, UID_B, UID_B) == 0);
+  char b;
+  CHECK(read(dr->go, &b, 1) == 1);
+  size_t seen = 0;
+  for (size_t i = 0; i < dr->n; i++)
+    seen += dr->map[i] == 0x22;
+  if (seen > 0)
+    fprintf(stderr, "uid %d reads %zu byte(s) of uid %d's next storage\n",
+            UID_B, seen, UID_A);
+  return seen > 0;
+}
+
+TDT_TEST(recycle, a_segment_root_mapped_is_never_recycled_for_another_uid,
+         .timeout = 30) {
+  start_shared();
+  td_client *c = tdt_connect(&d);
+  run_job((job){.uid = UID_A,
+                .n = MiB,
+                .expect = -1,
+                .fill = 0x11,
+                .publish = "secret",
+                .mode = 0600});
+  /* A root process looks the key up and maps it, releases it (its mapping
+   * stays), and hands the mapping to a process that drops root for uid B:
+   * a privileged reader that drops its privileges. */
+  tdt_raw r;
+  tdt_raw_open(&r, &d);
+  tdt_raw_lookup(&r, "secret", 0, 0);
+  tdt_raw_flush(&r);
+  int fd = -1;
+  Tensord__Response *rep = tdt_raw_reply_fd(&r, 10000, &fd);
+  cr_assert_not_null(rep);
+  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_LOOKUP, "code %d",
+               tdt_raw_code(rep));
+  tensord__response__free_unpacked(rep, NULL);
+  cr_assert_geq(fd, 0);
+  uint8_t *map = mmap(NULL, MiB, PROT_READ, MAP_SHARED, fd, 0);
+  cr_assert_neq(map, MAP_FAILED);
+  close(fd);
+  tdt_raw_close(&r);
+  int go[2];
+  cr_assert_eq(pipe2(go, O_CLOEXEC), 0);
+  dropper dr = {map, MiB, go[0]};
+  pid_t pid = tdt_fork(drop_then_read, &dr);
+  close(go[0]);
+  munmap(map, MiB);
+
+  /* The storage goes; uid A's next one of the same size must not get its
+   * pages, which the process of uid B still maps. */
+  cr_assert_eq(td_unpublish(c, "secret"), 0, "%s", td_last_error(c));
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  run_job((job){.uid = UID_A,
+                .n = MiB,
+                .flags = TD_UNINIT,
+                .expect = -1,
+                .fill = 0x22,
+                .mode = 0600});
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  close(go[1]);
+  cr_assert_eq(tdt_wait(pid), 0,
+               "the process that mapped uid %d's storage as root, then "
+               "became uid %d, reads uid %d's next storage",
+               UID_A, UID_B, UID_A);
+  cr_assert_eq(stat_of(c).pool_hits, 0,
+               "the segment root had mapped served uid %d's next create",
+               UID_A);
   td_close(c);
 }
 

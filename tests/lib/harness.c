@@ -258,6 +258,27 @@ int tdt_segments_of(uint64_t instance) {
   return count_prefix(prefix);
 }
 
+int tdt_segment_path(uint64_t instance, uint64_t id, char *path, size_t len) {
+  /* "tensord.<instance>.<id>", and after it nothing, or a '-' and the
+   * random tail that keeps the name unpredictable. */
+  char name[64];
+  int n = snprintf(name, sizeof(name), "tensord.%016llx.%llu",
+                   (unsigned long long)instance, (unsigned long long)id);
+  DIR *dir = opendir("/dev/shm");
+  cr_assert_not_null(dir);
+  int found = 0;
+  struct dirent *e;
+  while (!found && (e = readdir(dir)) != NULL) {
+    if (strncmp(e->d_name, name, (size_t)n) == 0 &&
+        (e->d_name[n] == '\0' || e->d_name[n] == '-')) {
+      snprintf(path, len, "/dev/shm/%s", e->d_name);
+      found = 1;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
 int tdt_pooled_of(uint64_t instance) {
   char prefix[64];
   snprintf(prefix, sizeof(prefix), "tensord.%016llx-pool.",

@@ -49,7 +49,11 @@ void tdt_stopped(tdt_daemon *d);
 void tdt_kill(tdt_daemon *d);
 /* Segments of a daemon instance's storages in /dev/shm now. */
 int tdt_segments_of(uint64_t instance);
-/* Segments in its recycling pool ("tensord.<instance>-pool.<n>"), which
+/* Sets path (len bytes) to the /dev/shm path of the segment of storage id
+ * of instance, whatever tail its name has after the id. Returns 1, or 0 if
+ * there is no such segment (path then unchanged). */
+int tdt_segment_path(uint64_t instance, uint64_t id, char *path, size_t len);
+/* Segments in its recycling pool ("tensord.<instance>-pool.<n>-<tail>"), which
  * tdt_stop also requires gone and tdt_kill removes. */
 int tdt_pooled_of(uint64_t instance);
 /* Removes the files in dir (a test's temporary directory; "" ok), the

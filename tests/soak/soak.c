@@ -1387,8 +1387,8 @@ static int list_all(listing *l) {
 }
 
 /* Counts the /dev/shm segments of every instance this run saw: their
- * storages' ("tensord.<instance>.<id>"), or with pool their recycling
- * pools' ("tensord.<instance>-pool.<n>"). */
+ * storages' ("tensord.<instance>.<id>-<tail>"), or with pool their
+ * recycling pools' ("tensord.<instance>-pool.<n>-<tail>"). */
 static unsigned count_files(int pool) {
   DIR *d = opendir("/dev/shm");
   if (d == NULL)

@@ -5,6 +5,8 @@
 #include "pool.h"
 
 #include <criterion/criterion.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,7 +29,8 @@ static td__pooled *put(uid_t uid, uint64_t n, int64_t t) {
   e->device = TD_CPU;
   e->nbytes = n;
   e->since_ms = t;
-  td__pool_name(&p, e->name);
+  char msg[128];
+  cr_assert_eq(td__pool_name(&p, e->name, msg, sizeof(msg)), 0, "%s", msg);
   td__pool_put(&p, e);
   return e;
 }
@@ -40,13 +43,40 @@ static void drain(void) {
   cr_assert_eq(p.bytes, 0);
 }
 
-Test(pool, names_are_under_the_instance_pool_prefix) {
+/* Whether name is prefix, seq, '-' and 16 lower-case hex digits. */
+static int named(const char *name, const char *prefix, unsigned seq) {
+  char head[64];
+  snprintf(head, sizeof(head), "%s%u-", prefix, seq);
+  size_t n = strlen(head);
+  if (strncmp(name, head, n) != 0 || strlen(name) != n + 16)
+    return 0;
+  for (size_t i = n; i < n + 16; i++)
+    if (!strchr("0123456789abcdef", name[i]))
+      return 0;
+  return 1;
+}
+
+Test(pool, names_are_under_the_instance_pool_prefix_with_a_random_tail) {
   cr_assert_str_eq(p.prefix, "/tensord.0000000000001234-pool.");
-  char a[TD__SEGMENT_NAME_MAX], b[TD__SEGMENT_NAME_MAX];
-  td__pool_name(&p, a);
-  td__pool_name(&p, b);
-  cr_assert_str_eq(a, "/tensord.0000000000001234-pool.1");
-  cr_assert_str_eq(b, "/tensord.0000000000001234-pool.2");
+  char a[TD__SEGMENT_NAME_MAX], b[TD__SEGMENT_NAME_MAX], msg[128];
+  cr_assert_eq(td__pool_name(&p, a, msg, sizeof(msg)), 0, "%s", msg);
+  cr_assert_eq(td__pool_name(&p, b, msg, sizeof(msg)), 0, "%s", msg);
+  cr_assert(named(a, p.prefix, 1), "%s", a);
+  cr_assert(named(b, p.prefix, 2), "%s", b);
+  /* Seen in /dev/shm, a name says nothing of the next one. */
+  cr_assert_str_neq(a + strlen(a) - 16, b + strlen(b) - 16);
+  /* The prefix is still what a sweep goes by. */
+  char prefix[TD__PREFIX_MAX];
+  cr_assert_eq(td__segment_prefix(a, prefix), 0);
+  cr_assert_str_eq(prefix, p.prefix);
+}
+
+Test(pool, a_name_that_cannot_fit_is_refused) {
+  char a[TD__SEGMENT_NAME_MAX] = "unchanged", msg[128];
+  p.next_seq = UINT64_MAX - 1; /* 20 digits: 31 + 20 + 17 > 63 */
+  cr_assert_eq(td__pool_name(&p, a, msg, sizeof(msg)), TD_ENAMETOOLONG);
+  cr_assert_str_eq(a, "unchanged");
+  cr_assert(strstr(msg, "more than 63 bytes"), "%s", msg);
 }
 
 Test(pool, only_sizes_in_range_are_wanted) {

@@ -61,9 +61,12 @@ int td__statedict_blob_shaped(const td_view *v);
 /* Parses the n bytes at p (a blob, as published) into *sd, checking every
  * count, length, offset and size against n and the bounds above, every
  * region against the blob and every tensor of a known dtype against its
- * region (as load_state_dict would take it). Returns 0, or TD_EINVAL (a
- * corrupt blob) or TD_ENOMEM with msg saying what is wrong where; *sd is
- * then empty (td__statedict_free is still safe). */
+ * region (as load_state_dict would take it). The manifest must be JSON
+ * (RFC 8259, UTF-8) without duplicate keys, a NUL in a string or an integer
+ * past int64; unknown fields are skipped. Returns 0, or TD_EINVAL (a
+ * corrupt blob) or TD_ENOMEM with msg saying what is wrong where (a
+ * syntax error: the manifest's byte); *sd is then empty
+ * (td__statedict_free is still safe). */
 int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
                         size_t len);
 

@@ -350,6 +350,31 @@ Test(statedict, nesting_is_bounded) {
   free(m);
 }
 
+/* jansson's tree of a manifest takes at most td__sd_tree_max bytes: past
+ * it the manifest is refused (a hostile one of "{}," takes ~80 times its
+ * bytes), and the next parse has the whole bound again. */
+Test(statedict, the_tree_is_bounded) {
+  size_t items = 64 << 10, k = 0;
+  char *m = malloc(3 * items + 64);
+  cr_assert_not_null(m);
+  k += (size_t)sprintf(m, "{\"x\":[");
+  for (size_t i = 0; i < items; i++)
+    k += (size_t)sprintf(m + k, "%s{}", i ? "," : "");
+  strcpy(m + k, "],\"tensors\":{},\"regions\":[]}");
+  td__statedict sd;
+  char msg[1024] = "";
+  cr_assert_eq(parse_as(m, 0, &sd, msg, sizeof(msg)), 0, "%s", msg);
+  td__statedict_free(&sd);
+  td__sd_tree_max = 1 << 20;
+  refused(m, 0, "whose JSON takes more than 1 MiB to hold");
+  refused(m, 0, "whose JSON takes more than 1 MiB to hold");
+  cr_assert_eq(parse_as(GOOD, GOOD_TOTAL, &sd, msg, sizeof(msg)), 0, "%s", msg);
+  cr_assert_eq(sd.ntensors, 3);
+  td__statedict_free(&sd);
+  td__sd_tree_max = TD__SD_TREE_MAX;
+  free(m);
+}
+
 /* More tensors or regions than the bounds say, refused before any is read
  * (the values are not even entries). */
 Test(statedict, counts_are_bounded) {

@@ -7,7 +7,7 @@ DESTDIR  ?=
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
-            protobuf-c-compiler libcriterion-dev libdlpack-dev \
+            protobuf-c-compiler libjansson-dev libcriterion-dev libdlpack-dev \
             clang-14 libclang-rt-14-dev valgrind \
             python3-dev python3-numpy python3-torch python3-pytest \
             python3-pip python3-setuptools

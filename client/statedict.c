@@ -1,12 +1,14 @@
 /* statedict.c: the packed state dicts of tensord.torch.publish_state_dict,
- * parsed defensively from a storage's bytes for tensorctl info and show. */
+ * parsed defensively from a storage's bytes (the manifest with jansson) for
+ * tensorctl info and show. */
 #include "statedict.h"
 
 #include "clitext.h"
 #include "common.h"
 
 #include <inttypes.h>
-#include <stdarg.h>
+#include <jansson.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,503 +23,222 @@ int td__statedict_blob_shaped(const td_view *v) {
          v->stride[0] == 1;
 }
 
-/* ---- a JSON reader over untrusted bytes ---- */
+/* ---- the manifest, as jansson parses it ---- */
 
-/* Every read checks p < end; every failure names the byte offset in the
- * manifest. Strings must be UTF-8, numbers that matter integers. */
-typedef struct jp {
-  const unsigned char *start, *p, *end;
-  char *msg;
-  size_t len;
-} jp;
+size_t td__sd_tree_max = TD__SD_TREE_MAX;
 
-#define JSON_DEPTH_MAX 64
+/* What jansson allocates for one manifest's tree is counted against
+ * td__sd_tree_max while td__statedict_parse runs: a tree takes 10 to 80
+ * times its JSON's bytes, so a hostile manifest of "{}," could otherwise
+ * take ~20 GiB. The counts are per thread and the functions pass other
+ * threads' allocations straight to malloc and free (sizes come from
+ * malloc_usable_size, not from a header of ours), so a value jansson
+ * allocated before, after or elsewhere may be freed by either. */
+static _Thread_local int tree_counting, tree_over;
+static _Thread_local size_t tree_bytes;
 
-static int jfail(jp *j, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static int jfail(jp *j, const char *fmt, ...) {
-  char what[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof(what), fmt, ap);
-  va_end(ap);
-  return td__msg(j->msg, j->len, TD_EINVAL, "manifest byte %zu: %s",
-                 (size_t)(j->p - j->start), what);
+static void *tree_malloc(size_t n) {
+  if (!tree_counting)
+    return malloc(n);
+  if (tree_bytes >= td__sd_tree_max || n > td__sd_tree_max - tree_bytes) {
+    tree_over = 1;
+    return NULL;
+  }
+  void *p = malloc(n);
+  if (p != NULL)
+    tree_bytes += malloc_usable_size(p);
+  return p;
 }
 
-static void ws(jp *j) {
-  while (j->p < j->end &&
-         (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
-    j->p++;
+static void tree_free(void *p) {
+  if (p != NULL && tree_counting) {
+    size_t u = malloc_usable_size(p);
+    tree_bytes -= u < tree_bytes ? u : tree_bytes;
+  }
+  free(p);
 }
 
-/* Skips white space and takes ch. */
-static int take(jp *j, char ch) {
-  ws(j);
-  if (j->p >= j->end)
-    return jfail(j, "the manifest ends where '%c' was due", ch);
-  if (*j->p != (unsigned char)ch)
-    return jfail(j, "'%c' where '%c' was due", *j->p, ch);
-  j->p++;
+/* What v is, for messages. */
+static const char *kind(const json_t *v) {
+  switch (json_typeof(v)) {
+  case JSON_OBJECT:
+    return "an object";
+  case JSON_ARRAY:
+    return "an array";
+  case JSON_STRING:
+    return "a string";
+  case JSON_INTEGER:
+    return "an integer";
+  case JSON_REAL:
+    return "a real number";
+  case JSON_TRUE:
+  case JSON_FALSE:
+    return "a boolean";
+  default:
+    return "null";
+  }
+}
+
+/* Sets *out to v, which must be an integer of at least 0 (not a real, not
+ * a boolean). Messages begin with where (the tensor or region, "" for
+ * none) and what (the field). */
+static int count(const json_t *v, const char *where, const char *what,
+                 int64_t *out, char *msg, size_t len) {
+  if (!json_is_integer(v))
+    return td__msg(msg, len, TD_EINVAL, "%s%s: not an integer (%s)", where,
+                   what, kind(v));
+  json_int_t i = json_integer_value(v);
+  if (i < 0)
+    return td__msg(msg, len, TD_EINVAL,
+                   "%s%s: %" JSON_INTEGER_FORMAT " is negative", where, what,
+                   i);
+  *out = (int64_t)i;
   return 0;
 }
 
-/* Skips white space and takes ch if it comes next. Returns 1 if it did. */
-static int maybe(jp *j, char ch) {
-  ws(j);
-  if (j->p < j->end && *j->p == (unsigned char)ch) {
-    j->p++;
-    return 1;
-  }
-  return 0;
-}
-
-static int hex4(jp *j, unsigned *out) {
-  unsigned v = 0;
-  if (j->end - j->p < 4)
-    return jfail(j, "a \\u escape cut short");
-  for (int i = 0; i < 4; i++) {
-    unsigned char c = j->p[i];
-    unsigned d = c >= '0' && c <= '9'   ? (unsigned)(c - '0')
-                 : c >= 'a' && c <= 'f' ? (unsigned)(c - 'a' + 10)
-                 : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10)
-                                        : 16u;
-    if (d == 16)
-      return jfail(j, "a \\u escape with '%c' in it", c);
-    v = v * 16 + d;
-  }
-  j->p += 4;
-  *out = v;
-  return 0;
-}
-
-/* Appends the UTF-8 of cp to buf (cap bytes with the NUL), counting in *n
- * even past cap (so that the caller learns the whole length). */
-static void put_utf8(char *buf, size_t cap, size_t *n, unsigned cp) {
-  unsigned char u[4];
-  size_t k;
-  if (cp < 0x80) {
-    u[0] = (unsigned char)cp;
-    k = 1;
-  } else if (cp < 0x800) {
-    u[0] = (unsigned char)(0xc0 | cp >> 6);
-    u[1] = (unsigned char)(0x80 | (cp & 0x3f));
-    k = 2;
-  } else if (cp < 0x10000) {
-    u[0] = (unsigned char)(0xe0 | cp >> 12);
-    u[1] = (unsigned char)(0x80 | (cp >> 6 & 0x3f));
-    u[2] = (unsigned char)(0x80 | (cp & 0x3f));
-    k = 3;
-  } else {
-    u[0] = (unsigned char)(0xf0 | cp >> 18);
-    u[1] = (unsigned char)(0x80 | (cp >> 12 & 0x3f));
-    u[2] = (unsigned char)(0x80 | (cp >> 6 & 0x3f));
-    u[3] = (unsigned char)(0x80 | (cp & 0x3f));
-    k = 4;
-  }
-  for (size_t i = 0; i < k; i++, (*n)++)
-    if (buf != NULL && *n + 1 < cap)
-      buf[*n] = (char)u[i];
-}
-
-/* The length of the UTF-8 sequence at p (at most end - p bytes), or 0 if
- * it is not one (overlong, a surrogate, past U+10FFFF, cut short). */
-static size_t utf8_len(const unsigned char *p, const unsigned char *end) {
-  unsigned char c = p[0];
-  size_t k = c >= 0xc2 && c <= 0xdf   ? 2
-             : c >= 0xe0 && c <= 0xef ? 3
-             : c >= 0xf0 && c <= 0xf4 ? 4
-                                      : 0;
-  if (k == 0 || (size_t)(end - p) < k)
-    return 0;
-  for (size_t i = 1; i < k; i++)
-    if ((p[i] & 0xc0) != 0x80)
-      return 0;
-  if ((c == 0xe0 && p[1] < 0xa0) || (c == 0xed && p[1] > 0x9f) ||
-      (c == 0xf0 && p[1] < 0x90) || (c == 0xf4 && p[1] > 0x8f))
-    return 0;
-  return k;
-}
-
-/* Reads a string (the opening quote next, after white space). Its decoded
- * bytes go to buf (cap bytes with the NUL; buf NULL: nowhere); *n gets its
- * whole decoded length (which may exceed cap - 1: the caller judges) and
- * *nul whether it holds a U+0000. Lone surrogates become U+FFFD, as
- * Python's json would keep them and no UTF-8 can. */
-static int jstring(jp *j, char *buf, size_t cap, size_t *n, int *nul) {
-  int err = take(j, '"');
-  if (err < 0)
-    return err;
-  *n = 0;
-  *nul = 0;
-  for (;;) {
-    if (j->p >= j->end)
-      return jfail(j, "a string runs past the manifest's end");
-    unsigned char c = *j->p;
-    if (c == '"') {
-      j->p++;
-      break;
-    }
-    if (c < 0x20)
-      return jfail(j, "a control character (0x%02x) in a string", c);
-    if (c == '\\') {
-      if (j->end - j->p < 2)
-        return jfail(j, "an escape cut short");
-      unsigned char e = j->p[1];
-      j->p += 2;
-      static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
-      const char *at = e != '\0' ? strchr(from, e) : NULL;
-      if (at != NULL) {
-        put_utf8(buf, cap, n, (unsigned char)to[at - from]);
-        continue;
-      }
-      if (e != 'u') {
-        j->p--;
-        return jfail(j, "an unknown escape '\\%c'", e);
-      }
-      unsigned cp;
-      if ((err = hex4(j, &cp)) < 0)
-        return err;
-      if (cp >= 0xd800 && cp <= 0xdbff) {
-        unsigned lo;
-        if (j->end - j->p >= 6 && j->p[0] == '\\' && j->p[1] == 'u') {
-          const unsigned char *save = j->p;
-          j->p += 2;
-          if ((err = hex4(j, &lo)) < 0)
-            return err;
-          if (lo >= 0xdc00 && lo <= 0xdfff)
-            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-          else {
-            j->p = save; /* not its pair: read on its own */
-            cp = 0xfffd;
-          }
-        } else {
-          cp = 0xfffd;
-        }
-      } else if (cp >= 0xdc00 && cp <= 0xdfff) {
-        cp = 0xfffd;
-      }
-      if (cp == 0)
-        *nul = 1;
-      put_utf8(buf, cap, n, cp);
-      continue;
-    }
-    size_t k = 1;
-    if (c >= 0x80 && (k = utf8_len(j->p, j->end)) == 0)
-      return jfail(j, "a string that is not UTF-8 (byte 0x%02x)", c);
-    for (size_t i = 0; i < k; i++, (*n)++)
-      if (buf != NULL && *n + 1 < cap)
-        buf[*n] = (char)j->p[i];
-    j->p += k;
-  }
-  if (buf != NULL && cap > 0)
-    buf[*n < cap ? *n : cap - 1] = '\0';
-  return 0;
-}
-
-/* Reads a JSON number that must be an integer within int64. */
-static int jint(jp *j, const char *what, int64_t *out) {
-  ws(j);
-  const unsigned char *s = j->p;
-  int neg = j->p < j->end && *j->p == '-';
-  if (neg)
-    j->p++;
-  if (j->p >= j->end || *j->p < '0' || *j->p > '9')
-    return jfail(j, "%s: not an integer", what);
-  uint64_t v = 0;
-  const uint64_t lim = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
-  while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
-    unsigned d = (unsigned)(*j->p - '0');
-    if (v > (lim - d) / 10) {
-      j->p = s;
-      return jfail(j, "%s: past int64", what);
-    }
-    v = v * 10 + d;
-    j->p++;
-    if (v == 0 && j->p < j->end && *j->p >= '0' && *j->p <= '9')
-      return jfail(j, "%s: a leading zero", what);
-  }
-  if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E'))
-    return jfail(j, "%s: not an integer", what);
-  *out = neg ? (v == (uint64_t)INT64_MAX + 1 ? INT64_MIN : -(int64_t)v)
-             : (int64_t)v;
-  return 0;
-}
-
-static int jint_nonneg(jp *j, const char *what, int64_t *out) {
-  const unsigned char *s = j->p;
-  int err = jint(j, what, out);
-  if (err == 0 && *out < 0) {
-    j->p = s;
-    ws(j);
-    return jfail(j, "%s: %" PRId64 " is negative", what, *out);
-  }
-  return err;
-}
-
-/* Skips any value, nested at most JSON_DEPTH_MAX deep. */
-static int jskip(jp *j, int depth) {
-  int err;
-  size_t n;
-  int nul;
-  if (depth > JSON_DEPTH_MAX)
-    return jfail(j, "nested more than %d deep", JSON_DEPTH_MAX);
-  ws(j);
-  if (j->p >= j->end)
-    return jfail(j, "the manifest ends where a value was due");
-  unsigned char c = *j->p;
-  if (c == '{' || c == '[') {
-    j->p++;
-    char close = c == '{' ? '}' : ']';
-    if (maybe(j, close))
-      return 0;
-    do {
-      if (c == '{' && ((err = jstring(j, NULL, 0, &n, &nul)) < 0 ||
-                       (err = take(j, ':')) < 0))
-        return err;
-      if ((err = jskip(j, depth + 1)) < 0)
-        return err;
-    } while (maybe(j, ','));
-    return take(j, close);
-  }
-  if (c == '"')
-    return jstring(j, NULL, 0, &n, &nul);
-  static const char *const words[] = {"true", "false", "null"};
-  for (int i = 0; i < 3; i++) {
-    size_t k = strlen(words[i]);
-    if ((size_t)(j->end - j->p) >= k && memcmp(j->p, words[i], k) == 0) {
-      j->p += k;
-      return 0;
-    }
-  }
-  if (c == '-' || (c >= '0' && c <= '9')) { /* JSON's number grammar */
-    const unsigned char *s = j->p;
-    if (*j->p == '-')
-      j->p++;
-    size_t digits = 0;
-    while (j->p < j->end && *j->p >= '0' && *j->p <= '9')
-      j->p++, digits++;
-    if (digits == 0 || (digits > 1 && s[*s == '-'] == '0')) {
-      j->p = s;
-      return jfail(j, "a malformed number");
-    }
-    if (j->p < j->end && *j->p == '.') {
-      j->p++;
-      for (digits = 0; j->p < j->end && *j->p >= '0' && *j->p <= '9'; j->p++)
-        digits++;
-      if (digits == 0)
-        return jfail(j, "a malformed number");
-    }
-    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
-      j->p++;
-      if (j->p < j->end && (*j->p == '+' || *j->p == '-'))
-        j->p++;
-      for (digits = 0; j->p < j->end && *j->p >= '0' && *j->p <= '9'; j->p++)
-        digits++;
-      if (digits == 0)
-        return jfail(j, "a malformed number");
-    }
-    return 0;
-  }
-  return jfail(j, "'%c' where a value was due", c);
-}
-
-/* Reads an object's key into key (cap bytes); a longer one is read whole
- * and left as "" (no field of ours is long). */
-static int jkey(jp *j, char *key, size_t cap) {
-  size_t n;
-  int nul;
-  int err = jstring(j, key, cap, &n, &nul);
-  if (err == 0 && (n >= cap || nul))
-    key[0] = '\0';
-  return err < 0 ? err : take(j, ':');
-}
-
-/* Reads an array of at most TD_MAX_DIMS non-negative integers. */
-static int jdims(jp *j, const char *what, int64_t *out, int32_t *n) {
-  int err = take(j, '[');
-  if (err < 0)
-    return err;
-  *n = 0;
-  if (maybe(j, ']'))
-    return 0;
-  do {
-    if (*n == TD_MAX_DIMS)
-      return jfail(j, "%s: more than %d dims", what, TD_MAX_DIMS);
-    if ((err = jint_nonneg(j, what, &out[*n])) < 0)
+/* Reads an array of at most TD_MAX_DIMS counts into out, and *n. */
+static int dims(const json_t *a, const char *where, const char *what,
+                int64_t *out, int32_t *n, char *msg, size_t len) {
+  if (!json_is_array(a))
+    return td__msg(msg, len, TD_EINVAL, "%s%s: not an array (%s)", where, what,
+                   kind(a));
+  size_t k = json_array_size(a);
+  if (k > TD_MAX_DIMS)
+    return td__msg(msg, len, TD_EINVAL, "%s%s: more than %d dims (%zu)", where,
+                   what, TD_MAX_DIMS, k);
+  for (size_t i = 0; i < k; i++) {
+    int err = count(json_array_get(a, i), where, what, &out[i], msg, len);
+    if (err < 0)
       return err;
-    (*n)++;
-  } while (maybe(j, ','));
-  return take(j, ']');
+  }
+  *n = (int32_t)k;
+  return 0;
 }
 
-/* ---- the manifest ---- */
-
-static int read_regions(jp *j, td__statedict *sd) {
-  size_t cap = 0;
-  int err = take(j, '[');
-  if (err < 0)
-    return err;
-  if (maybe(j, ']'))
-    return 0;
-  do {
-    if (sd->nregions == TD__SD_REGIONS_MAX)
-      return jfail(j, "more than %u regions", TD__SD_REGIONS_MAX);
-    if (sd->nregions == cap) {
-      cap = cap ? cap * 2 : 16;
-      td__sd_region *r = realloc(sd->regions, cap * sizeof(*r));
-      if (r == NULL)
-        return td__msg(j->msg, j->len, TD_ENOMEM, "out of memory");
-      sd->regions = r;
-    }
-    td__sd_region *r = &sd->regions[sd->nregions];
-    int64_t off = -1, nb = -1;
-    if ((err = take(j, '{')) < 0)
+static int read_regions(const json_t *a, td__statedict *sd, char *msg,
+                        size_t len) {
+  if (!json_is_array(a))
+    return td__msg(msg, len, TD_EINVAL, "'regions': not an array (%s)",
+                   kind(a));
+  size_t n = json_array_size(a);
+  if (n > TD__SD_REGIONS_MAX)
+    return td__msg(msg, len, TD_EINVAL, "more than %u regions (%zu)",
+                   TD__SD_REGIONS_MAX, n);
+  if (n > 0 && (sd->regions = calloc(n, sizeof(*sd->regions))) == NULL)
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
+  for (size_t i = 0; i < n; i++) {
+    const json_t *r = json_array_get(a, i);
+    char where[32];
+    snprintf(where, sizeof(where), "region %zu: ", i);
+    if (!json_is_object(r))
+      return td__msg(msg, len, TD_EINVAL, "%snot an object (%s)", where,
+                     kind(r));
+    const json_t *off = json_object_get(r, "offset");
+    const json_t *nb = json_object_get(r, "nbytes");
+    if (off == NULL || nb == NULL)
+      return td__msg(msg, len, TD_EINVAL, "region %zu has no '%s'", i,
+                     off == NULL ? "offset" : "nbytes");
+    int64_t o, b;
+    int err;
+    if ((err = count(off, where, "offset", &o, msg, len)) < 0 ||
+        (err = count(nb, where, "nbytes", &b, msg, len)) < 0)
       return err;
-    if (!maybe(j, '}')) {
-      do {
-        char key[16];
-        if ((err = jkey(j, key, sizeof(key))) < 0)
-          return err;
-        int64_t *to = strcmp(key, "offset") == 0   ? &off
-                      : strcmp(key, "nbytes") == 0 ? &nb
-                                                   : NULL;
-        if (to != NULL && *to >= 0)
-          return jfail(j, "region %zu: '%s' twice", sd->nregions, key);
-        err = to != NULL ? jint_nonneg(j, key, to) : jskip(j, 2);
-        if (err < 0)
-          return err;
-      } while (maybe(j, ','));
-      if ((err = take(j, '}')) < 0)
-        return err;
-    }
-    if (off < 0 || nb < 0)
-      return jfail(j, "region %zu has no '%s'", sd->nregions,
-                   off < 0 ? "offset" : "nbytes");
-    r->offset = (uint64_t)off;
-    r->nbytes = (uint64_t)nb;
+    sd->regions[i] = (td__sd_region){(uint64_t)o, (uint64_t)b};
     sd->nregions++;
-  } while (maybe(j, ','));
-  return take(j, ']');
+  }
+  return 0;
 }
 
-enum { F_DTYPE = 1, F_SHAPE = 2, F_STRIDE = 4, F_OFFSET = 8, F_REGION = 16 };
-
-/* Reads one tensor's entry (its name read already) into t. */
-static int read_entry(jp *j, td__sd_tensor *t) {
-  int err, seen = 0;
-  int32_t nstride = 0;
-  if ((err = take(j, '{')) < 0)
-    return err;
-  if (!maybe(j, '}')) {
-    do {
-      char key[24];
-      if ((err = jkey(j, key, sizeof(key))) < 0)
-        return err;
-      int f = strcmp(key, "dtype") == 0            ? F_DTYPE
-              : strcmp(key, "shape") == 0          ? F_SHAPE
-              : strcmp(key, "stride") == 0         ? F_STRIDE
-              : strcmp(key, "storage_offset") == 0 ? F_OFFSET
-              : strcmp(key, "region") == 0         ? F_REGION
-                                                   : 0;
-      if (f & seen)
-        return jfail(j, "'%s' twice", key);
-      seen |= f;
-      int64_t v;
-      size_t n;
-      int nul;
-      switch (f) {
-      case F_DTYPE:
-        err = jstring(j, t->dtype_name, sizeof(t->dtype_name), &n, &nul);
-        if (err == 0 && (n > TD__SD_DTYPE_MAX || nul || n == 0))
-          return jfail(j, "a dtype name of %zu bytes", n);
-        break;
-      case F_SHAPE:
-        err = jdims(j, "shape", t->shape, &t->ndim);
-        break;
-      case F_STRIDE:
-        err = jdims(j, "stride", t->stride, &nstride);
-        break;
-      case F_OFFSET:
-        err = jint_nonneg(j, "storage_offset", &t->storage_offset);
-        break;
-      case F_REGION:
-        if ((err = jint_nonneg(j, "region", &v)) == 0 &&
-            v >= TD__SD_REGIONS_MAX)
-          return jfail(j, "region %" PRId64 ": there are at most %u", v,
-                       TD__SD_REGIONS_MAX);
-        t->region = (uint32_t)v;
-        break;
-      default:
-        err = jskip(j, 3);
-      }
-      if (err < 0)
-        return err;
-    } while (maybe(j, ','));
-    if ((err = take(j, '}')) < 0)
-      return err;
-  }
+/* Reads one tensor's entry e into t; where names the tensor. */
+static int read_entry(const json_t *e, td__sd_tensor *t, const char *where,
+                      char *msg, size_t len) {
   static const char *const names[] = {"dtype", "shape", "stride",
                                       "storage_offset", "region"};
+  const json_t *f[5];
+  if (!json_is_object(e))
+    return td__msg(msg, len, TD_EINVAL, "%snot an object (%s)", where, kind(e));
   for (int i = 0; i < 5; i++)
-    if (!(seen & (1 << i)))
-      return jfail(j, "no '%s'", names[i]);
+    if ((f[i] = json_object_get(e, names[i])) == NULL)
+      return td__msg(msg, len, TD_EINVAL, "%sno '%s'", where, names[i]);
+  if (!json_is_string(f[0]))
+    return td__msg(msg, len, TD_EINVAL, "%sdtype: not a string (%s)", where,
+                   kind(f[0]));
+  /* jansson refuses a NUL in a string (no JSON_ALLOW_NUL). */
+  size_t dl = json_string_length(f[0]);
+  if (dl == 0 || dl > TD__SD_DTYPE_MAX)
+    return td__msg(msg, len, TD_EINVAL, "%sa dtype name of %zu bytes", where,
+                   dl);
+  memcpy(t->dtype_name, json_string_value(f[0]), dl);
+  t->dtype_name[dl] = '\0';
+  int32_t nstride = 0;
+  int64_t region;
+  int err;
+  if ((err = dims(f[1], where, "shape", t->shape, &t->ndim, msg, len)) < 0 ||
+      (err = dims(f[2], where, "stride", t->stride, &nstride, msg, len)) < 0 ||
+      (err = count(f[3], where, "storage_offset", &t->storage_offset, msg,
+                   len)) < 0 ||
+      (err = count(f[4], where, "region", &region, msg, len)) < 0)
+    return err;
+  if (region >= TD__SD_REGIONS_MAX)
+    return td__msg(msg, len, TD_EINVAL,
+                   "%sregion %" PRId64 ": there are at most %u", where, region,
+                   TD__SD_REGIONS_MAX);
+  t->region = (uint32_t)region;
   if (nstride != t->ndim)
-    return jfail(j, "%d strides for %d dims", (int)nstride, (int)t->ndim);
+    return td__msg(msg, len, TD_EINVAL, "%s%d strides for %d dims", where,
+                   (int)nstride, (int)t->ndim);
   return 0;
 }
 
-static int read_tensors(jp *j, td__statedict *sd) {
-  size_t cap = 0;
-  int err = take(j, '{');
-  if (err < 0)
-    return err;
-  if (maybe(j, '}'))
-    return 0;
-  char *name = malloc(TD__SD_NAME_MAX + 1);
-  if (name == NULL)
-    return td__msg(j->msg, j->len, TD_ENOMEM, "out of memory");
-  do {
-    if (sd->ntensors == TD__SD_TENSORS_MAX) {
-      err = jfail(j, "more than %u tensors", TD__SD_TENSORS_MAX);
-      break;
-    }
-    if (sd->ntensors == cap) {
-      cap = cap ? cap * 2 : 16;
-      td__sd_tensor *t = realloc(sd->tensors, cap * sizeof(*t));
-      if (t == NULL) {
-        err = td__msg(j->msg, j->len, TD_ENOMEM, "out of memory");
-        break;
-      }
-      sd->tensors = t;
-    }
-    size_t n;
-    int nul;
-    if ((err = jstring(j, name, TD__SD_NAME_MAX + 1, &n, &nul)) < 0)
-      break;
-    if (n > TD__SD_NAME_MAX || nul) {
-      err = jfail(j, "a tensor name %s",
-                  nul ? "with a NUL in it" : "of more than 4096 bytes");
-      break;
-    }
+/* Reads the tensors, in the manifest's order (jansson keeps it). Their
+ * names are unique: the manifest's keys are, with JSON_REJECT_DUPLICATES,
+ * and hold no NUL. */
+static int read_tensors(json_t *o, td__statedict *sd, char *msg, size_t len) {
+  if (!json_is_object(o))
+    return td__msg(msg, len, TD_EINVAL, "'tensors': not an object (%s)",
+                   kind(o));
+  size_t n = json_object_size(o);
+  if (n > TD__SD_TENSORS_MAX)
+    return td__msg(msg, len, TD_EINVAL, "more than %u tensors (%zu)",
+                   TD__SD_TENSORS_MAX, n);
+  if (n > 0 && (sd->tensors = calloc(n, sizeof(*sd->tensors))) == NULL)
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
+  const char *name;
+  json_t *e;
+  json_object_foreach(o, name, e) {
+    size_t nl = strlen(name);
+    if (nl > TD__SD_NAME_MAX)
+      return td__msg(msg, len, TD_EINVAL,
+                     "a tensor name of more than %d bytes (%zu)",
+                     TD__SD_NAME_MAX, nl);
     td__sd_tensor *t = &sd->tensors[sd->ntensors];
-    memset(t, 0, sizeof(*t));
-    if ((t->name = strdup(name)) == NULL) {
-      err = td__msg(j->msg, j->len, TD_ENOMEM, "out of memory");
-      break;
-    }
+    if ((t->name = strdup(name)) == NULL)
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
     sd->ntensors++; /* freed with sd from here */
-    if ((err = take(j, ':')) < 0 || (err = read_entry(j, t)) < 0) {
-      char why[TD__ERRMSG_MAX], shown[96];
-      snprintf(why, sizeof(why), "%s", j->msg);
-      td__cli_printable(t->name, shown, sizeof(shown));
-      err = td__msg(j->msg, j->len, err, "tensor '%s': %s", shown, why);
-      break;
-    }
-  } while (maybe(j, ','));
-  free(name);
-  return err < 0 ? err : take(j, '}');
+    char shown[96], where[128];
+    td__cli_printable(name, shown, sizeof(shown));
+    snprintf(where, sizeof(where), "tensor '%s': ", shown);
+    int err = read_entry(e, t, where, msg, len);
+    if (err < 0)
+      return err;
+  }
+  return 0;
+}
+
+/* Reads the manifest's tree into sd (unknown fields are skipped: a later
+ * format may add some). */
+static int read_manifest(json_t *root, td__statedict *sd, char *msg,
+                         size_t len) {
+  if (!json_is_object(root))
+    return td__msg(msg, len, TD_EINVAL, "the manifest is %s, not an object",
+                   kind(root));
+  json_t *tensors = json_object_get(root, "tensors");
+  json_t *regions = json_object_get(root, "regions");
+  if (tensors == NULL || regions == NULL)
+    return td__msg(msg, len, TD_EINVAL, "the manifest has no '%s'",
+                   tensors == NULL ? "tensors" : "regions");
+  int err = read_regions(regions, sd, msg, len);
+  return err < 0 ? err : read_tensors(tensors, sd, msg, len);
 }
 
 /* torch dtypes tensord has no td_dtype for, with their element sizes, so
@@ -543,13 +264,8 @@ static td_dtype proxy_of(size_t size) {
                      : TD_DTYPE_INVALID;
 }
 
-static int by_name(const void *a, const void *b) {
-  const td__sd_tensor *const *x = a, *const *y = b;
-  return strcmp((*x)->name, (*y)->name);
-}
-
 /* Checks what the JSON alone could not: regions inside the blob, tensors
- * inside their regions, names unique. */
+ * inside their regions. */
 static int check(td__statedict *sd, size_t n, char *msg, size_t len) {
   for (size_t i = 0; i < sd->nregions; i++) {
     const td__sd_region *r = &sd->regions[i];
@@ -608,23 +324,6 @@ static int check(td__statedict *sd, size_t n, char *msg, size_t len) {
       return td__msg(msg, len, TD_EINVAL,
                      "tensor '%s': its bytes overflow 64 bits", shown);
   }
-  if (sd->ntensors > 1) {
-    const td__sd_tensor **order = malloc(sd->ntensors * sizeof(*order));
-    if (order == NULL)
-      return td__msg(msg, len, TD_ENOMEM, "out of memory");
-    for (size_t i = 0; i < sd->ntensors; i++)
-      order[i] = &sd->tensors[i];
-    qsort(order, sd->ntensors, sizeof(*order), by_name);
-    for (size_t i = 1; i < sd->ntensors; i++)
-      if (strcmp(order[i - 1]->name, order[i]->name) == 0) {
-        char shown[96];
-        td__cli_printable(order[i]->name, shown, sizeof(shown));
-        free(order);
-        return td__msg(msg, len, TD_EINVAL, "tensor '%s' is listed twice",
-                       shown);
-      }
-    free(order);
-  }
   return 0;
 }
 
@@ -648,41 +347,37 @@ int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
                    " are read)",
                    ml, TD__SD_MANIFEST_MAX);
   sd->manifest_len = ml;
-  jp j = {b + TD__SD_HEADER, b + TD__SD_HEADER, b + TD__SD_HEADER + ml, msg,
-          len};
-  int err = take(&j, '{'), got = 0;
-  if (err == 0 && !maybe(&j, '}')) {
-    do {
-      char key[16];
-      if ((err = jkey(&j, key, sizeof(key))) < 0)
-        break;
-      int which = strcmp(key, "tensors") == 0   ? 1
-                  : strcmp(key, "regions") == 0 ? 2
-                                                : 0;
-      if (which & got) {
-        err = jfail(&j, "'%s' twice", key);
-        break;
-      }
-      got |= which;
-      err = which == 1   ? read_tensors(&j, sd)
-            : which == 2 ? read_regions(&j, sd)
-                         : jskip(&j, 1);
-      if (err < 0)
-        break;
-    } while (maybe(&j, ','));
-    if (err == 0)
-      err = take(&j, '}');
-  }
-  if (err == 0) {
-    ws(&j);
-    if (j.p != j.end)
-      err = jfail(&j, "bytes after the manifest's end");
-    else if (got != 3)
-      err = td__msg(msg, len, TD_EINVAL, "the manifest has no '%s'",
-                    got & 1 ? "regions" : "tensors");
-    else
-      err = check(sd, n, msg, len);
-  }
+  /* Duplicate keys are refused, NUL in strings too (no JSON_ALLOW_NUL); so
+   * are trailing bytes, bad UTF-8, integers past int64 and nesting past
+   * JSON_PARSER_MAX_DEPTH (2048). */
+  json_malloc_t was_malloc;
+  json_free_t was_free;
+  json_get_alloc_funcs(&was_malloc, &was_free);
+  json_set_alloc_funcs(tree_malloc, tree_free);
+  tree_counting = 1;
+  tree_over = 0;
+  tree_bytes = 0;
+  json_error_t e;
+  json_t *root = json_loadb((const char *)b + TD__SD_HEADER, (size_t)ml,
+                            JSON_REJECT_DUPLICATES, &e);
+  int err;
+  if (root != NULL)
+    err = read_manifest(root, sd, msg, len);
+  else if (tree_over)
+    err = td__msg(msg, len, TD_EINVAL,
+                  "a manifest of %" PRIu64 " bytes whose JSON takes more "
+                  "than %zu MiB to hold (at most that is spent on one)",
+                  ml, td__sd_tree_max >> 20);
+  else if (json_error_code(&e) == json_error_out_of_memory)
+    err = td__msg(msg, len, TD_ENOMEM, "out of memory reading the manifest");
+  else
+    err = td__msg(msg, len, TD_EINVAL, "manifest byte %d: %s", e.position,
+                  e.text);
+  json_decref(root);
+  tree_counting = 0;
+  json_set_alloc_funcs(was_malloc, was_free);
+  if (err == 0)
+    err = check(sd, n, msg, len);
   if (err < 0)
     td__statedict_free(sd);
   return err;

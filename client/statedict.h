@@ -24,6 +24,13 @@
 #define TD__SD_REGIONS_MAX (1u << 18)
 #define TD__SD_NAME_MAX 4096 /* bytes of a tensor's name (UTF-8) */
 #define TD__SD_DTYPE_MAX 31  /* bytes of a dtype's name */
+/* Bytes the manifest's JSON tree (jansson's) may take while it is read: a
+ * manifest within the bounds above takes at most ~700 MiB (2^18 tensors of
+ * 16 dims and 2^18 regions), a hostile one up to 80 times its bytes. */
+#define TD__SD_TREE_MAX ((size_t)1 << 30)
+
+/* The bound on the tree in force, TD__SD_TREE_MAX; tests lower it. */
+extern size_t td__sd_tree_max;
 
 typedef struct td__sd_tensor {
   char *name; /* UTF-8, no NUL inside */
@@ -61,9 +68,14 @@ int td__statedict_blob_shaped(const td_view *v);
 /* Parses the n bytes at p (a blob, as published) into *sd, checking every
  * count, length, offset and size against n and the bounds above, every
  * region against the blob and every tensor of a known dtype against its
- * region (as load_state_dict would take it). Returns 0, or TD_EINVAL (a
- * corrupt blob) or TD_ENOMEM with msg saying what is wrong where; *sd is
- * then empty (td__statedict_free is still safe). */
+ * region (as load_state_dict would take it). The manifest must be JSON
+ * (RFC 8259, UTF-8) without duplicate keys, a NUL in a string or an integer
+ * past int64; unknown fields are skipped. Returns 0, or TD_EINVAL (a
+ * corrupt blob) or TD_ENOMEM with msg saying what is wrong where (a
+ * syntax error: the manifest's byte); *sd is then empty
+ * (td__statedict_free is still safe). Sets jansson's allocation functions
+ * (process-wide) while it runs and restores them after: call it where no
+ * other thread uses jansson meanwhile (tensorctl has one thread). */
 int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
                         size_t len);
 

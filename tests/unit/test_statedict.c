@@ -6,6 +6,7 @@
 #include "seed.h"
 
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -180,27 +181,29 @@ Test(statedict, the_header_is_checked) {
 /* Each way a manifest can lie, with the words that say so. */
 Test(statedict, every_lie_is_named) {
   static const char *const cases[][2] = {
-      {"", "ends where '{' was due"},
-      {"[]", "'[' where '{' was due"},
+      {"", "manifest byte 0: '[' or '{' expected near end of file"},
+      {"[]", "the manifest is an array, not an object"},
       {"{\"tensors\":{}}", "has no 'regions'"},
       {"{\"regions\":[]}", "has no 'tensors'"},
-      {"{\"tensors\":{},\"regions\":[],\"tensors\":{}}", "'tensors' twice"},
-      {"{\"tensors\":{},\"regions\":[]}x", "bytes after the manifest's end"},
+      {"{\"tensors\":{},\"regions\":[],\"tensors\":{}}",
+       "manifest byte 36: duplicate object key near '\"tensors\"'"},
+      {"{\"tensors\":{},\"regions\":[]}x",
+       "manifest byte 28: end of file expected near 'x'"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":0}]}", "has no 'nbytes'"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":-1,\"nbytes\":0}]}",
-       "offset: -1 is negative"},
+       "region 0: offset: -1 is negative"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":1.5,\"nbytes\":0}]}",
-       "offset: not an integer"},
+       "region 0: offset: not an integer (a real number)"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":1e3,\"nbytes\":0}]}",
        "not an integer"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":01,\"nbytes\":0}]}",
-       "a leading zero"},
+       "manifest byte 36: invalid token near '0'"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":99999999999999999999,"
        "\"nbytes\":0}]}",
-       "past int64"},
+       "too big integer"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":0,\"nbytes\":0,\"offset\":1}"
        "]}",
-       "'offset' twice"},
+       "duplicate object key near '\"offset\"'"},
       {"{\"tensors\":{},\"regions\":[{\"offset\":40,\"nbytes\":100}]}",
        "region 0 (bytes 40 + 100) reaches past the blob's "},
       {"{\"tensors\":{},\"regions\":[{\"offset\":9223372036854775807,"
@@ -208,7 +211,7 @@ Test(statedict, every_lie_is_named) {
        "reaches past the blob"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"float32\",\"shape\":[4],\"stride\":"
        "[1],\"storage_offset\":0}},\"regions\":[]}",
-       "tensor 'a': manifest byte 79: no 'region'"},
+       "tensor 'a': no 'region'"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"float32\",\"shape\":[4],\"stride\":"
        "[1],\"storage_offset\":0,\"region\":1}},\"regions\":[{\"offset\":0,"
        "\"nbytes\":16}]}",
@@ -230,7 +233,7 @@ Test(statedict, every_lie_is_named) {
        "shape: more than 16 dims"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"float32\",\"shape\":[-2],\"stride\":"
        "[1],\"storage_offset\":0,\"region\":0}},\"regions\":[]}",
-       "shape: -2 is negative"},
+       "tensor 'a': shape: -2 is negative"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"Float 32\",\"shape\":[],\"stride\":"
        "[],\"storage_offset\":0,\"region\":0}},\"regions\":[{\"offset\":0,"
        "\"nbytes\":4}]}",
@@ -241,38 +244,154 @@ Test(statedict, every_lie_is_named) {
        "a dtype name of 33 bytes"},
       {"{\"tensors\":{\"a\":{\"dtype\":7,\"shape\":[],\"stride\":[],"
        "\"storage_offset\":0,\"region\":0}},\"regions\":[]}",
-       "'7' where '\"' was due"},
+       "tensor 'a': dtype: not a string (an integer)"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"float32\",\"dtype\":\"int8\"}},"
        "\"regions\":[]}",
-       "'dtype' twice"},
+       "duplicate object key near '\"dtype\"'"},
       {"{\"tensors\":{\"a\\u0000b\":{}},\"regions\":[]}",
-       "a tensor name with a NUL in it"},
-      {"{\"tensors\":{\"a\\x\":{}},\"regions\":[]}", "an unknown escape '\\x'"},
+       "NUL byte in object key not supported"},
+      {"{\"tensors\":{\"a\\x\":{}},\"regions\":[]}",
+       "invalid escape near '\"a\\x'"},
       {"{\"tensors\":{\"a\\u12\":{}},\"regions\":[]}",
-       "a \\u escape with '\"' in it"},
+       "invalid escape near '\"a\\u12\"'"},
       {"{\"tensors\":{\"a\xc3\":{}},\"regions\":[]}",
-       "a string that is not UTF-8 (byte 0xc3)"},
-      {"{\"tensors\":{\"\xed\xa0\x80\":{}},\"regions\":[]}", "not UTF-8"},
-      {"{\"tensors\":{\"\xc0\xaf\":{}},\"regions\":[]}", "not UTF-8"},
-      {"{\"tensors\":{\"a\tb\":{}},\"regions\":[]}",
-       "a control character (0x09) in a string"},
-      {"{\"tensors\":{\"abc", "a string runs past the manifest's end"},
+       "unable to decode byte 0xc3"},
+      {"{\"tensors\":{\"\xed\xa0\x80\":{}},\"regions\":[]}",
+       "unable to decode byte 0xed"},
+      {"{\"tensors\":{\"\xc0\xaf\":{}},\"regions\":[]}",
+       "unable to decode byte 0xc0"},
+      {"{\"tensors\":{\"a\tb\":{}},\"regions\":[]}", "control character 0x9"},
+      {"{\"tensors\":{\"abc", "premature end of input"},
       {"{\"tensors\":{\"a\":{\"dtype\":\"uint8\",\"shape\":[1],\"stride\":[1],"
        "\"storage_offset\":0,\"region\":0},\"a\":{\"dtype\":\"uint8\",\"shape\""
        ":[1],\"stride\":[1],\"storage_offset\":0,\"region\":0}},\"regions\":[{"
        "\"offset\":0,\"nbytes\":1}]}",
-       "tensor 'a' is listed twice"},
-      {"{\"x\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
-       "[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]"
-       "]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],\"tensors\":{},\"regions\":[]}",
-       "nested more than 64 deep"},
-      {"{\"x\":tru,\"tensors\":{},\"regions\":[]}",
-       "'t' where a value was due"},
-      {"{\"x\":-,\"tensors\":{},\"regions\":[]}", "a malformed number"},
-      {"{\"x\":1.,\"tensors\":{},\"regions\":[]}", "a malformed number"},
+       "duplicate object key near '\"a\"'"},
+      {"{\"x\":tru,\"tensors\":{},\"regions\":[]}", "invalid token near 'tru'"},
+      {"{\"x\":-,\"tensors\":{},\"regions\":[]}", "invalid token near '-'"},
+      {"{\"x\":1.,\"tensors\":{},\"regions\":[]}", "invalid token near '1.'"},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
     refused(cases[i][0], 64, cases[i][1]);
+}
+
+/* Where a number is due, an integer: not a real, a boolean, a string or
+ * null, whatever its value; where a string is due, no NUL in it. */
+Test(statedict, numbers_must_be_integers_and_strings_hold_no_nul) {
+  static const char *const cases[][2] = {
+      {"{\"tensors\":{},\"regions\":[{\"offset\":1.0,\"nbytes\":0}]}",
+       "region 0: offset: not an integer (a real number)"},
+      {"{\"tensors\":{},\"regions\":[{\"offset\":0,\"nbytes\":true}]}",
+       "region 0: nbytes: not an integer (a boolean)"},
+      {"{\"tensors\":{},\"regions\":[{\"offset\":0,\"nbytes\":\"8\"}]}",
+       "region 0: nbytes: not an integer (a string)"},
+      {"{\"tensors\":{},\"regions\":[{\"offset\":null,\"nbytes\":0}]}",
+       "region 0: offset: not an integer (null)"},
+      {"{\"tensors\":{\"a\":{\"dtype\":\"uint8\",\"shape\":[false],"
+       "\"stride\":[1],\"storage_offset\":0,\"region\":0}},\"regions\":[]}",
+       "tensor 'a': shape: not an integer (a boolean)"},
+      {"{\"tensors\":{\"a\":{\"dtype\":\"uint8\",\"shape\":[1],"
+       "\"stride\":1,\"storage_offset\":0,\"region\":0}},\"regions\":[]}",
+       "tensor 'a': stride: not an array (an integer)"},
+      {"{\"tensors\":{\"a\":{\"dtype\":\"uint8\",\"shape\":[],"
+       "\"stride\":[],\"storage_offset\":-1,\"region\":0}},\"regions\":[]}",
+       "tensor 'a': storage_offset: -1 is negative"},
+      {"{\"tensors\":{\"a\":{\"dtype\":\"uint8\",\"shape\":[],"
+       "\"stride\":[],\"storage_offset\":0,\"region\":262144}},"
+       "\"regions\":[]}",
+       "tensor 'a': region 262144: there are at most 262144"},
+      {"{\"tensors\":{\"a\":[]},\"regions\":[]}",
+       "tensor 'a': not an object (an array)"},
+      {"{\"tensors\":[],\"regions\":[]}", "'tensors': not an object"},
+      {"{\"tensors\":{},\"regions\":{}}", "'regions': not an array"},
+      {"{\"tensors\":{},\"regions\":[7]}",
+       "region 0: not an object (an integer)"},
+      {"{\"tensors\":{},\"regions\":[{\"offset\":-9223372036854775809,"
+       "\"nbytes\":0}]}",
+       "too big negative integer"},
+      {"{\"tensors\":{\"a\":{\"dtype\":\"int8\\u0000\",\"shape\":[],"
+       "\"stride\":[],\"storage_offset\":0,\"region\":0}},\"regions\":[]}",
+       "\\u0000 is not allowed"},
+      /* Anywhere: an unknown field too. */
+      {"{\"x\":\"\\u0000\",\"tensors\":{},\"regions\":[]}",
+       "manifest byte 13: \\u0000 is not allowed"},
+      {"{\"x\":1,\"x\":1,\"tensors\":{},\"regions\":[]}",
+       "manifest byte 10: duplicate object key"},
+      /* A lone surrogate (Python's json.dumps writes one for a str that
+       * holds it) is not Unicode: refused, where the hand-written reader
+       * had read it as U+FFFD. */
+      {"{\"tensors\":{\"a\\ud800\":{}},\"regions\":[]}",
+       "invalid Unicode '\\uD800'"},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+    refused(cases[i][0], 64, cases[i][1]);
+}
+
+/* Values nested in an unknown field are skipped up to jansson's
+ * JSON_PARSER_MAX_DEPTH (2048), and refused past it. */
+Test(statedict, nesting_is_bounded) {
+  const int deep = 2049;
+  char *m = malloc(2 * (size_t)deep + 64);
+  cr_assert_not_null(m);
+  for (int depth = 100; depth <= deep; depth += deep - 100) {
+    size_t k = (size_t)sprintf(m, "{\"x\":");
+    memset(m + k, '[', (size_t)depth);
+    memset(m + k + depth, ']', (size_t)depth);
+    strcpy(m + k + 2 * depth, ",\"tensors\":{},\"regions\":[]}");
+    td__statedict sd;
+    char msg[1024] = "";
+    int err = parse_as(m, 0, &sd, msg, sizeof(msg));
+    if (depth < deep)
+      cr_assert_eq(err, 0, "%d deep: %s", depth, msg);
+    else
+      refused(m, 0, "maximum parsing depth reached");
+    td__statedict_free(&sd);
+  }
+  free(m);
+}
+
+/* jansson's tree of a manifest takes at most td__sd_tree_max bytes: past
+ * it the manifest is refused (a hostile one of "{}," takes ~80 times its
+ * bytes), and the next parse has the whole bound again. */
+Test(statedict, the_tree_is_bounded) {
+  size_t items = 64 << 10, k = 0;
+  char *m = malloc(3 * items + 64);
+  cr_assert_not_null(m);
+  k += (size_t)sprintf(m, "{\"x\":[");
+  for (size_t i = 0; i < items; i++)
+    k += (size_t)sprintf(m + k, "%s{}", i ? "," : "");
+  strcpy(m + k, "],\"tensors\":{},\"regions\":[]}");
+  td__statedict sd;
+  char msg[1024] = "";
+  cr_assert_eq(parse_as(m, 0, &sd, msg, sizeof(msg)), 0, "%s", msg);
+  td__statedict_free(&sd);
+  td__sd_tree_max = 1 << 20;
+  refused(m, 0, "whose JSON takes more than 1 MiB to hold");
+  refused(m, 0, "whose JSON takes more than 1 MiB to hold");
+  cr_assert_eq(parse_as(GOOD, GOOD_TOTAL, &sd, msg, sizeof(msg)), 0, "%s", msg);
+  cr_assert_eq(sd.ntensors, 3);
+  td__statedict_free(&sd);
+  td__sd_tree_max = TD__SD_TREE_MAX;
+  free(m);
+}
+
+/* More tensors or regions than the bounds say, refused before any is read
+ * (the values are not even entries). */
+Test(statedict, counts_are_bounded) {
+  size_t n = TD__SD_TENSORS_MAX + 1, k = 0;
+  char *m = malloc(16 * n + 64);
+  cr_assert_not_null(m);
+  k += (size_t)sprintf(m, "{\"tensors\":{},\"regions\":[");
+  for (size_t i = 0; i < TD__SD_REGIONS_MAX + 1; i++)
+    k += (size_t)sprintf(m + k, "%s0", i ? "," : "");
+  strcpy(m + k, "]}");
+  refused(m, 0, "more than 262144 regions (262145)");
+  k = (size_t)sprintf(m, "{\"regions\":[],\"tensors\":{");
+  for (size_t i = 0; i < n; i++)
+    k += (size_t)sprintf(m + k, "%s\"%zx\":0", i ? "," : "", i);
+  strcpy(m + k, "}}");
+  refused(m, 0, "more than 262144 tensors (262145)");
+  free(m);
 }
 
 /* A tensor name past TD__SD_NAME_MAX bytes. */

@@ -85,13 +85,28 @@ static store *store_new(td_storage *s) {
   return p;
 }
 
+/* Takes one more reference; the caller holds one already. */
 static store *store_ref(store *p) {
   atomic_fetch_add(&p->refs, 1);
   return p;
 }
 
+/* Takes a reference on a store found in g_stores (under g_reg_mu) by a
+ * caller that holds none: only from a count above zero. Returns p, or NULL
+ * when the count has reached zero: its last holder is on its way to unlink
+ * and free it (store_unref) and waits for g_reg_mu to do so. */
+static store *store_revive(store *p) {
+  long n = atomic_load(&p->refs);
+  while (n > 0)
+    if (atomic_compare_exchange_weak(&p->refs, &n, n + 1))
+      return p;
+  return NULL;
+}
+
 /* Drops one reference; the last releases the td_storage (without the GIL
- * if the caller holds it: a release may send a message). */
+ * if the caller holds it: a release may send a message). The count reaches
+ * zero before the store leaves g_stores, so find() revives a store only with
+ * store_revive, never with store_ref. */
 static void store_unref(store *p) {
   if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
     return;
@@ -2369,10 +2384,9 @@ static PyObject *mod_find(PyObject *m, PyObject *arg) {
   char *p = ptr;
   pthread_mutex_lock(&g_reg_mu);
   for (store *s = g_stores; s != NULL; s = s->next)
-    if (!s->cuda && p >= s->base && p < s->base + s->len) {
-      hit = store_ref(s);
+    if (!s->cuda && p >= s->base && p < s->base + s->len &&
+        (hit = store_revive(s)) != NULL)
       break;
-    }
   pthread_mutex_unlock(&g_reg_mu);
   if (hit == NULL)
     Py_RETURN_NONE;

@@ -1115,16 +1115,28 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
     err = cl_enter(self, &x);
     if (err == 0) {
       td_storage *s = sp->s, *tmp = NULL;
-      if (td_storage_client(s) != x.c) {
-        /* Another client's handle (another Client, or the parent's before a
-         * fork): a reference of our own for the publish, no copy. */
+      uint64_t ours = td_client_instance(x.c);
+      if (sp->instance != ours) {
+        /* Ids are per daemon: the same id here is another storage. */
+        snprintf(x.msg, sizeof(x.msg),
+                 "publish '%s': storage %llu belongs to tensord instance "
+                 "%016llx, and this client's daemon is instance %016llx "
+                 "(storage ids are per daemon): share() copies it into this "
+                 "daemon",
+                 key, (unsigned long long)td_storage_id(s),
+                 (unsigned long long)sp->instance, (unsigned long long)ours);
+        err = TD_EINVAL;
+      } else if (td_storage_client(s) != x.c) {
+        /* Another client's handle of our daemon (another Client, or the
+         * parent's before a fork): a reference of our own for the publish,
+         * no copy. */
         err = td_storage_open(x.c, td_storage_id(s), 0, &tmp);
         s = tmp;
+        if (err < 0)
+          snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       }
-      if (err == 0)
-        err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
-                      : td_publish(x.c, key, s, &v);
-      if (err < 0)
+      if (err == 0 && (err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
+                                     : td_publish(x.c, key, s, &v)) < 0)
         snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       td_storage_release(tmp);
       cl_leave(self);

@@ -10,7 +10,7 @@ import pytest
 
 import tensord
 
-from conftest import TOP, wait_storages
+from conftest import TOP, Daemon, wait_storages
 
 
 def tensorctl_json(sock, *args):
@@ -250,6 +250,38 @@ def test_publish_tensor_of_another_client(daemon, client):
         assert u.storage_id == t.storage_id
         t.release()
     client.unpublish("foreign")
+
+
+def test_publish_tensor_of_another_daemon_is_refused():
+    """Storage ids are per daemon: a tensor of daemon A published through a
+    client of daemon B must not publish B's storage that has the same id."""
+    a, b = Daemon(), Daemon()
+    try:
+        with tensord.connect(a.sock) as ca, tensord.connect(b.sock) as cb:
+            ta = ca.share(b"bytes of A")
+            tb = cb.share(b"bytes of B")
+            assert ta.storage_id == tb.storage_id  # both daemons' first
+            assert ta.instance != tb.instance
+            with pytest.raises(tensord.Error) as e:
+                cb.publish("k", ta)
+            assert e.value.name == "EINVAL"
+            assert "%016x" % ca.instance in str(e.value), str(e.value)
+            assert "%016x" % cb.instance in str(e.value), str(e.value)
+            assert "share()" in str(e.value)
+            with pytest.raises(tensord.NotFound):
+                cb.lookup("k", timeout=0)  # nothing was published
+            assert ta.key is None
+            # What the message suggests: a copy, in B.
+            cb.share(ta, key="k").release()
+            with cb.lookup("k", timeout=0) as got:
+                assert bytes(memoryview(got)) == b"bytes of A"
+                assert got.storage_id != tb.storage_id
+            cb.unpublish("k")
+            ta.release()
+            tb.release()
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_publish_readonly_is_permission_denied(client):

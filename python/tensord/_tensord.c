@@ -1831,7 +1831,8 @@ static PyObject *Tensor_exit(Tensor *self, PyObject *args) {
 static PyObject *Tensor_reduce(Tensor *self, PyObject *args) {
   PyErr_SetString(PyExc_TypeError,
                   "tensord.Tensor cannot be pickled: publish it under a key, "
-                  "or send its torch() tensor after tensord.torch.install()");
+                  "or send it (or its torch() tensor) through "
+                  "multiprocessing after tensord.torch.install()");
   return NULL;
 }
 

@@ -44,6 +44,15 @@ non-leaf that requires grad, without named dimensions, the reducer
 Every other tensor (CUDA, sparse, quantized, complex32, non-leaf requiring
 grad, named) goes through torch's own reducer, unchanged.
 
+A ``tensord.Tensor`` travels the same way (a one-shot key in the scope) and
+arrives as a ``tensord.Tensor``: a writable one of the installed client's
+daemon as its own storage and view, a read-only one or another daemon's
+copied once (``Client.share``). What a reducer cannot send (a released
+Tensor, a publish the daemon refuses) raises where the caller pickles; in a
+``multiprocessing.Queue``'s feeder thread, which pickles after ``put()`` has
+returned, the error is pickled instead and the consumer's ``get()`` raises
+it (``tensord._unsendable``), so no consumer waits forever.
+
 Who frees a tensor in flight: the key holds a reference from the moment the
 sender pickles it until a receiver takes it, so the sender may release its
 own at once and even exit before the receiver unpickles (a DataLoader worker
@@ -270,6 +279,7 @@ def _end_scope() -> None:
 def _register() -> None:
     ForkingPickler.register(torch.Tensor, _reduce_tensor)
     ForkingPickler.register(torch.nn.parameter.Parameter, _reduce_tensor)
+    ForkingPickler.register(_tensord.Tensor, _reduce_td_tensor)
 
 
 def install(client=None) -> None:
@@ -322,6 +332,7 @@ def uninstall() -> None:
     with _state_lock:
         ForkingPickler.register(torch.Tensor, reduce_tensor)
         ForkingPickler.register(torch.nn.parameter.Parameter, reduce_tensor)
+        ForkingPickler.register(_tensord.Tensor, tensord._reduce_tensor)
         _end_scope()
         _state.client = None
         _state.installed = False
@@ -424,15 +435,43 @@ def _reduce_tensor(t: torch.Tensor):
         from torch.multiprocessing.reductions import reduce_tensor
 
         return reduce_tensor(t)
-    view = _storage_view(client, t)
-    if view is None:
-        view = _copy_into(client, t)
     try:
-        key = _publish_in_flight(client, view)
-    finally:
-        view.release()
+        view = _storage_view(client, t)
+        if view is None:
+            view = _copy_into(client, t)
+        try:
+            key = _publish_in_flight(client, view)
+        finally:
+            view.release()
+    except Exception as e:
+        return tensord._unsendable(e)  # a queue's feeder: to the consumer
     is_param = isinstance(t, torch.nn.Parameter)
     return (_rebuild_tensor, (client.path, key, bool(t.requires_grad), is_param))
+
+
+def _reduce_td_tensor(t):
+    """ForkingPickler reducer for tensord.Tensor: the same one-shot key in
+    the scope as a torch tensor's. A writable Tensor of the installed
+    client's daemon travels as its own storage and view (no copy); a
+    read-only one (its copy-on-write pages are private) or another daemon's
+    is copied once (Client.share: any dtype; a GPU's into CPU memory)."""
+    client = _state.client
+    if client is None:
+        return tensord._reduce_tensor(t)
+    try:
+        if t.readonly or t.instance != client.instance:
+            view = client.share(t)
+        else:
+            # A view of its own: publishing sets .key, which must stay the
+            # sender's Tensor's.
+            view = t.as_strided(t.shape, t.strides)
+        try:
+            key = _publish_in_flight(client, view)
+        finally:
+            view.release()
+    except Exception as e:
+        return tensord._unsendable(e)
+    return (_rebuild_td_tensor, (client.path, key))
 
 
 def _rebuild_tensor(path: str, key: str, requires_grad: bool, is_parameter: bool):
@@ -447,6 +486,12 @@ def _rebuild_tensor(path: str, key: str, requires_grad: bool, is_parameter: bool
     if requires_grad:
         x.requires_grad_(True)
     return x
+
+
+def _rebuild_td_tensor(path: str, key: str):
+    """Unpickles a tensord.Tensor the reducer sent: takes its one-shot key
+    (the Tensor's .key is that key, gone once taken)."""
+    return client_for(path).lookup(key, timeout=0, take=True)
 
 
 # --------------------------------------------------------------------------

@@ -125,6 +125,7 @@ publish does not change them.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import json
 import os
@@ -705,17 +706,28 @@ def _align(n: int) -> int:
 
 
 def publish_state_dict(
-    client, prefix: str, state_dict: Mapping[str, torch.Tensor]
+    client, prefix: str, state_dict: "Mapping[str, torch.Tensor] | torch.nn.Module"
 ) -> int:
     """Publishes state_dict under the key ``prefix`` as one packed storage.
 
-    Every distinct torch storage behind the tensors is copied once (whole, so
-    strides and storage offsets stay exact and tied weights stay tied); the
-    tensors may be on any device, and are loaded as CPU tensors. Publishing
-    again under the same prefix replaces the key atomically. Returns the new
-    storage's id. Raises TypeError for a value that is not a tensor or is
-    quantized, tensord.Error from the daemon (OutOfMemory, QuotaExceeded...).
+    ``state_dict``: a mapping of names to tensors (``module.state_dict()``),
+    or an ``nn.Module``, whose ``state_dict()`` is taken. Every distinct
+    torch storage behind the tensors is copied once (whole, so strides and
+    storage offsets stay exact and tied weights stay tied); the tensors may
+    be on any device, and are loaded as CPU tensors. Publishing again under
+    the same prefix replaces the key atomically. Returns the new storage's
+    id. Raises TypeError for anything else, for a value that is not a tensor
+    or is quantized, tensord.Error from the daemon (OutOfMemory,
+    QuotaExceeded...).
     """
+    if isinstance(state_dict, torch.nn.Module):
+        state_dict = state_dict.state_dict()
+    elif not isinstance(state_dict, collections.abc.Mapping):
+        raise TypeError(
+            "publish_state_dict wants a state dict (a mapping of names to "
+            "tensors, as module.state_dict() returns) or an nn.Module, not "
+            "a %s" % type(state_dict).__name__
+        )
     regions: list = []  # [storage, nbytes]
     region_of: dict = {}
     tensors: dict = {}

@@ -421,3 +421,20 @@ def test_what_cannot_be_sent_raises_in_the_consumer_not_hang(clean):
     q.join_thread()
     y.release()
     t.release()
+
+
+def test_without_install_torchs_reducer_moves_the_senders_tensor_out(clean):
+    """docs/python.md (is_shared): torch's own reducer share_memory_()s a
+    tensor whose storage it did not allocate, in the sender: the sender's
+    tensor then lives in torch's shared memory, no longer in tensord."""
+    c = clean
+    t = c.empty((4,), "float32")
+    x = t.torch()
+    before = x.data_ptr()
+    assert not x.is_shared()
+    ForkingPickler.dumps(x)
+    assert x.is_shared() and x.data_ptr() != before
+    x.fill_(3.0)
+    assert t.numpy().tolist() == [0.0] * 4  # the storage no longer sees it
+    del x
+    t.release()

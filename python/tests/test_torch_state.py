@@ -175,3 +175,46 @@ def test_example_shared_weights(clean, daemon):
     out = run_example(daemon, "shared_weights.py")
     lines = [l for l in out.splitlines() if l.startswith("server ")]
     assert len(lines) == 3 and all("ok" in l for l in lines), out
+
+
+def test_publish_a_module_or_say_what_is_wanted(clean):
+    c = clean
+    torch.manual_seed(0)
+    m = Tied()
+    tdt.publish_state_dict(c, "models/module", m)  # its state_dict()
+    got = tdt.load_state_dict(c, "models/module")
+    want = m.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert storage_ptr(got["emb.weight"]) == storage_ptr(got["out.weight"])
+    for bad in ([torch.ones(2)], torch.ones(2), "weights"):
+        with pytest.raises(TypeError, match="a state dict .* or an nn.Module"):
+            tdt.publish_state_dict(c, "models/bad", bad)
+    c.unpublish("models/module")
+    del got
+
+
+def test_is_shared_is_false_and_share_memory_moves_out(clean):
+    """What docs/python.md says of is_shared(): torch answers True only for a
+    storage its own allocator mapped (one it can hand on by fd or file name);
+    a tensord storage reaches torch through DLPack, so False. And torch's
+    share_memory_() on such a tensor moves its bytes into torch's own shared
+    memory: the tensor no longer aliases the tensord storage."""
+    c = clean
+    tdt.publish_state_dict(c, "models/shared", {"w": torch.arange(6.0)})
+    w = tdt.load_state_dict(c, "models/shared", readonly=False)["w"]
+    assert not w.is_shared()  # torch's answer
+    hit = _tensord.find(w.data_ptr())  # tensord's: yes, in a storage
+    assert hit is not None
+    base, off = hit
+    before = w.data_ptr()
+    w.share_memory_()
+    assert w.is_shared() and w.data_ptr() != before  # moved out
+    assert _tensord.find(w.data_ptr()) is None
+    w.fill_(-1)  # no longer reaches the tensord storage
+    assert base.numpy()[off : off + 24].view("float32").tolist() == [
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    base.release()
+    c.unpublish("models/shared")
+

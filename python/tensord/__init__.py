@@ -24,6 +24,7 @@ from typing import Optional
 
 from . import _tensord
 from ._tensord import (
+    KEY_MAX,
     Closed,
     Error,
     Exists,
@@ -40,6 +41,7 @@ from ._tensord import (
 )
 
 __all__ = [
+    "KEY_MAX",
     "Client",
     "Closed",
     "Error",

@@ -1506,8 +1506,10 @@ static PyMethodDef Client_methods[] = {
      "published under key if given."},
     {"open", (PyCFunction)(void (*)(void))Client_open,
      METH_VARARGS | METH_KEYWORDS,
-     "open(storage_id, readonly=False) -> Tensor: a new reference to a "
-     "storage, as uint8[nbytes]. readonly maps it copy-on-write."},
+     "open(storage_id, readonly=False, lazy=False) -> Tensor: a new "
+     "reference to a storage, as uint8[nbytes]. readonly maps it "
+     "copy-on-write; lazy maps it without populating it (each page is "
+     "mapped when first touched)."},
     {"publish", (PyCFunction)(void (*)(void))Client_publish,
      METH_VARARGS | METH_KEYWORDS,
      "publish(key, tensor, scope=None): publishes the tensor's view of its "
@@ -1523,10 +1525,14 @@ static PyMethodDef Client_methods[] = {
      "dropped."},
     {"lookup", (PyCFunction)(void (*)(void))Client_lookup,
      METH_VARARGS | METH_KEYWORDS,
-     "lookup(key, timeout=None, readonly=False, take=False) -> Tensor: the "
-     "tensor published under key, waiting up to timeout seconds (None: "
-     "forever; 0: not at all) for it. readonly maps it copy-on-write; take "
-     "unpublishes it atomically."},
+     "lookup(key, timeout=None, readonly=False, take=False, lazy=False) -> "
+     "Tensor: the tensor published under key, waiting up to timeout seconds "
+     "(None: forever; 0: not at all) for it. readonly maps it "
+     "copy-on-write; take unpublishes it atomically; lazy maps it without "
+     "populating it (TD_LAZY: attaching costs the same for any size, and "
+     "each page is mapped when first touched; for weights attached long "
+     "before they are all read). A key is a str of 1 to KEY_MAX (255) "
+     "bytes of UTF-8."},
     {"ls", (PyCFunction)Client_ls, METH_NOARGS,
      "ls() -> list[dict]: every live storage, as `tensorctl ls --json`."},
     {"stat", (PyCFunction)Client_stat, METH_NOARGS,
@@ -2507,7 +2513,8 @@ PyMODINIT_FUNC PyInit__tensord(void) {
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddStringConstant(m, "libtensord_version", td_version_string()) <
           0 ||
-      PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0) {
+      PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0 ||
+      PyModule_AddIntConstant(m, "KEY_MAX", TD_KEY_MAX) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -364,3 +364,32 @@ def test_tensor_not_constructible_nor_picklable(client):
     with client.empty(2) as t:
         with pytest.raises(TypeError, match="pickle"):
             pickle.dumps(t)
+
+
+def test_keys_are_at_most_key_max_bytes_of_utf8(client):
+    """docs/python.md: a key is 1 to 255 bytes of UTF-8 (bytes, not
+    characters), refused before anything reaches the daemon."""
+    assert tensord.KEY_MAX == 255
+    t = client.share(b"k")
+    client.publish("k" * 255, t)
+    with client.lookup("k" * 255, timeout=0) as u:
+        assert u.key == "k" * 255
+    client.unpublish("k" * 255)
+    for bad in ("k" * 256, "\u00e9" * 128):  # 256 bytes: 256 or 128 characters
+        with pytest.raises(tensord.Error) as e:
+            client.publish(bad, t)
+        assert e.value.name == "EINVAL"
+        assert "key of 256 bytes is longer than 255" in str(e.value)
+        with pytest.raises(tensord.Error, match="longer than 255"):
+            client.lookup(bad, timeout=0)
+    with pytest.raises(tensord.Error, match="empty key"):
+        client.publish("", t)
+    with pytest.raises(ValueError, match="NUL"):
+        client.publish("a\0b", t)
+    t.release()
+
+
+def test_docstrings_name_every_keyword():
+    assert "lazy=False" in tensord.Client.lookup.__doc__
+    assert "lazy=False" in tensord.Client.open.__doc__
+    assert "KEY_MAX" in tensord.Client.lookup.__doc__

@@ -121,6 +121,12 @@ writer's private copy and never crashes), exports one torch tensor per region
 offset are the original ones and entries that shared a torch storage share
 one again. The loaded tensors hold the version they were loaded from: a new
 publish does not change them.
+
+Processes that load one state dict share its pages, but a module built the
+usual way (``Net()``) allocates weights of its own in each process, and
+``model.load_state_dict(sd)`` copies into those: to serve without a copy per
+process, build the module on the meta device and run it on the loaded
+tensors with ``functional_call`` (docs/python.md, "Memory with nn.Modules").
 """
 
 from __future__ import annotations

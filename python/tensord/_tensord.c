@@ -2153,7 +2153,10 @@ static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
     return -1;
   }
   if ((flags & PyBUF_WRITABLE) && self->readonly) {
-    PyErr_SetString(PyExc_BufferError, "tensord.Tensor: read-only");
+    PyErr_Format(PyExc_BufferError,
+                 "tensord.Tensor of storage %llu is mapped read-only "
+                 "(lookup or open with readonly=True): no writable buffer",
+                 (unsigned long long)self->sid);
     return -1;
   }
   int c = td_view_is_contiguous(&self->v) == 1;

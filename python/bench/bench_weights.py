@@ -24,7 +24,8 @@ for each way): each reader builds the model as a module, loads the state dict
 with load_state_dict(client, prefix), and runs one forward pass (a batch of 8):
   Net() + functional_call     the module built on the CPU (its own randomly
                               initialised weights, never used), run with
-                              torch.func's functional_call on the shared tensors
+                              torch.nn.utils.stateless.functional_call on the
+                              shared tensors
   meta + functional_call      the module built on the meta device (shapes, no
                               memory), run the same way: what docs/python.md
                               and docs/examples/shared_weights.py do

@@ -91,7 +91,9 @@ SOAK_ARGS    ?=
 soak: build
 	@tests/soak/run.sh $(BUILD) $(SOAK_SECONDS) $(SOAK_ARGS)
 
-# The whole suite under AddressSanitizer and UndefinedBehaviorSanitizer.
+# The whole suite under AddressSanitizer and UndefinedBehaviorSanitizer,
+# the Python package's included: its suite runs Debian's interpreter with
+# GCC's libasan preloaded (python/CMakeLists.txt).
 asan:
 	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DTD_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug"
 

@@ -1014,10 +1014,19 @@ int td_publish_ex(td_client *c, const char *key, const td_storage *s,
     return err;
   if (s == NULL)
     return fail(c, TD_EINVAL, "publish '%s': storage is NULL", key);
+  if (s->c != c && s->c->instance != c->instance)
+    return fail(c, TD_EINVAL,
+                "publish '%s': storage %llu belongs to tensord instance "
+                "%016llx, and this client's daemon is instance %016llx "
+                "(storage ids are per daemon): copy it into a storage of "
+                "this client's",
+                key, (unsigned long long)s->id,
+                (unsigned long long)s->c->instance,
+                (unsigned long long)c->instance);
   if (s->c != c)
     return fail(c, TD_EINVAL,
                 "publish '%s': storage %llu belongs to another "
-                "client",
+                "client (td_storage_open it on this one)",
                 key, (unsigned long long)s->id);
   if (s->readonly)
     return fail(c, TD_EACCES, "publish '%s': storage %llu is open read-only",

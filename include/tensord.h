@@ -512,7 +512,9 @@ td_client *td_storage_client(const td_storage *s);
 
 /* Publishes a view of s under key (replacing any previous value). v NULL
  * publishes the whole storage as uint8[nbytes]. The key holds its own
- * reference until it is unpublished or replaced. */
+ * reference until it is unpublished or replaced. s must be a handle made by
+ * c: another client's is TD_EINVAL (td_storage_open its id on c, if c's
+ * daemon is the same instance: ids are per daemon). */
 int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v);
 /* Looks key up; waits up to timeout_ms for it to be published (0: do not

@@ -3,11 +3,15 @@
 
 The publisher packs the state dict into one tensord storage under one key.
 Each server maps it with one lookup (read-only, copy-on-write: a stray write
-in a server changes only that server's private copy) and runs the model on
-those tensors as they are: K servers, one copy of the weights in memory.
-Then the publisher publishes new weights under the same key; servers that
-load again get all new tensors (never a mix), while whatever still holds the
-old version keeps it intact.
+in a server changes only that server's private copy), builds the model on
+the meta device (its structure, without weights of its own) and runs it on
+the shared tensors with functional_call: K servers, one copy of the weights
+in memory. (Net() on the CPU would allocate and initialise a copy of the
+weights in each server, which functional_call never reads, and
+model.load_state_dict(weights) would copy the shared tensors into it:
+docs/python.md has the numbers.) Then the publisher publishes new weights
+under the same key; servers that load again get all new tensors (never a
+mix), while whatever still holds the old version keeps it intact.
 
 Run against a daemon (tensord --socket PATH) with TENSORD_SOCKET=PATH:
     PYTHONPATH=build/python /usr/bin/python3 docs/examples/shared_weights.py
@@ -29,14 +33,16 @@ KEY = "examples/shared_weights"
 class Net(torch.nn.Module):
     """A small language-model-shaped net with tied input/output embeddings."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 1000, width: int = 64, device=None) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(1000, 64)
+        self.emb = torch.nn.Embedding(vocab, width, device=device)
         self.mlp = torch.nn.Sequential(
-            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+            torch.nn.Linear(width, 4 * width, device=device),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * width, width, device=device),
         )
-        self.norm = torch.nn.LayerNorm(64)
-        self.out = torch.nn.Linear(64, 1000, bias=False)
+        self.norm = torch.nn.LayerNorm(width, device=device)
+        self.out = torch.nn.Linear(width, vocab, bias=False, device=device)
         self.out.weight = self.emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -53,17 +59,30 @@ def storage_of(x: torch.Tensor) -> int:
     return sid
 
 
-def serve(rank, tokens, expected, loaded, updated, results) -> None:
+def server_model(**sizes) -> Net:
+    """The servers' Net: on the meta device, it has every parameter's shape
+    and dtype and allocates none of them (torch.nn.utils.skip_init(Net,
+    device="meta") does the same for a module that takes device=)."""
+    return Net(device="meta", **sizes).eval()
+
+
+def run(model: Net, weights, tokens: torch.Tensor) -> torch.Tensor:
+    """model's forward pass on weights (names to tensors), not its own."""
     # torch 1.13's functional_call needs both names of a tied weight (it does
     # not follow the tie), and warns about getting both.
-    warnings.filterwarnings("ignore", "functional_call was passed multiple values")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "functional_call was passed multiple values")
+        with torch.no_grad():
+            return functional_call(model, weights, (tokens,))
+
+
+def serve(rank, tokens, expected, loaded, updated, results) -> None:
     client = tensord.connect()
-    model = Net()  # its own random weights are never used
+    model = server_model()
     answers = []
     for version, event in ((1, loaded), (2, None)):
         weights = tdt.load_state_dict(client, KEY)  # one lookup, no copy
-        with torch.no_grad():
-            logits = functional_call(model, weights, (tokens,))
+        logits = run(model, weights, tokens)
         answers.append(torch.allclose(logits, expected[version - 1], atol=1e-5))
         sid = storage_of(weights["emb.weight"])
         tied = weights["emb.weight"].data_ptr() == weights["out.weight"].data_ptr()

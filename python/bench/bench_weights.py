@@ -19,6 +19,21 @@ Every reader then reads every tensor once (a sum over each: every page touched,
 as serving the model would) and checks three elements of each against the
 builder's, and keeps its state dict while the PSS is read.
 
+Then serving an nn.Module over the shared weights (tensord only; fresh readers
+for each way): each reader builds the model as a module, loads the state dict
+with load_state_dict(client, prefix), and runs one forward pass (a batch of 8):
+  Net() + functional_call     the module built on the CPU (its own randomly
+                              initialised weights, never used), run with
+                              torch.nn.utils.stateless.functional_call on the
+                              shared tensors
+  meta + functional_call      the module built on the meta device (shapes, no
+                              memory), run the same way: what docs/python.md
+                              and docs/examples/shared_weights.py do
+  Net() + load_state_dict     the module built on the CPU, then
+                              model.load_state_dict(sd): copies the shared
+                              tensors into the module's own
+"PSS" and "/copy" as above; "total PSS" the sum of the readers' whole Pss.
+
 Columns: "PSS" is the sum over the K readers of (Pss from /proc/PID/smaps_rollup
 holding the model - Pss before the first load), and "/copy" that sum over one
 copy's bytes. "1st load ms" is the wall time of each reader's first torch.load /
@@ -145,13 +160,30 @@ def reader_main(conn, mode: str) -> None:
         del sd
         return dt, rt
 
+    def module(how: str, src: str, layers: int) -> None:
+        from torch.nn.utils.stateless import functional_call
+
+        device = "meta" if how == "meta" else None
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(WIDTH, WIDTH, device=device) for _ in range(layers)]
+        ).eval()
+        sd = tdt.load_state_dict(client, src, readonly=True)
+        x = torch.ones(8, WIDTH)
+        with torch.no_grad():
+            if how == "load_state_dict":
+                model.load_state_dict(sd)
+                model(x)
+            else:
+                functional_call(model, sd, (x,))
+        held.append((model, sd))
+
     def drop() -> None:
         held.clear()
         gc.collect()
 
     gc.collect()
     conn.send(("ok", None))  # ready: the main process reads the baseline Pss now
-    serve(conn, {"load": load, "drop": drop})
+    serve(conn, {"load": load, "module": module, "drop": drop})
     drop()
     if client is not None:
         client.close()
@@ -229,6 +261,37 @@ def run_mode(mode: str, layers: int) -> dict:
         os.unlink(path)
 
 
+MODULE_WAYS = (
+    ("cpu", "Net() + functional_call"),
+    ("meta", "meta + functional_call"),
+    ("load_state_dict", "Net() + load_state_dict"),
+)
+
+
+def run_module(how: str, layers: int) -> dict:
+    """Measures one way of serving a module over the published weights."""
+    readers: list[Child] = []
+    builder = None
+    try:
+        readers = [Child(reader_main, "tensord") for _ in range(K)]
+        for r in readers:
+            r.reply()
+        base = [benchlib.pss_bytes(r.pid) for r in readers]
+        builder = Child(builder_main, layers, "tensord", "")
+        info = builder.reply()
+        builder.proc.join(60)
+        for r in readers:
+            r.call("module", how, PREFIX, layers)
+        held = [benchlib.pss_bytes(r.pid) for r in readers]
+        for r in readers:
+            r.call("drop")
+        return {"nbytes": info["nbytes"], "pss": sum(held) - sum(base),
+                "total": sum(held)}
+    finally:
+        for c in readers + ([builder] if builder else []):
+            c.close()
+
+
 def main() -> int:
     args = benchlib.parse_args("shared weights: torch.load per process vs tensord")
     import torch  # noqa: F401  (imported once here, before the children fork)
@@ -275,6 +338,15 @@ def main() -> int:
             print(f"    tensord PSS <= 1.2x one copy: {x:.2f}x -> {'met' if x <= 1.2 else 'MISSED'}")
             print(f"    tensord attach <= 10 ms (a process's first load_state_dict, median): "
                   f"{a:.2f} ms -> {'met' if a <= 10 else 'MISSED'}")
+        if why is None:
+            print(f"\n  serving an nn.Module over the shared weights, K = {K} readers\n")
+            rows = []
+            for how, label in MODULE_WAYS:
+                r = run_module(how, layers)
+                rows.append([label, str(K), f"{r['pss'] / 1e6:.1f} MB",
+                             f"{r['pss'] / r['nbytes']:.2f}",
+                             f"{r['total'] / 1e6:.1f} MB"])
+            benchlib.print_table(["way", "K", "PSS", "/copy", "total PSS"], rows)
         print(f"\n  (bench_weights.py: {time.monotonic() - t_all:.0f} s)")
     return 1 if (d.failed or why) else 0
 

@@ -19,10 +19,12 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 from . import _tensord
 from ._tensord import (
+    KEY_MAX,
     Closed,
     Error,
     Exists,
@@ -39,6 +41,7 @@ from ._tensord import (
 )
 
 __all__ = [
+    "KEY_MAX",
     "Client",
     "Closed",
     "Error",
@@ -141,6 +144,51 @@ def _undo_lookup(
         pass  # the client closed meanwhile: its keys went with it
     finally:
         t.release()
+
+
+# -- multiprocessing -----------------------------------------------------------
+#
+# A multiprocessing.Queue pickles what put() was given later, in its feeder
+# thread ("QueueFeederThread"): an exception raised there is printed and the
+# object dropped, after put() has returned, and the consumer's get() waits
+# forever for it. So a reducer that cannot send something raises where the
+# caller pickles (a Pipe's send(), a SimpleQueue's put(), a spawned process's
+# arguments), and in a feeder thread pickles the error instead: the
+# consumer's get() raises it.
+
+
+def _raise_unsent(cls: type, message: str) -> None:
+    raise cls(message)
+
+
+def _unsendable(exc: BaseException):
+    """What a ForkingPickler reducer returns for what it cannot send: raises
+    exc, except in a multiprocessing.Queue's feeder thread, where it returns
+    a reduction whose unpickling raises exc's class with its message."""
+    if threading.current_thread().name != "QueueFeederThread":
+        raise exc
+    cls = type(exc)
+    if not (cls.__module__ == "builtins" or issubclass(cls, Error)):
+        cls = TypeError  # one the receiver is sure to be able to unpickle
+    msg = (
+        "not sent: %s (process %d pickled it in its multiprocessing.Queue's "
+        "feeder thread, after put() had returned)" % (exc, os.getpid())
+    )
+    return (_raise_unsent, (cls, msg))
+
+
+def _reduce_tensor(t: Tensor):
+    """ForkingPickler's reducer of a Tensor while tensord.torch.install() is
+    not in effect: it cannot be sent."""
+    return _unsendable(
+        TypeError(
+            "tensord.Tensor cannot be pickled: publish it under a key, or "
+            "call tensord.torch.install() to send it through multiprocessing"
+        )
+    )
+
+
+ForkingPickler.register(Tensor, _reduce_tensor)
 
 
 def connect(path: Optional[str] = None, name: Optional[str] = None) -> Client:

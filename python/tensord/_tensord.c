@@ -85,13 +85,28 @@ static store *store_new(td_storage *s) {
   return p;
 }
 
+/* Takes one more reference; the caller holds one already. */
 static store *store_ref(store *p) {
   atomic_fetch_add(&p->refs, 1);
   return p;
 }
 
+/* Takes a reference on a store found in g_stores (under g_reg_mu) by a
+ * caller that holds none: only from a count above zero. Returns p, or NULL
+ * when the count has reached zero: its last holder is on its way to unlink
+ * and free it (store_unref) and waits for g_reg_mu to do so. */
+static store *store_revive(store *p) {
+  long n = atomic_load(&p->refs);
+  while (n > 0)
+    if (atomic_compare_exchange_weak(&p->refs, &n, n + 1))
+      return p;
+  return NULL;
+}
+
 /* Drops one reference; the last releases the td_storage (without the GIL
- * if the caller holds it: a release may send a message). */
+ * if the caller holds it: a release may send a message). The count reaches
+ * zero before the store leaves g_stores, so find() revives a store only with
+ * store_revive, never with store_ref. */
 static void store_unref(store *p) {
   if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
     return;
@@ -1117,16 +1132,28 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
     err = cl_enter(self, &x);
     if (err == 0) {
       td_storage *s = sp->s, *tmp = NULL;
-      if (td_storage_client(s) != x.c) {
-        /* Another client's handle (another Client, or the parent's before a
-         * fork): a reference of our own for the publish, no copy. */
+      uint64_t ours = td_client_instance(x.c);
+      if (sp->instance != ours) {
+        /* Ids are per daemon: the same id here is another storage. */
+        snprintf(x.msg, sizeof(x.msg),
+                 "publish '%s': storage %llu belongs to tensord instance "
+                 "%016llx, and this client's daemon is instance %016llx "
+                 "(storage ids are per daemon): share() copies it into this "
+                 "daemon",
+                 key, (unsigned long long)td_storage_id(s),
+                 (unsigned long long)sp->instance, (unsigned long long)ours);
+        err = TD_EINVAL;
+      } else if (td_storage_client(s) != x.c) {
+        /* Another client's handle of our daemon (another Client, or the
+         * parent's before a fork): a reference of our own for the publish,
+         * no copy. */
         err = td_storage_open(x.c, td_storage_id(s), 0, &tmp);
         s = tmp;
+        if (err < 0)
+          snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       }
-      if (err == 0)
-        err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
-                      : td_publish(x.c, key, s, &v);
-      if (err < 0)
+      if (err == 0 && (err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
+                                     : td_publish(x.c, key, s, &v)) < 0)
         snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       td_storage_release(tmp);
       cl_leave(self);
@@ -1496,8 +1523,10 @@ static PyMethodDef Client_methods[] = {
      "published under key if given."},
     {"open", (PyCFunction)(void (*)(void))Client_open,
      METH_VARARGS | METH_KEYWORDS,
-     "open(storage_id, readonly=False) -> Tensor: a new reference to a "
-     "storage, as uint8[nbytes]. readonly maps it copy-on-write."},
+     "open(storage_id, readonly=False, lazy=False) -> Tensor: a new "
+     "reference to a storage, as uint8[nbytes]. readonly maps it "
+     "copy-on-write; lazy maps it without populating it (each page is "
+     "mapped when first touched)."},
     {"publish", (PyCFunction)(void (*)(void))Client_publish,
      METH_VARARGS | METH_KEYWORDS,
      "publish(key, tensor, scope=None): publishes the tensor's view of its "
@@ -1513,10 +1542,14 @@ static PyMethodDef Client_methods[] = {
      "dropped."},
     {"lookup", (PyCFunction)(void (*)(void))Client_lookup,
      METH_VARARGS | METH_KEYWORDS,
-     "lookup(key, timeout=None, readonly=False, take=False) -> Tensor: the "
-     "tensor published under key, waiting up to timeout seconds (None: "
-     "forever; 0: not at all) for it. readonly maps it copy-on-write; take "
-     "unpublishes it atomically."},
+     "lookup(key, timeout=None, readonly=False, take=False, lazy=False) -> "
+     "Tensor: the tensor published under key, waiting up to timeout seconds "
+     "(None: forever; 0: not at all) for it. readonly maps it "
+     "copy-on-write; take unpublishes it atomically; lazy maps it without "
+     "populating it (TD_LAZY: attaching costs the same for any size, and "
+     "each page is mapped when first touched; for weights attached long "
+     "before they are all read). A key is a str of 1 to KEY_MAX (255) "
+     "bytes of UTF-8."},
     {"ls", (PyCFunction)Client_ls, METH_NOARGS,
      "ls() -> list[dict]: every live storage, as `tensorctl ls --json`."},
     {"stat", (PyCFunction)Client_stat, METH_NOARGS,
@@ -1837,7 +1870,8 @@ static PyObject *Tensor_exit(Tensor *self, PyObject *args) {
 static PyObject *Tensor_reduce(Tensor *self, PyObject *args) {
   PyErr_SetString(PyExc_TypeError,
                   "tensord.Tensor cannot be pickled: publish it under a key, "
-                  "or send its torch() tensor after tensord.torch.install()");
+                  "or send it (or its torch() tensor) through "
+                  "multiprocessing after tensord.torch.install()");
   return NULL;
 }
 
@@ -2152,7 +2186,10 @@ static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
     return -1;
   }
   if ((flags & PyBUF_WRITABLE) && self->readonly) {
-    PyErr_SetString(PyExc_BufferError, "tensord.Tensor: read-only");
+    PyErr_Format(PyExc_BufferError,
+                 "tensord.Tensor of storage %llu is mapped read-only "
+                 "(lookup or open with readonly=True): no writable buffer",
+                 (unsigned long long)self->sid);
     return -1;
   }
   int c = td_view_is_contiguous(&self->v) == 1;
@@ -2402,10 +2439,9 @@ static PyObject *mod_find(PyObject *m, PyObject *arg) {
   char *p = ptr;
   pthread_mutex_lock(&g_reg_mu);
   for (store *s = g_stores; s != NULL; s = s->next)
-    if (!s->cuda && p >= s->base && p < s->base + s->len) {
-      hit = store_ref(s);
+    if (!s->cuda && p >= s->base && p < s->base + s->len &&
+        (hit = store_revive(s)) != NULL)
       break;
-    }
   pthread_mutex_unlock(&g_reg_mu);
   if (hit == NULL)
     Py_RETURN_NONE;
@@ -2513,7 +2549,8 @@ PyMODINIT_FUNC PyInit__tensord(void) {
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddStringConstant(m, "libtensord_version", td_version_string()) <
           0 ||
-      PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0) {
+      PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0 ||
+      PyModule_AddIntConstant(m, "KEY_MAX", TD_KEY_MAX) < 0) {
     Py_DECREF(m);
     return NULL;
   }

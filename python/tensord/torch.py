@@ -44,6 +44,15 @@ non-leaf that requires grad, without named dimensions, the reducer
 Every other tensor (CUDA, sparse, quantized, complex32, non-leaf requiring
 grad, named) goes through torch's own reducer, unchanged.
 
+A ``tensord.Tensor`` travels the same way (a one-shot key in the scope) and
+arrives as a ``tensord.Tensor``: a writable one of the installed client's
+daemon as its own storage and view, a read-only one or another daemon's
+copied once (``Client.share``). What a reducer cannot send (a released
+Tensor, a publish the daemon refuses) raises where the caller pickles; in a
+``multiprocessing.Queue``'s feeder thread, which pickles after ``put()`` has
+returned, the error is pickled instead and the consumer's ``get()`` raises
+it (``tensord._unsendable``), so no consumer waits forever.
+
 Who frees a tensor in flight: the key holds a reference from the moment the
 sender pickles it until a receiver takes it, so the sender may release its
 own at once and even exit before the receiver unpickles (a DataLoader worker
@@ -112,10 +121,17 @@ writer's private copy and never crashes), exports one torch tensor per region
 offset are the original ones and entries that shared a torch storage share
 one again. The loaded tensors hold the version they were loaded from: a new
 publish does not change them.
+
+Processes that load one state dict share its pages, but a module built the
+usual way (``Net()``) allocates weights of its own in each process, and
+``model.load_state_dict(sd)`` copies into those: to serve without a copy per
+process, build the module on the meta device and run it on the loaded
+tensors with ``functional_call`` (docs/python.md, "Memory with nn.Modules").
 """
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import json
 import os
@@ -277,6 +293,7 @@ def _end_scope() -> None:
 def _register() -> None:
     ForkingPickler.register(torch.Tensor, _reduce_tensor)
     ForkingPickler.register(torch.nn.parameter.Parameter, _reduce_tensor)
+    ForkingPickler.register(_tensord.Tensor, _reduce_td_tensor)
 
 
 def install(client=None) -> None:
@@ -329,6 +346,7 @@ def uninstall() -> None:
     with _state_lock:
         ForkingPickler.register(torch.Tensor, reduce_tensor)
         ForkingPickler.register(torch.nn.parameter.Parameter, reduce_tensor)
+        ForkingPickler.register(_tensord.Tensor, tensord._reduce_tensor)
         _end_scope()
         _state.client = None
         _state.installed = False
@@ -439,15 +457,43 @@ def _reduce_tensor(t: torch.Tensor):
         from torch.multiprocessing.reductions import reduce_tensor
 
         return reduce_tensor(t)
-    view = _storage_view(client, t)
-    if view is None:
-        view = _copy_into(client, t)
     try:
-        key = _publish_in_flight(client, view)
-    finally:
-        view.release()
+        view = _storage_view(client, t)
+        if view is None:
+            view = _copy_into(client, t)
+        try:
+            key = _publish_in_flight(client, view)
+        finally:
+            view.release()
+    except Exception as e:
+        return tensord._unsendable(e)  # a queue's feeder: to the consumer
     is_param = isinstance(t, torch.nn.Parameter)
     return (_rebuild_tensor, (client.path, key, bool(t.requires_grad), is_param))
+
+
+def _reduce_td_tensor(t):
+    """ForkingPickler reducer for tensord.Tensor: the same one-shot key in
+    the scope as a torch tensor's. A writable Tensor of the installed
+    client's daemon travels as its own storage and view (no copy); a
+    read-only one (its copy-on-write pages are private) or another daemon's
+    is copied once (Client.share: any dtype; a GPU's into CPU memory)."""
+    client = _state.client
+    if client is None:
+        return tensord._reduce_tensor(t)
+    try:
+        if t.readonly or t.instance != client.instance:
+            view = client.share(t)
+        else:
+            # A view of its own: publishing sets .key, which must stay the
+            # sender's Tensor's.
+            view = t.as_strided(t.shape, t.strides)
+        try:
+            key = _publish_in_flight(client, view)
+        finally:
+            view.release()
+    except Exception as e:
+        return tensord._unsendable(e)
+    return (_rebuild_td_tensor, (client.path, key))
 
 
 def _rebuild_tensor(path: str, key: str, requires_grad: bool, is_parameter: bool):
@@ -462,6 +508,12 @@ def _rebuild_tensor(path: str, key: str, requires_grad: bool, is_parameter: bool
     if requires_grad:
         x.requires_grad_(True)
     return x
+
+
+def _rebuild_td_tensor(path: str, key: str):
+    """Unpickles a tensord.Tensor the reducer sent: takes its one-shot key
+    (the Tensor's .key is that key, gone once taken)."""
+    return client_for(path).lookup(key, timeout=0, take=True)
 
 
 # --------------------------------------------------------------------------
@@ -685,17 +737,28 @@ def _align(n: int) -> int:
 
 
 def publish_state_dict(
-    client, prefix: str, state_dict: Mapping[str, torch.Tensor]
+    client, prefix: str, state_dict: "Mapping[str, torch.Tensor] | torch.nn.Module"
 ) -> int:
     """Publishes state_dict under the key ``prefix`` as one packed storage.
 
-    Every distinct torch storage behind the tensors is copied once (whole, so
-    strides and storage offsets stay exact and tied weights stay tied); the
-    tensors may be on any device, and are loaded as CPU tensors. Publishing
-    again under the same prefix replaces the key atomically. Returns the new
-    storage's id. Raises TypeError for a value that is not a tensor or is
-    quantized, tensord.Error from the daemon (OutOfMemory, QuotaExceeded...).
+    ``state_dict``: a mapping of names to tensors (``module.state_dict()``),
+    or an ``nn.Module``, whose ``state_dict()`` is taken. Every distinct
+    torch storage behind the tensors is copied once (whole, so strides and
+    storage offsets stay exact and tied weights stay tied); the tensors may
+    be on any device, and are loaded as CPU tensors. Publishing again under
+    the same prefix replaces the key atomically. Returns the new storage's
+    id. Raises TypeError for anything else, for a value that is not a tensor
+    or is quantized, tensord.Error from the daemon (OutOfMemory,
+    QuotaExceeded...).
     """
+    if isinstance(state_dict, torch.nn.Module):
+        state_dict = state_dict.state_dict()
+    elif not isinstance(state_dict, collections.abc.Mapping):
+        raise TypeError(
+            "publish_state_dict wants a state dict (a mapping of names to "
+            "tensors, as module.state_dict() returns) or an nn.Module, not "
+            "a %s" % type(state_dict).__name__
+        )
     regions: list = []  # [storage, nbytes]
     region_of: dict = {}
     tensors: dict = {}

@@ -45,6 +45,19 @@ def tag() -> str:
     return "python"
 
 
+def daemon_env() -> dict:
+    """tensord's environment: ours, except under make asan, where ctest
+    preloads libasan into the interpreter with leak checks off
+    (python/CMakeLists.txt): tensord, an ASan binary of its own, gets no
+    preload and TDT_DAEMON_ASAN_OPTIONS (leak checks on)."""
+    env = dict(os.environ)
+    opts = env.get("TDT_DAEMON_ASAN_OPTIONS")
+    if opts is not None:
+        env.pop("LD_PRELOAD", None)
+        env["ASAN_OPTIONS"] = opts
+    return env
+
+
 def _die_with_parent() -> None:
     # A test run that dies takes its daemon with it (SIGTERM cleans up).
     PR_SET_PDEATHSIG = 1
@@ -66,6 +79,7 @@ class Daemon:
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
+            env=daemon_env(),
         )
         log.close()
         self._wait_ready()

@@ -11,7 +11,7 @@ import pytest
 
 import tensord
 
-from conftest import TOP, wait_storages
+from conftest import TOP, Daemon, wait_storages
 
 
 def tensorctl_json(sock, *args):
@@ -312,6 +312,38 @@ def test_publish_tensor_of_another_client(daemon, client):
     client.unpublish("foreign")
 
 
+def test_publish_tensor_of_another_daemon_is_refused():
+    """Storage ids are per daemon: a tensor of daemon A published through a
+    client of daemon B must not publish B's storage that has the same id."""
+    a, b = Daemon(), Daemon()
+    try:
+        with tensord.connect(a.sock) as ca, tensord.connect(b.sock) as cb:
+            ta = ca.share(b"bytes of A")
+            tb = cb.share(b"bytes of B")
+            assert ta.storage_id == tb.storage_id  # both daemons' first
+            assert ta.instance != tb.instance
+            with pytest.raises(tensord.Error) as e:
+                cb.publish("k", ta)
+            assert e.value.name == "EINVAL"
+            assert "%016x" % ca.instance in str(e.value), str(e.value)
+            assert "%016x" % cb.instance in str(e.value), str(e.value)
+            assert "share()" in str(e.value)
+            with pytest.raises(tensord.NotFound):
+                cb.lookup("k", timeout=0)  # nothing was published
+            assert ta.key is None
+            # What the message suggests: a copy, in B.
+            cb.share(ta, key="k").release()
+            with cb.lookup("k", timeout=0) as got:
+                assert bytes(memoryview(got)) == b"bytes of A"
+                assert got.storage_id != tb.storage_id
+            cb.unpublish("k")
+            ta.release()
+            tb.release()
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_publish_readonly_is_permission_denied(client):
     t = client.share(b"abcd", key="ro")
     r = client.lookup("ro", readonly=True)
@@ -392,3 +424,32 @@ def test_tensor_not_constructible_nor_picklable(client):
     with client.empty(2) as t:
         with pytest.raises(TypeError, match="pickle"):
             pickle.dumps(t)
+
+
+def test_keys_are_at_most_key_max_bytes_of_utf8(client):
+    """docs/python.md: a key is 1 to 255 bytes of UTF-8 (bytes, not
+    characters), refused before anything reaches the daemon."""
+    assert tensord.KEY_MAX == 255
+    t = client.share(b"k")
+    client.publish("k" * 255, t)
+    with client.lookup("k" * 255, timeout=0) as u:
+        assert u.key == "k" * 255
+    client.unpublish("k" * 255)
+    for bad in ("k" * 256, "\u00e9" * 128):  # 256 bytes: 256 or 128 characters
+        with pytest.raises(tensord.Error) as e:
+            client.publish(bad, t)
+        assert e.value.name == "EINVAL"
+        assert "key of 256 bytes is longer than 255" in str(e.value)
+        with pytest.raises(tensord.Error, match="longer than 255"):
+            client.lookup(bad, timeout=0)
+    with pytest.raises(tensord.Error, match="empty key"):
+        client.publish("", t)
+    with pytest.raises(ValueError, match="NUL"):
+        client.publish("a\0b", t)
+    t.release()
+
+
+def test_docstrings_name_every_keyword():
+    assert "lazy=False" in tensord.Client.lookup.__doc__
+    assert "lazy=False" in tensord.Client.open.__doc__
+    assert "KEY_MAX" in tensord.Client.lookup.__doc__

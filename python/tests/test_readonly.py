@@ -2,6 +2,7 @@
 pages: their mappings are copy-on-write (TD_COW)."""
 
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -29,11 +30,54 @@ def test_readonly_numpy_is_not_writeable(client):
     assert m.readonly
     with pytest.raises(TypeError):
         m[0] = 9
-    with pytest.raises((BufferError, TypeError), match="writ"):
-        ctypes.c_char.from_buffer(r)  # wants a writable buffer
+    with pytest.raises(TypeError, match="underlying buffer is not writable"):
+        ctypes.c_char.from_buffer(r)  # ctypes' own check, of a read-only buffer
     assert r.__array_interface__["data"] == (r.data_ptr, True)
     m.release()
     client.unpublish("ro")
+    t.release()
+    r.release()
+
+
+class Py_buffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+PyBUF_WRITABLE = 0x0001
+
+
+def test_writable_buffer_of_a_readonly_tensor_is_refused_by_the_extension(client):
+    """The extension's own check (Tensor_getbuffer): numpy, memoryview and
+    ctypes look at a buffer's readonly flag themselves, so they never show
+    it; these consumers ask for PyBUF_WRITABLE and take what they get."""
+    t = publish_bytes(client, "rob", b"abcd")
+    r = client.lookup("rob", readonly=True)
+    want = r"^tensord\.Tensor of storage %d is mapped read-only" % r.storage_id
+    rfd, wfd = os.pipe()
+    try:
+        os.write(wfd, b"xy")
+        with pytest.raises(BufferError, match=want):
+            os.readv(rfd, [r])  # PyObject_GetBuffer(r, PyBUF_WRITABLE)
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(Py_buffer), ctypes.c_int]
+    b = Py_buffer()
+    with pytest.raises(BufferError, match=want):
+        get(r, ctypes.byref(b), PyBUF_WRITABLE)
+    assert bytes(r.numpy()) == b"abcd"  # nothing was written, not even privately
+    get(t, ctypes.byref(b), PyBUF_WRITABLE)  # a writable Tensor's is granted
+    assert b.readonly == 0 and b.len == 4
+    ctypes.pythonapi.PyBuffer_Release(ctypes.byref(b))
+    client.unpublish("rob")
     t.release()
     r.release()
 

@@ -21,11 +21,15 @@ Point = collections.namedtuple("Point", ["x", "y"])
 class Nested(torch.utils.data.Dataset):
     """Nested samples of every kind default_collate handles. Uses the
     worker's global RNG too, so equal batches need equal worker seeding.
-    With kill_at, worker 1 SIGKILLs itself on any index >= kill_at."""
+    With kill_at, worker 1 SIGKILLs itself on any index >= kill_at, once
+    the main process has received a batch (received, an Event the test
+    sets: without it, on a loaded machine the worker could die before any
+    batch arrived)."""
 
-    def __init__(self, n, kill_at=None):
+    def __init__(self, n, kill_at=None, received=None):
         self.n = n
         self.kill_at = kill_at
+        self.received = received
 
     def __len__(self):
         return self.n
@@ -34,6 +38,8 @@ class Nested(torch.utils.data.Dataset):
         if self.kill_at is not None and i >= self.kill_at:
             info = torch.utils.data.get_worker_info()
             if info is not None and info.id == 1:
+                if self.received is not None:
+                    self.received.wait(60)
                 time.sleep(0.3)  # let the batches already put reach the pipe
                 os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(i)
@@ -175,17 +181,21 @@ def test_spawned_workers(clean):
 
 
 def test_worker_killed_mid_epoch_raises_like_torch_and_leaks_nothing(clean):
-    ds = Nested(40, kill_at=12)  # worker 1's second batch: indices 12..15
+    received = torch.multiprocessing.get_context("fork").Event()
+    # Worker 1's second batch: indices 12..15 (the workers are forked).
+    ds = Nested(40, kill_at=12, received=received)
     mine, theirs = loaders(clean, ds, batch_size=4, num_workers=2)
 
     def consume(loader):
         torch.manual_seed(0)
         np.random.seed(0)
+        received.clear()
         got = []
         it = iter(loader)
         try:
             for b in it:
                 got.append(b)
+                received.set()
         except RuntimeError as e:
             error = str(e)
         else:

@@ -317,3 +317,124 @@ def test_tensor_of_another_daemon_is_copied(installed):
             mine.release()
     finally:
         other.stop()
+
+
+# -- tensord.Tensor itself through torch.multiprocessing -------------------------
+
+
+def _echo_td(path, q_in, q_out):
+    """Receives tensord.Tensors, writes into the first, sends back what it
+    saw and the Tensor itself."""
+    tdt.install(tdt.client_for(path))  # a spawned child has to; forked: no-op
+    v, ro, u16 = q_in.get(timeout=60)
+    seen = [
+        (type(x).__name__, x.storage_id, x.dtype, x.shape, x.strides, x.offset,
+         x.readonly, x.numpy().tolist())
+        for x in (v, ro, u16)
+    ]
+    v.numpy()[...] += 1000  # seen by the sender only if nothing was copied
+    q_out.put((seen, v))
+    q_out.close()
+    q_out.join_thread()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_tensord_tensor_through_a_queue(installed, daemon, method):
+    """A tensord.Tensor put on a torch.multiprocessing queue arrives as a
+    tensord.Tensor: its own storage and view when writable, a copy of what
+    a read-only reader sees otherwise; any dtype, uint16 included."""
+    c = installed
+    ctx = mp.get_context(method)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo_td, args=(daemon, q_in, q_out))
+    p.start()
+    t = c.empty((4, 6), "float32")
+    ref = torch.arange(24, dtype=torch.float32).reshape(4, 6).numpy()
+    t.numpy()[...] = ref
+    v = t[1:, ::2]
+    c.publish("mp/td-ro", t)
+    ro = c.lookup("mp/td-ro", timeout=0, readonly=True)
+    u16 = c.empty((3,), "uint16")
+    u16.numpy()[...] = [1, 2, 65535]
+    q_in.put((v, ro, u16))
+    seen, back = q_out.get(timeout=60)
+    p.join(30)
+    assert p.exitcode == 0
+    sv, sro, su = seen
+    assert sv == ("Tensor", t.storage_id, "float32", (3, 3), (6, 2), 6, False,
+                  ref[1:, ::2].tolist())  # the same storage and view
+    assert sro[1] not in (t.storage_id, ro.storage_id)  # copied
+    assert sro[2:5] == ("float32", (4, 6), (6, 1)) and not sro[6]
+    assert sro[7] == ref.tolist()
+    assert su[2:5] == ("uint16", (3,), (1,)) and su[7] == [1, 2, 65535]
+    # The child's write landed in our storage, and v came back as itself.
+    assert t.numpy()[1, 0] == 1006.0 and t.numpy()[1, 1] == 7.0
+    assert isinstance(back, tensord.Tensor)
+    assert (back.storage_id, back.shape, back.strides, back.offset) == (
+        t.storage_id, (3, 3), (6, 2), 6)
+    assert v.key is None  # sending does not change the sender's Tensor
+    assert in_flight_keys(c) == []
+    c.unpublish("mp/td-ro")
+    for x in (back, v, ro, u16, t):
+        x.release()
+
+
+def test_tensord_tensor_of_another_daemon_is_copied(installed):
+    c = installed
+    other = Daemon()
+    try:
+        with tensord.connect(other.sock) as oc:
+            t = oc.share(b"from the other daemon")
+            y = ForkingPickler.loads(ForkingPickler.dumps(t))
+            assert y.instance == c.instance
+            assert bytes(memoryview(y)) == b"from the other daemon"
+            y.release()
+            t.release()
+    finally:
+        other.stop()
+
+
+def test_what_cannot_be_sent_raises_in_the_consumer_not_hang(clean):
+    """A multiprocessing.Queue pickles in its feeder thread after put()
+    returned; what cannot be pickled raises in the consumer's get() instead
+    of leaving it to wait forever. Where the caller pickles, it raises
+    there."""
+    c = clean
+    q = mp.get_context("fork").Queue()
+    t = c.share(b"abc")
+    q.put(t)  # not installed: no way to send it
+    with pytest.raises(TypeError, match="install()") as e:
+        q.get(timeout=60)
+    assert "feeder thread" in str(e.value)
+    with pytest.raises(TypeError, match="install()"):
+        ForkingPickler.dumps(t)  # in this thread: raises here
+    tdt.install(c)
+    r = c.share(b"xyz")
+    r.release()
+    q.put(r)  # released: nothing to send
+    with pytest.raises(ValueError, match="released"):
+        q.get(timeout=60)
+    q.put(t)  # the queue still works
+    y = q.get(timeout=60)
+    assert bytes(memoryview(y)) == b"abc" and y.storage_id == t.storage_id
+    q.close()
+    q.join_thread()
+    y.release()
+    t.release()
+
+
+def test_without_install_torchs_reducer_moves_the_senders_tensor_out(clean):
+    """docs/python.md (is_shared): torch's own reducer share_memory_()s a
+    tensor whose storage it did not allocate, in the sender: the sender's
+    tensor then lives in torch's shared memory, no longer in tensord."""
+    c = clean
+    t = c.empty((4,), "float32")
+    x = t.torch()
+    before = x.data_ptr()
+    assert not x.is_shared()
+    ForkingPickler.dumps(x)
+    assert x.is_shared() and x.data_ptr() != before
+    x.fill_(3.0)
+    assert t.numpy().tolist() == [0.0] * 4  # the storage no longer sees it
+    del x
+    t.release()

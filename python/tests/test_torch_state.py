@@ -232,3 +232,120 @@ def test_example_shared_weights(clean, daemon):
     out = run_example(daemon, "shared_weights.py")
     lines = [l for l in out.splitlines() if l.startswith("server ")]
     assert len(lines) == 3 and all("ok" in l for l in lines), out
+
+
+def test_publish_a_module_or_say_what_is_wanted(clean):
+    c = clean
+    torch.manual_seed(0)
+    m = Tied()
+    tdt.publish_state_dict(c, "models/module", m)  # its state_dict()
+    got = tdt.load_state_dict(c, "models/module")
+    want = m.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert storage_ptr(got["emb.weight"]) == storage_ptr(got["out.weight"])
+    for bad in ([torch.ones(2)], torch.ones(2), "weights"):
+        with pytest.raises(TypeError, match="a state dict .* or an nn.Module"):
+            tdt.publish_state_dict(c, "models/bad", bad)
+    c.unpublish("models/module")
+    del got
+
+
+def test_is_shared_is_false_and_share_memory_moves_out(clean):
+    """What docs/python.md says of is_shared(): torch answers True only for a
+    storage its own allocator mapped (one it can hand on by fd or file name);
+    a tensord storage reaches torch through DLPack, so False. And torch's
+    share_memory_() on such a tensor moves its bytes into torch's own shared
+    memory: the tensor no longer aliases the tensord storage."""
+    c = clean
+    tdt.publish_state_dict(c, "models/shared", {"w": torch.arange(6.0)})
+    w = tdt.load_state_dict(c, "models/shared", readonly=False)["w"]
+    assert not w.is_shared()  # torch's answer
+    hit = _tensord.find(w.data_ptr())  # tensord's: yes, in a storage
+    assert hit is not None
+    base, off = hit
+    before = w.data_ptr()
+    w.share_memory_()
+    assert w.is_shared() and w.data_ptr() != before  # moved out
+    assert _tensord.find(w.data_ptr()) is None
+    w.fill_(-1)  # no longer reaches the tensord storage
+    assert base.numpy()[off : off + 24].view("float32").tolist() == [
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    base.release()
+    c.unpublish("models/shared")
+
+
+def pss_bytes(pid):
+    with open("/proc/%d/smaps_rollup" % pid) as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Pss in /proc/%d/smaps_rollup" % pid)
+
+
+@pytest.mark.parametrize("how", ["meta", "load_state_dict"])
+def test_k_servers_hold_one_copy_of_the_weights(clean, daemon, how):
+    """docs/examples/shared_weights.py's servers, at tens of MB: K processes
+    that attach the published state dict and build the Net on the meta
+    device hold one copy of the weights between them (the sum of what their
+    Pss grew by, from /proc/PID/smaps_rollup, under 1.5 copies); a Net built
+    on the CPU that load_state_dict()s the weights holds a copy per process
+    (the pitfall docs/python.md shows), more than K copies."""
+    import torch.multiprocessing as mp
+    from _children import _shared_weights_example, serve_weights
+
+    c = clean
+    K = 3
+    sizes = {"vocab": 20000, "width": 512}
+    ex = _shared_weights_example()
+    torch.manual_seed(0)
+    model = ex.Net(**sizes).eval()
+    sd = model.state_dict()
+    nbytes = sum(
+        {storage_ptr(t): t.numel() * t.element_size() for t in sd.values()}.values()
+    )
+    assert 40e6 < nbytes < 60e6  # tens of MB
+    tdt.publish_state_dict(c, "models/served", sd)
+    del sd
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensord.torch"])
+    conns, procs = [], []
+    try:
+        for _ in range(K):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=serve_weights,
+                            args=(b, daemon, "models/served", sizes, how))
+            p.start()
+            b.close()
+            conns.append(a)
+            procs.append(p)
+        for a in conns:
+            assert a.poll(120) and a.recv() == "ready"
+        base = [pss_bytes(p.pid) for p in procs]
+        for a in conns:
+            a.send("go")
+        for a in conns:
+            assert a.poll(120)
+            tokens, logits = a.recv()
+            with torch.no_grad():
+                assert torch.allclose(logits, model(tokens), atol=1e-5)
+        held = [pss_bytes(p.pid) for p in procs]
+        for a in conns:
+            a.send("quit")
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    grown = sum(held) - sum(base)
+    print("%s: %d servers grew by %.1f MB of Pss, %.2f copies of %.1f MB"
+          % (how, K, grown / 1e6, grown / nbytes, nbytes / 1e6))
+    if how == "meta":
+        assert grown < 1.5 * nbytes, (grown, nbytes)
+    else:
+        assert grown > K * nbytes, (grown, nbytes)
+    c.unpublish("models/served")

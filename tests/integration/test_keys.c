@@ -392,6 +392,36 @@ TDT_TEST(keys, publish_from_a_read_only_handle_is_eacces) {
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }
 
+/* Storage ids are per daemon: a handle of daemon A given to a client of
+ * daemon B, where a storage with the same id exists, must not publish B's. */
+static tdt_daemon e;
+TDT_TEST(keys, publish_refuses_a_handle_of_another_daemon) {
+  tdt_start(&e, NULL);
+  td_client *ca = tdt_connect(&d), *cb = tdt_connect(&e);
+  td_storage *a = make(ca, 64, 'A'), *b = make(cb, 64, 'B');
+  cr_assert_eq(td_storage_id(a), td_storage_id(b), "both daemons' first");
+  cr_assert_neq(td_client_instance(ca), td_client_instance(cb));
+  cr_assert_eq(td_publish(cb, "k", a, NULL), TD_EINVAL);
+  char want[128];
+  snprintf(want, sizeof(want), "tensord instance %016llx",
+           (unsigned long long)td_client_instance(ca));
+  cr_assert(strstr(td_last_error(cb), want), "'%s' lacks '%s'",
+            td_last_error(cb), want);
+  snprintf(want, sizeof(want), "instance %016llx",
+           (unsigned long long)td_client_instance(cb));
+  cr_assert(strstr(td_last_error(cb), want), "'%s' lacks '%s'",
+            td_last_error(cb), want);
+  td_storage *t;
+  cr_assert_eq(td_lookup(cb, "k", 0, 0, &t, NULL), TD_ENOENT,
+               "nothing was published");
+  td_storage_release(b);
+  td_storage_release(a);
+  td_close(cb);
+  td_close(ca);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+  cr_assert(tdt_until(tdt_no_segments, &e, 5000));
+}
+
 /* ---- views ---- */
 
 static void check_view_round_trip(td_client *c, td_storage *s, const char *key,

@@ -149,7 +149,7 @@ static void shared_both_ways(td_client *c, td_storage *s, size_t n) {
   cr_assert(tdt_until(tdt_no_segments, &d, 2000));
   cr_assert_eq(tdt_storages(&d), 0);
   memcpy(freed_uuid, uuid, 16);
-  tdt_until(gpu_freed, &d, 2000);
+  tdt_until(gpu_freed, &d, 10000);
   c = tdt_connect(&d);
   g = gpu_stat(c, uuid);
   cr_assert_eq(g.bytes_used, 0, "%llu bytes still allocated",
@@ -238,7 +238,7 @@ TDT_TEST(cuda, sigkill_of_the_last_holder_frees_the_allocation) {
   kill(pid, SIGKILL);
   cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
   memcpy(freed_uuid, uuid, 16);
-  tdt_until(gpu_freed, &d, 2000);
+  tdt_until(gpu_freed, &d, 10000);
   td_device_stat g = gpu_stat(c, uuid);
   cr_assert_eq(g.bytes_used, 0,
                "the dead holder's allocation is still there (%llu bytes)",
@@ -441,7 +441,7 @@ TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
   cr_assert_eq(daemon_allocations(), 1);
   shared_both_ways(c, s, n);
   /* cuMemFree'd: the daemon holds the allocation no more. */
-  cr_assert(tdt_until(freed_all, &d, 2000), "%d allocation(s) left",
+  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
             daemon_allocations());
 }
 
@@ -469,14 +469,14 @@ TDT_TEST(cuda, legacy_sigkill_of_the_last_holder_frees_the_allocation) {
   kill(pid, SIGKILL);
   cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
   memcpy(freed_uuid, uuid, 16);
-  tdt_until(gpu_freed, &d, 2000);
+  tdt_until(gpu_freed, &d, 10000);
   td_device_stat g = gpu_stat(c, uuid);
   cr_assert_eq(g.bytes_used, 0,
                "the dead holder's allocation is still there (%llu bytes)",
                (unsigned long long)g.bytes_used);
   cr_assert_eq(g.storages, 0);
   cr_assert_eq(tdt_storages(&d), 0);
-  cr_assert(tdt_until(freed_all, &d, 2000), "the daemon did not cuMemFree it");
+  cr_assert(tdt_until(freed_all, &d, 10000), "the daemon did not cuMemFree it");
   td_close(c);
 }
 

@@ -305,8 +305,6 @@ uint64_t tdt_storages(const tdt_daemon *d) {
 int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
               int timeout_ms) {
   struct timespec ts = {0, 2 * 1000 * 1000}, now;
-  if (timeout_ms < TDT_UNTIL_MIN_MS)
-    timeout_ms = TDT_UNTIL_MIN_MS;
   clock_gettime(CLOCK_MONOTONIC, &now);
   int64_t end = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000 + timeout_ms;
   while (!pred(d)) {

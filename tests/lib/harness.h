@@ -107,13 +107,12 @@ td_client *tdt_connect(const tdt_daemon *d);
 int tdt_segments(const tdt_daemon *d);
 /* Storages d has now (asserts the stat call works). */
 uint64_t tdt_storages(const tdt_daemon *d);
-/* Polls pred until it is true or the deadline passes; returns pred's last.
- * The deadline only bounds a hang, never decides a verdict: timeout_ms is
- * what the condition takes on an idle machine, and a loaded one (the suite
- * at -j, ASan, valgrind) gets no less than TDT_UNTIL_MIN_MS. Only for
- * conditions that must come true; a "stays false" check needs an event to
- * wait for instead. */
-#define TDT_UNTIL_MIN_MS 30000
+/* Polls pred until it is true or timeout_ms passes (CLOCK_MONOTONIC);
+ * returns pred's last. Only for conditions that must come true: the
+ * deadline bounds a hang, so give it room for a loaded machine (the suite
+ * at -j, ASan), and keep it well inside the test's Criterion timeout so a
+ * failure ends the test, and its .fini cleans up, before Criterion kills
+ * it. A "stays false" check needs an event to wait for instead. */
 int tdt_until(int (*pred)(const tdt_daemon *), const tdt_daemon *d,
               int timeout_ms);
 int tdt_no_segments(const tdt_daemon *d);

@@ -104,8 +104,8 @@ static void start(const char *match) {
   if (match != NULL) {
     snprintf(ctl, sizeof(ctl), "/tmp/tensord-sync.XXXXXX");
     cr_assert_not_null(mkdtemp(ctl));
-    char p[128], asan[512];
-    setenv("LD_PRELOAD", TDT_SYNCSHIM, 1);
+    char p[128];
+    tdt_preload(TDT_SYNCSHIM);
     snprintf(p, sizeof(p), match, state_dir);
     setenv("TDT_SYNC_MATCH", p, 1);
     ctl_path(p, sizeof(p), "gate");
@@ -114,14 +114,9 @@ static void start(const char *match) {
     setenv("TDT_SYNC_FAIL", p, 1);
     ctl_path(p, sizeof(p), "log");
     setenv("TDT_SYNC_LOG", p, 1);
-    /* An ASan tensord insists on coming first in the preload list. */
-    const char *was = getenv("ASAN_OPTIONS");
-    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
-             was && *was ? ":" : "");
-    setenv("ASAN_OPTIONS", asan, 1);
   }
   tdt_start(&d, (const char *const[]){"--state-dir", state_dir, NULL});
-  unsetenv("LD_PRELOAD");
+  tdt_preload(NULL);
   remember(d.instance);
 }
 

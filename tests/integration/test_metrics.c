@@ -705,33 +705,22 @@ TDT_TEST(metrics, refuses_a_unix_endpoint_in_a_directory_others_may_write) {
 TDT_TEST(metrics, a_unix_endpoint_has_its_mode_from_the_start) {
   static const char *const modes[][2] = {{NULL, "0600"}, {"0640", "0640"}};
   for (size_t i = 0; i < 2; i++) {
-    char dir[64], log[128], asan[512];
+    char dir[64], log[128];
     tdt_mkdtemp(dir);
     snprintf(msock, sizeof(msock), "%s/m.sock", dir);
     snprintf(log, sizeof(log), "%s/bind.log", dir);
-    setenv("LD_PRELOAD", TDT_BINDSHIM, 1);
+    tdt_preload(TDT_BINDSHIM);
     setenv("TDT_BIND_WATCH", msock, 1);
     setenv("TDT_BIND_LOG", log, 1);
-    /* An ASan tensord insists on coming first in the preload list. */
-    const char *was = getenv("ASAN_OPTIONS");
-    char *saved = was ? strdup(was) : NULL;
-    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
-             was && *was ? ":" : "");
-    setenv("ASAN_OPTIONS", asan, 1);
     mode_t mask = umask(022); /* a bind alone would make it 0755 */
     if (modes[i][0] != NULL)
       start_unix((const char *const[]){"--socket-mode", modes[i][0], NULL});
     else
       start_unix(NULL);
     umask(mask);
-    unsetenv("LD_PRELOAD");
+    tdt_preload(NULL);
     unsetenv("TDT_BIND_WATCH");
     unsetenv("TDT_BIND_LOG");
-    if (saved != NULL)
-      setenv("ASAN_OPTIONS", saved, 1);
-    else
-      unsetenv("ASAN_OPTIONS");
-    free(saved);
     char line[32] = "";
     FILE *f = fopen(log, "r");
     cr_assert_not_null(f, "bindshim saw no bind of %s", msock);

@@ -339,19 +339,14 @@ static const char *const tail[TAILS] = {
  * draw gives the next of tail[], round and round. */
 static void start_foreseeable(void) {
   tdt_mkdtemp(gate_dir);
-  char gate[96], cycle[8], asan[512];
+  char gate[96], cycle[8];
   snprintf(gate, sizeof(gate), "%s/foreseeable", gate_dir);
   snprintf(cycle, sizeof(cycle), "%d", TAILS);
-  setenv("LD_PRELOAD", TDT_RANDSHIM, 1);
+  tdt_preload(TDT_RANDSHIM);
   setenv("TDT_RANDOM_GATE", gate, 1);
   setenv("TDT_RANDOM_CYCLE", cycle, 1);
-  /* An ASan tensord insists on coming first in the preload list. */
-  const char *was = getenv("ASAN_OPTIONS");
-  snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
-           was && *was ? ":" : "");
-  setenv("ASAN_OPTIONS", asan, 1);
   tdt_start(&d, NULL);
-  unsetenv("LD_PRELOAD");
+  tdt_preload(NULL);
   unsetenv("TDT_RANDOM_GATE");
   /* Its instance is drawn: from now on, tensord's draws are foreseen. */
   int fd = open(gate, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);

@@ -1117,26 +1117,34 @@ TDT_TEST(upgrade, keys_survive_an_upgrade_then_a_restart) {
 
 /* ---- bad input ---- */
 
-TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
-  tdt_start(&d, NULL);
-  remember(d.instance);
-  tdt_raw r;
-  tdt_raw_open(&r, &d);
+/* Asks d, on a raw connection r (opened here), for the handover as a new
+ * tensord of this handover version would. Returns the handover channel d
+ * answers with, which the caller drives in the new side's place; asserts. */
+static int play_successor(tdt_raw *r) {
+  tdt_raw_open(r, &d);
   Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
   Tensord__Request q = TENSORD__REQUEST__INIT;
   m.handover_version = 1;
   m.pid = getpid();
   q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
   q.upgrade = &m;
-  tdt_raw_queue(&r, &q);
-  tdt_raw_flush(&r);
+  tdt_raw_queue(r, &q);
+  tdt_raw_flush(r);
   int ch = -1;
-  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(HANG_MS), &ch);
+  Tensord__Response *rep = tdt_raw_reply_fd(r, patience(HANG_MS), &ch);
   cr_assert_not_null(rep);
   cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE);
   cr_assert_eq(rep->upgrade->old_pid, d.pid);
   tensord__response__free_unpacked(rep, NULL);
   cr_assert_geq(ch, 0, "no handover channel");
+  return ch;
+}
+
+TDT_TEST(upgrade, a_garbled_handover_packet_leaves_the_old_serving) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  tdt_raw r;
+  int ch = play_successor(&r);
   char buf[4096];
   struct pollfd p = {ch, POLLIN, 0};
   cr_assert_eq(poll(&p, 1, patience(HANG_MS)), 1, "no Begin");
@@ -1216,21 +1224,7 @@ TDT_TEST(upgrade, a_silent_successor_is_given_up_at_the_deadline) {
   ls_json(before, sizeof(before));
   int fds = settled_fds(c);
   tdt_raw r;
-  tdt_raw_open(&r, &d);
-  Tensord__Upgrade m = TENSORD__UPGRADE__INIT;
-  Tensord__Request q = TENSORD__REQUEST__INIT;
-  m.handover_version = 1;
-  m.pid = getpid();
-  q.body_case = TENSORD__REQUEST__BODY_UPGRADE;
-  q.upgrade = &m;
-  tdt_raw_queue(&r, &q);
-  tdt_raw_flush(&r);
-  int ch = -1;
-  Tensord__Response *rep = tdt_raw_reply_fd(&r, patience(HANG_MS), &ch);
-  cr_assert_not_null(rep);
-  cr_assert_eq(rep->body_case, TENSORD__RESPONSE__BODY_UPGRADE);
-  tensord__response__free_unpacked(rep, NULL);
-  cr_assert_geq(ch, 0, "no handover channel");
+  int ch = play_successor(&r);
   /* Begin, then (we say nothing) an Abort naming the deadline, then the
    * channel's end. */
   static uint8_t buf[256 * 1024];

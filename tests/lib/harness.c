@@ -453,6 +453,34 @@ pid_t tdt_fork(int (*fn)(void *), void *arg) {
   return pid;
 }
 
+void tdt_preload(const char *lib) {
+  static char *asan_was; /* ASAN_OPTIONS before, or NULL */
+  static int preloading;
+  if (lib == NULL) {
+    if (!preloading)
+      return;
+    unsetenv("LD_PRELOAD");
+    if (asan_was != NULL)
+      setenv("ASAN_OPTIONS", asan_was, 1);
+    else
+      unsetenv("ASAN_OPTIONS");
+    free(asan_was);
+    asan_was = NULL;
+    preloading = 0;
+    return;
+  }
+  if (!preloading) {
+    const char *was = getenv("ASAN_OPTIONS");
+    asan_was = was != NULL ? strdup(was) : NULL;
+    char asan[1024];
+    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0",
+             was ? was : "", was && *was ? ":" : "");
+    setenv("ASAN_OPTIONS", asan, 1);
+    preloading = 1;
+  }
+  setenv("LD_PRELOAD", lib, 1);
+}
+
 void tdt_sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
   nanosleep(&ts, NULL);

@@ -101,6 +101,12 @@ void tdt_mkdtemp(char *dir);
  * harness records those it starts; a test that starts one itself calls it. */
 void tdt_note_instance(uint64_t instance);
 
+/* Makes the tensords this test starts next preload lib (LD_PRELOAD: a shim
+ * of tests/lib), an ASan build's too, whose runtime insists on coming first
+ * in the list (its check is turned off in ASAN_OPTIONS).
+ * tdt_preload(NULL) restores LD_PRELOAD and ASAN_OPTIONS as they were. */
+void tdt_preload(const char *lib);
+
 /* Connects to d; asserts. */
 td_client *tdt_connect(const tdt_daemon *d);
 /* Segments of d's instance in /dev/shm now. */

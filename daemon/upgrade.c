@@ -1808,6 +1808,13 @@ static int broken_off(taking *t, char **argv, int err, pid_t old) {
           "on\n",
           err == TD_ECANCELED ? "the old daemon gave the handover up: " : "",
           t->msg, (int)old);
+  /* This process exits now: what it took only goes with it (the fds are its
+   * own copies; the old daemon's segments and sockets stay untouched), but
+   * the buffers of the taking itself go here, not lost with its frame. */
+  chan_free(&t->ch);
+  free(t->conns);
+  free(t->in_left);
+  free(t->out_left);
   return 1;
 }
 
@@ -1894,6 +1901,8 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
             "tensord: --upgrade: refused: %s (tensord %s, pid %d, serves "
             "on)\n",
             t.msg, b->daemon_version, (int)b->pid);
+    tensord__handover__packet__free_unpacked(p, NULL);
+    chan_free(&t.ch);
     return 1;
   }
   char old_version[64];

@@ -149,9 +149,9 @@ static int read_tensor(const char *file, const char *shown, json_t *e,
   if (overflow || __builtin_mul_overflow(numel, (uint64_t)item, &need_bytes) ||
       need_bytes > INT64_MAX)
     return td__msg(msg, len, TD_EINVAL,
-                   "%s: tensor '%s': shape: %s[%s] has more than 2^63 bytes",
+                   "%s: tensor '%s': shape: %s%s has more than 2^63 bytes",
                    file, shown, dn,
-                   shape_text(t->shape, t->ndim, st, sizeof(st)) + 1);
+                   shape_text(t->shape, t->ndim, st, sizeof(st)));
   json_t *off = json_object_get(e, "data_offsets");
   if (!json_is_array(off) || json_array_size(off) != 2)
     return td__msg(msg, len, TD_EINVAL,
@@ -786,6 +786,35 @@ fail:
   free(real);
   free(chosen);
   td__ckpt_free(ck);
+  return err;
+}
+
+int td__ckpt_default_name(const char *path, char *buf, size_t len, char *msg,
+                          size_t mlen) {
+  char *real = realpath(path, NULL);
+  if (real == NULL) {
+    int e = errno;
+    return td__msg(msg, mlen, e == ENOENT ? TD_ENOENT : -e, "%s: %s", path,
+                   strerror(e));
+  }
+  struct stat st;
+  int isdir = stat(real, &st) == 0 && S_ISDIR(st.st_mode);
+  const char *suffix = ".safetensors";
+  size_t rl = strlen(real), sl = strlen(suffix);
+  if (!isdir && rl > sl && strcmp(real + rl - sl, suffix) == 0) {
+    real[rl - sl] = '\0';
+  } else if (!isdir) {
+    char *slash = strrchr(real, '/');
+    if (slash != NULL && slash != real)
+      *slash = '\0';
+  }
+  const char *base = strrchr(real, '/');
+  base = base != NULL ? base + 1 : real;
+  int err = 0;
+  if (base[0] == '\0' || (size_t)snprintf(buf, len, "%s", base) >= len)
+    err = td__msg(msg, mlen, TD_EINVAL,
+                  "%s: no model name to derive from it: give one", path);
+  free(real);
   return err;
 }
 

@@ -90,6 +90,12 @@ int td__st_parse_header(const char *file, const uint8_t *head, size_t head_len,
  * shards are left open (fd) for the load. Returns 0, or a negative code
  * with msg naming the file, the tensor and the field; *ck is then empty. */
 int td__ckpt_open(const char *path, td__checkpoint *ck, char *msg, size_t len);
+/* The name of a model loaded from path when none is given, into buf (len
+ * bytes): a file's stem ("model.safetensors" -> "model"), else (an index
+ * json, a directory) the directory's name. Returns 0, or a negative code
+ * with msg. */
+int td__ckpt_default_name(const char *path, char *buf, size_t len, char *msg,
+                          size_t mlen);
 /* Closes the shards' fds and frees what ck holds. NULL ok. */
 void td__ckpt_free(td__checkpoint *ck);
 

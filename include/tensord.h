@@ -765,7 +765,7 @@ typedef struct td_load_opts {
   int64_t device_index; /* TD_CUDA: the GPU, as this process numbers it */
   uint32_t mode;    /* the storages' mode, as td_create_opts.mode; 0: 0600 */
   uint32_t flags;   /* TD_MODEL_FORCE */
-  uint32_t threads; /* parallel readers; 0: the default (2, measured) */
+  uint32_t threads; /* parallel readers, 1 to 64; 0: one per CPU, 2 to 8 */
   /* Another process is loading NAME: wait this long for it (ms); -1:
    * forever; 0: TD_EBUSY at once, naming its pid. */
   int32_t wait_ms;

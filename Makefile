@@ -117,15 +117,17 @@ valgrind: deps
 	ctest --test-dir build-valgrind --output-on-failure -L valgrind -j $(JOBS)
 	@tests/check-clean.sh build-valgrind
 
-# The libFuzzer targets, the request path and --state-dir loading, for
-# FUZZ_SECONDS in all (CI: 60), half each. Both run; either failing fails.
+# The libFuzzer targets, the request path, --state-dir loading and the
+# safetensors header parser, for FUZZ_SECONDS in all (CI: 60), a third
+# each. All run; any failing fails.
 fuzz: deps
 	[ -f build-fuzz/CMakeCache.txt ] || CC=clang-14 cmake -S . -B build-fuzz \
 	  -DTD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
-	cmake --build build-fuzz -j $(JOBS) --target fuzz_request fuzz_state
-	@half=$$(( $(FUZZ_SECONDS) / 2 )); [ $$half -gt 0 ] || half=1; rc=0; \
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_request fuzz_state fuzz_safetensors
+	@half=$$(( $(FUZZ_SECONDS) / 3 )); [ $$half -gt 0 ] || half=1; rc=0; \
 	tests/fuzz/run.sh build-fuzz/tests/fuzz/fuzz_request $$half $(FUZZ_ARGS) || rc=1; \
 	tests/fuzz/run.sh build-fuzz/tests/fuzz/fuzz_state $$half $(FUZZ_ARGS) || rc=1; \
+	tests/fuzz/run.sh build-fuzz/tests/fuzz/fuzz_safetensors $$half $(FUZZ_ARGS) || rc=1; \
 	exit $$rc
 
 clean:

@@ -4,6 +4,7 @@
 
 #include "clitext.h"
 #include "common.h"
+#include "jsonmem.h"
 #include "statedict.h"
 
 #include <ctype.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ---- elements ---- */
@@ -1067,6 +1069,9 @@ void td__show_usage(FILE *f) {
              "A KEY published by tensord.torch.publish_state_dict lists its\n"
              "tensors (name, dtype, shape, bytes); with TENSOR, show shows\n"
              "that tensor (and INDEX indexes it). Its ID shows the raw bytes.\n"
+             "A model's NAME (tensorctl load) shows its manifest: version,\n"
+             "source, metadata, shards and a table of its tensors; NAME/TENSOR\n"
+             "shows one tensor (a key of its own).\n"
              "\n"
              "  INDEX          Python's, e.g. '[0, :, 2:5]', '[..., -1]', "
              "'[::2, None]'\n"
@@ -1292,6 +1297,117 @@ static void print_listing(const char *key, const td_storage *s,
   td__statedict_print_text(sd, "");
 }
 
+/* Whether v (a key's, checked against its storage at base) is a model's
+ * manifest (tensorctl load). */
+static int is_model(const td_view *v, const uint8_t *base) {
+  return v->dtype == TD_UINT8 && v->ndim == 1 && v->stride[0] == 1 &&
+         v->shape[0] >= 16 && memcmp(base + v->offset, "TDMODEL1", 8) == 0;
+}
+
+static int64_t jint(json_t *o, const char *k) {
+  json_t *v = json_object_get(o, k);
+  return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
+}
+
+static const char *jstr(json_t *o, const char *k) {
+  json_t *v = json_object_get(o, k);
+  return json_is_string(v) ? json_string_value(v) : "";
+}
+
+/* Shows model key: attached with td_model_open (which checks the manifest
+ * as untrusted bytes), its manifest as JSON or as text. Returns 0, or a
+ * TD_E* code with msg. */
+static int show_model(td_client *c, const char *key, int json, char *msg,
+                      size_t len) {
+  td_model *m = NULL;
+  char kb[TD_KEY_MAX + 1], b1[160], b2[160], hs[32];
+  td__cli_printable(key, kb, sizeof(kb));
+  int err = td_model_open(c, key, TD_RDONLY | TD_LAZY, 0, &m);
+  if (err < 0)
+    return td__msg(msg, len, err, "%s", td_last_error(c));
+  const char *text = td_model_manifest(m);
+  if (json) {
+    printf("{\"key\":");
+    td__cli_json_str(key);
+    printf(",\"model\":%s}\n", text);
+    td_model_close(m);
+    return 0;
+  }
+  json_error_t e;
+  int over;
+  json_t *root = td__json_loadb_bounded(text, strlen(text), 0, (size_t)1 << 30,
+                                        &e, &over);
+  json_t *src = json_object_get(root, "source");
+  json_t *shards = json_object_get(root, "shards");
+  json_t *meta = json_object_get(root, "metadata");
+  printf("model '%s': version %" PRIu64 ", %zu tensors, %s\n", kb,
+         td_model_version(m), td_model_count(m), jstr(root, "device"));
+  uint64_t total = 0;
+  for (size_t i = 0; i < json_array_size(shards); i++)
+    total += (uint64_t)jint(json_array_get(shards, i), "nbytes");
+  time_t t = (time_t)(jint(root, "loaded_ms") / 1000);
+  struct tm tm;
+  char when[64] = "?";
+  if (localtime_r(&t, &tm) != NULL)
+    strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &tm);
+  printf("loaded   %s\n", when);
+  printf("source   %s (%s, %s)\n",
+         td__cli_printable(jstr(src, "path"), b1, sizeof(b1)),
+         jstr(src, "kind"), td__human_bytes((uint64_t)jint(src, "size"), hs,
+                                            sizeof(hs)));
+  const char *mk;
+  json_t *mv;
+  printf("metadata");
+  if (json_object_size(meta) == 0)
+    printf(" (none)");
+  json_object_foreach(meta, mk, mv) {
+    char *dump = json_is_string(mv) ? NULL : json_dumps(mv, JSON_ENCODE_ANY);
+    printf(" %s=%s", td__cli_printable(mk, b1, sizeof(b1)),
+           td__cli_printable(dump ? dump : json_string_value(mv), b2,
+                             sizeof(b2)));
+    free(dump);
+  }
+  printf("\nshards   %zu, %s\n", json_array_size(shards),
+         td__human_bytes(total, hs, sizeof(hs)));
+  for (size_t i = 0; i < json_array_size(shards); i++) {
+    json_t *sh = json_array_get(shards, i);
+    printf("  %-3zu %s  %s\n", i,
+           td__cli_printable(jstr(sh, "key"), b1, sizeof(b1)),
+           td__human_bytes((uint64_t)jint(sh, "nbytes"), hs, sizeof(hs)));
+  }
+  int wn = 4;
+  for (size_t i = 0; i < td_model_count(m); i++) {
+    const char *n;
+    td_model_tensor(m, i, &n, NULL, NULL);
+    int l = (int)strlen(n);
+    wn = l > wn ? (l < 48 ? l : 48) : wn;
+  }
+  printf("%-*s  %-8s  %-20s  %-10s  %s\n", wn, "NAME", "DTYPE", "SHAPE",
+         "BYTES", "SHARD");
+  json_t *tensors = json_object_get(root, "tensors");
+  for (size_t i = 0; i < td_model_count(m); i++) {
+    const char *n;
+    td_view v;
+    td_model_tensor(m, i, &n, NULL, &v);
+    json_t *te = json_object_get(tensors, n);
+    char shape[128];
+    size_t used = (size_t)snprintf(shape, sizeof(shape), "[");
+    for (int32_t d = 0; d < v.ndim && used < sizeof(shape); d++)
+      used += (size_t)snprintf(shape + used, sizeof(shape) - used,
+                               "%s%" PRId64, d ? ", " : "", v.shape[d]);
+    if (used < sizeof(shape))
+      snprintf(shape + used, sizeof(shape) - used, "]");
+    printf("%-*s  %-8s  %-20s  %-10s  %" PRId64 "\n", wn,
+           td__cli_printable(n, b1, sizeof(b1)), jstr(te, "dtype"), shape,
+           td__human_bytes((uint64_t)(jint(te, "end") - jint(te, "begin")), hs,
+                           sizeof(hs)),
+           jint(te, "shard"));
+  }
+  json_decref(root);
+  td_model_close(m);
+  return 0;
+}
+
 int td__show_main(const char *socket, int json, int argc, char **argv) {
   show_opts o = {socket, json, 0, TD_DTYPE_INVALID, NULL, NULL, NULL};
   int rc = parse_args(argc, argv, &o);
@@ -1316,6 +1432,12 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
    * processes do with the storage until it is released. */
   test_stall();
   const void *base = td_storage_data(s);
+  if (!whole && o.index == NULL && o.dtype == TD_DTYPE_INVALID &&
+      is_model(&src, base)) {
+    if ((err = show_model(c, key, o.json, msg, sizeof(msg))) < 0)
+      goto fail;
+    goto done;
+  }
   if (!whole && is_state_dict(&src, base)) {
     int listed = 0;
     if ((err = state_dict(&o, s, &src, &sd, &tensor, &index, &listed, msg,

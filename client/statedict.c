@@ -7,8 +7,8 @@
 #include "common.h"
 
 #include <inttypes.h>
-#include <jansson.h>
-#include <malloc.h>
+#include "jsonmem.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,57 +27,7 @@ int td__statedict_blob_shaped(const td_view *v) {
 
 size_t td__sd_tree_max = TD__SD_TREE_MAX;
 
-/* What jansson allocates for one manifest's tree is counted against
- * td__sd_tree_max while td__statedict_parse runs: a tree takes 10 to 80
- * times its JSON's bytes, so a hostile manifest of "{}," could otherwise
- * take ~20 GiB. The counts are per thread and the functions pass other
- * threads' allocations straight to malloc and free (sizes come from
- * malloc_usable_size, not from a header of ours), so a value jansson
- * allocated before, after or elsewhere may be freed by either. */
-static _Thread_local int tree_counting, tree_over;
-static _Thread_local size_t tree_bytes;
-
-static void *tree_malloc(size_t n) {
-  if (!tree_counting)
-    return malloc(n);
-  if (tree_bytes >= td__sd_tree_max || n > td__sd_tree_max - tree_bytes) {
-    tree_over = 1;
-    return NULL;
-  }
-  void *p = malloc(n);
-  if (p != NULL)
-    tree_bytes += malloc_usable_size(p);
-  return p;
-}
-
-static void tree_free(void *p) {
-  if (p != NULL && tree_counting) {
-    size_t u = malloc_usable_size(p);
-    tree_bytes -= u < tree_bytes ? u : tree_bytes;
-  }
-  free(p);
-}
-
-/* What v is, for messages. */
-static const char *kind(const json_t *v) {
-  switch (json_typeof(v)) {
-  case JSON_OBJECT:
-    return "an object";
-  case JSON_ARRAY:
-    return "an array";
-  case JSON_STRING:
-    return "a string";
-  case JSON_INTEGER:
-    return "an integer";
-  case JSON_REAL:
-    return "a real number";
-  case JSON_TRUE:
-  case JSON_FALSE:
-    return "a boolean";
-  default:
-    return "null";
-  }
-}
+#define kind td__json_kind
 
 /* Sets *out to v, which must be an integer of at least 0 (not a real, not
  * a boolean). Messages begin with where (the tensor or region, "" for
@@ -350,20 +300,15 @@ int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
   /* Duplicate keys are refused, NUL in strings too (no JSON_ALLOW_NUL); so
    * are trailing bytes, bad UTF-8, integers past int64 and nesting past
    * JSON_PARSER_MAX_DEPTH (2048). */
-  json_malloc_t was_malloc;
-  json_free_t was_free;
-  json_get_alloc_funcs(&was_malloc, &was_free);
-  json_set_alloc_funcs(tree_malloc, tree_free);
-  tree_counting = 1;
-  tree_over = 0;
-  tree_bytes = 0;
   json_error_t e;
-  json_t *root = json_loadb((const char *)b + TD__SD_HEADER, (size_t)ml,
-                            JSON_REJECT_DUPLICATES, &e);
+  int over;
+  json_t *root =
+      td__json_loadb_bounded((const char *)b + TD__SD_HEADER, (size_t)ml,
+                             JSON_REJECT_DUPLICATES, td__sd_tree_max, &e, &over);
   int err;
   if (root != NULL)
     err = read_manifest(root, sd, msg, len);
-  else if (tree_over)
+  else if (over)
     err = td__msg(msg, len, TD_EINVAL,
                   "a manifest of %" PRIu64 " bytes whose JSON takes more "
                   "than %zu MiB to hold (at most that is spent on one)",
@@ -374,8 +319,6 @@ int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
     err = td__msg(msg, len, TD_EINVAL, "manifest byte %d: %s", e.position,
                   e.text);
   json_decref(root);
-  tree_counting = 0;
-  json_set_alloc_funcs(was_malloc, was_free);
   if (err == 0)
     err = check(sd, n, msg, len);
   if (err < 0)

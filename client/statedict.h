@@ -1,6 +1,7 @@
 /* statedict.h: the packed state dicts of tensord.torch.publish_state_dict,
- * read from untrusted bytes for tensorctl info and show (docs/python.md
- * gives the format). Private to tensorctl and its unit test. */
+ * read from untrusted bytes for tensorctl info and show and for
+ * td_model_save (docs/python.md gives the format). Private to libtensord,
+ * tensorctl and their tests. */
 #ifndef TD_CLIENT_STATEDICT_H
 #define TD_CLIENT_STATEDICT_H
 
@@ -73,9 +74,8 @@ int td__statedict_blob_shaped(const td_view *v);
  * past int64; unknown fields are skipped. Returns 0, or TD_EINVAL (a
  * corrupt blob) or TD_ENOMEM with msg saying what is wrong where (a
  * syntax error: the manifest's byte); *sd is then empty
- * (td__statedict_free is still safe). Sets jansson's allocation functions
- * (process-wide) while it runs and restores them after: call it where no
- * other thread uses jansson meanwhile (tensorctl has one thread). */
+ * (td__statedict_free is still safe). The JSON tree's memory is bounded by
+ * td__sd_tree_max (jsonmem.h: thread-safe). */
 int td__statedict_parse(const void *p, size_t n, td__statedict *sd, char *msg,
                         size_t len);
 

@@ -1,7 +1,8 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
- * ping, metrics, top, watch. */
+ * ping, metrics, top, watch; and models: load, save, unload. */
 #include "clitext.h"
 #include "common.h"
+#include "safetensors.h"
 #include "show.h"
 #include "statedict.h"
 #include "tensord.h"
@@ -12,11 +13,13 @@
 #include <grp.h>
 #include <pwd.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static int json;
 static int longfmt;     /* ls -l */
@@ -62,6 +65,36 @@ static const command commands[] = {
      "(tensorctl show --help)",
      NULL},
     {"rm", "rm KEY", "unpublish KEY", NULL},
+    {"load", "load PATH [--as NAME] [options]",
+     "load a safetensors checkpoint (a file, an index\n"
+     "json, or a directory) as model NAME: a new version,\n"
+     "switched to atomically",
+     "  --as NAME        the model's name (default: the file's stem, or the\n"
+     "                   directory's name for an index json or a directory)\n"
+     "  --device DEV     cpu (default) or cuda:K (not yet)\n"
+     "  --mode OCTAL     the storages' mode, e.g. 0640 (default 0600)\n"
+     "  --force          load even if NAME already holds this file (same\n"
+     "                   size and mtime), which otherwise does nothing\n"
+     "  --wait SECONDS   another process is loading NAME: wait this long for\n"
+     "                   it (default: as long as it takes; 0: fail at once)\n"
+     "  --threads N      parallel readers (default: one per CPU, 2 to 8)\n"
+     "  --quiet          no progress bar (shown on stderr if a terminal)\n"
+     "\n"
+     "Keys: NAME (the manifest), NAME@V/<shard file> (each shard's bytes,\n"
+     "verbatim), NAME/<tensor> (each tensor's view); docs/models.md.\n"
+     "Every rule of the format is checked first: an error names the file,\n"
+     "the tensor and the field, and leaves nothing in tensord.\n"},
+    {"save", "save NAME OUT",
+     "write model NAME (or a publish_state_dict key) as\n"
+     "safetensors: OUT a file, or a directory of shards\n"
+     "and model.safetensors.index.json",
+     "A model's shards are written as loaded (byte for byte); a state dict\n"
+     "whose tensors are dense becomes one file. Each file goes to a temporary\n"
+     "name first and is renamed when whole.\n"},
+    {"unload", "unload NAME",
+     "unpublish model NAME: its manifest, tensor and shard\n"
+     "keys, of every version",
+     "Storages go when the last process holding them lets go.\n"},
     {"ping", "ping", "round trip to tensord", NULL},
     {"metrics", "metrics",
      "the metrics in the Prometheus text format (what\n"
@@ -805,6 +838,223 @@ static int cmd_upgrade(td_client *c, const char *binary) {
   return 0;
 }
 
+/* ---- models ---- */
+
+/* The progress bar: bytes, rate and ETA, redrawn in place on stderr. */
+typedef struct bar {
+  double start;
+  int drawn;
+} bar;
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void draw_bar(const td_load_progress *p, void *arg) {
+  bar *b = arg;
+  double t = mono_now() - b->start;
+  double frac = p->bytes_total ? (double)p->bytes_done / p->bytes_total : 1;
+  double rate = t > 0 ? (double)p->bytes_done / t : 0;
+  char done[32], total[32], eta[32] = "?";
+  if (rate > 0)
+    td__cli_age((int64_t)((double)(p->bytes_total - p->bytes_done) / rate *
+                          1e3),
+                eta, sizeof(eta));
+  int w = (int)(frac * 30);
+  fprintf(stderr, "\r[%.*s%*s] %s / %s  %.2f GB/s  ETA %s  shards %u/%u ", w,
+          "##############################", 30 - w, "",
+          td__human_bytes(p->bytes_done, done, sizeof(done)),
+          td__human_bytes(p->bytes_total, total, sizeof(total)), rate / 1e9,
+          eta, p->shards_done, p->shards_total);
+  b->drawn = 1;
+}
+
+/* Parses a count for option opt; returns -1 (said) if it is not one from
+ * lo to hi. */
+static long long option_count(const char *opt, const char *v, long long lo,
+                              long long hi, int base) {
+  char *end = NULL;
+  errno = 0;
+  long long n = v ? strtoll(v, &end, base) : 0;
+  if (v == NULL || end == v || *end != '\0' || errno != 0 || n < lo ||
+      n > hi) {
+    fprintf(stderr, "tensorctl load: %s '%s': not a%s number from %lld to "
+                    "%lld\n",
+            opt, v ? v : "", base == 8 ? "n octal" : "", lo, hi);
+    return -1;
+  }
+  return n;
+}
+
+/* tensorctl load PATH [options] (argv: what follows "load"). */
+static int cmd_load(const char *socket, int argc, char **argv) {
+  const char *path = NULL, *name = NULL;
+  td_load_opts o = {.wait_ms = -1};
+  int quiet = 0, dashdash = 0;
+  for (int i = 0; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (dashdash || a[0] != '-') {
+      if (path != NULL) {
+        fprintf(stderr, "tensorctl load: unexpected argument '%s'\n", a);
+        return 2;
+      }
+      path = a;
+      continue;
+    }
+    if (strcmp(a, "--") == 0) {
+      dashdash = 1;
+    } else if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
+      quiet = 1;
+    } else if (strcmp(a, "--force") == 0) {
+      o.flags |= TD_MODEL_FORCE;
+    } else if (strcmp(a, "--as") == 0 || strcmp(a, "--socket") == 0 ||
+               strcmp(a, "--device") == 0 || strcmp(a, "--mode") == 0 ||
+               strcmp(a, "--wait") == 0 || strcmp(a, "--threads") == 0) {
+      if (v == NULL) {
+        fprintf(stderr, "tensorctl load: %s needs a value\n", a);
+        return 2;
+      }
+      i++;
+      long long n;
+      if (strcmp(a, "--as") == 0) {
+        name = v;
+      } else if (strcmp(a, "--socket") == 0) {
+        socket = v;
+      } else if (strcmp(a, "--device") == 0) {
+        if (strcmp(v, "cpu") == 0) {
+          o.device = TD_CPU;
+        } else if (strncmp(v, "cuda:", 5) == 0 &&
+                   (n = option_count("--device cuda:", v + 5, 0, 1023, 10)) >=
+                       0) {
+          o.device = TD_CUDA;
+          o.device_index = n;
+        } else {
+          fprintf(stderr, "tensorctl load: --device '%s': cpu or cuda:K\n",
+                  v);
+          return 2;
+        }
+      } else if (strcmp(a, "--mode") == 0) {
+        if ((n = option_count(a, v, 0, 0666, 8)) < 0)
+          return 2;
+        o.mode = (uint32_t)n;
+      } else if (strcmp(a, "--wait") == 0) {
+        if ((n = option_count(a, v, 0, 2000000, 10)) < 0)
+          return 2;
+        o.wait_ms = (int32_t)(n * 1000);
+      } else if ((n = option_count(a, v, 1, 64, 10)) < 0) {
+        return 2;
+      } else {
+        o.threads = (uint32_t)n;
+      }
+    } else {
+      fprintf(stderr, "tensorctl load: unknown option '%s' (tensorctl load "
+                      "--help)\n",
+              a);
+      return 2;
+    }
+  }
+  if (path == NULL) {
+    fprintf(stderr, "tensorctl load: needs a PATH (usage: tensorctl load "
+                    "PATH [--as NAME] [options])\n");
+    return 2;
+  }
+  char derived[TD_KEY_MAX + 1], msg[TD__ERRMSG_MAX];
+  if (name == NULL) {
+    if (td__ckpt_default_name(path, derived, sizeof(derived), msg,
+                              sizeof(msg)) < 0) {
+      fprintf(stderr, "tensorctl load: %s\n", msg);
+      return 1;
+    }
+    name = derived;
+  }
+  td_client *c;
+  if (td_connect(socket, &c) < 0) {
+    fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
+    return 1;
+  }
+  bar b = {mono_now(), 0};
+  if (!quiet && isatty(2)) {
+    o.progress = draw_bar;
+    o.progress_arg = &b;
+  }
+  td_load_result r;
+  int err = td_model_load(c, path, name, &o, &r);
+  if (b.drawn)
+    fputc('\n', stderr);
+  if (err < 0) {
+    fprintf(stderr, "tensorctl load: %s\n", td_last_error(c));
+    td_close(c);
+    return 1;
+  }
+  char real[PATH_MAX];
+  if (realpath(path, real) == NULL)
+    snprintf(real, sizeof(real), "%s", path);
+  double gbs = r.seconds > 0 && !r.unchanged ? (double)r.bytes / r.seconds / 1e9
+                                             : 0;
+  if (json) {
+    printf("{\"name\":");
+    td__cli_json_str(name);
+    printf(",\"version\":%" PRIu64 ",\"tensors\":%" PRIu64
+           ",\"bytes\":%" PRIu64 ",\"shards\":%u,\"seconds\":%.6f,"
+           "\"gb_per_s\":%.3f,\"unchanged\":%s,\"waited\":%s}\n",
+           r.version, r.tensors, r.bytes, r.shards, r.seconds, gbs,
+           r.unchanged ? "true" : "false", r.waited ? "true" : "false");
+  } else if (r.unchanged) {
+    char nb[TD_KEY_MAX + 1], pb[PATH_MAX];
+    printf("%s: version %" PRIu64 " already holds %s (same size and mtime); "
+           "--force reloads\n",
+           td__cli_printable(name, nb, sizeof(nb)), r.version,
+           td__cli_printable(real, pb, sizeof(pb)));
+  } else {
+    char nb[TD_KEY_MAX + 1], hs[32];
+    printf("%s: version %" PRIu64 ", %" PRIu64 " tensors, %s in %u shard%s, "
+           "%.2f s (%.2f GB/s)%s\n",
+           td__cli_printable(name, nb, sizeof(nb)), r.version, r.tensors,
+           td__human_bytes(r.bytes, hs, sizeof(hs)), r.shards,
+           r.shards == 1 ? "" : "s", r.seconds, gbs,
+           r.waited ? " (after waiting for another load)" : "");
+  }
+  td_close(c);
+  return 0;
+}
+
+static int cmd_save(td_client *c, const char *name, const char *out) {
+  int err = td_model_save(c, name, out, 0);
+  if (err < 0)
+    return err;
+  char nb[TD_KEY_MAX + 1];
+  if (json) {
+    printf("{\"name\":");
+    td__cli_json_str(name);
+    printf(",\"out\":");
+    td__cli_json_str(out);
+    printf("}\n");
+  } else {
+    printf("%s -> %s\n", td__cli_printable(name, nb, sizeof(nb)), out);
+  }
+  return 0;
+}
+
+static int cmd_unload(td_client *c, const char *name) {
+  int err = td_model_unload(c, name);
+  if (err < 0)
+    return err;
+  char nb[TD_KEY_MAX + 1];
+  if (json) {
+    printf("{\"name\":");
+    td__cli_json_str(name);
+    printf(",\"unloaded\":true}\n");
+  } else {
+    printf("%s: unloaded\n", td__cli_printable(name, nb, sizeof(nb)));
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'},
@@ -873,7 +1123,9 @@ int main(int argc, char **argv) {
     return td__show_main(socket, json, argc - optind + 1, argv + optind - 1);
   /* Options may also follow the command: "tensorctl ls --json". After
    * "--", everything is an argument (a key that begins with '-'). */
-  const char *arg = NULL, *binary = NULL;
+  if (strcmp(cmd, "load") == 0)
+    return cmd_load(socket, argc - optind, argv + optind);
+  const char *arg = NULL, *arg2 = NULL, *binary = NULL;
   int interval_ms = 1000, once = 0, dashdash = 0;
   int is_top = strcmp(cmd, "top") == 0;
   for (int i = optind; i < argc; i++) {
@@ -931,12 +1183,20 @@ int main(int argc, char **argv) {
     }
     if (arg == NULL) {
       arg = argv[i];
+    } else if (arg2 == NULL && strcmp(cmd, "save") == 0) {
+      arg2 = argv[i];
     } else {
       fprintf(stderr, "tensorctl: unexpected argument '%s'\n", argv[i]);
       return 2;
     }
   }
-  int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0;
+  int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0 ||
+                  strcmp(cmd, "save") == 0 || strcmp(cmd, "unload") == 0;
+  if (strcmp(cmd, "save") == 0 && arg != NULL && arg2 == NULL) {
+    fprintf(stderr, "tensorctl save: needs NAME and OUT (usage: tensorctl "
+                    "%s)\n", known->synopsis);
+    return 2;
+  }
   int watch = strcmp(cmd, "watch") == 0;
   if (is_top && json) {
     fprintf(stderr, "tensorctl top: --json does not apply (try tensorctl "
@@ -977,6 +1237,10 @@ int main(int argc, char **argv) {
     err = td__top(c, interval_ms, once);
   else if (strcmp(cmd, "upgrade") == 0)
     err = cmd_upgrade(c, binary);
+  else if (strcmp(cmd, "save") == 0)
+    err = cmd_save(c, arg, arg2);
+  else if (strcmp(cmd, "unload") == 0)
+    err = cmd_unload(c, arg);
   else
     err = cmd_ping(c);
   if (err < 0 && !is_top) /* top says why itself */

@@ -733,6 +733,131 @@ int td_metrics_get(td_client *c, unsigned largest, unsigned flags,
                    td_metrics **out);
 /* Frees m and everything it points to. NULL ok. */
 void td_metrics_free(td_metrics *m);
+/* ---- models: safetensors checkpoints (docs/models.md) ---- */
+/* A model NAME is a checkpoint (one .safetensors file, or the shards a
+ * *.index.json names) loaded into tensord once per machine: one storage per
+ * shard holding the shard file's bytes verbatim (so each is itself a valid
+ * safetensors file, published as NAME@V/<shard file>), each tensor a view
+ * of its shard (published as NAME/<tensor>), and the manifest at NAME
+ * (docs/models.md gives its format), the one key readers attach through.
+ * Loading NAME again makes version V + 1 and switches to it atomically: a
+ * reader that attaches NAME (td_model_open) gets every tensor of one
+ * version, never a mix; an old version lives while anyone holds one of its
+ * storages. Every call below is safe from any thread (each on its own
+ * client or sharing one); jansson's memory for a checkpoint's untrusted
+ * headers is bounded per parse (docs/models.md says how). */
+
+/* td_load_opts.flags: load even if NAME already holds this source. */
+#define TD_MODEL_FORCE 0x1u
+
+/* How far a load is. */
+typedef struct td_load_progress {
+  uint64_t bytes_done, bytes_total;
+  uint32_t shards_done, shards_total;
+} td_load_progress;
+/* Called from the thread that called td_model_load, at most every ~50 ms
+ * while it reads and once at the end. */
+typedef void (*td_load_progress_cb)(const td_load_progress *p, void *arg);
+
+/* How td_model_load loads. Zero-initialise, then set. */
+typedef struct td_load_opts {
+  td_device device; /* TD_CPU (default); TD_CUDA is not there yet (ENOSYS) */
+  int64_t device_index; /* TD_CUDA: the GPU, as this process numbers it */
+  uint32_t mode;    /* the storages' mode, as td_create_opts.mode; 0: 0600 */
+  uint32_t flags;   /* TD_MODEL_FORCE */
+  uint32_t threads; /* parallel readers, 1 to 64; 0: one per CPU, 2 to 8 */
+  /* Another process is loading NAME: wait this long for it (ms); -1:
+   * forever; 0: TD_EBUSY at once, naming its pid. */
+  int32_t wait_ms;
+  td_load_progress_cb progress; /* NULL: none */
+  void *progress_arg;
+  uint64_t reserved[4]; /* zero (see ABI above); non-zero is TD_EINVAL */
+} td_load_opts;
+
+/* What td_model_load did. */
+typedef struct td_load_result {
+  uint64_t version; /* NAME's version now */
+  uint64_t tensors, bytes;
+  uint32_t shards;
+  int unchanged; /* NAME already held this source: nothing was loaded */
+  int waited;    /* another process held NAME's load lock first */
+  double seconds; /* wall time of the reads and the publishes */
+} td_load_result;
+
+/* Loads the checkpoint at path into tensord as model name: path is a
+ * .safetensors file, a *.index.json, or a directory holding
+ * model.safetensors.index.json (first) or exactly one .safetensors file.
+ * name NULL derives one from path: a file's stem ("model.safetensors" ->
+ * "model"), else (an index json, a directory) the directory's name. name
+ * must be a valid key without '@', and every key derived from it (with
+ * each tensor's and shard's name) must fit TD_KEY_MAX. o and out may be
+ * NULL.
+ * Everything is checked before anything is made (every rule of the
+ * safetensors format; docs/models.md): a failure names the file, the
+ * tensor and the field, returns TD_EINVAL (TD_ENOENT for a missing file),
+ * and leaves nothing in tensord, no key and no storage. Then it takes
+ * NAME's load lock (NAME@loading, held by this connection: a loader that
+ * dies releases it), waiting as o->wait_ms says (TD_EBUSY, TD_ETIMEDOUT);
+ * if NAME already holds this source (the same path, and each file's size
+ * and mtime) and TD_MODEL_FORCE is not set, it does nothing and says so in
+ * out->unchanged. Else it reads every shard straight into a new storage
+ * (pread, no buffer; o->threads at once), checks that no file changed
+ * while read (TD_EAGAIN), publishes the shards, switches NAME to the new
+ * version, publishes the tensors' keys and unpublishes the old version's.
+ * A failure before the switch leaves nothing; one after it (a tensor key
+ * that could not be published) returns the error with NAME switched.
+ * TD_CUDA returns TD_ENOSYS for now. */
+int td_model_load(td_client *c, const char *path, const char *name,
+                  const td_load_opts *o, td_load_result *out);
+
+/* Writes model name as safetensors: with one shard out is the file (or,
+ * if out is a directory, out/<shard file>); with several out is a
+ * directory (made if missing) of the shard files and
+ * model.safetensors.index.json. Shards are written verbatim (their bytes
+ * as loaded). name may also be a key of tensord.torch.publish_state_dict
+ * whose tensors are dense (contiguous, of a dtype safetensors has): out is
+ * then one file, each name its own copy of its bytes (tied tensors
+ * included); any other is refused with TD_EINVAL naming the tensor. Each
+ * file is written to a temporary name in its directory, synced and
+ * renamed, so out is whole or as it was. flags: 0. */
+int td_model_save(td_client *c, const char *name, const char *out,
+                  unsigned flags);
+
+/* Unpublishes the manifest, the tensor keys and the shard keys of every
+ * version of name (storages go when their last holder lets go). Takes the
+ * load lock: TD_EBUSY, naming its pid, while a load of name runs;
+ * TD_ENOENT if there is no such model. */
+int td_model_unload(td_client *c, const char *name);
+
+/* One version of a model, attached. */
+typedef struct td_model td_model;
+/* Attaches model name: the manifest at name (waiting up to timeout_ms for
+ * it, as td_lookup), then each shard's storage with flags (TD_RDONLY,
+ * TD_COW, TD_LAZY, as td_lookup). Every tensor is of one version: where a
+ * newer version replaced this one meanwhile it starts again (TD_EAGAIN
+ * "kept changing" after 100 tries). The manifest is checked as untrusted
+ * bytes (TD_EINVAL if it is no model's). On success *out is the caller's,
+ * to td_model_close; on failure it is NULL. */
+int td_model_open(td_client *c, const char *name, unsigned flags,
+                  int timeout_ms, td_model **out);
+uint64_t td_model_version(const td_model *m);
+/* The number of tensors. */
+size_t td_model_count(const td_model *m);
+/* The i-th tensor (the checkpoint's order): its name, its storage
+ * (borrowed: valid while m is open; td_storage_retain to keep it longer)
+ * and its view. Any of name, s, v may be NULL. TD_ERANGE if i is past the
+ * count. */
+int td_model_tensor(const td_model *m, size_t i, const char **name,
+                    td_storage **s, td_view *v);
+/* The tensor called name, as td_model_tensor; TD_ENOENT if none. */
+int td_model_find(const td_model *m, const char *name, td_storage **s,
+                  td_view *v);
+/* The manifest's JSON text (valid while m is open). */
+const char *td_model_manifest(const td_model *m);
+/* Releases m's storages and frees it. NULL ok. */
+void td_model_close(td_model *m);
+/* ---- end of models ---- */
+
 /* ---- events (tensorctl watch; docs/protocol.md) ---- */
 /* A watch is a connection of its own that receives what happens in the
  * daemon as it happens, for debugging a pipeline. The daemon never waits for

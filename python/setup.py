@@ -62,7 +62,7 @@ def static_build(build: str) -> dict:
     return dict(
         include_dirs=[os.path.join(TOP, "include")],
         extra_objects=[lib],
-        libraries=["protobuf-c", "pthread"],
+        libraries=["protobuf-c", "jansson", "pthread"],
         extra_link_args=["-Wl,--exclude-libs,ALL"],
     )
 

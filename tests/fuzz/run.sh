@@ -11,6 +11,11 @@ secs=$2
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
 case $(basename "$bin") in
+fuzz_safetensors*)
+  mkdir -p "$here/safetensors_regressions"
+  seeds="$here/safetensors_corpus $here/safetensors_regressions"
+  replay=fuzz_safetensors_replay
+  regressions=tests/fuzz/safetensors_regressions ;;
 fuzz_state*)
   seeds="$here/state_corpus $here/state_regressions"
   replay=fuzz_state_replay

@@ -82,10 +82,10 @@ readelf -d "$tmp/consumer/prog_static" | grep -q 'NEEDED.*libtensord' &&
 "$tmp/consumer/prog_shared" "$nosock" || fail "CMake prog_shared ran"
 "$tmp/consumer/prog_static" "$nosock" || fail "CMake prog_static ran"
 
-step "build tree: cc -I include prog.c build/client/libtensord.a -lprotobuf-c"
+step "build tree: cc -I include prog.c build/client/libtensord.a -lprotobuf-c -ljansson"
 # shellcheck disable=SC2086
 (cd "$src" && "$cc" $warn $cflags -I include "$here/prog.c" \
-  "$build/client/libtensord.a" -lprotobuf-c -o "$tmp/prog_tree") ||
+  "$build/client/libtensord.a" -lprotobuf-c -ljansson -o "$tmp/prog_tree") ||
   fail "README's one-line compile against the build tree"
 "$tmp/prog_tree" "$nosock" || fail "prog_tree ran"
 echo "ok: installed $version; built and ran with pkg-config, pkg-config --static, find_package, the build tree"

@@ -134,8 +134,10 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import json
+import logging
 import os
 import threading
+import traceback
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
@@ -163,6 +165,8 @@ __all__ = [
     "AttachError",
     "IncompatibleKeys",
     "Mismatch",
+    "follow",
+    "Follower",
 ]
 
 ENV_SCOPE = "TENSORD_MP_SCOPE"
@@ -1220,3 +1224,215 @@ def _lookup_tensor(params, buffers, name: str) -> torch.Tensor:
             return sl.obj
     raise KeyError(name)
 
+
+# --------------------------------------------------------------------------
+# Following new versions.
+
+
+class Follower:
+    """What ``follow`` returns: the version of ``name`` in use now, kept
+    current by a thread that waits for the daemon's events.
+
+    ``weights``: the current ``Weights``; ``current``: what the callback
+    returned for them (the weights themselves without a callback);
+    ``version``: ``weights.version``; ``generation``: how many versions
+    this follower has switched to (1 after ``follow`` returns); ``error``:
+    the last exception of the thread (a callback's, a load's, or the
+    daemon's going), None if none; ``alive``: the thread runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        callback: Optional[Callable[[Weights], Any]],
+        client,
+        timeout: Optional[float],
+    ) -> None:
+        self.name = name
+        self._client = client
+        self._callback = callback
+        self._cond = threading.Condition()
+        self._closing = False
+        self.weights: Optional[Weights] = None
+        self.current: Any = None
+        self.generation = 0
+        self.error: Optional[BaseException] = None
+        # The watch first: a version published after it is an event, one
+        # published before is what the first load gets.
+        self._watch = client.watch(name)
+        try:
+            w = _open_weights(client, name, timeout=timeout)
+            self._switch(w, raise_errors=True)
+        except BaseException:
+            self._watch.close()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name="tensord follow %s" % name, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def version(self) -> Optional[int]:
+        w = self.weights
+        return None if w is None else w.version
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _switch(self, weights: Weights, raise_errors: bool = False) -> None:
+        """Makes weights the current version: the callback's value first,
+        then one assignment of each attribute. On the callback's exception
+        the version in use stays (the exception raises, or is kept in
+        .error)."""
+        try:
+            cur = weights if self._callback is None else self._callback(weights)
+        except BaseException as e:
+            if raise_errors:
+                raise
+            # The traceback as text: a log record that kept the exception
+            # would keep its frames, and the version that failed with them.
+            logging.getLogger("tensord").error(
+                "follow %r: the callback raised for version %d; version %s "
+                "stays in use\n%s", self.name, weights.version, self.version,
+                traceback.format_exc().rstrip(),
+            )
+            self._keep_error(e)
+            return
+        with self._cond:
+            self.weights = weights
+            self.current = cur
+            self.generation += 1
+            self._cond.notify_all()
+
+    def _keep_error(self, e: BaseException) -> None:
+        """Keeps e in .error without its traceback, whose frames would keep
+        the version that failed (and everything else they saw) alive."""
+        self.error = e.with_traceback(None)
+        e.__context__ = e.__cause__ = None
+
+    def _run(self) -> None:
+        w = self._watch
+        while True:
+            try:
+                ev = w.next()  # blocks without the GIL until an event
+                check = False
+                while ev is not None:
+                    # A publish of the key itself is a new version; lost
+                    # events (dropped) may have been one. Those already
+                    # here are taken in the same check.
+                    if ev.dropped or (ev.type == "publish" and ev.key == self.name):
+                        check = True
+                    ev = w.next(timeout=0)
+            except tensord.Closed as e:
+                if not self._closing:
+                    self._keep_error(e)  # tensord has gone
+                break
+            except BaseException as e:  # pragma: no cover - unexpected
+                self._keep_error(e)
+                break
+            if check:
+                self._update()
+
+    def _update(self) -> None:
+        """Loads the version published now and switches to it if it is not
+        the one in use. (A method of its own: the thread keeps no reference
+        to a version while it waits.)"""
+        try:
+            new = _open_weights(self._client, self.name)
+        except tensord.NotFound:
+            return  # unpublished since: keep what we have
+        except BaseException as e:
+            self._keep_error(e)
+            return
+        cur = self.weights
+        if cur is not None and new.storage_ids == cur.storage_ids:
+            return  # the version in use (its event came after the load)
+        self._switch(new)
+
+    def wait(self, generation: int, timeout: Optional[float] = None) -> bool:
+        """Waits until this follower has switched to its generation-th
+        version (``.generation >= generation``) or timeout seconds have
+        passed; returns whether it has."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self.generation >= generation or self._closing, timeout
+            ) and self.generation >= generation
+
+    def close(self) -> None:
+        """Stops following: ends the watch, joins the thread (after a
+        callback that runs now) and drops the follower's references to the
+        current version, which goes once nothing else holds it. Idempotent;
+        from the callback itself it does not join."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._watch.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.weights = None
+        self.current = None
+
+    def __enter__(self) -> "Follower":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "<tensord.torch.Follower %r version %s, generation %d%s>" % (
+            self.name,
+            self.version,
+            self.generation,
+            "" if self.alive else " (stopped)",
+        )
+
+
+def follow(
+    name: str,
+    callback: Optional[Callable[[Weights], Any]] = None,
+    client=None,
+    timeout: Optional[float] = 0,
+) -> Follower:
+    """Follows the versions published under ``name``, without polling.
+
+    Opens a watch on ``name`` (``Client.watch``: a connection of its own
+    that the daemon tells of each publish), loads the version published now
+    (read-only, like ``load_state_dict``; waiting up to ``timeout`` seconds
+    for a first one, None forever) and calls ``callback(weights)`` for it in
+    this thread, so that an error raises here. Then a thread waits for the
+    daemon's events; at each publish of ``name`` it loads the new version
+    and calls ``callback(weights)`` in that thread; the callback's return
+    value becomes ``Follower.current`` (the weights without a callback). A
+    callback that raises leaves the version in use as it was (the
+    exception is kept in ``Follower.error``). Versions published faster
+    than they load are skipped to the latest.
+
+    ``client``: the Client to load through (None: the shared client of the
+    default socket). Returns a ``Follower``; ``close()`` it (or use it as a
+    context manager) to stop: that joins the thread and drops its
+    references, so the last version goes once nothing else holds it.
+
+    Swap between requests: make the callback build what serves a version,
+    e.g. a module built on meta and attached to the weights, and let each
+    request take ``follower.current`` once at its start and use only that::
+
+        def build(weights):
+            with tensord.torch.meta_device():
+                model = Net()
+            tensord.torch.attach(model, weights)
+            return model.eval()
+
+        follower = tensord.torch.follow("model", build)
+
+        def handle(request):
+            model = follower.current  # this request's version
+            with torch.no_grad():
+                return model(request)
+
+    A request never sees a mix; an old version is freed when the last
+    request that took it finishes.
+    """
+    if not isinstance(name, str):
+        raise TypeError("follow: name must be a str, not a %s" % type(name).__name__)
+    return Follower(name, callback, client or client_for(None), timeout)

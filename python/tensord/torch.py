@@ -1,6 +1,6 @@
 """PyTorch integration: tensors through tensord across processes.
 
-Three pieces, all pure Python over the ``tensord._tensord`` extension:
+Four pieces, all pure Python over the ``tensord._tensord`` extension:
 
 ``install(client=None)`` / ``uninstall()``
     Reducers for ``torch.multiprocessing``: CPU tensors put on a torch queue or
@@ -125,8 +125,19 @@ publish does not change them.
 Processes that load one state dict share its pages, but a module built the
 usual way (``Net()``) allocates weights of its own in each process, and
 ``model.load_state_dict(sd)`` copies into those: to serve without a copy per
-process, build the module on the meta device and run it on the loaded
-tensors with ``functional_call`` (docs/python.md, "Memory with nn.Modules").
+process, build the module on the meta device (``meta_device()``) and bind it
+to the loaded tensors with ``attach`` (docs/python.md, "Memory with
+nn.Modules").
+
+Serving: ``attach`` and ``follow``
+----------------------------------
+``attach(model, weights)`` makes each parameter a ``Parameter`` over the
+weights' tensor (``requires_grad=False``) and each buffer the tensor itself,
+keeping ties, refusing (or with ``strict=False`` reporting) missing,
+unexpected and mismatched names. ``follow(name, callback)`` keeps a server on
+the latest version published under ``name``: a thread blocked on the
+daemon's events (``tensord.watch``) loads each new version and calls the
+callback, whose value requests take from ``Follower.current``.
 """
 
 from __future__ import annotations

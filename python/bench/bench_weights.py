@@ -32,6 +32,11 @@ with load_state_dict(client, prefix), and runs one forward pass (a batch of 8):
   Net() + load_state_dict     the module built on the CPU, then
                               model.load_state_dict(sd): copies the shared
                               tensors into the module's own
+  meta + attach               the module built on the meta device, bound to
+                              the shared tensors with tensord.torch.attach
+                              and called as itself (docs/python.md)
+  Net() + attach              the module built on the CPU, then attach():
+                              its own weights are freed
 "PSS" and "/copy" as above; "total PSS" the sum of the readers' whole Pss.
 
 Columns: "PSS" is the sum over the K readers of (Pss from /proc/PID/smaps_rollup
@@ -163,7 +168,7 @@ def reader_main(conn, mode: str) -> None:
     def module(how: str, src: str, layers: int) -> None:
         from torch.nn.utils.stateless import functional_call
 
-        device = "meta" if how == "meta" else None
+        device = "meta" if how in ("meta", "attach_meta") else None
         model = torch.nn.Sequential(
             *[torch.nn.Linear(WIDTH, WIDTH, device=device) for _ in range(layers)]
         ).eval()
@@ -172,6 +177,10 @@ def reader_main(conn, mode: str) -> None:
         with torch.no_grad():
             if how == "load_state_dict":
                 model.load_state_dict(sd)
+                model(x)
+            elif how.startswith("attach"):
+                tdt.attach(model, sd)
+                gc.collect()
                 model(x)
             else:
                 functional_call(model, sd, (x,))
@@ -265,6 +274,8 @@ MODULE_WAYS = (
     ("cpu", "Net() + functional_call"),
     ("meta", "meta + functional_call"),
     ("load_state_dict", "Net() + load_state_dict"),
+    ("attach_meta", "meta + attach"),
+    ("attach_cpu", "Net() + attach"),
 )
 
 

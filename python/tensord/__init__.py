@@ -34,10 +34,13 @@ from ._tensord import (
     QuotaExceeded,
     Tensor,
     Timeout,
+    Watch,
+    WatchEvent,
     default_socket_path,
     dtype_name,
     dtype_size,
     find,
+    watch,
 )
 
 __all__ = [
@@ -52,11 +55,14 @@ __all__ = [
     "QuotaExceeded",
     "Tensor",
     "Timeout",
+    "Watch",
+    "WatchEvent",
     "connect",
     "default_socket_path",
     "dtype_name",
     "dtype_size",
     "find",
+    "watch",
 ]
 
 __version__ = _tensord.libtensord_version
@@ -91,6 +97,11 @@ if hasattr(os, "register_at_fork"):
 
 class Client(_tensord.Client):
     """A connection to tensord (see tensord.connect)."""
+
+    def watch(self, prefix: str = "") -> Watch:
+        """tensord.watch(prefix, path=self.path): this daemon's events whose
+        key begins with prefix, on a connection of the Watch's own."""
+        return Watch(prefix, self.path)
 
     async def alookup(
         self,

@@ -7,12 +7,17 @@
 #include <dlpack/dlpack.h>
 #include <tensord.h>
 
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* A lookup that waits is cut into waits of at most this many ms, so that
  * Ctrl-C, close() and a cancelled alookup are seen within that long. */
@@ -2425,10 +2430,441 @@ static PyTypeObject TensorType = {
     .tp_getset = Tensor_getset,
 };
 
+/* ---- Watch: the daemon's events as they happen ---- */
+
+/* A td_watch (a connection of its own) and a pipe that close() writes, so
+ * that a next() blocked in another thread wakes at once. closed and busy are
+ * under g_mu, taken without the GIL like a Client's state. */
+typedef struct Watch {
+  PyObject_HEAD td_watch *w; /* NULL once closed */
+  int wake[2];               /* the pipe: [0] polled by next(), [1] written */
+  unsigned gen;              /* g_forkgen at open: a forked child's is stale */
+  int closed;
+  int busy;         /* a next() is running: close() waits for it */
+  PyObject *prefix; /* str */
+  PyObject *path;   /* str: the socket */
+  PyObject *weakrefs;
+} Watch;
+
+static PyTypeObject WatchType;
+static PyTypeObject *WatchEventType;
+
+static PyStructSequence_Field event_fields[] = {
+    {"type", "what happened: 'create', 'publish', 'take', 'unpublish', "
+             "'free', 'connect', 'disconnect', 'refused', 'lookup' "
+             "('unknown' for a type this library does not know)"},
+    {"key", "the key, or ''"},
+    {"id", "the storage's id, or 0"},
+    {"nbytes", "the storage's size, or 0"},
+    {"device", "'cpu' or 'cuda'"},
+    {"pid", "the process of the client that caused it"},
+    {"uid", "its uid"},
+    {"name", "its name (Hello's client_name), or ''"},
+    {"message", "refused: the daemon's message; disconnect: why; else ''"},
+    {"code", "refused: the negative TD_E* code; else 0"},
+    {"unix_ms", "when, by the daemon's wall clock (ms since the epoch)"},
+    {"dropped", "events lost just before this one (a reader too slow)"},
+    {"type_id", "the numeric type (td_event_type)"},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc event_desc = {
+    "tensord.WatchEvent",
+    "One event of a watch (tensord.watch): what happened in the daemon.",
+    event_fields,
+    13,
+};
+
+static PyObject *str_or_empty(const char *s) {
+  if (s == NULL)
+    s = "";
+  return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "replace");
+}
+
+/* A new WatchEvent of ev (whose strings are copied). */
+static PyObject *event_new(const td_event *ev) {
+  PyObject *e = PyStructSequence_New(WatchEventType);
+  if (e == NULL)
+    return NULL;
+  PyObject *v[13] = {
+      PyUnicode_FromString(td_event_type_name((int)ev->type)),
+      str_or_empty(ev->key),
+      PyLong_FromUnsignedLongLong(ev->id),
+      PyLong_FromUnsignedLongLong(ev->nbytes),
+      PyUnicode_FromString(ev->device == TD_CUDA ? "cuda" : "cpu"),
+      PyLong_FromLong(ev->pid),
+      PyLong_FromUnsignedLong(ev->uid),
+      str_or_empty(ev->name),
+      str_or_empty(ev->message),
+      PyLong_FromLong(ev->code),
+      PyLong_FromLongLong(ev->unix_ms),
+      PyLong_FromUnsignedLongLong(ev->dropped),
+      PyLong_FromLong((long)ev->type),
+  };
+  int ok = 1;
+  for (int i = 0; i < 13; i++) {
+    if (v[i] == NULL)
+      ok = 0;
+    else
+      PyStructSequence_SET_ITEM(e, i, v[i]); /* stolen */
+  }
+  if (!ok) {
+    Py_DECREF(e);
+    return NULL;
+  }
+  return e;
+}
+
+static PyObject *Watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"prefix", "path", NULL};
+  PyObject *prefixobj = NULL, *pathobj = Py_None, *bytes = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|UO:watch", kwlist, &prefixobj,
+                                   &pathobj))
+    return NULL;
+  const char *prefix = "";
+  Py_ssize_t plen = 0;
+  if (prefixobj != NULL &&
+      (prefix = PyUnicode_AsUTF8AndSize(prefixobj, &plen)) == NULL)
+    return NULL;
+  if ((size_t)plen != strlen(prefix))
+    return PyErr_Format(PyExc_ValueError,
+                        "watch: the prefix %R contains a NUL character",
+                        prefixobj);
+  char dflt[4096];
+  const char *path;
+  if (pathobj == Py_None) {
+    int err = td_default_socket_path(dflt, sizeof(dflt));
+    if (err < 0)
+      return raise_err(err, td_last_error(NULL));
+    path = dflt;
+  } else {
+    if (!PyUnicode_FSConverter(pathobj, &bytes))
+      return NULL;
+    path = PyBytes_AS_STRING(bytes);
+  }
+  Watch *self = (Watch *)type->tp_alloc(type, 0);
+  if (self == NULL) {
+    Py_XDECREF(bytes);
+    return NULL;
+  }
+  self->wake[0] = self->wake[1] = -1;
+  self->closed = 1; /* until open: dealloc has nothing to close */
+  self->prefix =
+      prefixobj != NULL ? Py_NewRef(prefixobj) : PyUnicode_FromString("");
+  self->path = PyUnicode_DecodeFSDefault(path);
+  if (self->prefix == NULL || self->path == NULL) {
+    Py_XDECREF(bytes);
+    Py_DECREF(self);
+    return NULL;
+  }
+  if (pipe2(self->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
+    self->wake[0] = self->wake[1] = -1;
+    Py_XDECREF(bytes);
+    Py_DECREF(self);
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  td_watch *w = NULL;
+  int err;
+  char msg[1024] = "";
+  Py_BEGIN_ALLOW_THREADS
+    err = td_watch_open(path, prefix, &w);
+    if (err < 0)
+      snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(bytes);
+  if (err < 0) {
+    Py_DECREF(self);
+    return raise_err(err, msg);
+  }
+  self->w = w;
+  self->gen = atomic_load(&g_forkgen);
+  self->closed = 0;
+  return (PyObject *)self;
+}
+
+/* Called WITHOUT the GIL. Ends the watch: wakes a next() running in another
+ * thread, waits for it to leave, closes the connection. In a forked child
+ * only the child's copy of the socket is closed. */
+static void watch_close(Watch *self) {
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    pthread_mutex_unlock(&g_mu);
+    return;
+  }
+  self->closed = 1;
+  if (self->wake[1] >= 0) {
+    ssize_t n = write(self->wake[1], "x", 1);
+    (void)n; /* a full pipe is awake already */
+  }
+  while (self->busy && self->gen == atomic_load(&g_forkgen))
+    pthread_cond_wait(&g_cv, &g_mu);
+  td_watch *w = self->w;
+  self->w = NULL;
+  pthread_mutex_unlock(&g_mu);
+  td_watch_close(w);
+}
+
+static void Watch_dealloc(Watch *self) {
+  if (self->weakrefs != NULL)
+    PyObject_ClearWeakRefs((PyObject *)self);
+  Py_BEGIN_ALLOW_THREADS
+    watch_close(self);
+  Py_END_ALLOW_THREADS
+  if (self->wake[0] >= 0)
+    close(self->wake[0]);
+  if (self->wake[1] >= 0)
+    close(self->wake[1]);
+  Py_XDECREF(self->prefix);
+  Py_XDECREF(self->path);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Called WITHOUT the GIL. Marks a next() running, or returns a negative code
+ * with msg set: closed, opened before fork(), or in use by another thread. */
+static int watch_enter(Watch *self, char *msg, size_t len) {
+  int err = 0;
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    snprintf(msg, len, "watch: closed");
+    err = TD_ENOTCONN;
+  } else if (self->gen != atomic_load(&g_forkgen)) {
+    snprintf(msg, len,
+             "watch: opened before fork(), in the parent: open one in this "
+             "process");
+    err = TD_ENOTCONN;
+  } else if (self->busy) {
+    snprintf(msg, len, "watch: next() is running in another thread");
+    err = TD_EBUSY;
+  } else {
+    self->busy = 1;
+  }
+  pthread_mutex_unlock(&g_mu);
+  return err;
+}
+
+/* Called WITHOUT the GIL: the next() watch_enter marked is over. */
+static void watch_leave(Watch *self) {
+  pthread_mutex_lock(&g_mu);
+  self->busy = 0;
+  if (self->closed)
+    pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* What one wait of next() came to. */
+enum { W_EVENT, W_AGAIN, W_SIGNAL, W_TIMEOUT, W_CLOSED, W_ERROR };
+
+/* The next event, or None once timeout seconds have passed (forever: no
+ * limit); NULL with an exception when closed, on an error or a signal whose
+ * handler raised. */
+static PyObject *watch_next(Watch *self, int forever, double timeout) {
+  int64_t deadline = mono_ms() + (int64_t)(timeout * 1000.0 + 0.999);
+  char msg[1024] = "";
+  int err;
+  Py_BEGIN_ALLOW_THREADS
+    err = watch_enter(self, msg, sizeof(msg));
+  Py_END_ALLOW_THREADS
+  if (err < 0)
+    return raise_err(err, msg);
+  PyObject *out = NULL;
+  for (;;) {
+    td_event ev;
+    int what = W_ERROR;
+    err = 0;
+    Py_BEGIN_ALLOW_THREADS
+      /* Events already received come first, then the socket is waited on
+       * with the wake pipe: close() ends the wait. */
+      err = td_watch_next(self->w, 0, &ev);
+      if (err == 0) {
+        what = W_EVENT;
+      } else if (err == TD_EAGAIN) {
+        what = W_SIGNAL;
+      } else if (err != TD_ETIMEDOUT) {
+        snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
+      } else {
+        int64_t left = forever ? -1 : deadline - mono_ms();
+        struct pollfd p[2] = {{.fd = td_watch_fd(self->w), .events = POLLIN},
+                              {.fd = self->wake[0], .events = POLLIN}};
+        int n = left == 0 ? 0
+                          : poll(p, 2,
+                                 left < 0         ? -1
+                                 : left > INT_MAX ? INT_MAX
+                                                  : (int)left);
+        if (n < 0 && errno == EINTR) {
+          what = W_SIGNAL;
+        } else if (n < 0) {
+          err = -errno;
+          snprintf(msg, sizeof(msg), "watch: poll: %s", strerror(errno));
+        } else if (p[1].revents) {
+          what = W_CLOSED;
+        } else if (n == 0) {
+          what = left < 0 || mono_ms() < deadline ? W_AGAIN : W_TIMEOUT;
+        } else {
+          what = W_AGAIN; /* bytes came: read them */
+        }
+      }
+      if (what != W_EVENT && what != W_ERROR && what != W_CLOSED) {
+        pthread_mutex_lock(&g_mu);
+        if (self->closed)
+          what = W_CLOSED;
+        pthread_mutex_unlock(&g_mu);
+      }
+    Py_END_ALLOW_THREADS
+    if (what == W_EVENT) {
+      out = event_new(&ev); /* before the next td_watch_next frees ev */
+      break;
+    }
+    if (what == W_TIMEOUT) {
+      out = Py_NewRef(Py_None);
+      break;
+    }
+    if (what == W_CLOSED) {
+      raise_err(TD_ENOTCONN, "watch: closed");
+      break;
+    }
+    if (what == W_ERROR) {
+      raise_err(err, msg);
+      break;
+    }
+    if (what == W_SIGNAL && PyErr_CheckSignals() < 0)
+      break;
+  }
+  Py_BEGIN_ALLOW_THREADS
+    watch_leave(self);
+  Py_END_ALLOW_THREADS
+  return out;
+}
+
+static PyObject *Watch_next(Watch *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"timeout", NULL};
+  PyObject *timeoutobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:next", kwlist, &timeoutobj))
+    return NULL;
+  int forever = timeoutobj == Py_None;
+  double timeout = 0;
+  if (!forever) {
+    timeout = PyFloat_AsDouble(timeoutobj);
+    if (timeout == -1.0 && PyErr_Occurred())
+      return NULL;
+    if (!(timeout >= 0) || timeout > 1e9)
+      return PyErr_Format(PyExc_ValueError,
+                          "watch.next: timeout %R (seconds, >= 0; None waits "
+                          "forever)",
+                          timeoutobj);
+  }
+  return watch_next(self, forever, timeout);
+}
+
+static PyObject *Watch_fileno(Watch *self, PyObject *unused) {
+  int fd = -1;
+  Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_mu);
+    if (!self->closed && self->gen == atomic_load(&g_forkgen))
+      fd = td_watch_fd(self->w);
+    pthread_mutex_unlock(&g_mu);
+  Py_END_ALLOW_THREADS
+  if (fd < 0)
+    return raise_err(TD_ENOTCONN, "watch: closed");
+  return PyLong_FromLong(fd);
+}
+
+static PyObject *Watch_close(Watch *self, PyObject *unused) {
+  Py_BEGIN_ALLOW_THREADS
+    watch_close(self);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *Watch_enter(Watch *self, PyObject *unused) {
+  return Py_NewRef(self);
+}
+
+static PyObject *Watch_exit(Watch *self, PyObject *args) {
+  return Watch_close(self, NULL);
+}
+
+/* Iteration: next() without a timeout; ends when the watch is closed. */
+static PyObject *Watch_iternext(Watch *self) {
+  PyObject *e = watch_next(self, 1, 0);
+  if (e == NULL && PyErr_ExceptionMatches(Closed)) {
+    pthread_mutex_lock(&g_mu); /* only held briefly: no GIL wait inside */
+    int closed = self->closed;
+    pthread_mutex_unlock(&g_mu);
+    if (closed)
+      PyErr_Clear(); /* StopIteration */
+  }
+  return e;
+}
+
+static PyObject *Watch_get_closed(Watch *self, void *unused) {
+  return PyBool_FromLong(self->closed);
+}
+
+static PyObject *Watch_repr(Watch *self) {
+  return PyUnicode_FromFormat("<tensord.Watch %R of %U%s>", self->prefix,
+                              self->path, self->closed ? " (closed)" : "");
+}
+
+static PyMethodDef Watch_methods[] = {
+    {"next", (PyCFunction)(void (*)(void))Watch_next,
+     METH_VARARGS | METH_KEYWORDS,
+     "next(timeout=None) -> WatchEvent | None: the next event, waiting up to "
+     "timeout seconds (None: until one comes) without the GIL; None if none "
+     "came in time. Raises tensord.Closed once the watch is closed (also "
+     "from another thread, which wakes a next() waiting here) or tensord has "
+     "gone."},
+    {"fileno", (PyCFunction)Watch_fileno, METH_NOARGS,
+     "fileno() -> int: the watch's socket, for select()/poll()/asyncio: "
+     "readable when events may have come. Events may also be waiting "
+     "already received: after it is readable, call next(timeout=0) until it "
+     "returns None."},
+    {"close", (PyCFunction)Watch_close, METH_NOARGS,
+     "close(): ends the watch (idempotent); a next() waiting in another "
+     "thread raises tensord.Closed."},
+    {"__enter__", (PyCFunction)Watch_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Watch_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Watch_members[] = {
+    {"prefix", T_OBJECT_EX, offsetof(Watch, prefix), READONLY,
+     "the key prefix watched ('' : every event)"},
+    {"path", T_OBJECT_EX, offsetof(Watch, path), READONLY,
+     "the daemon's socket"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Watch_getset[] = {
+    {"closed", (getter)Watch_get_closed, NULL, "close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensord.Watch",
+    .tp_basicsize = sizeof(Watch),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Watch(prefix='', path=None): the daemon's events whose key "
+              "begins with prefix ('' : every event), as they happen, on a "
+              "connection of its own (tensord.watch).",
+    .tp_new = Watch_new,
+    .tp_dealloc = (destructor)Watch_dealloc,
+    .tp_repr = (reprfunc)Watch_repr,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)Watch_iternext,
+    .tp_methods = Watch_methods,
+    .tp_members = Watch_members,
+    .tp_getset = Watch_getset,
+    .tp_weaklistoffset = offsetof(Watch, weakrefs),
+};
+
 /* ---- module functions ---- */
 
 static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
   return PyObject_Call((PyObject *)&ClientType, args, kw);
+}
+
+static PyObject *mod_watch(PyObject *m, PyObject *args, PyObject *kw) {
+  return PyObject_Call((PyObject *)&WatchType, args, kw);
 }
 
 static PyObject *mod_find(PyObject *m, PyObject *arg) {
@@ -2485,6 +2921,11 @@ static PyMethodDef module_methods[] = {
      "find(ptr) -> (Tensor, offset) | None: the storage this process maps "
      "at address ptr, as a uint8 Tensor of the whole storage holding its own "
      "reference, and ptr's byte offset in it."},
+    {"watch", (PyCFunction)(void (*)(void))mod_watch,
+     METH_VARARGS | METH_KEYWORDS,
+     "watch(prefix='', path=None) -> Watch: the daemon's events whose key "
+     "begins with prefix, on a connection of its own to the daemon at path "
+     "(None: the default socket path)."},
     {"dtype_size", (PyCFunction)mod_dtype_size, METH_O,
      "dtype_size(dtype) -> int"},
     {"dtype_name", (PyCFunction)mod_dtype_name, METH_O,
@@ -2524,7 +2965,10 @@ static PyObject *add_error(PyObject *m, const char *name, PyObject *base,
 
 PyMODINIT_FUNC PyInit__tensord(void) {
   if (PyType_Ready(&ClientType) < 0 || PyType_Ready(&TensorType) < 0 ||
-      PyType_Ready(&ExporterType) < 0)
+      PyType_Ready(&ExporterType) < 0 || PyType_Ready(&WatchType) < 0)
+    return NULL;
+  if (WatchEventType == NULL &&
+      (WatchEventType = PyStructSequence_NewType(&event_desc)) == NULL)
     return NULL;
   PyObject *m = PyModule_Create(&module);
   if (m == NULL)
@@ -2547,6 +2991,8 @@ PyMODINIT_FUNC PyInit__tensord(void) {
   }
   if (PyModule_AddObjectRef(m, "Client", (PyObject *)&ClientType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
+      PyModule_AddObjectRef(m, "Watch", (PyObject *)&WatchType) < 0 ||
+      PyModule_AddObjectRef(m, "WatchEvent", (PyObject *)WatchEventType) < 0 ||
       PyModule_AddStringConstant(m, "libtensord_version", td_version_string()) <
           0 ||
       PyModule_AddIntConstant(m, "SLICE_MS", SLICE_MS) < 0 ||

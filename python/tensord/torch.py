@@ -1,6 +1,6 @@
 """PyTorch integration: tensors through tensord across processes.
 
-Three pieces, all pure Python over the ``tensord._tensord`` extension:
+Four pieces, all pure Python over the ``tensord._tensord`` extension:
 
 ``install(client=None)`` / ``uninstall()``
     Reducers for ``torch.multiprocessing``: CPU tensors put on a torch queue or
@@ -125,8 +125,19 @@ publish does not change them.
 Processes that load one state dict share its pages, but a module built the
 usual way (``Net()``) allocates weights of its own in each process, and
 ``model.load_state_dict(sd)`` copies into those: to serve without a copy per
-process, build the module on the meta device and run it on the loaded
-tensors with ``functional_call`` (docs/python.md, "Memory with nn.Modules").
+process, build the module on the meta device (``meta_device()``) and bind it
+to the loaded tensors with ``attach`` (docs/python.md, "Memory with
+nn.Modules").
+
+Serving: ``attach`` and ``follow``
+----------------------------------
+``attach(model, weights)`` makes each parameter a ``Parameter`` over the
+weights' tensor (``requires_grad=False``) and each buffer the tensor itself,
+keeping ties, refusing (or with ``strict=False`` reporting) missing,
+unexpected and mismatched names. ``follow(name, callback)`` keeps a server on
+the latest version published under ``name``: a thread blocked on the
+daemon's events (``tensord.watch``) loads each new version and calls the
+callback, whose value requests take from ``Follower.current``.
 """
 
 from __future__ import annotations
@@ -134,8 +145,10 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import json
+import logging
 import os
 import threading
+import traceback
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
@@ -156,6 +169,15 @@ __all__ = [
     "default_collate",
     "publish_state_dict",
     "load_state_dict",
+    "Weights",
+    "version_of",
+    "meta_device",
+    "attach",
+    "AttachError",
+    "IncompatibleKeys",
+    "Mismatch",
+    "follow",
+    "Follower",
 ]
 
 ENV_SCOPE = "TENSORD_MP_SCOPE"
@@ -844,7 +866,7 @@ def _read_manifest(t) -> dict:
 
 def load_state_dict(
     client, prefix: str, readonly: bool = True, timeout: Optional[float] = 0
-) -> Dict[str, torch.Tensor]:
+) -> "Weights":
     """Maps the state dict published under ``prefix``; returns its tensors.
 
     One lookup (``timeout`` as for Client.lookup: 0 does not wait, None waits
@@ -853,33 +875,575 @@ def load_state_dict(
     of the page and never crashes; readonly=False maps the shared pages
     (writes reach every reader). Each tensor has its original dtype, shape,
     strides and storage offset; entries that shared a torch storage share one
-    again. The tensors keep the version they were loaded from alive.
+    again. The tensors keep the version they were loaded from alive. The
+    dict is a ``Weights`` (a dict that also says which version it holds).
     Raises tensord.NotFound, ValueError if the key holds no state dict.
     """
     # Lazily mapped: attaching costs the same for 5 MB or 5 GB; each page is
     # mapped when a forward pass first reads it.
     t = client.lookup(prefix, timeout=timeout, readonly=readonly, lazy=True)
     try:
-        manifest = _read_manifest(t)
-        regions = []
-        for r in manifest["regions"]:
-            o, n = r["offset"], r["nbytes"]
-            regions.append(t[o : o + n].torch())
-        typed: dict = {}
-        out: Dict[str, torch.Tensor] = {}
-        for name, e in manifest["tensors"].items():
-            ri = e["region"]
-            dt = _TORCH_DTYPES[e["dtype"]]
-            base = typed.get((ri, dt))
-            if base is None:
-                r = regions[ri]
-                if dt != torch.uint8:
-                    isz = _itemsize(dt)
-                    r = r[: r.numel() // isz * isz].view(dt)
-                base = typed[(ri, dt)] = r
-            out[name] = torch.as_strided(
-                base, e["shape"], e["stride"], e["storage_offset"]
-            )
-        return out
+        return _state_dict_of(t, prefix)
     finally:
         t.release()
+
+
+def _state_dict_of(t, prefix: str) -> "Weights":
+    """The Weights of the packed state dict in t (which the caller keeps
+    and releases: the tensors hold references of their own)."""
+    manifest = _read_manifest(t)
+    regions = []
+    for r in manifest["regions"]:
+        o, n = r["offset"], r["nbytes"]
+        regions.append(t[o : o + n].torch())
+    typed: dict = {}
+    out = Weights(prefix, t.storage_id, (t.storage_id,))
+    for name, e in manifest["tensors"].items():
+        ri = e["region"]
+        dt = _TORCH_DTYPES[e["dtype"]]
+        base = typed.get((ri, dt))
+        if base is None:
+            r = regions[ri]
+            if dt != torch.uint8:
+                isz = _itemsize(dt)
+                r = r[: r.numel() // isz * isz].view(dt)
+            base = typed[(ri, dt)] = r
+        out[name] = torch.as_strided(
+            base, e["shape"], e["stride"], e["storage_offset"]
+        )
+    return out
+
+
+class Weights(dict):
+    """The tensors of one version of published weights: a dict of names to
+    torch tensors (``load_state_dict`` returns one), which also says what it
+    holds.
+
+    ``name``: the key (a state dict) or model name it came from.
+    ``version``: which version of it: for a state dict, the id of its packed
+    storage (ids grow with every storage a daemon makes, so a later publish
+    has a larger one). ``storage_ids``: the storages its tensors lie in.
+    """
+
+    def __init__(self, name: str, version: int, storage_ids: tuple) -> None:
+        super().__init__()
+        self.name = name
+        self.version = version
+        self.storage_ids = tuple(storage_ids)
+
+    def __repr__(self) -> str:
+        return "<tensord.torch.Weights %r version %d: %d tensors>" % (
+            self.name,
+            self.version,
+            len(self),
+        )
+
+
+def version_of(weights) -> Optional[int]:
+    """The version a ``Weights`` dict holds (its ``.version``); None for a
+    mapping that did not come from tensord."""
+    return getattr(weights, "version", None)
+
+
+def _open_weights(client, name: str, timeout: Optional[float] = 0) -> Weights:
+    """The weights published under name, read-only (copy-on-write) and
+    lazily mapped: one lookup of the key, whose bytes say what it holds."""
+    t = client.lookup(name, timeout=timeout, readonly=True, lazy=True)
+    try:
+        return _state_dict_of(t, name)
+    finally:
+        t.release()
+
+
+# --------------------------------------------------------------------------
+# Building a module without weights of its own.
+
+# torch's factory functions that take device= (what torch >= 2.0's
+# `with torch.device(...)` redirects; *_like functions follow their input).
+_FACTORIES = frozenset(
+    f
+    for f in (
+        getattr(torch, n, None)
+        for n in (
+            "empty", "empty_strided", "zeros", "ones", "full", "eye",
+            "arange", "range", "linspace", "logspace", "rand", "randn",
+            "randint", "randperm", "normal", "tensor", "as_tensor",
+            "scalar_tensor", "asarray", "tril_indices", "triu_indices",
+            "bartlett_window", "blackman_window", "hamming_window",
+            "hann_window", "kaiser_window", "sparse_coo_tensor",
+        )
+    )
+    if f is not None
+)
+
+
+class _DefaultDevice(torch.overrides.TorchFunctionMode):
+    def __init__(self, device) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None:
+            kwargs = dict(kwargs, device=self.device)
+        return func(*args, **kwargs)
+
+
+def meta_device():
+    """A context manager: the tensors torch's factory functions make inside
+    it without a ``device=`` (the parameters and buffers of modules built
+    there) are on the ``meta`` device: shapes and dtypes, no memory, no
+    initialisation. What ``with torch.device("meta"):`` does in torch 2;
+    torch 1.13 lacks it. Build the module inside, then ``attach`` weights::
+
+        with tensord.torch.meta_device():
+            model = Net()
+        tensord.torch.attach(model, weights)
+
+    A buffer that the constructor computes and that no state dict holds (a
+    non-persistent one) is on meta too: attach refuses it unless the weights
+    hold it (see ``attach``)."""
+    return _DefaultDevice("meta")
+
+
+# --------------------------------------------------------------------------
+# Binding a module to shared tensors.
+
+
+class Mismatch(
+    collections.namedtuple(
+        "Mismatch", ["name", "expected_shape", "expected_dtype", "shape", "dtype"]
+    )
+):
+    """A tensor of the weights whose shape or dtype the module's differs
+    from: ``expected_*`` the module's, ``shape``/``dtype`` the weights'."""
+
+    def __str__(self) -> str:
+        return "%r: the module has %s %s, the weights %s %s" % (
+            self.name,
+            tuple(self.expected_shape),
+            _dtype_name(self.expected_dtype),
+            tuple(self.shape),
+            _dtype_name(self.dtype),
+        )
+
+
+class IncompatibleKeys(
+    collections.namedtuple(
+        "IncompatibleKeys", ["missing_keys", "unexpected_keys", "mismatched_keys"]
+    )
+):
+    """What ``attach`` could not bind, as torch's ``load_state_dict``
+    reports it, and the shape/dtype mismatches (a list of ``Mismatch``)."""
+
+    def __repr__(self) -> str:
+        if not any(self):
+            return "<All keys matched successfully>"
+        return super().__repr__()
+
+    __str__ = __repr__
+
+
+class AttachError(RuntimeError):
+    """attach() refused: the weights do not fit the module. ``.report`` is
+    the IncompatibleKeys (missing, unexpected, mismatched) behind it."""
+
+    def __init__(self, message: str, report: Optional[IncompatibleKeys] = None):
+        super().__init__(message)
+        self.report = report
+
+
+class _Slot:
+    """One parameter or buffer object of a module, and every place (module,
+    attribute, dotted name) that holds it: several for tied weights and
+    shared submodules."""
+
+    __slots__ = ("obj", "places", "names", "persistent")
+
+    def __init__(self, obj: torch.Tensor) -> None:
+        self.obj = obj
+        self.places: list = []
+        self.names: list = []
+        self.persistent = False
+
+
+def _slots(model: torch.nn.Module):
+    """Every parameter and every buffer of model, each once however many
+    names it has, in named_parameters()/named_buffers() order."""
+    params: Dict[int, _Slot] = {}
+    buffers: Dict[int, _Slot] = {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                sl = params.setdefault(id(p), _Slot(p))
+                sl.places.append((mod, n))
+                sl.names.append(pre + n)
+                sl.persistent = True
+        for n, b in mod._buffers.items():
+            if b is not None:
+                sl = buffers.setdefault(id(b), _Slot(b))
+                sl.places.append((mod, n))
+                sl.names.append(pre + n)
+                if n not in mod._non_persistent_buffers_set:
+                    sl.persistent = True
+    return list(params.values()), list(buffers.values())
+
+
+def _describe(t: torch.Tensor) -> str:
+    return "%s %s" % (tuple(t.shape), _dtype_name(t.dtype))
+
+
+def attach(
+    model: torch.nn.Module,
+    weights: "Mapping[str, torch.Tensor] | str",
+    strict: bool = True,
+    client=None,
+) -> IncompatibleKeys:
+    """Binds model's parameters and buffers to the tensors of weights,
+    without copying them.
+
+    ``weights``: a mapping of names to torch tensors (``load_state_dict``,
+    a state dict), or the key of a published state dict (looked up
+    read-only through ``client``, None: the shared client of the default
+    socket). Each parameter becomes ``torch.nn.Parameter(tensor,
+    requires_grad=False)`` over the weights' tensor (the same memory:
+    ``data_ptr()`` equal) and each buffer the weights' tensor itself, in
+    every module and under every name that held it: a tied parameter (one
+    Parameter under several names, as ``state_dict()`` lists them) gets one
+    new Parameter, bound from
+    the first of its names that the weights hold, so a checkpoint that
+    stores a tie once (``lm_head.weight`` left out for ``embed.weight``)
+    binds both. The module's own tensors are dropped: a module built
+    normally frees its weights (if nothing else holds them), one built on
+    the meta device (``meta_device()``, ``device="meta"``) never had any.
+
+    Names are matched as ``named_parameters()``/``named_buffers()`` give
+    them (= ``state_dict()`` keys; modules' ``_load_from_state_dict``
+    hooks do not run). The module's shapes and dtypes must be the weights'
+    (nothing is cast). A non-persistent buffer is bound if the weights
+    hold it and kept otherwise, but one on the meta device that the
+    weights lack is refused (``AttachError`` naming it, with ``strict``
+    either way): the module could not run.
+
+    ``strict=True``: a name of the module that the weights lack (missing),
+    a name of the weights that the module lacks (unexpected) or a shape or
+    dtype mismatch raises ``AttachError`` naming each and both shapes and
+    dtypes, and nothing is bound. ``strict=False`` binds what fits and
+    reports the rest. Returns ``IncompatibleKeys(missing_keys,
+    unexpected_keys, mismatched_keys)``, empty lists where all fit.
+
+    Parameters that the weights hold in a read-only (copy-on-write)
+    mapping, as ``load_state_dict`` makes by default, may be written: the
+    writer gets a private copy of each page it writes; other processes
+    never see it.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("attach: model must be an nn.Module, not a %s"
+                        % type(model).__name__)
+    if isinstance(weights, str):
+        weights = _open_weights(client or client_for(None), weights)
+    elif not isinstance(weights, collections.abc.Mapping):
+        raise TypeError(
+            "attach: weights must be a mapping of names to tensors "
+            "(tensord.torch.load_state_dict) or the key of a published state "
+            "dict, not a %s" % type(weights).__name__
+        )
+    for k, v in weights.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(
+                "attach: weights[%r] is a %s, not a torch.Tensor"
+                % (k, type(v).__name__)
+            )
+    what = type(model).__name__
+    params, buffers = _slots(model)
+    missing: list = []
+    mismatched: list = []
+    meta_left: list = []
+    known = set()
+    bind: list = []  # (slot, tensor, is_parameter)
+    for sl, is_param in [(p, True) for p in params] + [(b, False) for b in buffers]:
+        known.update(sl.names)
+        have = [n for n in sl.names if n in weights]
+        if not have:
+            if sl.persistent:
+                missing.extend(sl.names)
+            elif sl.obj.is_meta:
+                meta_left.extend(sl.names)
+            continue
+        bad = False
+        for n in have:
+            t = weights[n]
+            if t.shape != sl.obj.shape or t.dtype != sl.obj.dtype:
+                mismatched.append(
+                    Mismatch(n, tuple(sl.obj.shape), sl.obj.dtype,
+                             tuple(t.shape), t.dtype)
+                )
+                bad = True
+        if not bad:
+            bind.append((sl, weights[have[0]], is_param))
+    unexpected = [k for k in weights if k not in known]
+    report = IncompatibleKeys(missing, unexpected, mismatched)
+    if meta_left:
+        raise AttachError(
+            "attach: %s's non-persistent buffer%s %s %s on the meta device "
+            "and not in the weights (no state dict holds a non-persistent "
+            "buffer): build %s on the CPU (device='cpu' where it is made, "
+            "even inside meta_device()), or pass the weights with %s added"
+            % (
+                what,
+                "s" if len(meta_left) > 1 else "",
+                ", ".join(repr(n) for n in meta_left),
+                "are" if len(meta_left) > 1 else "is",
+                "them" if len(meta_left) > 1 else "it",
+                "them" if len(meta_left) > 1 else "it",
+            ),
+            report,
+        )
+    if strict and any(report):
+        lines = ["attach: the weights do not fit %s:" % what]
+        if missing:
+            lines.append(
+                "  missing (in the module, not in the weights): "
+                + ", ".join(
+                    "%r %s" % (n, _describe(_lookup_tensor(params, buffers, n)))
+                    for n in missing
+                )
+            )
+        if unexpected:
+            lines.append(
+                "  unexpected (in the weights, not in the module): "
+                + ", ".join("%r %s" % (n, _describe(weights[n])) for n in unexpected)
+            )
+        for m in mismatched:
+            lines.append("  mismatched: " + str(m))
+        lines.append("(strict=False binds what fits and returns this report)")
+        raise AttachError("\n".join(lines), report)
+    for sl, t, is_param in bind:
+        new = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+        for mod, n in sl.places:
+            if is_param:
+                mod._parameters[n] = new
+            else:
+                mod._buffers[n] = new
+    return report
+
+
+def _lookup_tensor(params, buffers, name: str) -> torch.Tensor:
+    for sl in params + buffers:
+        if name in sl.names:
+            return sl.obj
+    raise KeyError(name)
+
+
+# --------------------------------------------------------------------------
+# Following new versions.
+
+
+class Follower:
+    """What ``follow`` returns: the version of ``name`` in use now, kept
+    current by a thread that waits for the daemon's events.
+
+    ``weights``: the current ``Weights``; ``current``: what the callback
+    returned for them (the weights themselves without a callback);
+    ``version``: ``weights.version``; ``generation``: how many versions
+    this follower has switched to (1 after ``follow`` returns); ``error``:
+    the last exception of the thread (a callback's, a load's, or the
+    daemon's going), None if none; ``alive``: the thread runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        callback: Optional[Callable[[Weights], Any]],
+        client,
+        timeout: Optional[float],
+    ) -> None:
+        self.name = name
+        self._client = client
+        self._callback = callback
+        self._cond = threading.Condition()
+        self._closing = False
+        self.weights: Optional[Weights] = None
+        self.current: Any = None
+        self.generation = 0
+        self.error: Optional[BaseException] = None
+        # The watch first: a version published after it is an event, one
+        # published before is what the first load gets.
+        self._watch = client.watch(name)
+        try:
+            w = _open_weights(client, name, timeout=timeout)
+            self._switch(w, raise_errors=True)
+        except BaseException:
+            self._watch.close()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name="tensord follow %s" % name, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def version(self) -> Optional[int]:
+        w = self.weights
+        return None if w is None else w.version
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _switch(self, weights: Weights, raise_errors: bool = False) -> None:
+        """Makes weights the current version: the callback's value first,
+        then one assignment of each attribute. On the callback's exception
+        the version in use stays (the exception raises, or is kept in
+        .error)."""
+        try:
+            cur = weights if self._callback is None else self._callback(weights)
+        except BaseException as e:
+            if raise_errors:
+                raise
+            # The traceback as text: a log record that kept the exception
+            # would keep its frames, and the version that failed with them.
+            logging.getLogger("tensord").error(
+                "follow %r: the callback raised for version %d; version %s "
+                "stays in use\n%s", self.name, weights.version, self.version,
+                traceback.format_exc().rstrip(),
+            )
+            self._keep_error(e)
+            return
+        with self._cond:
+            self.weights = weights
+            self.current = cur
+            self.generation += 1
+            self._cond.notify_all()
+
+    def _keep_error(self, e: BaseException) -> None:
+        """Keeps e in .error without its traceback, whose frames would keep
+        the version that failed (and everything else they saw) alive."""
+        self.error = e.with_traceback(None)
+        e.__context__ = e.__cause__ = None
+
+    def _run(self) -> None:
+        w = self._watch
+        while True:
+            try:
+                ev = w.next()  # blocks without the GIL until an event
+                check = False
+                while ev is not None:
+                    # A publish of the key itself is a new version; lost
+                    # events (dropped) may have been one. Those already
+                    # here are taken in the same check.
+                    if ev.dropped or (ev.type == "publish" and ev.key == self.name):
+                        check = True
+                    ev = w.next(timeout=0)
+            except tensord.Closed as e:
+                if not self._closing:
+                    self._keep_error(e)  # tensord has gone
+                break
+            except BaseException as e:  # pragma: no cover - unexpected
+                self._keep_error(e)
+                break
+            if check:
+                self._update()
+
+    def _update(self) -> None:
+        """Loads the version published now and switches to it if it is not
+        the one in use. (A method of its own: the thread keeps no reference
+        to a version while it waits.)"""
+        try:
+            new = _open_weights(self._client, self.name)
+        except tensord.NotFound:
+            return  # unpublished since: keep what we have
+        except BaseException as e:
+            self._keep_error(e)
+            return
+        cur = self.weights
+        if cur is not None and new.storage_ids == cur.storage_ids:
+            return  # the version in use (its event came after the load)
+        self._switch(new)
+
+    def wait(self, generation: int, timeout: Optional[float] = None) -> bool:
+        """Waits until this follower has switched to its generation-th
+        version (``.generation >= generation``) or timeout seconds have
+        passed; returns whether it has."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self.generation >= generation or self._closing, timeout
+            ) and self.generation >= generation
+
+    def close(self) -> None:
+        """Stops following: ends the watch, joins the thread (after a
+        callback that runs now) and drops the follower's references to the
+        current version, which goes once nothing else holds it. Idempotent;
+        from the callback itself it does not join."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._watch.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.weights = None
+        self.current = None
+
+    def __enter__(self) -> "Follower":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "<tensord.torch.Follower %r version %s, generation %d%s>" % (
+            self.name,
+            self.version,
+            self.generation,
+            "" if self.alive else " (stopped)",
+        )
+
+
+def follow(
+    name: str,
+    callback: Optional[Callable[[Weights], Any]] = None,
+    client=None,
+    timeout: Optional[float] = 0,
+) -> Follower:
+    """Follows the versions published under ``name``, without polling.
+
+    Opens a watch on ``name`` (``Client.watch``: a connection of its own
+    that the daemon tells of each publish), loads the version published now
+    (read-only, like ``load_state_dict``; waiting up to ``timeout`` seconds
+    for a first one, None forever) and calls ``callback(weights)`` for it in
+    this thread, so that an error raises here. Then a thread waits for the
+    daemon's events; at each publish of ``name`` it loads the new version
+    and calls ``callback(weights)`` in that thread; the callback's return
+    value becomes ``Follower.current`` (the weights without a callback). A
+    callback that raises leaves the version in use as it was (the
+    exception is kept in ``Follower.error``). Versions published faster
+    than they load are skipped to the latest.
+
+    ``client``: the Client to load through (None: the shared client of the
+    default socket). Returns a ``Follower``; ``close()`` it (or use it as a
+    context manager) to stop: that joins the thread and drops its
+    references, so the last version goes once nothing else holds it.
+
+    Swap between requests: make the callback build what serves a version,
+    e.g. a module built on meta and attached to the weights, and let each
+    request take ``follower.current`` once at its start and use only that::
+
+        def build(weights):
+            with tensord.torch.meta_device():
+                model = Net()
+            tensord.torch.attach(model, weights)
+            return model.eval()
+
+        follower = tensord.torch.follow("model", build)
+
+        def handle(request):
+            model = follower.current  # this request's version
+            with torch.no_grad():
+                return model(request)
+
+    A request never sees a mix; an old version is freed when the last
+    request that took it finishes.
+    """
+    if not isinstance(name, str):
+        raise TypeError("follow: name must be a str, not a %s" % type(name).__name__)
+    return Follower(name, callback, client or client_for(None), timeout)

@@ -23,9 +23,9 @@
 #include <unistd.h>
 
 #define MF_MAGIC "TDMODEL1"
-#define MF_HEADER 16                       /* the magic and the length */
-#define MF_JSON_MAX ((uint64_t)256 << 20)  /* bytes of a manifest's JSON */
-#define MF_TREE_MAX ((size_t)1 << 30)      /* its tree, in memory */
+#define MF_HEADER 16                      /* the magic and the length */
+#define MF_JSON_MAX ((uint64_t)256 << 20) /* bytes of a manifest's JSON */
+#define MF_TREE_MAX ((size_t)1 << 30)     /* its tree, in memory */
 #define LOCK_SUFFIX "@loading"
 #define OPEN_TRIES 100 /* td_model_open's restarts before TD_EAGAIN */
 /* Threads that read at once by default: one per online CPU, 2 to 8. What a
@@ -38,17 +38,6 @@
 #define THREADS_CAP 8
 #define THREADS_MAX 64
 #define CHUNK ((uint64_t)16 << 20) /* bytes one pread reads at most */
-
-static int fail(const td_client *c, int err, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int fail(const td_client *c, int err, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  td__vfail(c, err, fmt, ap);
-  va_end(ap);
-  return err;
-}
 
 /* Formats a key into buf (TD_KEY_MAX + 1 bytes). Returns 0, or -1 if it
  * does not fit (nothing is then published or unpublished under it). */
@@ -267,33 +256,33 @@ static int mf_parse(const td_client *c, const char *name, const uint8_t *p,
   char shown[TD_KEY_MAX + 1];
   td__cli_printable(name, shown, sizeof(shown));
   if (n < MF_HEADER || memcmp(p, MF_MAGIC, 8) != 0)
-    return fail(c, TD_EINVAL,
-                "key '%s' holds no model manifest (%zu bytes that do not "
-                "begin with %s): unpublish it, or load --as another name",
-                shown, n, MF_MAGIC);
+    return td__fail(c, TD_EINVAL,
+                    "key '%s' holds no model manifest (%zu bytes that do not "
+                    "begin with %s): unpublish it, or load --as another name",
+                    shown, n, MF_MAGIC);
   uint64_t l = 0;
   for (int i = 7; i >= 0; i--)
     l = l << 8 | p[8 + i];
   if (l > n - MF_HEADER || l > MF_JSON_MAX)
-    return fail(c, TD_EINVAL,
-                "key '%s': a manifest of %" PRIu64 " bytes in %zu", shown, l,
-                n);
+    return td__fail(c, TD_EINVAL,
+                    "key '%s': a manifest of %" PRIu64 " bytes in %zu", shown,
+                    l, n);
   json_error_t e;
   int over;
-  json_t *root = td__json_loadb_bounded((const char *)p + MF_HEADER, l,
-                                        JSON_REJECT_DUPLICATES, MF_TREE_MAX,
-                                        &e, &over);
+  json_t *root =
+      td__json_loadb_bounded((const char *)p + MF_HEADER, l,
+                             JSON_REJECT_DUPLICATES, MF_TREE_MAX, &e, &over);
   if (root == NULL)
-    return fail(c, over ? TD_EINVAL : TD_EINVAL,
-                "key '%s': manifest byte %d: %s", shown, e.position,
-                over ? "too large to hold" : e.text);
+    return td__fail(c, over ? TD_EINVAL : TD_EINVAL,
+                    "key '%s': manifest byte %d: %s", shown, e.position,
+                    over ? "too large to hold" : e.text);
   char why[256];
   int err = mf_read(root, name, m, why, sizeof(why));
   json_decref(root);
   if (err < 0) {
     mf_free(m);
-    return fail(c, TD_EINVAL, "key '%s': a malformed model manifest: %s",
-                shown, why);
+    return td__fail(c, TD_EINVAL, "key '%s': a malformed model manifest: %s",
+                    shown, why);
   }
   return 0;
 }
@@ -302,8 +291,8 @@ static int mf_parse(const td_client *c, const char *name, const uint8_t *p,
  * *id (if not NULL) gets its storage's id and *text (if not NULL) a copy of
  * its JSON, the caller's to free. Returns 0, 1 if name is not published, or
  * a negative code. */
-static int mf_get(td_client *c, const char *name, int timeout_ms,
-                  manifest *m, uint64_t *id, char **text) {
+static int mf_get(td_client *c, const char *name, int timeout_ms, manifest *m,
+                  uint64_t *id, char **text) {
   td_storage *s = NULL;
   td_view v;
   memset(m, 0, sizeof(*m));
@@ -317,10 +306,11 @@ static int mf_get(td_client *c, const char *name, int timeout_ms,
   if (td_storage_device(s) != TD_CPU || v.dtype != TD_UINT8 || v.ndim != 1 ||
       v.stride[0] != 1) {
     td_storage_release(s);
-    return fail(c, TD_EINVAL,
-                "key '%s' holds no model manifest (not a CPU uint8 vector): "
-                "unpublish it, or load --as another name",
-                shown);
+    return td__fail(
+        c, TD_EINVAL,
+        "key '%s' holds no model manifest (not a CPU uint8 vector): "
+        "unpublish it, or load --as another name",
+        shown);
   }
   const uint8_t *p = (const uint8_t *)td_storage_data(s) + v.offset;
   err = mf_parse(c, name, p, (size_t)v.shape[0], m);
@@ -332,7 +322,7 @@ static int mf_get(td_client *c, const char *name, int timeout_ms,
       l = l << 8 | p[8 + i];
     if ((*text = strndup((const char *)p + MF_HEADER, l)) == NULL) {
       mf_free(m);
-      err = fail(c, TD_ENOMEM, "model '%s': out of memory", shown);
+      err = td__fail(c, TD_ENOMEM, "model '%s': out of memory", shown);
     }
   }
   td_storage_release(s);
@@ -344,20 +334,21 @@ static int mf_get(td_client *c, const char *name, int timeout_ms,
 /* Checks a model's name: a key without '@' whose lock key fits. */
 static int check_name(const td_client *c, const char *name) {
   if (name == NULL || name[0] == '\0')
-    return fail(c, TD_EINVAL, "model: the name is empty");
+    return td__fail(c, TD_EINVAL, "model: the name is empty");
   size_t n = strnlen(name, TD_KEY_MAX + 1);
   char shown[TD_KEY_MAX + 1];
   td__cli_printable(name, shown, sizeof(shown));
   if (n + sizeof(LOCK_SUFFIX) - 1 > TD_KEY_MAX)
-    return fail(c, TD_ENAMETOOLONG,
-                "model '%.64s...': a name of %zu bytes: its keys "
-                "(NAME@loading) must fit %d",
-                shown, strlen(name), TD_KEY_MAX);
+    return td__fail(c, TD_ENAMETOOLONG,
+                    "model '%.64s...': a name of %zu bytes: its keys "
+                    "(NAME@loading) must fit %d",
+                    shown, strlen(name), TD_KEY_MAX);
   if (strchr(name, '@') != NULL)
-    return fail(c, TD_EINVAL,
-                "model '%s': a name may not contain '@' (NAME@V/... are its "
-                "shards' keys)",
-                shown);
+    return td__fail(
+        c, TD_EINVAL,
+        "model '%s': a name may not contain '@' (NAME@V/... are its "
+        "shards' keys)",
+        shown);
   return 0;
 }
 
@@ -378,8 +369,8 @@ static long holder_pid(td_client *c, const char *key) {
   if (td_storage_device(s) == TD_CPU && n <= 4096) {
     json_error_t e;
     int over;
-    json_t *root = td__json_loadb_bounded(td_storage_data(s), n, 0, 1 << 20,
-                                          &e, &over);
+    json_t *root =
+        td__json_loadb_bounded(td_storage_data(s), n, 0, 1 << 20, &e, &over);
     json_t *p = json_object_get(root, "pid");
     if (json_is_integer(p))
       pid = (long)json_integer_value(p);
@@ -409,14 +400,13 @@ static int lock_take(td_client *c, const char *name, const char *path,
     l->scope = 0;
     return err;
   }
-  json_t *j = json_pack("{s:I, s:s, s:I}", "pid", (json_int_t)getpid(),
-                        "path", path ? path : "", "started_ms",
-                        (json_int_t)now_ms());
+  json_t *j = json_pack("{s:I, s:s, s:I}", "pid", (json_int_t)getpid(), "path",
+                        path ? path : "", "started_ms", (json_int_t)now_ms());
   char *text = j != NULL ? json_dumps(j, JSON_COMPACT) : NULL;
   json_decref(j);
   if (text == NULL) {
     lock_drop(c, l);
-    return fail(c, TD_ENOMEM, "model lock: out of memory");
+    return td__fail(c, TD_ENOMEM, "model lock: out of memory");
   }
   td_create_opts co = {.nbytes = strlen(text)};
   if ((err = td_storage_create_ex(c, &co, &l->s)) < 0) {
@@ -438,10 +428,10 @@ static int lock_take(td_client *c, const char *name, const char *path,
       long pid = holder_pid(c, key);
       char shown[TD_KEY_MAX + 1];
       td__cli_printable(name, shown, sizeof(shown));
-      err = fail(c, wait_ms == 0 ? TD_EBUSY : TD_ETIMEDOUT,
-                 "model '%s' is being loaded by pid %ld (lock %s%s)%s", shown,
-                 pid, shown, LOCK_SUFFIX,
-                 wait_ms == 0 ? "" : ": waited for it too long");
+      err = td__fail(c, wait_ms == 0 ? TD_EBUSY : TD_ETIMEDOUT,
+                     "model '%s' is being loaded by pid %ld (lock %s%s)%s",
+                     shown, pid, shown, LOCK_SUFFIX,
+                     wait_ms == 0 ? "" : ": waited for it too long");
       break;
     }
     *waited = 1;
@@ -560,7 +550,8 @@ static int sweep_orphans(td_client *c, const char *name, uint64_t keep,
   *found = 0;
   int err = td_list(c, sweep_list, &w);
   if (err == 0 && w.oom)
-    err = fail(c, TD_ENOMEM, "model '%s': out of memory listing keys", name);
+    err =
+        td__fail(c, TD_ENOMEM, "model '%s': out of memory listing keys", name);
   for (size_t i = 0; i < w.ids.n && err == 0; i++) {
     for (int round = 0; round < 1024; round++) {
       keyset ks = {0};
@@ -583,8 +574,7 @@ static int sweep_orphans(td_client *c, const char *name, uint64_t keep,
       size_t gone = 0;
       if (orphan && !current) {
         for (size_t k = 0; k < ks.n && err == 0; k++)
-          if (is_shard_key(ks.v[k], name, &v) ||
-              is_tensor_key(ks.v[k], name)) {
+          if (is_shard_key(ks.v[k], name, &v) || is_tensor_key(ks.v[k], name)) {
             e = td_unpublish(c, ks.v[k]);
             if (e < 0 && e != TD_ENOENT)
               err = e;
@@ -648,8 +638,8 @@ static int cpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
     if (r < 0 && errno == EINTR)
       continue;
     if (r < 0)
-      return td__msg(msg, mlen, TD_EIO, "%s: reading bytes %" PRIu64
-                     "..: %s", s->file, off, strerror(errno));
+      return td__msg(msg, mlen, TD_EIO, "%s: reading bytes %" PRIu64 "..: %s",
+                     s->file, off, strerror(errno));
     if (r == 0)
       return td__msg(msg, mlen, TD_EAGAIN,
                      "%s: shrank while it was read (end of file at byte "
@@ -717,8 +707,9 @@ static void *worker(void *arg) {
 
 static unsigned default_threads(void) {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n < THREADS_MIN ? THREADS_MIN : n > THREADS_CAP ? THREADS_CAP
-                                                          : (unsigned)n;
+  return n < THREADS_MIN   ? THREADS_MIN
+         : n > THREADS_CAP ? THREADS_CAP
+                           : (unsigned)n;
 }
 
 /* Fills the storages of every shard of ck with the file's bytes, threads
@@ -735,7 +726,7 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
   l.left = calloc(ck->nshards, sizeof(*l.left));
   l.first_job = calloc(ck->nshards + 1, sizeof(*l.first_job));
   if (l.dst == NULL || l.left == NULL || l.first_job == NULL) {
-    err = fail(c, TD_ENOMEM, "load: out of memory");
+    err = td__fail(c, TD_ENOMEM, "load: out of memory");
     goto out;
   }
   for (size_t i = 0; i < ck->nshards; i++) {
@@ -770,23 +761,24 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
       err = e;
   }
   if ((err = atomic_load(&l.err)) < 0) {
-    fail(c, err, "load: %s", l.msg);
+    td__fail(c, err, "load: %s", l.msg);
     goto out;
   }
   for (size_t i = 0; i < ck->nshards; i++) {
     td__st_shard *s = &ck->shards[i];
     struct stat sb;
     if (fstat(s->fd, &sb) < 0) {
-      err = fail(c, TD_EIO, "load: %s: %s", s->file, strerror(errno));
+      err = td__fail(c, TD_EIO, "load: %s: %s", s->file, strerror(errno));
       goto out;
     }
     int64_t mt = (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec;
     if ((uint64_t)sb.st_size != s->size || mt != s->mtime_ns ||
         memcmp(l.dst[i], s->head, 8 + s->header_len) != 0) {
-      err = fail(c, TD_EAGAIN,
-                 "load: %s changed while it was read (size %" PRIu64
-                 " -> %lld, mtime %" PRId64 " -> %" PRId64 " ns): load again",
-                 s->file, s->size, (long long)sb.st_size, s->mtime_ns, mt);
+      err =
+          td__fail(c, TD_EAGAIN,
+                   "load: %s changed while it was read (size %" PRIu64
+                   " -> %lld, mtime %" PRId64 " -> %" PRId64 " ns): load again",
+                   s->file, s->size, (long long)sb.st_size, s->mtime_ns, mt);
       goto out;
     }
   }
@@ -814,21 +806,20 @@ static int mf_make(td_client *c, const char *name, uint64_t v,
       "device_index", 0, "loaded_ms", (json_int_t)now_ms(), "source", "path",
       ck->path, "kind", ck->is_index ? "index" : "file", "size",
       (json_int_t)ck->size, "mtime_ns", (json_int_t)ck->mtime_ns, "files",
-      files, "metadata", meta, "shards",
-      shards, "tensors", tensors);
+      files, "metadata", meta, "shards", shards, "tensors", tensors);
   int err = 0;
   if (root == NULL) {
     /* json_pack took (and on failure freed) every "o" value. */
-    return fail(c, TD_ENOMEM, "model '%s': out of memory for the manifest",
-                name);
+    return td__fail(c, TD_ENOMEM, "model '%s': out of memory for the manifest",
+                    name);
   }
   char key[TD_KEY_MAX + 1];
   for (size_t i = 0; i < ck->nshards && err == 0; i++) {
     const td__st_shard *s = &ck->shards[i];
     keyf(key, "%s@%" PRIu64 "/%s", name, v, s->file); /* checked to fit */
-    json_t *f = json_pack("{s:s, s:I, s:I}", "file", s->file, "size",
-                          (json_int_t)s->size, "mtime_ns",
-                          (json_int_t)s->mtime_ns);
+    json_t *f =
+        json_pack("{s:s, s:I, s:I}", "file", s->file, "size",
+                  (json_int_t)s->size, "mtime_ns", (json_int_t)s->mtime_ns);
     json_t *sh = json_pack("{s:s, s:s, s:I, s:I}", "file", s->file, "key", key,
                            "nbytes", (json_int_t)s->size, "data_start",
                            (json_int_t)(8 + s->header_len));
@@ -844,21 +835,21 @@ static int mf_make(td_client *c, const char *name, uint64_t v,
     for (int32_t d = 0; d < t->ndim && shape; d++)
       if (json_array_append_new(shape, json_integer(t->shape[d])) < 0)
         err = TD_ENOMEM;
-    json_t *e = json_pack("{s:I, s:s, s:o, s:I, s:I}", "shard",
-                          (json_int_t)t->shard, "dtype",
-                          td__st_dtype_name(t->dtype), "shape", shape, "begin",
-                          (json_int_t)t->begin, "end", (json_int_t)t->end);
+    json_t *e =
+        json_pack("{s:I, s:s, s:o, s:I, s:I}", "shard", (json_int_t)t->shard,
+                  "dtype", td__st_dtype_name(t->dtype), "shape", shape, "begin",
+                  (json_int_t)t->begin, "end", (json_int_t)t->end);
     if (json_object_set_new(tensors, t->name, e) < 0)
       err = TD_ENOMEM;
   }
   char *text = err == 0 ? json_dumps(root, JSON_COMPACT) : NULL;
   json_decref(root);
   if (text == NULL)
-    return fail(c, TD_ENOMEM, "model '%s': out of memory for the manifest",
-                name);
+    return td__fail(c, TD_ENOMEM, "model '%s': out of memory for the manifest",
+                    name);
   size_t n = strlen(text);
-  td_create_opts co = {.nbytes = MF_HEADER + n, .mode = mode,
-                       .flags = TD_UNINIT};
+  td_create_opts co = {
+      .nbytes = MF_HEADER + n, .mode = mode, .flags = TD_UNINIT};
   td_storage *s = NULL;
   if ((err = td_storage_create_ex(c, &co, &s)) < 0) {
     free(text);
@@ -894,25 +885,27 @@ static int check_opts(const td_client *c, const td_load_opts *o) {
     return 0;
   for (size_t i = 0; i < sizeof(o->reserved) / sizeof(o->reserved[0]); i++)
     if (o->reserved[i] != 0)
-      return fail(c, TD_EINVAL,
-                  "load with reserved[%zu] = 0x%llx: libtensord %s knows no "
-                  "such option",
-                  i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
+      return td__fail(
+          c, TD_EINVAL,
+          "load with reserved[%zu] = 0x%llx: libtensord %s knows no "
+          "such option",
+          i, (unsigned long long)o->reserved[i], TD_VERSION_STRING);
   if (o->flags & ~TD_MODEL_FORCE)
-    return fail(c, TD_EINVAL, "load with flags 0x%x: only TD_MODEL_FORCE (0x%x)",
-                o->flags, TD_MODEL_FORCE);
+    return td__fail(c, TD_EINVAL,
+                    "load with flags 0x%x: only TD_MODEL_FORCE (0x%x)",
+                    o->flags, TD_MODEL_FORCE);
   if (o->threads > THREADS_MAX)
-    return fail(c, TD_EINVAL, "load with %u threads: at most %d", o->threads,
-                THREADS_MAX);
+    return td__fail(c, TD_EINVAL, "load with %u threads: at most %d",
+                    o->threads, THREADS_MAX);
   if (o->wait_ms < -1)
-    return fail(c, TD_EINVAL, "load with wait_ms %d: -1 (forever) or more",
-                (int)o->wait_ms);
+    return td__fail(c, TD_EINVAL, "load with wait_ms %d: -1 (forever) or more",
+                    (int)o->wait_ms);
   if (o->device != TD_CPU && o->device != TD_CUDA)
-    return fail(c, TD_EINVAL, "load to device %d: TD_CPU or TD_CUDA",
-                (int)o->device);
+    return td__fail(c, TD_EINVAL, "load to device %d: TD_CPU or TD_CUDA",
+                    (int)o->device);
   if (o->device == TD_CPU && o->device_index != 0)
-    return fail(c, TD_EINVAL, "load to the CPU with device_index %lld",
-                (long long)o->device_index);
+    return td__fail(c, TD_EINVAL, "load to the CPU with device_index %lld",
+                    (long long)o->device_index);
   return 0;
 }
 
@@ -924,24 +917,24 @@ static int check_keys(const td_client *c, const char *name, uint64_t v,
   for (size_t i = 0; i < ck->ntensors; i++) {
     size_t k = n + 1 + strlen(ck->tensors[i].name);
     if (k > TD_KEY_MAX)
-      return fail(c, TD_ENAMETOOLONG,
-                  "model '%s': tensor '%s': its key %s/<tensor> would have "
-                  "%zu bytes, over %d: choose a shorter name",
-                  name,
-                  td__cli_printable(ck->tensors[i].name, shown, sizeof(shown)),
-                  name, k, TD_KEY_MAX);
+      return td__fail(
+          c, TD_ENAMETOOLONG,
+          "model '%s': tensor '%s': its key %s/<tensor> would have "
+          "%zu bytes, over %d: choose a shorter name",
+          name, td__cli_printable(ck->tensors[i].name, shown, sizeof(shown)),
+          name, k, TD_KEY_MAX);
   }
   char vs[24];
   int vl = snprintf(vs, sizeof(vs), "%" PRIu64, v);
   for (size_t i = 0; i < ck->nshards; i++) {
     size_t k = n + 1 + (size_t)vl + 1 + strlen(ck->shards[i].file);
     if (k > TD_KEY_MAX)
-      return fail(c, TD_ENAMETOOLONG,
-                  "model '%s': shard '%s': its key %s@%s/<file> would have "
-                  "%zu bytes, over %d: choose a shorter name",
-                  name,
-                  td__cli_printable(ck->shards[i].file, shown, sizeof(shown)),
-                  name, vs, k, TD_KEY_MAX);
+      return td__fail(
+          c, TD_ENAMETOOLONG,
+          "model '%s': shard '%s': its key %s@%s/<file> would have "
+          "%zu bytes, over %d: choose a shorter name",
+          name, td__cli_printable(ck->shards[i].file, shown, sizeof(shown)),
+          name, vs, k, TD_KEY_MAX);
   }
   return 0;
 }
@@ -1006,7 +999,8 @@ static void drop_old(td_client *c, const char *name, const manifest *old,
     }
   }
   for (size_t i = 0; i < old->ntensors; i++) {
-    if (ck != NULL && (order == NULL || ck_has(ck, order, old->tensors[i].name)))
+    if (ck != NULL &&
+        (order == NULL || ck_has(ck, order, old->tensors[i].name)))
       continue;
     if (keyf(key, "%s/%s", name, old->tensors[i].name) == 0)
       td_unpublish(c, key);
@@ -1022,26 +1016,26 @@ int td_model_load(td_client *c, const char *path, const char *name,
   char derived[TD_KEY_MAX + 1];
   int err;
   if (path == NULL)
-    return fail(c, TD_EINVAL, "load: path is NULL");
+    return td__fail(c, TD_EINVAL, "load: path is NULL");
   if ((err = check_opts(c, o)) < 0)
     return err;
   if (name == NULL) {
     char msg[TD__ERRMSG_MAX];
     if ((err = td__ckpt_default_name(path, derived, sizeof(derived), msg,
                                      sizeof(msg))) < 0)
-      return fail(c, err, "%s", msg);
+      return td__fail(c, err, "%s", msg);
     name = derived;
   }
   if ((err = check_name(c, name)) < 0)
     return err;
   if (o != NULL && o->device == TD_CUDA)
-    return fail(c, TD_ENOSYS,
-                "loading to CUDA: not yet (load to the CPU, device cpu)");
+    return td__fail(c, TD_ENOSYS,
+                    "loading to CUDA: not yet (load to the CPU, device cpu)");
   double t0 = mono_s();
   td__checkpoint ck;
   char msg[TD__ERRMSG_MAX];
   if ((err = td__ckpt_open(path, &ck, msg, sizeof(msg))) < 0)
-    return fail(c, err, "%s", msg);
+    return td__fail(c, err, "%s", msg);
   /* The tensor keys, and the shard keys of version 1 (again below with
    * the version this load makes, before anything is made). */
   if ((err = check_keys(c, name, 1, &ck)) < 0)
@@ -1077,7 +1071,7 @@ int td_model_load(td_client *c, const char *path, const char *name,
   char key[TD_KEY_MAX + 1];
   td_storage *ms = NULL;
   if (st == NULL) {
-    err = fail(c, TD_ENOMEM, "load: out of memory");
+    err = td__fail(c, TD_ENOMEM, "load: out of memory");
     goto out_cur;
   }
   for (size_t i = 0; i < ck.nshards; i++) {
@@ -1085,8 +1079,8 @@ int td_model_load(td_client *c, const char *path, const char *name,
                          .mode = o ? o->mode : 0,
                          .flags = TD_UNINIT};
     if ((err = td_storage_create_ex(c, &co, &st[i])) < 0) {
-      fail(c, err, "load: a storage of %" PRIu64 " bytes for %s: %s",
-           ck.shards[i].size, ck.shards[i].file, td_last_error(c));
+      td__fail(c, err, "load: a storage of %" PRIu64 " bytes for %s: %s",
+               ck.shards[i].size, ck.shards[i].file, td_last_error(c));
       goto out_storages;
     }
   }
@@ -1105,8 +1099,10 @@ int td_model_load(td_client *c, const char *path, const char *name,
   /* The switch is made: from here NAME is version v. */
   err = publish_tensors(c, name, &ck, st);
   if (err < 0)
-    fail(c, err, "model '%s': version %" PRIu64 " is in place, but a tensor "
-         "key could not be published: %s", name, v, td_last_error(c));
+    td__fail(c, err,
+             "model '%s': version %" PRIu64 " is in place, but a tensor "
+             "key could not be published: %s",
+             name, v, td_last_error(c));
   if (!none)
     drop_old(c, name, &cur, &ck);
   res.version = v;
@@ -1167,8 +1163,8 @@ int td_model_unload(td_client *c, const char *name) {
     err = sweep_orphans(c, name, 0, &swept);
   if (err == 0 && none && swept == 0) {
     char shown[TD_KEY_MAX + 1];
-    err = fail(c, TD_ENOENT, "unload: no model '%s'",
-               td__cli_printable(name, shown, sizeof(shown)));
+    err = td__fail(c, TD_ENOENT, "unload: no model '%s'",
+                   td__cli_printable(name, shown, sizeof(shown)));
   }
 out:
   lock_drop(c, &lk);
@@ -1216,9 +1212,9 @@ int td_model_find(const td_model *m, const char *name, td_storage **s,
   const mf_tensor *t = name != NULL ? mf_find(&m->mf, name) : NULL;
   if (t == NULL) {
     char shown[128];
-    return td__fail(NULL, TD_ENOENT, "model: no tensor '%s' in version %" PRIu64,
-                    name ? td__cli_printable(name, shown, sizeof(shown)) : "",
-                    m->version);
+    return td__fail(
+        NULL, TD_ENOENT, "model: no tensor '%s' in version %" PRIu64,
+        name ? td__cli_printable(name, shown, sizeof(shown)) : "", m->version);
   }
   return td_model_tensor(m, (size_t)(t - m->mf.tensors), NULL, s, v);
 }
@@ -1246,15 +1242,15 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
   if (err < 0)
     return err;
   if (flags & ~(TD_RDONLY | TD_COW | TD_LAZY))
-    return fail(c, TD_EINVAL,
-                "open model: flags 0x%x: only TD_RDONLY, TD_COW, TD_LAZY",
-                flags);
+    return td__fail(c, TD_EINVAL,
+                    "open model: flags 0x%x: only TD_RDONLY, TD_COW, TD_LAZY",
+                    flags);
   char shown[TD_KEY_MAX + 1];
   td__cli_printable(name, shown, sizeof(shown));
   for (int attempt = 0; attempt < OPEN_TRIES; attempt++) {
     td_model *m = calloc(1, sizeof(*m));
     if (m == NULL)
-      return fail(c, TD_ENOMEM, "open model: out of memory");
+      return td__fail(c, TD_ENOMEM, "open model: out of memory");
     uint64_t mid = 0;
     int none =
         mf_get(c, name, attempt == 0 ? timeout_ms : 0, &m->mf, &mid, &m->text);
@@ -1262,15 +1258,16 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
       free(m);
       if (none < 0)
         return none;
-      return fail(c, timeout_ms != 0 && attempt == 0 ? TD_ETIMEDOUT : TD_ENOENT,
-                  "open model: no model '%s'%s", shown,
-                  timeout_ms != 0 && attempt == 0 ? " (timed out)" : "");
+      return td__fail(
+          c, timeout_ms != 0 && attempt == 0 ? TD_ETIMEDOUT : TD_ENOENT,
+          "open model: no model '%s'%s", shown,
+          timeout_ms != 0 && attempt == 0 ? " (timed out)" : "");
     }
     m->version = m->mf.version;
     m->st = calloc(m->mf.nshards ? m->mf.nshards : 1, sizeof(*m->st));
     if (m->st == NULL) {
       td_model_close(m);
-      return fail(c, TD_ENOMEM, "open model: out of memory");
+      return td__fail(c, TD_ENOMEM, "open model: out of memory");
     }
     int gone = 0;
     for (size_t i = 0; i < m->mf.nshards && !gone; i++) {
@@ -1281,11 +1278,11 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
         td_model_close(m);
         return err;
       } else if (td_storage_nbytes(m->st[i]) != m->mf.shards[i].nbytes) {
-        err = fail(c, TD_EINVAL,
-                   "open model '%s': shard %s has %zu bytes, its manifest "
-                   "says %" PRIu64,
-                   shown, m->mf.shards[i].key, td_storage_nbytes(m->st[i]),
-                   m->mf.shards[i].nbytes);
+        err = td__fail(c, TD_EINVAL,
+                       "open model '%s': shard %s has %zu bytes, its manifest "
+                       "says %" PRIu64,
+                       shown, m->mf.shards[i].key, td_storage_nbytes(m->st[i]),
+                       m->mf.shards[i].nbytes);
         td_model_close(m);
         return err;
       }
@@ -1303,10 +1300,10 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
     }
     td_model_close(m);
   }
-  return fail(c, TD_EAGAIN,
-              "open model: model '%s' kept changing (%d versions in a row "
-              "were replaced while attached)",
-              shown, OPEN_TRIES);
+  return td__fail(c, TD_EAGAIN,
+                  "open model: model '%s' kept changing (%d versions in a row "
+                  "were replaced while attached)",
+                  shown, OPEN_TRIES);
 }
 
 /* ---- td_model_save ---- */
@@ -1314,14 +1311,15 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
 /* Writes the parts (n of them) to path through a temporary file in its
  * directory, synced, then renamed. */
 static int write_file(const td_client *c, const char *path,
-                      const void *const *parts, const uint64_t *lens, size_t n) {
+                      const void *const *parts, const uint64_t *lens,
+                      size_t n) {
   char tmp[PATH_MAX];
   if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid()) >=
       sizeof(tmp))
-    return fail(c, TD_ENAMETOOLONG, "save: %s: path too long", path);
+    return td__fail(c, TD_ENAMETOOLONG, "save: %s: path too long", path);
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
-    return fail(c, -errno, "save: %s: %s", tmp, strerror(errno));
+    return td__fail(c, -errno, "save: %s: %s", tmp, strerror(errno));
   int err = 0;
   for (size_t i = 0; i < n && err == 0; i++) {
     const uint8_t *p = parts[i];
@@ -1331,7 +1329,7 @@ static int write_file(const td_client *c, const char *path,
       if (w < 0 && errno == EINTR)
         continue;
       if (w < 0) {
-        err = fail(c, -errno, "save: writing %s: %s", tmp, strerror(errno));
+        err = td__fail(c, -errno, "save: writing %s: %s", tmp, strerror(errno));
         break;
       }
       p += w;
@@ -1339,12 +1337,12 @@ static int write_file(const td_client *c, const char *path,
     }
   }
   if (err == 0 && fsync(fd) < 0)
-    err = fail(c, -errno, "save: syncing %s: %s", tmp, strerror(errno));
+    err = td__fail(c, -errno, "save: syncing %s: %s", tmp, strerror(errno));
   if (close(fd) < 0 && err == 0)
-    err = fail(c, -errno, "save: closing %s: %s", tmp, strerror(errno));
+    err = td__fail(c, -errno, "save: closing %s: %s", tmp, strerror(errno));
   if (err == 0 && rename(tmp, path) < 0)
-    err = fail(c, -errno, "save: renaming %s to %s: %s", tmp, path,
-               strerror(errno));
+    err = td__fail(c, -errno, "save: renaming %s to %s: %s", tmp, path,
+                   strerror(errno));
   if (err < 0)
     unlink(tmp);
   return err;
@@ -1373,13 +1371,13 @@ static int save_model(td_client *c, const char *name, const char *out) {
     goto out;
   }
   if (mkdir(out, 0755) < 0 && errno != EEXIST) {
-    err = fail(c, -errno, "save: %s: %s", out, strerror(errno));
+    err = td__fail(c, -errno, "save: %s: %s", out, strerror(errno));
     goto out;
   }
   if (!is_dir(out)) {
-    err = fail(c, TD_EINVAL,
-               "save: %s is not a directory (model '%s' has %zu shards)", out,
-               name, ns);
+    err = td__fail(c, TD_EINVAL,
+                   "save: %s is not a directory (model '%s' has %zu shards)",
+                   out, name, ns);
     goto out;
   }
   for (size_t i = 0; i < ns && err == 0; i++) {
@@ -1400,14 +1398,14 @@ static int save_model(td_client *c, const char *name, const char *out) {
   for (size_t i = 0; i < m->mf.ntensors && wm; i++)
     json_object_set_new(wm, m->mf.tensors[i].name,
                         json_string(m->mf.shards[m->mf.tensors[i].shard].file));
-  json_t *idx = json_pack("{s:O, s:o}", "metadata",
-                          json_is_object(meta) ? meta : json_object(),
-                          "weight_map", wm);
+  json_t *idx =
+      json_pack("{s:O, s:o}", "metadata",
+                json_is_object(meta) ? meta : json_object(), "weight_map", wm);
   char *text = idx ? json_dumps(idx, JSON_INDENT(2)) : NULL;
   json_decref(idx);
   json_decref(root);
   if (text == NULL) {
-    err = fail(c, TD_ENOMEM, "save: out of memory for the index json");
+    err = td__fail(c, TD_ENOMEM, "save: out of memory for the index json");
     goto out;
   }
   snprintf(path, sizeof(path), "%s/%s", out, TD__ST_INDEX_NAME);
@@ -1437,14 +1435,14 @@ static int save_statedict(td_client *c, const char *key, td_storage *s,
   int err = td__statedict_parse(base + v->offset, (size_t)v->shape[0], &sd, msg,
                                 sizeof(msg));
   if (err < 0)
-    return fail(c, err, "save: state dict '%s': %s", key, msg);
+    return td__fail(c, err, "save: state dict '%s': %s", key, msg);
   td__st_out *t = calloc(sd.ntensors ? sd.ntensors : 1, sizeof(*t));
   const void **parts = calloc(sd.ntensors + 2, sizeof(*parts));
   uint64_t *lens = calloc(sd.ntensors + 2, sizeof(*lens));
   const uint8_t **src = calloc(sd.ntensors ? sd.ntensors : 1, sizeof(*src));
   char *header = NULL;
   if (t == NULL || parts == NULL || lens == NULL || src == NULL) {
-    err = fail(c, TD_ENOMEM, "save: out of memory");
+    err = td__fail(c, TD_ENOMEM, "save: out of memory");
     goto out;
   }
   for (size_t i = 0; i < sd.ntensors; i++) {
@@ -1452,35 +1450,41 @@ static int save_statedict(td_client *c, const char *key, td_storage *s,
     td__cli_printable(x->name, shown, sizeof(shown));
     td_view tv;
     if (x->dtype == TD_DTYPE_INVALID || td__st_dtype_name(x->dtype) == NULL) {
-      err = fail(c, TD_EINVAL,
-                 "save: state dict '%s': tensor '%s' is %s, a dtype "
-                 "safetensors has not",
-                 key, shown, x->dtype_name);
+      err = td__fail(c, TD_EINVAL,
+                     "save: state dict '%s': tensor '%s' is %s, a dtype "
+                     "safetensors has not",
+                     key, shown, x->dtype_name);
       goto out;
     }
     if ((err = td__statedict_view(&sd, x, (uint64_t)v->offset, &tv, msg,
                                   sizeof(msg))) < 0) {
-      fail(c, err, "save: state dict '%s': %s", key, msg);
+      td__fail(c, err, "save: state dict '%s': %s", key, msg);
       goto out;
     }
     if (td_view_is_contiguous(&tv) != 1) {
       char vb[256];
-      err = fail(c, TD_EINVAL,
-                 "save: state dict '%s': tensor '%s' is not contiguous (%s): "
-                 "safetensors holds dense row-major tensors only; publish a "
-                 ".contiguous() copy",
-                 key, shown, td_view_format(&tv, vb, sizeof(vb)));
+      err =
+          td__fail(c, TD_EINVAL,
+                   "save: state dict '%s': tensor '%s' is not contiguous (%s): "
+                   "safetensors holds dense row-major tensors only; publish a "
+                   ".contiguous() copy",
+                   key, shown, td_view_format(&tv, vb, sizeof(vb)));
       goto out;
     }
     if (td_view_check(&tv, td_storage_nbytes(s)) != 0) {
-      err = fail(c, TD_EINVAL,
-                 "save: state dict '%s': tensor '%s' reaches past its storage",
-                 key, shown);
+      err = td__fail(
+          c, TD_EINVAL,
+          "save: state dict '%s': tensor '%s' reaches past its storage", key,
+          shown);
       goto out;
     }
     size_t item = td_dtype_size(x->dtype);
-    t[i] = (td__st_out){.name = x->name, .dtype = x->dtype, .ndim = x->ndim,
-                        .shape = x->shape, .begin = i, .end = 0};
+    t[i] = (td__st_out){.name = x->name,
+                        .dtype = x->dtype,
+                        .ndim = x->ndim,
+                        .shape = x->shape,
+                        .begin = i,
+                        .end = 0};
     src[i] = base + (uint64_t)tv.offset * item;
     lens[i] = (uint64_t)td_view_numel(&tv) * item; /* by index for now */
   }
@@ -1504,7 +1508,7 @@ static int save_statedict(td_client *c, const char *key, td_storage *s,
   header = td__st_header_build(t, sd.ntensors, meta, &hlen);
   json_decref(meta);
   if (header == NULL) {
-    err = fail(c, TD_ENOMEM, "save: out of memory for the header");
+    err = td__fail(c, TD_ENOMEM, "save: out of memory for the header");
     goto out;
   }
   uint8_t len8[8];
@@ -1533,9 +1537,9 @@ out:
 int td_model_save(td_client *c, const char *name, const char *out,
                   unsigned flags) {
   if (name == NULL || out == NULL)
-    return fail(c, TD_EINVAL, "save: name or out is NULL");
+    return td__fail(c, TD_EINVAL, "save: name or out is NULL");
   if (flags != 0)
-    return fail(c, TD_EINVAL, "save: flags 0x%x: none are defined", flags);
+    return td__fail(c, TD_EINVAL, "save: flags 0x%x: none are defined", flags);
   td_storage *s = NULL;
   td_view v;
   int err = td_lookup(c, name, TD_RDONLY | TD_LAZY, 0, &s, &v);
@@ -1549,7 +1553,7 @@ int td_model_save(td_client *c, const char *name, const char *out,
       v.shape[0] >= MF_HEADER && memcmp(p + v.offset, MF_MAGIC, 8) == 0) {
     td_storage_release(s);
     if (strchr(name, '@') != NULL)
-      return fail(c, TD_EINVAL, "save: '%s' is no model name", shown);
+      return td__fail(c, TD_EINVAL, "save: '%s' is no model name", shown);
     return save_model(c, name, out);
   }
   if (cpu && td__statedict_blob_shaped(&v) &&
@@ -1559,8 +1563,8 @@ int td_model_save(td_client *c, const char *name, const char *out,
     return err;
   }
   td_storage_release(s);
-  return fail(c, TD_EINVAL,
-              "save: key '%s' holds neither a model (tensorctl load) nor a "
-              "state dict (tensord.torch.publish_state_dict)",
-              shown);
+  return td__fail(c, TD_EINVAL,
+                  "save: key '%s' holds neither a model (tensorctl load) nor a "
+                  "state dict (tensord.torch.publish_state_dict)",
+                  shown);
 }

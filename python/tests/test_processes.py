@@ -157,7 +157,7 @@ def test_four_threads_share_one_client(client):
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(4)]
     for th in threads:
         th.start()
     for th in threads:
@@ -178,7 +178,7 @@ def test_close_wakes_a_waiting_thread(daemon):
         except BaseException as e:
             got.append(e)
 
-    th = threading.Thread(target=waiter)
+    th = threading.Thread(target=waiter, daemon=True)
     th.start()
     time.sleep(0.15)
     c.close()
@@ -195,7 +195,7 @@ def test_waits_release_the_gil(client):
     def waiter():
         got.append(client.lookup("gil"))
 
-    th = threading.Thread(target=waiter)
+    th = threading.Thread(target=waiter, daemon=True)
     th.start()
     time.sleep(0.1)  # the waiter is inside lookup
     squares = sum(i * i for i in range(10000))  # Python, on this thread

@@ -79,7 +79,7 @@ def test_close_from_another_thread_wakes_a_blocked_next(client):
             out["e"] = e
         out["s"] = time.monotonic() - t0
 
-    th = threading.Thread(target=reader)
+    th = threading.Thread(target=reader, daemon=True)
     th.start()
     time.sleep(0.2)
     # The reader waits without the GIL: this thread runs meanwhile.
@@ -131,13 +131,39 @@ def test_a_signal_handler_interrupts_next(client):
 
 def test_two_threads_cannot_read_one_watch(client):
     w = client.watch("busy/")
-    th = threading.Thread(target=lambda: pytest.raises(tensord.Closed, w.next))
+    out = {}
+
+    def reader():
+        while True:
+            try:
+                w.next()
+            except tensord.Closed as e:
+                out["e"] = e
+                return
+            except tensord.Error as e:
+                if "another thread" not in str(e):  # the main thread's probe
+                    out["e"] = e
+                    return
+                time.sleep(0.001)
+
+    th = threading.Thread(target=reader, daemon=True)
     th.start()
-    time.sleep(0.2)
-    with pytest.raises(tensord.Error, match="another thread"):
-        w.next(timeout=0)
-    w.close()
-    th.join(5)
+    try:
+        # Until the reader is inside next(), a probe finds no event.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert w.next(timeout=0) is None
+            except tensord.Error as e:
+                assert "another thread" in str(e)
+                break
+            assert time.monotonic() < deadline, "the reader never began next()"
+            time.sleep(0.01)
+    finally:
+        w.close()
+        th.join(10)
+    assert not th.is_alive()
+    assert isinstance(out["e"], tensord.Closed), out
 
 
 def test_a_forked_child_cannot_read_its_parents_watch(client):

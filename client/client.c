@@ -949,6 +949,23 @@ td_device td_storage_device(const td_storage *s) {
 td__cumap *td__storage_cumap(const td_storage *s) {
   return s->device == TD_CUDA ? td__map_cumap(s->map) : NULL;
 }
+int td__storage_fd(td_storage *s, int *fd) {
+  *fd = -1;
+  if (s->device != TD_CPU)
+    return fail(s->c, TD_EINVAL, "storage %llu is not in host memory",
+                (unsigned long long)s->id);
+  Tensord__Response *r;
+  int err = open_call(s->c, s->id, s->readonly, 1, &r, fd);
+  if (err < 0)
+    return err;
+  tensord__response__free_unpacked(r, NULL);
+  /* s still holds its own reference: this release never frees it. */
+  send_release(s->c, s->id, s->readonly, 1, 0);
+  if (*fd < 0)
+    return fail(s->c, TD_EPROTO, "storage %llu: the daemon sent no fd",
+                (unsigned long long)s->id);
+  return 0;
+}
 int td_storage_device_index(const td_storage *s) {
   return s->device == TD_CUDA ? s->device_index : 0;
 }

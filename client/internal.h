@@ -133,6 +133,12 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
 void td__cumap_close(td__cumap *m);
 /* client.c: the CUDA mapping of a storage handle, or NULL for a CPU one. */
 td__cumap *td__storage_cumap(const struct td_storage *s);
+/* client.c: a file descriptor of a CPU storage's segment, for writing it
+ * without mapping it (the loader's sendfile). The caller closes it. Costs
+ * one round trip: the daemon sends the fd with a second reference, which
+ * goes back with the next request. Returns 0 or a negative code (recorded
+ * for s's client). */
+int td__storage_fd(struct td_storage *s, int *fd);
 
 /* cache.c: td__map_acquire for a CUDA storage: finds the process's mapping
  * of it in mode (TD__MAP_RW or _RO), or maps fd (an exported allocation of

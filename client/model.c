@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,7 +38,7 @@
 #define THREADS_MIN 2
 #define THREADS_CAP 8
 #define THREADS_MAX 64
-#define CHUNK ((uint64_t)16 << 20) /* bytes one pread reads at most */
+#define CHUNK ((uint64_t)16 << 20) /* bytes one job copies at most */
 
 /* Formats a key into buf (TD_KEY_MAX + 1 bytes). Returns 0, or -1 if it
  * does not fit (nothing is then published or unpublished under it). */
@@ -597,11 +598,11 @@ static int sweep_orphans(td_client *c, const char *name, uint64_t keep,
 
 typedef struct load_ctx load_ctx;
 
-/* Where a chunk of a shard goes: the seam for devices. The CPU sink reads
- * straight into the storage's mapping. A GPU sink (next) reads into a slot
- * of a bounded pinned staging buffer (<= 256 MiB whatever the model) and
- * copies it to the device asynchronously, the next chunk's read overlapping
- * the copy; begin/end set up and drain that. */
+/* Where a chunk of a shard goes: the seam for devices. The CPU sink copies
+ * it into the storage's segment in the kernel. A GPU sink (next) reads into
+ * a slot of a bounded pinned staging buffer (<= 256 MiB whatever the model)
+ * and copies it to the device asynchronously, the next chunk's read
+ * overlapping the copy; begin/end set up and drain that. */
 typedef struct sink {
   int (*begin)(load_ctx *l);
   int (*chunk)(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
@@ -612,7 +613,8 @@ typedef struct sink {
 struct load_ctx {
   td__checkpoint *ck;
   td_storage **st; /* per shard */
-  uint8_t **dst;   /* CPU: each storage's mapping */
+  int *seg;        /* CPU: each storage's segment fd, or -1 */
+  uint8_t **dst;   /* CPU: each storage's mapping, once a chunk needs it */
   const sink *sk;
   uint64_t njobs;
   atomic_uint_fast64_t next;
@@ -620,7 +622,7 @@ struct load_ctx {
   atomic_uint_fast64_t *left; /* per shard: bytes still to read */
   atomic_uint shards_done;
   atomic_int err;
-  pthread_mutex_t mu; /* msg */
+  pthread_mutex_t mu; /* msg, dst */
   char msg[TD__ERRMSG_MAX];
   /* jobs: shard by shard, CHUNK bytes each */
   uint64_t *first_job; /* per shard + 1 */
@@ -629,10 +631,80 @@ struct load_ctx {
   double last_progress;
 };
 
+static int shrank(const td__st_shard *s, uint64_t off, char *msg,
+                  size_t mlen) {
+  return td__msg(msg, mlen, TD_EAGAIN,
+                 "%s: shrank while it was read (end of file at byte "
+                 "%" PRIu64 " of %" PRIu64 ")",
+                 s->file, off, s->size);
+}
+
+/* Opens a description of the segment behind fd of this thread's own, so
+ * that its file position (where sendfile writes) is no other thread's.
+ * Returns the fd or -1 (no /proc). */
+static int seg_reopen(int fd) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  return open(path, O_WRONLY | O_CLOEXEC);
+}
+
+/* sendfile from the checkpoint into the segment: page cache to tmpfs in
+ * the kernel, no page of the storage faulted in from user space. Returns
+ * 0, 1 if sendfile cannot serve these files (the caller falls back), or a
+ * negative code with msg. *off and *len advance past what was copied. */
+static int cpu_sendfile(load_ctx *l, uint32_t shard, uint64_t *off,
+                        uint64_t *len, char *msg, size_t mlen) {
+  td__st_shard *s = &l->ck->shards[shard];
+  if (l->seg[shard] < 0)
+    return 1;
+  int out = seg_reopen(l->seg[shard]);
+  if (out < 0)
+    return 1;
+  int rc = 0;
+  if (lseek(out, (off_t)*off, SEEK_SET) < 0)
+    rc = 1;
+  while (rc == 0 && *len > 0) {
+    off_t in = (off_t)*off;
+    size_t n = *len > ((size_t)1 << 30) ? (size_t)1 << 30 : (size_t)*len;
+    ssize_t r = sendfile(out, s->fd, &in, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP))
+      rc = 1;
+    else if (r < 0)
+      rc = td__msg(msg, mlen, TD_EIO, "%s: copying bytes %" PRIu64 "..: %s",
+                   s->file, *off, strerror(errno));
+    else if (r == 0)
+      rc = shrank(s, *off, msg, mlen);
+    else {
+      *off += (uint64_t)r;
+      *len -= (uint64_t)r;
+    }
+  }
+  close(out);
+  return rc;
+}
+
+static uint8_t *dst_of(load_ctx *l, uint32_t shard) {
+  pthread_mutex_lock(&l->mu);
+  if (l->dst[shard] == NULL)
+    l->dst[shard] = td_storage_data(l->st[shard]);
+  uint8_t *p = l->dst[shard];
+  pthread_mutex_unlock(&l->mu);
+  return p;
+}
+
+/* The CPU sink: sendfile into the segment; where that cannot serve, pread
+ * into the storage's mapping. For 512 MiB from the page cache on this
+ * 2-vCPU VM: sendfile 0.15 s, pread into a populated mapping 0.9 s, into
+ * a fresh one 1.8 s (first-touch faults), cat 0.08-0.10 s. */
 static int cpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
                      char *msg, size_t mlen) {
   td__st_shard *s = &l->ck->shards[shard];
-  uint8_t *p = l->dst[shard] + off;
+  int rc = cpu_sendfile(l, shard, &off, &len, msg, mlen);
+  if (rc <= 0)
+    return rc;
+  uint8_t *p = dst_of(l, shard) + off;
   while (len > 0) {
     ssize_t r = pread(s->fd, p, len, (off_t)off);
     if (r < 0 && errno == EINTR)
@@ -641,10 +713,7 @@ static int cpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
       return td__msg(msg, mlen, TD_EIO, "%s: reading bytes %" PRIu64 "..: %s",
                      s->file, off, strerror(errno));
     if (r == 0)
-      return td__msg(msg, mlen, TD_EAGAIN,
-                     "%s: shrank while it was read (end of file at byte "
-                     "%" PRIu64 " of %" PRIu64 ")",
-                     s->file, off, s->size);
+      return shrank(s, off, msg, mlen);
     p += r;
     off += (uint64_t)r;
     len -= (uint64_t)r;
@@ -653,6 +722,23 @@ static int cpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
 }
 
 static const sink cpu_sink = {NULL, cpu_chunk, NULL};
+
+/* Whether the first n bytes of shard i's storage are p's. */
+static int head_equal(load_ctx *l, size_t i, const uint8_t *p, size_t n) {
+  if (l->seg[i] < 0)
+    return memcmp(dst_of(l, (uint32_t)i), p, n) == 0;
+  uint8_t buf[16384];
+  for (size_t off = 0; off < n;) {
+    size_t want = n - off < sizeof(buf) ? n - off : sizeof(buf);
+    ssize_t r = pread(l->seg[i], buf, want, (off_t)off);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0 || memcmp(buf, p + off, (size_t)r) != 0)
+      return 0;
+    off += (size_t)r;
+  }
+  return 1;
+}
 
 static void report(load_ctx *l, int final) {
   if (l->progress == NULL)
@@ -719,19 +805,29 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
                 unsigned threads, const td_load_opts *o) {
   load_ctx l = {.ck = ck, .st = st, .sk = &cpu_sink};
   int err = 0;
+  /* TENSORD_LOAD_COPY=pread: the fallback for every chunk (to compare, and
+   * to test it where sendfile works). */
+  const char *copy = getenv("TENSORD_LOAD_COPY");
+  int by_pread = copy != NULL && strcmp(copy, "pread") == 0;
   pthread_t tids[THREADS_MAX];
   unsigned started = 0;
   pthread_mutex_init(&l.mu, NULL);
   l.dst = calloc(ck->nshards, sizeof(*l.dst));
+  l.seg = malloc(ck->nshards * sizeof(*l.seg));
   l.left = calloc(ck->nshards, sizeof(*l.left));
   l.first_job = calloc(ck->nshards + 1, sizeof(*l.first_job));
-  if (l.dst == NULL || l.left == NULL || l.first_job == NULL) {
+  if (l.seg != NULL)
+    for (size_t i = 0; i < ck->nshards; i++)
+      l.seg[i] = -1;
+  if (l.dst == NULL || l.seg == NULL || l.left == NULL || l.first_job == NULL) {
     err = td__fail(c, TD_ENOMEM, "load: out of memory");
     goto out;
   }
   for (size_t i = 0; i < ck->nshards; i++) {
     td__st_shard *s = &ck->shards[i];
-    l.dst[i] = td_storage_data(st[i]);
+    /* Without its fd, a shard is read into its mapping. */
+    if (!by_pread && td__storage_fd(st[i], &l.seg[i]) < 0)
+      l.seg[i] = -1;
     atomic_init(&l.left[i], s->size);
     l.first_job[i + 1] = l.first_job[i] + (s->size + CHUNK - 1) / CHUNK;
     posix_fadvise(s->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
@@ -773,7 +869,7 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
     }
     int64_t mt = (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec;
     if ((uint64_t)sb.st_size != s->size || mt != s->mtime_ns ||
-        memcmp(l.dst[i], s->head, 8 + s->header_len) != 0) {
+        !head_equal(&l, i, s->head, 8 + s->header_len)) {
       err =
           td__fail(c, TD_EAGAIN,
                    "load: %s changed while it was read (size %" PRIu64
@@ -784,6 +880,11 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
   }
   report(&l, 1);
 out:
+  if (l.seg != NULL)
+    for (size_t i = 0; i < ck->nshards; i++)
+      if (l.seg[i] >= 0)
+        close(l.seg[i]);
+  free(l.seg);
   free(l.dst);
   free(l.left);
   free(l.first_job);

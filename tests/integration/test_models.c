@@ -215,6 +215,50 @@ TDT_TEST(models, loads_a_file_byte_for_byte) {
   td_close(c);
 }
 
+/* A shard of several 16 MiB chunks, copied by 3 threads, by sendfile and
+ * by the pread fallback: every byte lands where it belongs. */
+static void load_chunks(const char *copy) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  static const tdt_st_tensor big[] = {{"w", "U8", 1, {(40 << 20) + 3}},
+                                      {"b", "F32", 1, {1000}}};
+  char p[128];
+  path_of(p, sizeof(p), "big.safetensors");
+  cr_assert_eq(tdt_st_write(p, big, 2, NULL, 7), 0);
+  if (copy != NULL)
+    setenv("TENSORD_LOAD_COPY", copy, 1);
+  td_load_opts o = {.threads = 3};
+  td_load_result r;
+  int err = td_model_load(c, p, "big", &o, &r);
+  unsetenv("TENSORD_LOAD_COPY");
+  cr_assert_eq(err, 0, "%s", td_last_error(c));
+  td_model *m;
+  cr_assert_eq(td_model_open(c, "big", TD_RDONLY, 0, &m), 0, "%s",
+               td_last_error(c));
+  size_t bad = 0;
+  for (size_t t = 0; t < td_model_count(m); t++) {
+    const char *name;
+    td_storage *s;
+    td_view v;
+    cr_assert_eq(td_model_tensor(m, t, &name, &s, &v), 0);
+    size_t i = strcmp(name, "w") == 0 ? 0 : 1;
+    size_t item = td_dtype_size(v.dtype);
+    const uint8_t *q =
+        (const uint8_t *)td_storage_data(s) + (size_t)v.offset * item;
+    for (uint64_t j = 0; j < (uint64_t)td_view_numel(&v) * item; j++)
+      bad += q[j] != tdt_st_byte(i, j, 7);
+  }
+  cr_expect_eq(bad, 0, "%zu bytes differ from the file", bad);
+  td_model_close(m);
+  cr_assert_eq(td_model_unload(c, "big"), 0, "%s", td_last_error(c));
+  unlink(p);
+  td_close(c);
+}
+
+TDT_TEST(models, loads_chunks_by_sendfile) { load_chunks(NULL); }
+
+TDT_TEST(models, loads_chunks_by_pread) { load_chunks("pread"); }
+
 TDT_TEST(models, loads_a_sharded_index_byte_for_byte) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);

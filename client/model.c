@@ -1111,6 +1111,14 @@ static void drop_old(td_client *c, const char *name, const manifest *old,
   free(order);
 }
 
+int td_model_default_name(const char *path, char *buf, size_t len) {
+  char msg[TD__ERRMSG_MAX];
+  if (path == NULL || buf == NULL)
+    return td__fail(NULL, TD_EINVAL, "model name: path or buf is NULL");
+  int err = td__ckpt_default_name(path, buf, len, msg, sizeof(msg));
+  return err < 0 ? td__fail(NULL, err, "%s", msg) : 0;
+}
+
 int td_model_load(td_client *c, const char *path, const char *name,
                   const td_load_opts *o, td_load_result *out) {
   td_load_result res = {0};

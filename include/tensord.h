@@ -810,6 +810,13 @@ typedef struct td_load_result {
 int td_model_load(td_client *c, const char *path, const char *name,
                   const td_load_opts *o, td_load_result *out);
 
+/* The name td_model_load gives a model loaded from path without one, into
+ * buf (len bytes; TD_KEY_MAX + 1 is enough): a file's stem, else the
+ * directory's name (as td_model_load says). Looks at path (whether it is a
+ * directory) but reads no file. Returns 0, or TD_ENOENT (no such path) or
+ * TD_EINVAL (no name fits buf) with the reason for td_last_error(NULL). */
+int td_model_default_name(const char *path, char *buf, size_t len);
+
 /* Writes model name as safetensors: with one shard out is the file (or,
  * if out is a directory, out/<shard file>); with several out is a
  * directory (made if missing) of the shard files and

@@ -1508,6 +1508,210 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
       st.daemon_rss_bytes, "daemon_heap_bytes", st.daemon_heap_bytes);
 }
 
+/* ---- models (docs/models.md) ---- */
+
+/* A timeout in seconds (None: forever) as a deadline; 0 with an exception
+ * on a bad value. */
+static int parse_wait(PyObject *o, const char *what, const char *name,
+                      int *forever, double *secs) {
+  *forever = o == Py_None;
+  *secs = 0;
+  if (*forever)
+    return 1;
+  *secs = PyFloat_AsDouble(o);
+  if (*secs == -1.0 && PyErr_Occurred())
+    return 0;
+  if (!(*secs >= 0) || *secs > 1e9) {
+    PyErr_Format(PyExc_ValueError,
+                 "%s '%s': timeout %R (seconds, >= 0; None waits forever)",
+                 what, name, o);
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *Client_load_model(Client *self, PyObject *args,
+                                   PyObject *kw) {
+  static char *kwlist[] = {"path", "name", "force", "mode", "threads", "wait",
+                           NULL};
+  PyObject *pathobj = NULL, *nameobj = Py_None, *waitobj = Py_None;
+  int force = 0;
+  unsigned int mode = 0, threads = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|OpIIO:load_model", kwlist,
+                                   PyUnicode_FSConverter, &pathobj, &nameobj,
+                                   &force, &mode, &threads, &waitobj))
+    return NULL;
+  const char *path = PyBytes_AS_STRING(pathobj);
+  const char *name = NULL;
+  char derived[TD_KEY_MAX + 1];
+  if (nameobj != Py_None && (name = key_utf8(nameobj)) == NULL) {
+    Py_DECREF(pathobj);
+    return NULL;
+  }
+  if (name == NULL) {
+    int err = td_model_default_name(path, derived, sizeof(derived));
+    if (err < 0) {
+      Py_DECREF(pathobj);
+      return raise_err(err, td_last_error(NULL));
+    }
+    name = derived;
+  }
+  int forever;
+  double wait;
+  if (!parse_wait(waitobj, "load_model", name, &forever, &wait)) {
+    Py_DECREF(pathobj);
+    return NULL;
+  }
+  td_load_opts o = {.mode = mode,
+                    .flags = force ? TD_MODEL_FORCE : 0,
+                    .threads = threads};
+  int64_t deadline = mono_ms() + (int64_t)(wait * 1000.0 + 0.999);
+  td_load_result r;
+  call x;
+  int err, retried = 0;
+  /* Waits for another loader in slices, so that a signal interrupts. */
+  for (;; retried = 1) {
+    int64_t left = forever ? SLICE_MS : deadline - mono_ms();
+    o.wait_ms = (int32_t)(left < 0 ? 0 : left < SLICE_MS ? left : SLICE_MS);
+    CALL(self, x, err, td_model_load(x.c, path, name, &o, &r));
+    if (err != TD_ETIMEDOUT || (!forever && mono_ms() >= deadline))
+      break;
+    if (PyErr_CheckSignals() < 0) {
+      Py_DECREF(pathobj);
+      return NULL;
+    }
+  }
+  if (err < 0) {
+    Py_DECREF(pathobj);
+    return raise_err(err, x.msg);
+  }
+  PyObject *res = Py_BuildValue("{sssKsKsKsIsNsNsd}", "name", name, "version",
+                       (unsigned long long)r.version, "tensors",
+                       (unsigned long long)r.tensors, "bytes",
+                       (unsigned long long)r.bytes, "shards", r.shards,
+                       "unchanged", PyBool_FromLong(r.unchanged), "waited",
+                       PyBool_FromLong(r.waited || retried), "seconds",
+                       r.seconds);
+  Py_DECREF(pathobj);
+  return res;
+}
+
+/* The tensors of m as a list of (name, Tensor): one store per shard
+ * storage, shared by its tensors' Tensors. */
+static PyObject *model_tensors(Client *self, const char *name, td_model *m) {
+  size_t n = td_model_count(m), ns = 0;
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  td_storage **seen = calloc(n ? n : 1, sizeof(*seen));
+  store **stores = calloc(n ? n : 1, sizeof(*stores));
+  if (list == NULL || seen == NULL || stores == NULL) {
+    Py_XDECREF(list);
+    list = PyErr_NoMemory();
+    goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const char *tname;
+    td_storage *s;
+    td_view v;
+    td_model_tensor(m, i, &tname, &s, &v);
+    size_t k = 0;
+    while (k < ns && seen[k] != s)
+      k++;
+    if (k == ns) {
+      stores[ns] = store_new(td_storage_retain(s));
+      if (stores[ns] == NULL) {
+        Py_CLEAR(list);
+        PyErr_NoMemory();
+        goto out;
+      }
+      seen[ns++] = s;
+    }
+    PyObject *key = PyUnicode_FromFormat("%s/%s", name, tname);
+    PyObject *t = key ? tensor_new(store_ref(stores[k]), &v, key,
+                                   (PyObject *)self)
+                      : NULL;
+    Py_XDECREF(key);
+    PyObject *item = t ? Py_BuildValue("(sN)", tname, t) : NULL;
+    if (item == NULL) {
+      Py_CLEAR(list);
+      goto out;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+  }
+out:
+  for (size_t k = 0; k < ns; k++)
+    store_unref(stores[k]);
+  free(stores);
+  free(seen);
+  return list;
+}
+
+static PyObject *Client_open_model(Client *self, PyObject *args,
+                                   PyObject *kw) {
+  static char *kwlist[] = {"name", "timeout", "readonly", "lazy", NULL};
+  PyObject *nameobj, *timeoutobj = Py_None;
+  int ro = 1, lazy = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Opp:open_model", kwlist,
+                                   &nameobj, &timeoutobj, &ro, &lazy))
+    return NULL;
+  const char *name = key_utf8(nameobj);
+  if (name == NULL)
+    return NULL;
+  int forever;
+  double timeout;
+  if (!parse_wait(timeoutobj, "open_model", name, &forever, &timeout))
+    return NULL;
+  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (lazy ? TD_LAZY : 0);
+  int64_t start = mono_ms();
+  int64_t deadline = start + (int64_t)(timeout * 1000.0 + 0.999);
+  td_model *m = NULL;
+  for (int first = 1;; first = 0) {
+    int slice = SLICE_MS;
+    if (!forever) {
+      int64_t left = deadline - mono_ms();
+      if (left <= 0 && !first) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "model '%s': not loaded (waited %lld ms)",
+                 name, (long long)(mono_ms() - start));
+        return raise_err(TD_ETIMEDOUT, msg);
+      }
+      slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
+    }
+    call x;
+    int err;
+    CALL(self, x, err, td_model_open(x.c, name, flags, slice, &m));
+    if (err == 0)
+      break;
+    if (err != TD_ETIMEDOUT || (!forever && timeout == 0))
+      return raise_err(err, x.msg);
+    if (PyErr_CheckSignals() < 0)
+      return NULL;
+  }
+  PyObject *tensors = model_tensors(self, name, m);
+  PyObject *out =
+      tensors ? Py_BuildValue("(KsN)", (unsigned long long)td_model_version(m),
+                              td_model_manifest(m), tensors)
+              : NULL;
+  Py_BEGIN_ALLOW_THREADS
+    td_model_close(m); /* the Tensors hold their own references */
+  Py_END_ALLOW_THREADS
+  return out;
+}
+
+static PyObject *Client_unload_model(Client *self, PyObject *args) {
+  PyObject *nameobj;
+  if (!PyArg_ParseTuple(args, "O:unload_model", &nameobj))
+    return NULL;
+  const char *name = key_utf8(nameobj);
+  if (name == NULL)
+    return NULL;
+  call x;
+  int err;
+  CALL(self, x, err, td_model_unload(x.c, name));
+  if (err < 0)
+    return raise_err(err, x.msg);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef Client_methods[] = {
     {"close", (PyCFunction)Client_close, METH_NOARGS,
      "close(): ends the connection; the daemon drops every reference it "
@@ -1555,6 +1759,25 @@ static PyMethodDef Client_methods[] = {
      "each page is mapped when first touched; for weights attached long "
      "before they are all read). A key is a str of 1 to KEY_MAX (255) "
      "bytes of UTF-8."},
+    {"load_model", (PyCFunction)(void (*)(void))Client_load_model,
+     METH_VARARGS | METH_KEYWORDS,
+     "load_model(path, name=None, force=False, mode=0, threads=0, wait=None) "
+     "-> dict: loads the safetensors checkpoint at path (a file, an "
+     "*.index.json or a directory) into tensord as model name (None: from "
+     "the path), as `tensorctl load` (td_model_load; docs/models.md): a new "
+     "version unless name already holds this source (force reloads). wait: "
+     "seconds to wait for another process loading name (None: forever). "
+     "Returns version, tensors, bytes, shards, unchanged, waited, seconds."},
+    {"open_model", (PyCFunction)(void (*)(void))Client_open_model,
+     METH_VARARGS | METH_KEYWORDS,
+     "open_model(name, timeout=None, readonly=True, lazy=True) -> (version, "
+     "manifest, [(tensor name, Tensor), ...]): attaches every tensor of one "
+     "version of model name (td_model_open), in the checkpoint's order, "
+     "waiting up to timeout seconds for it to be loaded. readonly maps "
+     "copy-on-write; lazy maps without populating."},
+    {"unload_model", (PyCFunction)Client_unload_model, METH_VARARGS,
+     "unload_model(name): unpublishes every key of model name (its "
+     "storages go when their last holder lets go)."},
     {"ls", (PyCFunction)Client_ls, METH_NOARGS,
      "ls() -> list[dict]: every live storage, as `tensorctl ls --json`."},
     {"stat", (PyCFunction)Client_stat, METH_NOARGS,

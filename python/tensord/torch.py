@@ -147,6 +147,7 @@ import itertools
 import json
 import logging
 import os
+import tempfile
 import threading
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -169,6 +170,8 @@ __all__ = [
     "default_collate",
     "publish_state_dict",
     "load_state_dict",
+    "load_safetensors",
+    "save_safetensors",
     "Weights",
     "version_of",
     "meta_device",
@@ -726,6 +729,7 @@ class DataLoader(torch.utils.data.DataLoader):
 # State dicts.
 
 _MAGIC = b"TDSTATE1"
+_MODEL_MAGIC = b"TDMODEL1"  # a model's manifest (docs/models.md)
 _ALIGN = 64
 _TORCH_DTYPES = {
     str(d)[len("torch.") :]: d
@@ -916,20 +920,30 @@ def _state_dict_of(t, prefix: str) -> "Weights":
 
 class Weights(dict):
     """The tensors of one version of published weights: a dict of names to
-    torch tensors (``load_state_dict`` returns one), which also says what it
-    holds.
+    torch tensors (``load_state_dict`` and ``load_safetensors`` return one),
+    which also says what it holds.
 
     ``name``: the key (a state dict) or model name it came from.
-    ``version``: which version of it: for a state dict, the id of its packed
-    storage (ids grow with every storage a daemon makes, so a later publish
-    has a larger one). ``storage_ids``: the storages its tensors lie in.
+    ``version``: which version of it: a model's version number (1, 2, ...
+    as loads replace it); for a state dict, the id of its packed storage
+    (ids grow with every storage a daemon makes, so a later publish has a
+    larger one). ``storage_ids``: the storages its tensors lie in.
+    ``metadata``: a model's checkpoint ``__metadata__`` (an index's
+    ``metadata``); {} for a state dict.
     """
 
-    def __init__(self, name: str, version: int, storage_ids: tuple) -> None:
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        storage_ids: tuple,
+        metadata: Optional[dict] = None,
+    ) -> None:
         super().__init__()
         self.name = name
         self.version = version
         self.storage_ids = tuple(storage_ids)
+        self.metadata = dict(metadata or {})
 
     def __repr__(self) -> str:
         return "<tensord.torch.Weights %r version %d: %d tensors>" % (
@@ -947,12 +961,182 @@ def version_of(weights) -> Optional[int]:
 
 def _open_weights(client, name: str, timeout: Optional[float] = 0) -> Weights:
     """The weights published under name, read-only (copy-on-write) and
-    lazily mapped: one lookup of the key, whose bytes say what it holds."""
+    lazily mapped: a state dict (one lookup of the key, whose bytes say what
+    it holds) or a model (its manifest's key: every tensor of one
+    version)."""
     t = client.lookup(name, timeout=timeout, readonly=True, lazy=True)
     try:
-        return _state_dict_of(t, name)
+        mv = memoryview(t)
+        try:
+            model = bytes(mv[: len(_MODEL_MAGIC)]) == _MODEL_MAGIC
+        finally:
+            mv.release()
+        if not model:
+            return _state_dict_of(t, name)
     finally:
         t.release()
+    return _open_model(client, name, timeout=timeout)
+
+
+def _open_model(
+    client, name: str, timeout: Optional[float] = 0, readonly: bool = True
+) -> Weights:
+    """Attaches one version of model name (Client.open_model) as Weights of
+    torch tensors over its shard storages."""
+    version, manifest, items = client.open_model(
+        name, timeout=timeout, readonly=readonly, lazy=True
+    )
+    try:
+        meta = json.loads(manifest).get("metadata") or {}
+        ids = []
+        for _, t in items:
+            if t.storage_id not in ids:
+                ids.append(t.storage_id)
+        out = Weights(name, version, tuple(ids), meta)
+        for tname, t in items:
+            try:
+                out[tname] = t.torch()
+            except TypeError as e:  # a dtype torch 1.13 lacks
+                raise TypeError(
+                    "model %r: tensor %r: %s" % (name, tname, e)
+                ) from None
+        return out
+    finally:
+        for _, t in items:
+            t.release()  # each torch tensor holds a reference of its own
+
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+    torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: "str | os.PathLike",
+    metadata: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Writes tensors as one ``.safetensors`` file at path (what
+    ``load_safetensors`` and ``tensorctl load`` read; Debian has no
+    ``safetensors`` package).
+
+    Each name gets its own copy of its tensor's bytes (tied tensors are
+    written once per name, as the format has no ties); the header lists
+    them in the mapping's order, the bytes lie widest dtype first (so that
+    each is aligned to its element size, as the safetensors library does). ``metadata``: the header's ``__metadata__`` (str to str). The
+    file is written to a temporary name in its directory, synced and
+    renamed: path is whole or as it was. Raises TypeError for a tensor of
+    a dtype safetensors lacks, ValueError for a bad name or metadata.
+    """
+    path = os.fspath(path)
+    header: dict = {}
+    if metadata is not None:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(
+                    "save_safetensors: metadata %r: %r: keys and values must "
+                    "be str" % (k, v)
+                )
+        header["__metadata__"] = dict(metadata)
+    entries = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError("save_safetensors: tensor name %r" % (name,))
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                "save_safetensors: %r is a %s, not a torch.Tensor"
+                % (name, type(t).__name__)
+            )
+        st = _ST_DTYPES.get(t.dtype)
+        if st is None:
+            raise TypeError(
+                "save_safetensors: %r: dtype %s has no safetensors name"
+                % (name, t.dtype)
+            )
+        header[name] = {"dtype": st, "shape": list(t.shape)}
+        entries.append((name, t))
+    # The bytes widest dtype first, as the safetensors library lays them
+    # out: each tensor then begins at a multiple of its element size (the
+    # header is padded to 8), which views need. The header keeps the
+    # mapping's order.
+    entries.sort(key=lambda e: -_itemsize(e[1].dtype))
+    flat = []
+    off = 0
+    for name, t in entries:
+        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        header[name]["data_offsets"] = [off, off + b.numel()]
+        flat.append(b)
+        off += b.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for b in flat:
+                f.write(b.numpy())
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def load_safetensors(
+    path: "str | os.PathLike",
+    name: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+    client=None,
+    force: bool = False,
+) -> Weights:
+    """The tensors of a safetensors checkpoint, loaded into tensord once per
+    machine; a dict of names to zero-copy torch tensors.
+
+    ``path``: one ``.safetensors`` file, a sharded checkpoint's
+    ``*.index.json``, or a directory holding either. ``name``: the model's
+    name in tensord (None: the file's stem, or the directory's name, as
+    ``tensorctl load`` derives it). If the model is already loaded from
+    this source (the same path, and each file's size and mtime), this
+    attaches it; else it loads it (``Client.load_model``, as ``tensorctl
+    load``: a new version, switched to atomically) and attaches that. When
+    several processes call it at once, one loads and the others wait for
+    it and attach: the machine holds one copy. ``force`` loads again even
+    if the source is unchanged.
+
+    The tensors are read-only in the sense of ``load_state_dict``: mapped
+    copy-on-write (a write changes only this process's private copy of a
+    page) and lazily (each page is mapped when first read). They keep
+    their version alive; a later load does not change them. The result is
+    a ``Weights``: ``.name``, ``.version``, ``.metadata`` (the checkpoint's
+    ``__metadata__``). ``attach(model, weights)`` binds a module to them.
+
+    ``device``: "cpu" (loading onto a GPU is not there yet: raises
+    NotImplementedError). ``client``: the Client to use (None: the shared
+    client of the default socket). Raises tensord.Error with the file, the
+    tensor and the field for a checkpoint that breaks a rule of the format
+    (nothing is left in tensord then), FileNotFoundError-like
+    tensord.NotFound for a missing path.
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        raise NotImplementedError(
+            "load_safetensors: device %r: loading to a GPU is not there yet; "
+            "load to 'cpu'" % str(device)
+        )
+    client = client or client_for(None)
+    r = client.load_model(os.fspath(path), name, force=force, wait=None)
+    return _open_model(client, r["name"], timeout=0)
 
 
 # --------------------------------------------------------------------------
@@ -1104,9 +1288,9 @@ def attach(
     without copying them.
 
     ``weights``: a mapping of names to torch tensors (``load_state_dict``,
-    a state dict), or the key of a published state dict (looked up
-    read-only through ``client``, None: the shared client of the default
-    socket). Each parameter becomes ``torch.nn.Parameter(tensor,
+    ``load_safetensors``, a state dict), or the key of a published state
+    dict or the name of a loaded model (attached read-only through
+    ``client``, None: the shared client of the default socket). Each parameter becomes ``torch.nn.Parameter(tensor,
     requires_grad=False)`` over the weights' tensor (the same memory:
     ``data_ptr()`` equal) and each buffer the weights' tensor itself, in
     every module and under every name that held it: a tied parameter (one
@@ -1146,8 +1330,9 @@ def attach(
     elif not isinstance(weights, collections.abc.Mapping):
         raise TypeError(
             "attach: weights must be a mapping of names to tensors "
-            "(tensord.torch.load_state_dict) or the key of a published state "
-            "dict, not a %s" % type(weights).__name__
+            "(tensord.torch.load_state_dict, load_safetensors), the key of a "
+            "published state dict or a model's name, not a %s"
+            % type(weights).__name__
         )
     for k, v in weights.items():
         if not isinstance(v, torch.Tensor):
@@ -1405,7 +1590,8 @@ def follow(
     client=None,
     timeout: Optional[float] = 0,
 ) -> Follower:
-    """Follows the versions published under ``name``, without polling.
+    """Follows the versions published under ``name`` (a state dict's key or
+    a model's name), without polling.
 
     Opens a watch on ``name`` (``Client.watch``: a connection of its own
     that the daemon tells of each publish), loads the version published now

@@ -134,7 +134,7 @@ void td__cumap_close(td__cumap *m);
 /* client.c: the CUDA mapping of a storage handle, or NULL for a CPU one. */
 td__cumap *td__storage_cumap(const struct td_storage *s);
 /* client.c: a file descriptor of a CPU storage's segment, for writing it
- * without mapping it (the loader's sendfile). The caller closes it. Costs
+ * without mapping it (the loader's splice). The caller closes it. Costs
  * one round trip: the daemon sends the fd with a second reference, which
  * goes back with the next request. Returns 0 or a negative code (recorded
  * for s's client). */

@@ -801,9 +801,10 @@ typedef struct td_load_result {
  * if NAME already holds this source (the same path, and each file's size
  * and mtime) and TD_MODEL_FORCE is not set, it does nothing and says so in
  * out->unchanged. Else it copies every shard straight into a new storage
- * (sendfile into its segment, no buffer; o->threads at once), checks that no file changed
- * while read (TD_EAGAIN), publishes the shards, switches NAME to the new
- * version, publishes the tensors' keys and unpublishes the old version's.
+ * (spliced into its segment, no buffer; o->threads at once), checks that
+ * no file changed while read (TD_EAGAIN), publishes the shards, switches
+ * NAME to the new version, publishes the tensors' keys and unpublishes the
+ * old version's.
  * A failure before the switch leaves nothing; one after it (a tensor key
  * that could not be published) returns the error with NAME switched.
  * TD_CUDA returns TD_ENOSYS for now. */

@@ -7,7 +7,7 @@
  *   cat        `cat FILE >/dev/null`, forked and exec'd, the file warm in
  *              the page cache: what reading it costs at all.
  *   load       td_model_load(TD_MODEL_FORCE, default threads): validation,
- *              the lock, one new storage per shard filled by sendfile, the
+ *              the lock, one new storage per shard filled by splice, the 
  *              manifest and the keys; the previous version is dropped (no
  *              one holds it), so its segments go to the daemon's pool.
  *   load 1t    the same with one reading thread.

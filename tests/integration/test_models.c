@@ -215,7 +215,7 @@ TDT_TEST(models, loads_a_file_byte_for_byte) {
   td_close(c);
 }
 
-/* A shard of several 16 MiB chunks, copied by 3 threads, by sendfile and
+/* A shard of several 16 MiB chunks, copied by 3 threads, by splice and
  * by the pread fallback: every byte lands where it belongs. */
 static void load_chunks(const char *copy) {
   tdt_start(&d, NULL);
@@ -255,7 +255,7 @@ static void load_chunks(const char *copy) {
   td_close(c);
 }
 
-TDT_TEST(models, loads_chunks_by_sendfile) { load_chunks(NULL); }
+TDT_TEST(models, loads_chunks_by_splice) { load_chunks(NULL); }
 
 TDT_TEST(models, loads_chunks_by_pread) { load_chunks("pread"); }
 

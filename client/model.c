@@ -630,8 +630,7 @@ struct load_ctx {
   double last_progress;
 };
 
-static int shrank(const td__st_shard *s, uint64_t off, char *msg,
-                  size_t mlen) {
+static int shrank(const td__st_shard *s, uint64_t off, char *msg, size_t mlen) {
   return td__msg(msg, mlen, TD_EAGAIN,
                  "%s: shrank while it was read (end of file at byte "
                  "%" PRIu64 " of %" PRIu64 ")",
@@ -646,8 +645,8 @@ static int shrank(const td__st_shard *s, uint64_t off, char *msg,
  * Returns 0, 1 if splice cannot serve these files (the caller falls back),
  * or a negative code with msg. *off and *len advance past what was
  * copied. */
-static int cpu_splice(load_ctx *l, uint32_t shard, uint64_t *off,
-                      uint64_t *len, char *msg, size_t mlen) {
+static int cpu_splice(load_ctx *l, uint32_t shard, uint64_t *off, uint64_t *len,
+                      char *msg, size_t mlen) {
   td__st_shard *s = &l->ck->shards[shard];
   int p[2];
   if (l->seg[shard] < 0 || pipe2(p, O_CLOEXEC) < 0)

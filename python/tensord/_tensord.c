@@ -1530,10 +1530,9 @@ static int parse_wait(PyObject *o, const char *what, const char *name,
   return 1;
 }
 
-static PyObject *Client_load_model(Client *self, PyObject *args,
-                                   PyObject *kw) {
-  static char *kwlist[] = {"path", "name", "force", "mode", "threads", "wait",
-                           NULL};
+static PyObject *Client_load_model(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"path",    "name", "force", "mode",
+                           "threads", "wait", NULL};
   PyObject *pathobj = NULL, *nameobj = Py_None, *waitobj = Py_None;
   int force = 0;
   unsigned int mode = 0, threads = 0;
@@ -1562,9 +1561,8 @@ static PyObject *Client_load_model(Client *self, PyObject *args,
     Py_DECREF(pathobj);
     return NULL;
   }
-  td_load_opts o = {.mode = mode,
-                    .flags = force ? TD_MODEL_FORCE : 0,
-                    .threads = threads};
+  td_load_opts o = {
+      .mode = mode, .flags = force ? TD_MODEL_FORCE : 0, .threads = threads};
   int64_t deadline = mono_ms() + (int64_t)(wait * 1000.0 + 0.999);
   td_load_result r;
   call x;
@@ -1585,13 +1583,12 @@ static PyObject *Client_load_model(Client *self, PyObject *args,
     Py_DECREF(pathobj);
     return raise_err(err, x.msg);
   }
-  PyObject *res = Py_BuildValue("{sssKsKsKsIsNsNsd}", "name", name, "version",
-                       (unsigned long long)r.version, "tensors",
-                       (unsigned long long)r.tensors, "bytes",
-                       (unsigned long long)r.bytes, "shards", r.shards,
-                       "unchanged", PyBool_FromLong(r.unchanged), "waited",
-                       PyBool_FromLong(r.waited || retried), "seconds",
-                       r.seconds);
+  PyObject *res = Py_BuildValue(
+      "{sssKsKsKsIsNsNsd}", "name", name, "version",
+      (unsigned long long)r.version, "tensors", (unsigned long long)r.tensors,
+      "bytes", (unsigned long long)r.bytes, "shards", r.shards, "unchanged",
+      PyBool_FromLong(r.unchanged), "waited",
+      PyBool_FromLong(r.waited || retried), "seconds", r.seconds);
   Py_DECREF(pathobj);
   return res;
 }
@@ -1626,9 +1623,9 @@ static PyObject *model_tensors(Client *self, const char *name, td_model *m) {
       seen[ns++] = s;
     }
     PyObject *key = PyUnicode_FromFormat("%s/%s", name, tname);
-    PyObject *t = key ? tensor_new(store_ref(stores[k]), &v, key,
-                                   (PyObject *)self)
-                      : NULL;
+    PyObject *t =
+        key ? tensor_new(store_ref(stores[k]), &v, key, (PyObject *)self)
+            : NULL;
     Py_XDECREF(key);
     PyObject *item = t ? Py_BuildValue("(sN)", tname, t) : NULL;
     if (item == NULL) {
@@ -1645,8 +1642,7 @@ out:
   return list;
 }
 
-static PyObject *Client_open_model(Client *self, PyObject *args,
-                                   PyObject *kw) {
+static PyObject *Client_open_model(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"name", "timeout", "readonly", "lazy", NULL};
   PyObject *nameobj, *timeoutobj = Py_None;
   int ro = 1, lazy = 1;

@@ -165,8 +165,7 @@ TDT_TEST(models, loads_a_file_byte_for_byte) {
   char p[128];
   path_of(p, sizeof(p), "tiny.safetensors");
   td_load_result r;
-  cr_assert_eq(td_model_load(c, p, NULL, NULL, &r), 0, "%s",
-               td_last_error(c));
+  cr_assert_eq(td_model_load(c, p, NULL, NULL, &r), 0, "%s", td_last_error(c));
   cr_expect_eq(r.version, 1);
   cr_expect_eq(r.tensors, NONE);
   cr_expect_eq(r.shards, 1);
@@ -255,9 +254,13 @@ static void load_chunks(const char *copy) {
   td_close(c);
 }
 
-TDT_TEST(models, loads_chunks_by_splice) { load_chunks(NULL); }
+TDT_TEST(models, loads_chunks_by_splice) {
+  load_chunks(NULL);
+}
 
-TDT_TEST(models, loads_chunks_by_pread) { load_chunks("pread"); }
+TDT_TEST(models, loads_chunks_by_pread) {
+  load_chunks("pread");
+}
 
 TDT_TEST(models, loads_a_sharded_index_byte_for_byte) {
   tdt_start(&d, NULL);
@@ -485,8 +488,8 @@ TDT_TEST(models, a_broken_checkpoint_leaves_no_key_and_no_storage) {
     /* As a new model, and over the loaded one. */
     static const char *const names[] = {"fresh", "m"};
     for (int n = 0; n < 2; n++) {
-      cr_expect_eq(td_model_load(c, p, names[n], NULL, &r), bads[i].code,
-                   "%s", bads[i].file);
+      cr_expect_eq(td_model_load(c, p, names[n], NULL, &r), bads[i].code, "%s",
+                   bads[i].file);
       cr_expect(strstr(td_last_error(c), bads[i].fragment) != NULL,
                 "'%s' lacks '%s'", td_last_error(c), bads[i].fragment);
       expect_holds(c, before.storages, before.keys);
@@ -672,8 +675,7 @@ TDT_TEST(models, save_writes_the_same_bytes_back) {
   cr_assert_eq(td_model_save(c, "s", out, 0), 0, "%s", td_last_error(c));
   cr_expect_eq(tdt_same_file(p, out), 1);
   path_of(p, sizeof(p), "sh");
-  cr_assert_eq(td_model_load(c, p, "sh", NULL, &r), 0, "%s",
-               td_last_error(c));
+  cr_assert_eq(td_model_load(c, p, "sh", NULL, &r), 0, "%s", td_last_error(c));
   path_of(out, sizeof(out), "sh-out");
   cr_assert_eq(td_model_save(c, "sh", out, 0), 0, "%s", td_last_error(c));
   static const char *const files[] = {"m-1.safetensors", "m-2.safetensors",
@@ -747,11 +749,10 @@ TDT_TEST(models, save_writes_a_dense_state_dict_and_refuses_others) {
     td_storage *t;
     td_view v;
     cr_assert_eq(td_model_find(m, names[i], &t, &v), 0, "%s", names[i]);
-    const uint8_t *b = (const uint8_t *)td_storage_data(t) +
-                       v.offset * td_dtype_size(v.dtype);
+    const uint8_t *b =
+        (const uint8_t *)td_storage_data(t) + v.offset * td_dtype_size(v.dtype);
     for (int j = 0; j < len[i]; j++)
-      cr_expect_eq(b[j], (uint8_t)((at[i] + j) * 3 + 1), "%s[%d]", names[i],
-                   j);
+      cr_expect_eq(b[j], (uint8_t)((at[i] + j) * 3 + 1), "%s[%d]", names[i], j);
   }
   td_model_close(m);
   td_storage_release(s);

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""bench_models: a 1 GiB safetensors checkpoint as a tensord model: load, attach, memory, first forward.
+"""bench_models: a 1 GiB safetensors checkpoint in tensord: load, attach, PSS, first forward.
 
 Usage: /usr/bin/python3 python/bench/bench_models.py [--quick]
 (starts its own tensord; see benchlib.py for where it finds the binary and the package).
@@ -342,7 +342,6 @@ def row(label: str, samples: list[float], nbytes: int | None,
 
 def main() -> int:
     args = benchlib.parse_args("a safetensors checkpoint: load, attach, memory, first forward")
-    import numpy  # noqa: F401
     import torch
 
     torch.set_num_threads(1)

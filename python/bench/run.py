@@ -3,9 +3,10 @@
 
 Usage: /usr/bin/python3 python/bench/run.py [BUILD_DIR] [--quick]
 
-Runs bench_handoff.py, bench_dataloader.py and bench_weights.py, each with its
-own private tensord from BUILD_DIR (default build/): $TENSORD_BIN defaults to
-BUILD_DIR/daemon/tensord and the package comes from BUILD_DIR/python. Prints
+Runs bench_handoff.py, bench_dataloader.py, bench_weights.py and
+bench_models.py, each with its own private tensord from BUILD_DIR (default
+build/): $TENSORD_BIN defaults to BUILD_DIR/daemon/tensord and the package comes
+from BUILD_DIR/python. Prints
 their tables and how long each took; exits non-zero if one failed.
 TD_BENCH_ONLY="bench_weights.py ..." runs only those (names with .py: bare
 names are the C benchmarks, which tests/bench/run.sh runs); TD_BENCH_SCALE
@@ -21,7 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-BENCHES = ["bench_handoff.py", "bench_dataloader.py", "bench_weights.py"]
+BENCHES = ["bench_handoff.py", "bench_dataloader.py", "bench_weights.py", "bench_models.py"]
 
 
 def main(argv: list[str]) -> int:

@@ -1532,15 +1532,23 @@ static int parse_wait(PyObject *o, const char *what, const char *name,
 
 static PyObject *Client_load_model(Client *self, PyObject *args,
                                    PyObject *kw) {
-  static char *kwlist[] = {"path", "name", "force", "mode", "threads", "wait",
-                           NULL};
+  static char *kwlist[] = {"path", "name",  "force",  "mode",
+                           "threads", "wait", "device", NULL};
   PyObject *pathobj = NULL, *nameobj = Py_None, *waitobj = Py_None;
   int force = 0;
   unsigned int mode = 0, threads = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|OpIIO:load_model", kwlist,
+  const char *devname = NULL;
+  td_device dev;
+  int64_t devindex;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|OpIIOz:load_model", kwlist,
                                    PyUnicode_FSConverter, &pathobj, &nameobj,
-                                   &force, &mode, &threads, &waitobj))
+                                   &force, &mode, &threads, &waitobj,
+                                   &devname))
     return NULL;
+  if (parse_device(devname, &dev, &devindex) < 0) {
+    Py_DECREF(pathobj);
+    return NULL;
+  }
   const char *path = PyBytes_AS_STRING(pathobj);
   const char *name = NULL;
   char derived[TD_KEY_MAX + 1];
@@ -1564,7 +1572,9 @@ static PyObject *Client_load_model(Client *self, PyObject *args,
   }
   td_load_opts o = {.mode = mode,
                     .flags = force ? TD_MODEL_FORCE : 0,
-                    .threads = threads};
+                    .threads = threads,
+                    .device = dev,
+                    .device_index = devindex};
   int64_t deadline = mono_ms() + (int64_t)(wait * 1000.0 + 0.999);
   td_load_result r;
   call x;
@@ -1761,13 +1771,14 @@ static PyMethodDef Client_methods[] = {
      "bytes of UTF-8."},
     {"load_model", (PyCFunction)(void (*)(void))Client_load_model,
      METH_VARARGS | METH_KEYWORDS,
-     "load_model(path, name=None, force=False, mode=0, threads=0, wait=None) "
-     "-> dict: loads the safetensors checkpoint at path (a file, an "
+     "load_model(path, name=None, force=False, mode=0, threads=0, wait=None, "
+     "device='cpu') -> dict: loads the safetensors checkpoint at path (a file, an "
      "*.index.json or a directory) into tensord as model name (None: from "
      "the path), as `tensorctl load` (td_model_load; docs/models.md): a new "
      "version unless name already holds this source (force reloads). wait: "
      "seconds to wait for another process loading name (None: forever). "
-     "Returns version, tensors, bytes, shards, unchanged, waited, seconds."},
+     "device: 'cpu', 'cuda' or 'cuda:K' (daemon-owned GPU storages, staged "
+     "through a bounded pinned buffer). Returns version, tensors, bytes, shards, unchanged, waited, seconds."},
     {"open_model", (PyCFunction)(void (*)(void))Client_open_model,
      METH_VARARGS | METH_KEYWORDS,
      "open_model(name, timeout=None, readonly=True, lazy=True) -> (version, "

@@ -122,3 +122,83 @@ def test_share_copies_a_gpu_tensor_to_the_cpu(client: tensord.Client) -> None:
     u = client.share(t[1:5])
     assert u.device == "cpu"
     assert u.numpy().tolist() == [11, 12, 13, 14]
+
+
+def _write_safetensors(path, tensors) -> bytes:
+    """Writes {name: (dtype, shape, bytes)} as a .safetensors file at path
+    (in order, no gaps, the header padded to 8 bytes); returns the file's
+    bytes."""
+    import json
+
+    header, data, off = {}, b"", 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [off, off + len(raw)]}
+        data += raw
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    blob = len(h).to_bytes(8, "little") + h + data
+    with open(path, "wb") as f:
+        f.write(blob)
+    return blob
+
+
+def test_load_model_onto_a_gpu_and_read_it_back(
+    client: tensord.Client, daemon: str, tmp_path
+) -> None:
+    raw_w = bytes(range(256)) * 64  # 16 KiB
+    raw_b = bytes(range(7, 7 + 32))
+    blob = _write_safetensors(
+        tmp_path / "g.safetensors",
+        {"w": ("F32", (64, 64), raw_w), "b": ("U8", (32,), raw_b)},
+    )
+    r = client.load_model(str(tmp_path / "g.safetensors"), "g",
+                          device="cuda:1")
+    assert r["shards"] == 1 and r["bytes"] == len(blob)
+    again = client.load_model(str(tmp_path / "g.safetensors"), "g",
+                              device="cuda:1")
+    assert again["unchanged"] and again["version"] == r["version"]
+    (s,) = [s for s in client.ls() if s["device"] == "cuda"]
+    assert s["nbytes"] == len(blob)
+    with tensord.connect(daemon) as other:
+        version, manifest, items = other.open_model("g", timeout=0)
+        assert '"device":"cuda"' in manifest
+        got = dict(items)
+        assert got["w"].device == "cuda:1" and got["b"].device == "cuda:1"
+        assert bytes(other.share(got["w"]).numpy().tobytes()) == raw_w
+        assert bytes(other.share(got["b"]).numpy().tobytes()) == raw_b
+        for _, t in items:
+            t.release()
+    with pytest.raises(ValueError, match="device"):
+        client.load_model(str(tmp_path / "g.safetensors"), "g", device="tpu")
+    with pytest.raises(tensord.Error, match="cuda:9"):
+        client.load_model(str(tmp_path / "g.safetensors"), "h",
+                          device="cuda:9")
+    client.unload_model("g")
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_load_safetensors_onto_a_gpu_on_cpu_torch(
+    client: tensord.Client, daemon: str, tmp_path
+) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the double's memory is not a GPU's")
+    import tensord.torch as tdt
+
+    _write_safetensors(tmp_path / "t.safetensors",
+                       {"x": ("F32", (4,), bytes(16))})
+    # Loaded onto the double's GPU; CPU torch cannot take CUDA tensors.
+    with pytest.raises(Exception):
+        tdt.load_safetensors(tmp_path / "t.safetensors", device="cuda:0",
+                             client=client)
+    (s,) = [s for s in client.ls() if s["device"] == "cuda"]
+    assert s["nbytes"] > 16
+    with pytest.raises(ValueError, match="device"):
+        tdt.load_safetensors(tmp_path / "t.safetensors", device="meta",
+                             client=client)
+    client.unload_model("t")
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []

@@ -202,3 +202,85 @@ def test_load_safetensors_onto_a_gpu_on_cpu_torch(
     client.unload_model("t")
     gc.collect()
     assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def _app_driver():
+    """The driver libtensord loaded (the double), for what only an
+    application does: a current context, and events made and recorded."""
+    lib = ctypes.CDLL(DOUBLE)
+    ctx = ctypes.c_void_p()
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    assert lib.cuCtxPushCurrent_v2(ctx) == 0
+    return lib
+
+
+CU_EVENT_DISABLE_TIMING, CU_EVENT_INTERPROCESS = 2, 4
+
+_WAITER = r"""
+import sys, tensord
+c = tensord.connect(sys.argv[1])
+t = c.lookup(sys.argv[2], timeout=0)
+try:
+    t.wait()          # the host blocks until the producer's work is done
+    t.wait(stream=1)  # a stream (any value: the double has no streams)
+except tensord.Error as e:
+    print("FAILED", e)
+    sys.exit(3)
+print("WAITED")
+"""
+
+
+def test_publish_with_an_event_and_wait_in_another_process(
+    client: tensord.Client, daemon: str
+) -> None:
+    import subprocess
+    import sys
+
+    t = client.empty(64, "uint8", device="cuda:0")
+    lib = _app_driver()
+    ev = ctypes.c_void_p()
+    assert lib.cuEventCreate(
+        ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) == 0
+    assert lib.cuEventRecord(ev, None) == 0
+
+    class Event:  # what torch.cuda.Event offers: the handle as .cuda_event
+        cuda_event = ev.value
+
+    client.publish("ev", t, event=Event())
+    env = dict(os.environ, TENSORD_CUDA_DRIVER=DOUBLE or "")
+
+    def waiter():
+        return subprocess.run(
+            [sys.executable, "-c", _WAITER, daemon, "ev"], env=env,
+            capture_output=True, text=True, timeout=60)
+
+    r = waiter()
+    assert r.returncode == 0 and "WAITED" in r.stdout, r.stdout + r.stderr
+    # A key without an event has nothing to wait for, in this process too.
+    client.publish("plain", t)
+    with tensord.connect(daemon) as other:
+        u = other.lookup("plain", timeout=0)
+        u.wait()
+        u.wait(stream=7)
+        with pytest.raises(TypeError, match="stream"):
+            u.wait(stream="default")
+        u.release()
+    # The handle names the producer's event: once destroyed, a waiter is
+    # told, naming the driver call.
+    assert lib.cuEventDestroy_v2(ev) == 0
+    r = waiter()
+    assert r.returncode == 3 and "cuIpcOpenEventHandle" in r.stdout, (
+        r.stdout + r.stderr)
+    with pytest.raises(TypeError, match="event"):
+        client.publish("ev", t, event="nope")
+    # A non-interprocess event is refused, naming the flag it needs.
+    plain = ctypes.c_void_p()
+    assert lib.cuEventCreate(ctypes.byref(plain), CU_EVENT_DISABLE_TIMING) == 0
+    with pytest.raises(tensord.Error, match="CU_EVENT_INTERPROCESS"):
+        client.publish("ev2", t, event=plain.value)
+    assert lib.cuEventDestroy_v2(plain) == 0
+    client.unpublish("ev")
+    client.unpublish("plain")
+    t.release()
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []

@@ -1124,8 +1124,10 @@ def load_safetensors(
     ``device``: "cpu", or "cuda"/"cuda:K": the weights go into daemon-owned
     CUDA storages on that GPU (read through a pinned staging buffer of at
     most 256 MiB), and every process attaches the same device memory: the
-    tensors are CUDA tensors. A model loaded on another device than asked
-    is loaded again there (a new version). ``client``: the Client to use (None: the shared
+    tensors are CUDA tensors, mapped read-only (device memory has no
+    copy-on-write: an in-place write faults, and CUDA's error is sticky for
+    the process's context; clone a tensor to change it). A model loaded on
+    another device than asked is loaded again there (a new version). ``client``: the Client to use (None: the shared
     client of the default socket). Raises tensord.Error with the file, the
     tensor and the field for a checkpoint that breaks a rule of the format
     (nothing is left in tensord then), FileNotFoundError-like

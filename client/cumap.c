@@ -415,6 +415,189 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
   return 0;
 }
 
+/* A pinned staging buffer cut into slots, each with a stream of its own:
+ * a slot is filled on the host, its bytes copied to the device
+ * asynchronously on its stream, and the slot given out again only after
+ * that stream is synchronised. Slots go round in order (a queue), so the
+ * one given out is the one whose copy was issued longest ago. */
+struct td__custage {
+  const td__cu *cu;
+  CUcontext ctx; /* the destination's primary context (not retained here:
+                    the mappings written to hold it) */
+  uint8_t *buf;
+  size_t slot;
+  unsigned nslots;
+  CUstream *streams;
+  uint8_t *busy;  /* per slot: a copy issued and not yet synchronised */
+  unsigned *ring; /* free slots, head first */
+  unsigned head, count;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+};
+
+/* Synchronises slot i's stream if a copy is outstanding. */
+static CUresult slot_sync(td__custage *g, unsigned i) {
+  if (!g->busy[i])
+    return CUDA_SUCCESS;
+  CUcontext popped;
+  CUresult r = g->cu->CtxPushCurrent(g->ctx);
+  if (r == CUDA_SUCCESS) {
+    r = g->cu->StreamSynchronize(g->streams[i]);
+    g->cu->CtxPopCurrent(&popped);
+  }
+  g->busy[i] = 0;
+  return r;
+}
+
+int td__custage_open(td__cumap *m, size_t slot, unsigned nslots,
+                     td__custage **out, char *msg, size_t len) {
+  *out = NULL;
+  const td__cu *cu = m->cu;
+  char e[128];
+  const char *what = "out of memory";
+  CUresult r = CUDA_SUCCESS;
+  unsigned made = 0;
+  td__custage *g = calloc(1, sizeof(*g));
+  if (g == NULL || nslots == 0 || slot > SIZE_MAX / nslots)
+    goto fail_nomem;
+  g->cu = cu;
+  g->ctx = m->ctx;
+  g->slot = slot;
+  g->nslots = nslots;
+  g->streams = calloc(nslots, sizeof(*g->streams));
+  g->busy = calloc(nslots, 1);
+  g->ring = calloc(nslots, sizeof(*g->ring));
+  if (g->streams == NULL || g->busy == NULL || g->ring == NULL)
+    goto fail_nomem;
+  CUcontext popped;
+  what = "cuCtxPushCurrent";
+  if ((r = cu->CtxPushCurrent(g->ctx)) != CUDA_SUCCESS)
+    goto fail;
+  what = "cuMemHostAlloc";
+  r = cu->MemHostAlloc((void **)&g->buf, slot * nslots, 0);
+  what = "cuStreamCreate";
+  for (; r == CUDA_SUCCESS && made < nslots; made++)
+    r = cu->StreamCreate(&g->streams[made], CU_STREAM_NON_BLOCKING);
+  if (r != CUDA_SUCCESS) {
+    if (made > 0)
+      made--; /* the last create failed */
+    for (unsigned i = 0; i < made; i++)
+      cu->StreamDestroy(g->streams[i]);
+    if (g->buf != NULL)
+      cu->MemFreeHost(g->buf);
+  }
+  cu->CtxPopCurrent(&popped);
+  if (r != CUDA_SUCCESS)
+    goto fail;
+  for (unsigned i = 0; i < nslots; i++)
+    g->ring[i] = i;
+  g->count = nslots;
+  pthread_mutex_init(&g->mu, NULL);
+  pthread_cond_init(&g->cv, NULL);
+  *out = g;
+  return 0;
+fail:
+  td__msg(msg, len, td__cu_code(r), "%s for %u staging slots of %zu bytes: %s",
+          what, nslots, slot, td__cu_strerror(cu, r, e, sizeof(e)));
+  goto out;
+fail_nomem:
+  td__msg(msg, len, TD_ENOMEM, "staging: out of memory");
+  r = CUDA_ERROR_OUT_OF_MEMORY;
+out:
+  if (g != NULL) {
+    free(g->streams);
+    free(g->busy);
+    free(g->ring);
+    free(g);
+  }
+  return r == CUDA_ERROR_OUT_OF_MEMORY ? TD_ENOMEM : td__cu_code(r);
+}
+
+size_t td__custage_slot(const td__custage *g) {
+  return g->slot;
+}
+
+int td__custage_take(td__custage *g, unsigned *slot, void **host, char *msg,
+                     size_t len) {
+  pthread_mutex_lock(&g->mu);
+  while (g->count == 0)
+    pthread_cond_wait(&g->cv, &g->mu);
+  unsigned i = g->ring[g->head];
+  g->head = (g->head + 1) % g->nslots;
+  g->count--;
+  pthread_mutex_unlock(&g->mu);
+  /* The slot is this thread's now: its stream is nobody else's. */
+  CUresult r = slot_sync(g, i);
+  if (r != CUDA_SUCCESS) {
+    char e[128];
+    td__custage_put(g, i, NULL, 0, 0, NULL, 0);
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuStreamSynchronize (a staged copy to the device): %s",
+                   td__cu_strerror(g->cu, r, e, sizeof(e)));
+  }
+  *slot = i;
+  *host = g->buf + (size_t)i * g->slot;
+  return 0;
+}
+
+int td__custage_put(td__custage *g, unsigned slot, td__cumap *dst, size_t off,
+                    size_t n, char *msg, size_t len) {
+  CUresult r = CUDA_SUCCESS;
+  if (dst != NULL && n > 0) {
+    CUcontext popped;
+    if ((r = g->cu->CtxPushCurrent(g->ctx)) == CUDA_SUCCESS) {
+      r = g->cu->MemcpyHtoDAsync(
+          dst->ptr + off, g->buf + (size_t)slot * g->slot, n, g->streams[slot]);
+      g->cu->CtxPopCurrent(&popped);
+    }
+    g->busy[slot] = r == CUDA_SUCCESS;
+  }
+  pthread_mutex_lock(&g->mu);
+  g->ring[(g->head + g->count) % g->nslots] = slot;
+  g->count++;
+  pthread_cond_signal(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+  if (r != CUDA_SUCCESS) {
+    char e[128];
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuMemcpyHtoDAsync of %zu bytes at byte %zu: %s", n, off,
+                   td__cu_strerror(g->cu, r, e, sizeof(e)));
+  }
+  return 0;
+}
+
+int td__custage_close(td__custage *g, char *msg, size_t len) {
+  if (g == NULL)
+    return 0;
+  const td__cu *cu = g->cu;
+  CUresult first = CUDA_SUCCESS;
+  for (unsigned i = 0; i < g->nslots; i++) {
+    CUresult r = slot_sync(g, i);
+    if (first == CUDA_SUCCESS)
+      first = r;
+  }
+  CUcontext popped;
+  if (cu->CtxPushCurrent(g->ctx) == CUDA_SUCCESS) {
+    for (unsigned i = 0; i < g->nslots; i++)
+      cu->StreamDestroy(g->streams[i]);
+    cu->MemFreeHost(g->buf);
+    cu->CtxPopCurrent(&popped);
+  }
+  pthread_cond_destroy(&g->cv);
+  pthread_mutex_destroy(&g->mu);
+  free(g->streams);
+  free(g->busy);
+  free(g->ring);
+  free(g);
+  if (first != CUDA_SUCCESS) {
+    char e[128];
+    return td__msg(msg, len, td__cu_code(first),
+                   "cuStreamSynchronize (a staged copy to the device): %s",
+                   td__cu_strerror(cu, first, e, sizeof(e)));
+  }
+  return 0;
+}
+
 void td__cumap_close(td__cumap *m) {
   if (m == NULL)
     return;
@@ -477,5 +660,29 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
 }
 
 void td__cumap_close(td__cumap *m) {}
+
+int td__custage_open(td__cumap *m, size_t slot, unsigned nslots,
+                     td__custage **out, char *msg, size_t len) {
+  *out = NULL;
+  return no_cuda(msg, len);
+}
+
+size_t td__custage_slot(const td__custage *g) {
+  return 0;
+}
+
+int td__custage_take(td__custage *g, unsigned *slot, void **host, char *msg,
+                     size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__custage_put(td__custage *g, unsigned slot, td__cumap *dst, size_t off,
+                    size_t n, char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__custage_close(td__custage *g, char *msg, size_t len) {
+  return 0;
+}
 
 #endif /* TD_HAVE_CUDA */

@@ -131,6 +131,29 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
                      char *msg, size_t len);
 /* Unmaps and frees m. NULL ok. */
 void td__cumap_close(td__cumap *m);
+/* A pinned host staging buffer of nslots slots of slot bytes, each with a
+ * stream of its own, in m's context: for copying to CUDA storages on m's
+ * GPU asynchronously (the model loader). Thread-safe: any thread may take
+ * and put slots. Returns 0 or a negative code with msg filled; *out is
+ * NULL on failure and nothing is left. */
+typedef struct td__custage td__custage;
+int td__custage_open(td__cumap *m, size_t slot, unsigned nslots,
+                     td__custage **out, char *msg, size_t len);
+size_t td__custage_slot(const td__custage *g);
+/* Takes a free slot, waiting for one, and for the copy last issued from it
+ * to complete; *host is its memory (td__custage_slot bytes). Returns 0, or
+ * the driver's failure of that copy with msg filled (the slot is put back
+ * then). */
+int td__custage_take(td__custage *g, unsigned *slot, void **host, char *msg,
+                     size_t len);
+/* Issues the copy of the slot's first n bytes to off bytes into dst on the
+ * slot's stream (none if dst is NULL) and gives the slot back, whatever
+ * happens. Returns 0 or the driver's failure with msg filled. */
+int td__custage_put(td__custage *g, unsigned slot, td__cumap *dst, size_t off,
+                    size_t n, char *msg, size_t len);
+/* Waits for every copy issued, then frees the streams and the buffer. NULL
+ * ok. Returns 0 or the first failed copy's code with msg filled. */
+int td__custage_close(td__custage *g, char *msg, size_t len);
 /* client.c: the CUDA mapping of a storage handle, or NULL for a CPU one. */
 td__cumap *td__storage_cumap(const struct td_storage *s);
 /* client.c: a file descriptor of a CPU storage's segment, for writing it

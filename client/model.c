@@ -85,6 +85,8 @@ typedef struct mf_tensor {
 
 typedef struct manifest {
   uint64_t version;
+  char *device; /* "cpu" or "cuda" */
+  char *uuid;   /* a CUDA model's GPU, "GPU-..." (NULL for the CPU) */
   char *path;
   uint64_t size;
   int64_t mtime_ns;
@@ -109,6 +111,8 @@ static void mf_free(manifest *m) {
   free(m->tensors);
   free(m->order);
   free(m->path);
+  free(m->device);
+  free(m->uuid);
   memset(m, 0, sizeof(*m));
 }
 
@@ -172,6 +176,14 @@ static int mf_read(json_t *root, const char *name, manifest *m, char *why,
       mf_u64(src, "size", &m->size) < 0 ||
       mf_u64(src, "mtime_ns", (uint64_t *)&m->mtime_ns) < 0)
     return td__msg(why, wl, -1, "a field missing or of the wrong kind");
+  /* A manifest before devices has none: the CPU. */
+  json_t *dv = json_object_get(root, "device");
+  m->device = strdup(json_is_string(dv) ? json_string_value(dv) : "cpu");
+  if (json_object_get(root, "device_uuid") != NULL &&
+      (m->uuid = mf_str(root, "device_uuid")) == NULL)
+    return td__msg(why, wl, -1, "device_uuid is not a string");
+  if (m->device == NULL)
+    return td__msg(why, wl, -1, "out of memory");
   size_t nf = json_array_size(files), ns = json_array_size(shards),
          nt = json_object_size(tensors);
   m->files = calloc(nf ? nf : 1, sizeof(*m->files));
@@ -595,6 +607,15 @@ static int sweep_orphans(td_client *c, const char *name, uint64_t keep,
 
 /* ---- reading shards into storages ---- */
 
+/* A load's target: the CPU, or a GPU by this process's ordinal and its
+ * UUID (the ordinal is the loader's; readers find the GPU by the UUID). */
+typedef struct target {
+  int cuda;
+  int64_t index;
+  char uuid[48];    /* "GPU-..." for CUDA, else "" */
+  uint64_t staging; /* CUDA: the pinned staging buffer's bound, bytes */
+} target;
+
 typedef struct load_ctx load_ctx;
 
 /* Where a chunk of a shard goes: the seam for devices. The CPU sink copies
@@ -603,10 +624,10 @@ typedef struct load_ctx load_ctx;
  * and copies it to the device asynchronously, the next chunk's read
  * overlapping the copy; begin/end set up and drain that. */
 typedef struct sink {
-  int (*begin)(load_ctx *l);
+  int (*begin)(load_ctx *l, char *msg, size_t mlen);
   int (*chunk)(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
                char *msg, size_t mlen);
-  int (*end)(load_ctx *l);
+  int (*end)(load_ctx *l, char *msg, size_t mlen);
 } sink;
 
 struct load_ctx {
@@ -615,6 +636,8 @@ struct load_ctx {
   int *seg;        /* CPU: each storage's segment fd, or -1 */
   uint8_t **dst;   /* CPU: each storage's mapping, once a chunk needs it */
   const sink *sk;
+  td__custage *stage; /* CUDA: the pinned staging slots */
+  uint64_t staging;   /* CUDA: their bound, bytes */
   uint64_t njobs;
   atomic_uint_fast64_t next;
   atomic_uint_fast64_t bytes_done;
@@ -741,8 +764,124 @@ static int cpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
 
 static const sink cpu_sink = {NULL, cpu_chunk, NULL};
 
+/* The GPU sink: each chunk is read, a slot at a time, into a slot of a
+ * pinned staging buffer and copied to the shard's device storage
+ * asynchronously on the slot's stream; the reader goes on to the next slot
+ * while the copy runs, and a slot is read into again only once its copy is
+ * done. The buffer holds at most l->staging bytes whatever the model. */
+#define STAGING_MAX ((uint64_t)256 << 20)
+#define STAGING_SLOTS 4 /* at least, where the bound allows */
+#define STAGING_MIN ((uint64_t)4096)
+
+static int gpu_begin(load_ctx *l, char *msg, size_t mlen) {
+  uint64_t bound = l->staging;
+  if (bound > l->ck->bytes)
+    bound = (l->ck->bytes + STAGING_MIN - 1) / STAGING_MIN * STAGING_MIN;
+  if (bound == 0)
+    return 0; /* nothing to copy */
+  if (bound < STAGING_MIN)
+    bound = STAGING_MIN;
+  uint64_t slot = bound / STAGING_SLOTS / STAGING_MIN * STAGING_MIN;
+  if (slot < STAGING_MIN)
+    slot = STAGING_MIN;
+  if (slot > CHUNK)
+    slot = CHUNK;
+  unsigned n = (unsigned)(bound / slot);
+  return td__custage_open(td__storage_cumap(l->st[0]), (size_t)slot, n,
+                          &l->stage, msg, mlen);
+}
+
+static int gpu_chunk(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
+                     char *msg, size_t mlen) {
+  td__st_shard *s = &l->ck->shards[shard];
+  td__cumap *dst = td__storage_cumap(l->st[shard]);
+  size_t cap = td__custage_slot(l->stage);
+  while (len > 0) {
+    unsigned slot;
+    void *host;
+    int err = td__custage_take(l->stage, &slot, &host, msg, mlen);
+    if (err < 0)
+      return err;
+    size_t n = len < cap ? (size_t)len : cap, got = 0;
+    while (got < n) {
+      ssize_t r =
+          pread(s->fd, (uint8_t *)host + got, n - got, (off_t)(off + got));
+      if (r < 0 && errno == EINTR)
+        continue;
+      if (r <= 0) {
+        td__custage_put(l->stage, slot, NULL, 0, 0, NULL, 0);
+        if (r == 0)
+          return shrank(s, off + got, msg, mlen);
+        return td__msg(msg, mlen, TD_EIO, "%s: reading bytes %" PRIu64 "..: %s",
+                       s->file, off + got, strerror(errno));
+      }
+      got += (size_t)r;
+    }
+    if ((err = td__custage_put(l->stage, slot, dst, (size_t)off, n, msg,
+                               mlen)) < 0)
+      return err;
+    off += n;
+    len -= n;
+  }
+  return 0;
+}
+
+/* Waits for every copy and frees the staging. */
+static int gpu_end(load_ctx *l, char *msg, size_t mlen) {
+  int err = td__custage_close(l->stage, msg, mlen);
+  l->stage = NULL;
+  return err;
+}
+
+static const sink gpu_sink = {gpu_begin, gpu_chunk, gpu_end};
+
+/* The staging bound: TENSORD_LOAD_STAGING (bytes, K/M/G suffixes of 1024,
+ * at least 4 KiB), else 256 MiB; never above 256 MiB. Returns 0, or
+ * TD_EINVAL with msg for a value that is no size. */
+static int staging_bound(uint64_t *out, char *msg, size_t mlen) {
+  const char *v = getenv("TENSORD_LOAD_STAGING");
+  *out = STAGING_MAX;
+  if (v == NULL || v[0] == '\0')
+    return 0;
+  char *end;
+  errno = 0;
+  unsigned long long n = strtoull(v, &end, 10);
+  int shift = 0;
+  if (*end == 'K' || *end == 'k')
+    shift = 10;
+  else if (*end == 'M' || *end == 'm')
+    shift = 20;
+  else if (*end == 'G' || *end == 'g')
+    shift = 30;
+  if (shift != 0)
+    end++;
+  if (errno != 0 || end == v || *end != '\0' || v[0] == '-' ||
+      n > (STAGING_MAX >> shift))
+    return td__msg(msg, mlen, TD_EINVAL,
+                   "TENSORD_LOAD_STAGING='%s': a size in bytes (K, M, G "
+                   "suffixes), at most 256M",
+                   v);
+  n <<= shift;
+  *out = n < STAGING_MIN ? STAGING_MIN : n;
+  return 0;
+}
+
 /* Whether the first n bytes of shard i's storage are p's. */
 static int head_equal(load_ctx *l, size_t i, const uint8_t *p, size_t n) {
+  td__cumap *cm = td__storage_cumap(l->st[i]);
+  if (cm != NULL) { /* read back from the device */
+    char msg[TD__ERRMSG_MAX];
+    size_t piece = n < ((size_t)1 << 20) ? n : (size_t)1 << 20;
+    uint8_t *buf = malloc(piece ? piece : 1);
+    int same = buf != NULL;
+    for (size_t off = 0; same && off < n; off += piece) {
+      size_t want = n - off < piece ? n - off : piece;
+      same = td__cumap_copy(cm, 0, off, buf, want, msg, sizeof(msg)) == 0 &&
+             memcmp(buf, p + off, want) == 0;
+    }
+    free(buf);
+    return same;
+  }
   if (l->seg[i] < 0)
     return memcmp(dst_of(l, (uint32_t)i), p, n) == 0;
   uint8_t buf[16384];
@@ -820,8 +959,9 @@ static unsigned default_threads(void) {
  * at once, and checks that no file changed meanwhile. Returns 0 or a
  * negative code with the reason recorded for c. */
 static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
-                unsigned threads, const td_load_opts *o) {
-  load_ctx l = {.ck = ck, .st = st, .sk = &cpu_sink};
+                unsigned threads, const td_load_opts *o, const target *tg) {
+  int gpu = tg->cuda;
+  load_ctx l = {.ck = ck, .st = st, .sk = gpu ? &gpu_sink : &cpu_sink};
   int err = 0;
   /* TENSORD_LOAD_COPY=pread: the fallback for every chunk (to compare, and
    * to test it where splice works). */
@@ -844,7 +984,7 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
   for (size_t i = 0; i < ck->nshards; i++) {
     td__st_shard *s = &ck->shards[i];
     /* Without its fd, a shard is read into its mapping. */
-    if (!by_pread && td__storage_fd(st[i], &l.seg[i]) < 0)
+    if (!gpu && !by_pread && td__storage_fd(st[i], &l.seg[i]) < 0)
       l.seg[i] = -1;
     atomic_init(&l.left[i], s->size);
     l.first_job[i + 1] = l.first_job[i] + (s->size + CHUNK - 1) / CHUNK;
@@ -857,8 +997,12 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
     l.progress = o->progress;
     l.progress_arg = o->progress_arg;
   }
-  if (l.sk->begin != NULL && (err = l.sk->begin(&l)) < 0)
+  l.staging = tg->staging;
+  if (l.sk->begin != NULL &&
+      (err = l.sk->begin(&l, l.msg, sizeof(l.msg))) < 0) {
+    td__fail(c, err, "load: %s", l.msg);
     goto out;
+  }
   if (threads > l.njobs)
     threads = l.njobs ? (unsigned)l.njobs : 1;
   for (unsigned i = 1; i < threads; i++) {
@@ -870,9 +1014,10 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
   for (unsigned i = 0; i < started; i++)
     pthread_join(tids[i], NULL);
   if (l.sk->end != NULL) {
-    int e = l.sk->end(&l);
-    if (err == 0)
-      err = e;
+    char msg[TD__ERRMSG_MAX];
+    int e = l.sk->end(&l, msg, sizeof(msg)), zero = 0;
+    if (e < 0 && atomic_compare_exchange_strong(&l.err, &zero, e))
+      snprintf(l.msg, sizeof(l.msg), "%s", msg);
   }
   if ((err = atomic_load(&l.err)) < 0) {
     td__fail(c, err, "load: %s", l.msg);
@@ -913,20 +1058,36 @@ out:
 /* ---- the manifest written ---- */
 
 /* The manifest of ck as version v of name, as a new storage (mode). */
+/* Writes u as nvidia-smi does: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx. */
+static void uuid_text(const uint8_t u[16], char *buf, size_t len) {
+  size_t o = (size_t)snprintf(buf, len, "GPU-");
+  for (int i = 0; i < 16 && o < len; i++)
+    o += (size_t)snprintf(buf + o, len - o, "%s%02x",
+                          i == 4 || i == 6 || i == 8 || i == 10 ? "-" : "",
+                          u[i]);
+}
+
 static int mf_make(td_client *c, const char *name, uint64_t v,
-                   const td__checkpoint *ck, uint32_t mode, td_storage **out) {
+                   const td__checkpoint *ck, const target *tg, uint32_t mode,
+                   td_storage **out) {
   json_t *files = json_array(), *shards = json_array(),
          *tensors = json_object();
   json_t *meta = ck->metadata ? json_incref(ck->metadata) : json_object();
   json_t *root = json_pack(
       "{s:i, s:s, s:I, s:s, s:i, s:I, s:{s:s, s:s, s:I, s:I, s:o}, s:o, "
       "s:o, s:o}",
-      "format", 1, "name", name, "version", (json_int_t)v, "device", "cpu",
-      "device_index", 0, "loaded_ms", (json_int_t)now_ms(), "source", "path",
-      ck->path, "kind", ck->is_index ? "index" : "file", "size",
-      (json_int_t)ck->size, "mtime_ns", (json_int_t)ck->mtime_ns, "files",
-      files, "metadata", meta, "shards", shards, "tensors", tensors);
+      "format", 1, "name", name, "version", (json_int_t)v, "device",
+      tg->cuda ? "cuda" : "cpu", "device_index", (json_int_t)tg->index,
+      "loaded_ms", (json_int_t)now_ms(), "source", "path", ck->path, "kind",
+      ck->is_index ? "index" : "file", "size", (json_int_t)ck->size, "mtime_ns",
+      (json_int_t)ck->mtime_ns, "files", files, "metadata", meta, "shards",
+      shards, "tensors", tensors);
   int err = 0;
+  if (root != NULL && tg->cuda &&
+      json_object_set_new(root, "device_uuid", json_string(tg->uuid)) < 0) {
+    json_decref(root);
+    root = NULL;
+  }
   if (root == NULL) {
     /* json_pack took (and on failure freed) every "o" value. */
     return td__fail(c, TD_ENOMEM, "model '%s': out of memory for the manifest",
@@ -985,7 +1146,11 @@ static int mf_make(td_client *c, const char *name, uint64_t v,
 }
 
 /* Whether m (NAME's manifest now) was loaded from ck as it is on disk. */
-static int same_source(const manifest *m, const td__checkpoint *ck) {
+static int same_source(const manifest *m, const td__checkpoint *ck,
+                       const target *tg) {
+  if (strcmp(m->device, tg->cuda ? "cuda" : "cpu") != 0 ||
+      (tg->cuda && (m->uuid == NULL || strcmp(m->uuid, tg->uuid) != 0)))
+    return 0; /* another device: load it there */
   if (strcmp(m->path, ck->path) != 0 || m->size != ck->size ||
       m->mtime_ns != ck->mtime_ns || m->nfiles != ck->nshards)
     return 0;
@@ -1155,12 +1320,21 @@ int td_model_load(td_client *c, const char *path, const char *name,
   }
   if ((err = check_name(c, name)) < 0)
     return err;
-  if (o != NULL && o->device == TD_CUDA)
-    return td__fail(c, TD_ENOSYS,
-                    "loading to CUDA: not yet (load to the CPU, device cpu)");
+  target tg = {0};
+  char msg[TD__ERRMSG_MAX];
+  if (o != NULL && o->device == TD_CUDA) {
+    uint8_t u[16];
+    tg.cuda = 1;
+    tg.index = o->device_index;
+    if ((err = td__cu_resolve(o->device_index, u, msg, sizeof(msg))) < 0)
+      return td__fail(c, err, "load to cuda:%lld: %s",
+                      (long long)o->device_index, msg);
+    uuid_text(u, tg.uuid, sizeof(tg.uuid));
+    if ((err = staging_bound(&tg.staging, msg, sizeof(msg))) < 0)
+      return td__fail(c, err, "load: %s", msg);
+  }
   double t0 = mono_s();
   td__checkpoint ck;
-  char msg[TD__ERRMSG_MAX];
   if ((err = td__ckpt_open(path, &ck, msg, sizeof(msg))) < 0)
     return td__fail(c, err, "%s", msg);
   /* The tensor keys, and the shard keys of version 1 (again below with
@@ -1177,7 +1351,7 @@ int td_model_load(td_client *c, const char *path, const char *name,
     err = none;
     goto out_lock;
   }
-  if (!none && same_source(&cur, &ck) &&
+  if (!none && same_source(&cur, &ck, &tg) &&
       !(o != NULL && (o->flags & TD_MODEL_FORCE))) {
     res.version = cur.version;
     res.tensors = cur.ntensors;
@@ -1204,7 +1378,9 @@ int td_model_load(td_client *c, const char *path, const char *name,
   for (size_t i = 0; i < ck.nshards; i++) {
     td_create_opts co = {.nbytes = ck.shards[i].size,
                          .mode = o ? o->mode : 0,
-                         .flags = TD_UNINIT};
+                         .flags = TD_UNINIT,
+                         .device = tg.cuda ? TD_CUDA : TD_CPU,
+                         .device_index = tg.index};
     if ((err = td_storage_create_ex(c, &co, &st[i])) < 0) {
       td__fail(c, err, "load: a storage of %" PRIu64 " bytes for %s: %s",
                ck.shards[i].size, ck.shards[i].file, td_last_error(c));
@@ -1212,14 +1388,14 @@ int td_model_load(td_client *c, const char *path, const char *name,
     }
   }
   unsigned threads = o && o->threads ? o->threads : default_threads();
-  if ((err = fill(c, &ck, st, threads, o)) < 0)
+  if ((err = fill(c, &ck, st, threads, o, &tg)) < 0)
     goto out_storages;
   for (; published < ck.nshards; published++) {
     keyf(key, "%s@%" PRIu64 "/%s", name, v, ck.shards[published].file);
     if ((err = td_publish(c, key, st[published], NULL)) < 0)
       goto out_unpublish;
   }
-  if ((err = mf_make(c, name, v, &ck, o ? o->mode : 0, &ms)) < 0)
+  if ((err = mf_make(c, name, v, &ck, &tg, o ? o->mode : 0, &ms)) < 0)
     goto out_unpublish;
   if ((err = td_publish(c, name, ms, NULL)) < 0)
     goto out_unpublish;
@@ -1480,6 +1656,37 @@ static int is_dir(const char *p) {
   return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/* Sets *p to shard i's bytes in host memory: its mapping for a CPU shard;
+ * for a CUDA one a copy read back from the device, which *tofree then
+ * owns (the whole shard at once: a save of a CUDA model needs host memory
+ * for its largest shard). Returns 0 or a negative code recorded for c. */
+static int shard_host(td_client *c, td_model *m, size_t i, const void **p,
+                      void **tofree) {
+  td__cumap *cm = td__storage_cumap(m->st[i]);
+  *tofree = NULL;
+  if (cm == NULL) {
+    *p = td_storage_data(m->st[i]);
+    return 0;
+  }
+  size_t n = td_storage_nbytes(m->st[i]);
+  char msg[TD__ERRMSG_MAX];
+  void *buf = malloc(n ? n : 1);
+  if (buf == NULL)
+    return td__fail(c, TD_ENOMEM,
+                    "save: %zu bytes to read %s back from the "
+                    "GPU: out of memory",
+                    n, m->mf.shards[i].file);
+  int err = td__cumap_copy(cm, 0, 0, buf, n, msg, sizeof(msg));
+  if (err < 0) {
+    free(buf);
+    return td__fail(c, err, "save: reading %s back from the GPU: %s",
+                    m->mf.shards[i].file, msg);
+  }
+  *p = buf;
+  *tofree = buf;
+  return 0;
+}
+
 static int save_model(td_client *c, const char *name, const char *out) {
   td_model *m = NULL;
   int err = td_model_open(c, name, TD_RDONLY | TD_LAZY, 0, &m);
@@ -1492,9 +1699,12 @@ static int save_model(td_client *c, const char *name, const char *out) {
       snprintf(path, sizeof(path), "%s/%s", out, m->mf.shards[0].file);
     else
       snprintf(path, sizeof(path), "%s", out);
-    const void *part = td_storage_data(m->st[0]);
+    const void *part;
+    void *tofree;
     uint64_t l = td_storage_nbytes(m->st[0]);
-    err = write_file(c, path, &part, &l, 1);
+    if ((err = shard_host(c, m, 0, &part, &tofree)) == 0)
+      err = write_file(c, path, &part, &l, 1);
+    free(tofree);
     goto out;
   }
   if (mkdir(out, 0755) < 0 && errno != EEXIST) {
@@ -1509,9 +1719,12 @@ static int save_model(td_client *c, const char *name, const char *out) {
   }
   for (size_t i = 0; i < ns && err == 0; i++) {
     snprintf(path, sizeof(path), "%s/%s", out, m->mf.shards[i].file);
-    const void *part = td_storage_data(m->st[i]);
+    const void *part;
+    void *tofree;
     uint64_t l = td_storage_nbytes(m->st[i]);
-    err = write_file(c, path, &part, &l, 1);
+    if ((err = shard_host(c, m, i, &part, &tofree)) == 0)
+      err = write_file(c, path, &part, &l, 1);
+    free(tofree);
   }
   if (err < 0)
     goto out;

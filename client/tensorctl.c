@@ -71,7 +71,8 @@ static const command commands[] = {
      "switched to atomically",
      "  --as NAME        the model's name (default: the file's stem, or the\n"
      "                   directory's name for an index json or a directory)\n"
-     "  --device DEV     cpu (default) or cuda:K (not yet)\n"
+     "  --device DEV     cpu (default) or cuda:K: daemon-owned GPU storages,\n"
+     "                   read through a pinned buffer of at most 256 MiB\n"
      "  --mode OCTAL     the storages' mode, e.g. 0640 (default 0600)\n"
      "  --force          load even if NAME already holds this file (same\n"
      "                   size and mtime), which otherwise does nothing\n"

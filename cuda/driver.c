@@ -63,6 +63,12 @@ static const struct {
     ENTRY(StreamWaitEvent, cuStreamWaitEvent),
     ENTRY(IpcGetEventHandle, cuIpcGetEventHandle),
     ENTRY(IpcOpenEventHandle, cuIpcOpenEventHandle),
+    ENTRY(MemHostAlloc, cuMemHostAlloc),
+    ENTRY(MemFreeHost, cuMemFreeHost),
+    ENTRY(StreamCreate, cuStreamCreate),
+    ENTRY(StreamDestroy, cuStreamDestroy),
+    ENTRY(StreamSynchronize, cuStreamSynchronize),
+    ENTRY(MemcpyHtoDAsync, cuMemcpyHtoDAsync),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==

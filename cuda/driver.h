@@ -68,6 +68,13 @@ typedef struct td__cu {
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
   CUresult (*IpcGetEventHandle)(CUipcEventHandle *, CUevent);
   CUresult (*IpcOpenEventHandle)(CUevent *, CUipcEventHandle);
+  /* Loading a model: a pinned staging buffer, streams, async copies. */
+  CUresult (*MemHostAlloc)(void **, size_t, unsigned int);
+  CUresult (*MemFreeHost)(void *);
+  CUresult (*StreamCreate)(CUstream *, unsigned int);
+  CUresult (*StreamDestroy)(CUstream);
+  CUresult (*StreamSynchronize)(CUstream);
+  CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

@@ -761,7 +761,7 @@ typedef void (*td_load_progress_cb)(const td_load_progress *p, void *arg);
 
 /* How td_model_load loads. Zero-initialise, then set. */
 typedef struct td_load_opts {
-  td_device device; /* TD_CPU (default); TD_CUDA is not there yet (ENOSYS) */
+  td_device device;     /* TD_CPU (default) or TD_CUDA */
   int64_t device_index; /* TD_CUDA: the GPU, as this process numbers it */
   uint32_t mode;    /* the storages' mode, as td_create_opts.mode; 0: 0600 */
   uint32_t flags;   /* TD_MODEL_FORCE */
@@ -807,7 +807,19 @@ typedef struct td_load_result {
  * old version's.
  * A failure before the switch leaves nothing; one after it (a tensor key
  * that could not be published) returns the error with NAME switched.
- * TD_CUDA returns TD_ENOSYS for now. */
+ * With o->device TD_CUDA each shard is one daemon-owned CUDA storage on
+ * this process's GPU o->device_index (TD_ENODEV: no driver, no such GPU,
+ * checked before anything is made): the shards are read into a pinned
+ * host staging buffer of at most 256 MiB whatever the model (less for a
+ * smaller model; $TENSORD_LOAD_STAGING sets a lower bound, e.g. "64M",
+ * TD_EINVAL if it is no size) and copied to the device asynchronously,
+ * each slot's copy overlapping the next read; the header bytes are read
+ * back from the device for the final check. The manifest records device
+ * "cuda", the loader's device_index and the GPU's device_uuid; a source
+ * already loaded on another device (or GPU) is loaded again there as a new
+ * version. td_model_open then attaches the same device memory in every
+ * process (td_storage_data is a device pointer; TD_LAZY changes nothing,
+ * TD_COW maps read-only as TD_RDONLY does). */
 int td_model_load(td_client *c, const char *path, const char *name,
                   const td_load_opts *o, td_load_result *out);
 

@@ -1102,17 +1102,47 @@ static PyObject *Client_open(Client *self, PyObject *args, PyObject *kw) {
   return tensor_of_handle(s, &v, NULL, (PyObject *)self);
 }
 
+/* A CUDA handle (a CUevent, a CUstream) from an int, or from an object that
+ * holds one in attr as an int (torch.cuda.Event.cuda_event,
+ * torch.cuda.Stream.cuda_stream). None gives NULL. Returns 0, or -1 with
+ * TypeError set. */
+static int cuda_handle(PyObject *o, const char *attr, const char *what,
+                       void **out) {
+  *out = NULL;
+  if (o == Py_None)
+    return 0;
+  PyObject *v =
+      PyLong_Check(o) ? (Py_INCREF(o), o) : PyObject_GetAttrString(o, attr);
+  if (v == NULL || !PyLong_Check(v)) {
+    Py_XDECREF(v);
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError,
+                 "%s: an int (the CUDA handle) or an object with an int "
+                 ".%s, not %.100s",
+                 what, attr, Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  uintptr_t h = (uintptr_t)PyLong_AsUnsignedLongLong(v);
+  Py_DECREF(v);
+  if (h == (uintptr_t)-1 && PyErr_Occurred())
+    return -1;
+  *out = (void *)h;
+  return 0;
+}
+
 static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"key", "tensor", "scope", NULL};
-  PyObject *keyobj, *scopeobj = Py_None;
+  static char *kwlist[] = {"key", "tensor", "scope", "event", NULL};
+  PyObject *keyobj, *scopeobj = Py_None, *eventobj = Py_None;
   Tensor *t;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O:publish", kwlist, &keyobj,
-                                   &TensorType, &t, &scopeobj))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OO:publish", kwlist, &keyobj,
+                                   &TensorType, &t, &scopeobj, &eventobj))
     return NULL;
   const char *key = key_utf8(keyobj);
   if (key == NULL || tensor_live(t) < 0)
     return NULL;
   td_publish_opts o = {0};
+  if (cuda_handle(eventobj, "cuda_event", "publish: event", &o.event) < 0)
+    return NULL;
   if (scopeobj != Py_None) {
     o.scope = PyLong_AsUnsignedLongLong(scopeobj);
     if (o.scope == (uint64_t)-1 && PyErr_Occurred())
@@ -1157,8 +1187,9 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
         if (err < 0)
           snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       }
-      if (err == 0 && (err = o.scope ? td_publish_ex(x.c, key, s, &v, &o)
-                                     : td_publish(x.c, key, s, &v)) < 0)
+      if (err == 0 &&
+          (err = o.scope || o.event ? td_publish_ex(x.c, key, s, &v, &o)
+                                    : td_publish(x.c, key, s, &v)) < 0)
         snprintf(x.msg, sizeof(x.msg), "%s", td_last_error(x.c));
       td_storage_release(tmp);
       cl_leave(self);
@@ -1531,15 +1562,22 @@ static int parse_wait(PyObject *o, const char *what, const char *name,
 }
 
 static PyObject *Client_load_model(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"path",    "name", "force", "mode",
-                           "threads", "wait", NULL};
+  static char *kwlist[] = {"path",    "name", "force",  "mode",
+                           "threads", "wait", "device", NULL};
   PyObject *pathobj = NULL, *nameobj = Py_None, *waitobj = Py_None;
   int force = 0;
   unsigned int mode = 0, threads = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|OpIIO:load_model", kwlist,
+  const char *devname = NULL;
+  td_device dev;
+  int64_t devindex;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|OpIIOz:load_model", kwlist,
                                    PyUnicode_FSConverter, &pathobj, &nameobj,
-                                   &force, &mode, &threads, &waitobj))
+                                   &force, &mode, &threads, &waitobj, &devname))
     return NULL;
+  if (parse_device(devname, &dev, &devindex) < 0) {
+    Py_DECREF(pathobj);
+    return NULL;
+  }
   const char *path = PyBytes_AS_STRING(pathobj);
   const char *name = NULL;
   char derived[TD_KEY_MAX + 1];
@@ -1561,8 +1599,11 @@ static PyObject *Client_load_model(Client *self, PyObject *args, PyObject *kw) {
     Py_DECREF(pathobj);
     return NULL;
   }
-  td_load_opts o = {
-      .mode = mode, .flags = force ? TD_MODEL_FORCE : 0, .threads = threads};
+  td_load_opts o = {.mode = mode,
+                    .flags = force ? TD_MODEL_FORCE : 0,
+                    .threads = threads,
+                    .device = dev,
+                    .device_index = devindex};
   int64_t deadline = mono_ms() + (int64_t)(wait * 1000.0 + 0.999);
   td_load_result r;
   call x;
@@ -1734,10 +1775,14 @@ static PyMethodDef Client_methods[] = {
      "mapped when first touched)."},
     {"publish", (PyCFunction)(void (*)(void))Client_publish,
      METH_VARARGS | METH_KEYWORDS,
-     "publish(key, tensor, scope=None): publishes the tensor's view of its "
-     "storage under key (replacing it; with a scope token from scope_open() "
-     "the key goes when the scope ends, and an existing key is not "
-     "replaced)."},
+     "publish(key, tensor, scope=None, event=None): publishes the tensor's "
+     "view of its storage under key (replacing it; with a scope token from "
+     "scope_open() the key goes when the scope ends, and an existing key is "
+     "not replaced). event: for a GPU tensor, a CUevent (an int, or a "
+     "torch.cuda.Event(interprocess=True)) recorded after the last write to "
+     "it, so that this thread need not synchronise: its IPC handle travels "
+     "with the key and a consumer calls Tensor.wait() "
+     "(td_publish_opts.event)."},
     {"unpublish", (PyCFunction)Client_unpublish, METH_VARARGS,
      "unpublish(key): removes key."},
     {"scope_open", (PyCFunction)Client_scope_open, METH_NOARGS,
@@ -1757,13 +1802,16 @@ static PyMethodDef Client_methods[] = {
      "bytes of UTF-8."},
     {"load_model", (PyCFunction)(void (*)(void))Client_load_model,
      METH_VARARGS | METH_KEYWORDS,
-     "load_model(path, name=None, force=False, mode=0, threads=0, wait=None) "
-     "-> dict: loads the safetensors checkpoint at path (a file, an "
+     "load_model(path, name=None, force=False, mode=0, threads=0, wait=None, "
+     "device='cpu') -> dict: loads the safetensors checkpoint at path (a file, "
+     "an "
      "*.index.json or a directory) into tensord as model name (None: from "
      "the path), as `tensorctl load` (td_model_load; docs/models.md): a new "
      "version unless name already holds this source (force reloads). wait: "
      "seconds to wait for another process loading name (None: forever). "
-     "Returns version, tensors, bytes, shards, unchanged, waited, seconds."},
+     "device: 'cpu', 'cuda' or 'cuda:K' (daemon-owned GPU storages, staged "
+     "through a bounded pinned buffer). Returns version, tensors, bytes, "
+     "shards, unchanged, waited, seconds."},
     {"open_model", (PyCFunction)(void (*)(void))Client_open_model,
      METH_VARARGS | METH_KEYWORDS,
      "open_model(name, timeout=None, readonly=True, lazy=True) -> (version, "
@@ -2074,6 +2122,29 @@ static PyObject *Tensor_torch(Tensor *self, PyObject *unused) {
     t = b;
   }
   return t;
+}
+
+static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"stream", NULL};
+  PyObject *streamobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:wait", kwlist, &streamobj))
+    return NULL;
+  void *stream;
+  if (tensor_live(self) < 0 ||
+      cuda_handle(streamobj, "cuda_stream", "wait: stream", &stream) < 0)
+    return NULL;
+  store *sp = store_ref(self->st);
+  char msg[1024];
+  int err;
+  Py_BEGIN_ALLOW_THREADS
+    err = td_storage_wait(sp->s, stream);
+    if (err < 0)
+      snprintf(msg, sizeof(msg), "%s", td_last_error(td_storage_client(sp->s)));
+  Py_END_ALLOW_THREADS
+  store_unref(sp);
+  if (err < 0)
+    return raise_err(err, msg);
+  Py_RETURN_NONE;
 }
 
 static PyObject *Tensor_release(Tensor *self, PyObject *unused) {
@@ -2566,6 +2637,15 @@ static PyMethodDef Tensor_methods[] = {
      METH_VARARGS | METH_KEYWORDS, "A DLPack capsule of this view."},
     {"__dlpack_device__", (PyCFunction)Tensor_dlpack_device, METH_NOARGS,
      "(kDLCPU, 0)"},
+    {"wait", (PyCFunction)(void (*)(void))Tensor_wait,
+     METH_VARARGS | METH_KEYWORDS,
+     "wait(stream=None): orders this process after the work its publisher "
+     "recorded in the event it published with (publish(..., event=...)): "
+     "with stream (an int CUstream, or a torch.cuda.Stream) that stream "
+     "waits on the device and the host goes on; with None this thread "
+     "blocks until the work is done (td_storage_wait). Returns at once when "
+     "there is nothing to wait for (no event, a CPU tensor, a tensor not "
+     "from lookup)."},
     {"release", (PyCFunction)Tensor_release, METH_NOARGS,
      "release(): drops this Tensor's reference (idempotent; deferred while "
      "buffers are exported)."},

@@ -1121,21 +1121,29 @@ def load_safetensors(
     a ``Weights``: ``.name``, ``.version``, ``.metadata`` (the checkpoint's
     ``__metadata__``). ``attach(model, weights)`` binds a module to them.
 
-    ``device``: "cpu" (loading onto a GPU is not there yet: raises
-    NotImplementedError). ``client``: the Client to use (None: the shared
+    ``device``: "cpu", or "cuda"/"cuda:K": the weights go into daemon-owned
+    CUDA storages on that GPU (read through a pinned staging buffer of at
+    most 256 MiB), and every process attaches the same device memory: the
+    tensors are CUDA tensors, mapped read-only (device memory has no
+    copy-on-write: an in-place write faults, and CUDA's error is sticky for
+    the process's context; clone a tensor to change it). A model loaded on
+    another device than asked is loaded again there (a new version). ``client``: the Client to use (None: the shared
     client of the default socket). Raises tensord.Error with the file, the
     tensor and the field for a checkpoint that breaks a rule of the format
     (nothing is left in tensord then), FileNotFoundError-like
     tensord.NotFound for a missing path.
     """
     dev = torch.device(device)
-    if dev.type != "cpu":
-        raise NotImplementedError(
-            "load_safetensors: device %r: loading to a GPU is not there yet; "
-            "load to 'cpu'" % str(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            "load_safetensors: device %r: 'cpu', 'cuda' or 'cuda:K'"
+            % str(device)
         )
+    where = "cpu" if dev.type == "cpu" else "cuda:%d" % (dev.index or 0)
     client = client or client_for(None)
-    r = client.load_model(os.fspath(path), name, force=force, wait=None)
+    r = client.load_model(
+        os.fspath(path), name, force=force, wait=None, device=where
+    )
     return _open_model(client, r["name"], timeout=0)
 
 

@@ -521,9 +521,14 @@ static CUresult current(int *ordinal) {
   return CUDA_SUCCESS;
 }
 
+static CUresult drain_all(void);
+
+/* Runs every stream's queued copies (below): the context's work is done. */
 API CUresult CUDAAPI cuCtxSynchronize(void) {
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS)
+    r = drain_all();
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1489,6 +1494,239 @@ API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
 out:
   if (fd >= 0)
     close(fd);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* ---- pinned host memory, streams, asynchronous copies ---- */
+
+/* Page-locked host memory (cuMemHostAlloc): an anonymous mapping the double
+ * lists, so that an asynchronous copy can insist on it. */
+typedef struct {
+  uintptr_t base;
+  size_t size;
+} pinned;
+
+static pinned *pins;
+static size_t npins, cappins;
+
+/* One copy queued on a stream: run at its synchronisation, not before. */
+typedef struct {
+  uintptr_t dst;
+  const void *src;
+  size_t n;
+} queued;
+
+struct CUstream_st {
+  unsigned flags;
+  pid_t pid;
+  queued *q;
+  size_t nq, capq;
+  CUresult sticky; /* a queued copy that found its memory gone */
+};
+
+static CUstream *streams;
+static size_t nstreams, capstreams;
+static struct CUstream_st null_stream; /* the legacy default stream, 0 */
+
+/* Appends the size of each cuMemHostAlloc to $TDCUDA_HOSTALLOC_LOG (read
+ * at each call), so that a test can see how much a program pinned. */
+static void log_hostalloc(size_t n) {
+  const char *path = getenv("TDCUDA_HOSTALLOC_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return;
+  char line[32];
+  int len = snprintf(line, sizeof line, "%zu\n", n);
+  if (write(fd, line, (size_t)len) != len) {
+    /* a test's log: nothing to do */
+  }
+  close(fd);
+}
+
+API CUresult CUDAAPI cuMemHostAlloc(void **pp, size_t bytesize,
+                                    unsigned int Flags) {
+  if (pp == NULL || bytesize == 0 ||
+      Flags & ~(unsigned)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP |
+                          CU_MEMHOSTALLOC_WRITECOMBINED))
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  void *p = MAP_FAILED;
+  if (r == CUDA_SUCCESS &&
+      grow((void **)&pins, &cappins, npins, sizeof *pins) != 0)
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  if (r == CUDA_SUCCESS) {
+    p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (r == CUDA_SUCCESS) {
+    pins[npins].base = (uintptr_t)p;
+    pins[npins++].size = bytesize;
+    *pp = p;
+  }
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS)
+    log_hostalloc(bytesize);
+  return r;
+}
+
+/* Whether [p, p + n) lies in one pinned allocation. Called with mu held. */
+static int is_pinned(const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < npins; i++)
+    if (a >= pins[i].base && a - pins[i].base <= pins[i].size &&
+        n <= pins[i].size - (a - pins[i].base))
+      return 1;
+  return 0;
+}
+
+/* Whether a queued copy reads [base, base + size). Called with mu held. */
+static int queued_from(uintptr_t base, size_t size) {
+  for (size_t i = 0; i <= nstreams; i++) {
+    CUstream s = i < nstreams ? streams[i] : &null_stream;
+    for (size_t j = 0; j < s->nq; j++)
+      if ((uintptr_t)s->q[j].src - base < size)
+        return 1;
+  }
+  return 0;
+}
+
+API CUresult CUDAAPI cuMemFreeHost(void *p) {
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < npins; i++)
+    if (pins[i].base == (uintptr_t)p) {
+      /* Stricter than the driver (which waits): freeing staging memory
+       * that a queued copy still reads is a program's bug. */
+      if (queued_from(pins[i].base, pins[i].size))
+        break;
+      munmap(p, pins[i].size);
+      pins[i] = pins[--npins];
+      r = CUDA_SUCCESS;
+      break;
+    }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* The stream s names, or NULL if it is no live stream of this process
+ * (0 is the default stream). Called with mu held. */
+static CUstream stream_of(CUstream s) {
+  if (s == NULL)
+    return &null_stream;
+  for (size_t i = 0; i < nstreams; i++)
+    if (streams[i] == s)
+      return s->pid == getpid() ? s : NULL;
+  return NULL;
+}
+
+/* Runs s's queued copies in order. Returns the first failure, kept. Called
+ * with mu held. */
+static CUresult drain(CUstream s) {
+  for (size_t j = 0; j < s->nq; j++) {
+    queued *c = &s->q[j];
+    if (!accessible(c->dst, c->n, PROT_READ | PROT_WRITE))
+      s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+    else if (s->sticky == CUDA_SUCCESS)
+      memcpy((void *)c->dst, c->src, c->n);
+  }
+  s->nq = 0;
+  return s->sticky;
+}
+
+/* Drains every stream of this process. Called with mu held. */
+static CUresult drain_all(void) {
+  CUresult r = drain(&null_stream);
+  for (size_t i = 0; i < nstreams; i++) {
+    CUresult e = streams[i]->pid == getpid() ? drain(streams[i]) : CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS)
+      r = e;
+  }
+  return r;
+}
+
+API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+  if (phStream == NULL || Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  CUstream s = NULL;
+  if (r == CUDA_SUCCESS &&
+      (grow((void **)&streams, &capstreams, nstreams, sizeof *streams) != 0 ||
+       (s = calloc(1, sizeof *s)) == NULL))
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  if (r == CUDA_SUCCESS) {
+    s->flags = Flags;
+    s->pid = getpid();
+    streams[nstreams++] = s;
+    *phStream = s;
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* The driver completes a destroyed stream's work before it goes. */
+API CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  if (r == CUDA_SUCCESS && (hStream == NULL || stream_of(hStream) == NULL))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS) {
+    drain(hStream);
+    for (size_t i = 0; i < nstreams; i++)
+      if (streams[i] == hStream) {
+        streams[i] = streams[--nstreams];
+        break;
+      }
+    free(hStream->q);
+    free(hStream);
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+API CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && s == NULL)
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    r = drain(s);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* Queued, not copied: the bytes reach the device at the stream's
+ * synchronisation (or its destruction), so a program that reuses the
+ * source before it synchronised copies the wrong bytes here. The source
+ * must be pinned (cuMemHostAlloc): stricter than the driver, which copies
+ * pageable memory synchronously. */
+API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
+                                       const void *srcHost, size_t ByteCount,
+                                       CUstream hStream) {
+  if (srcHost == NULL && ByteCount > 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && s == NULL)
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS &&
+      (!accessible((uintptr_t)dstDevice, ByteCount, PROT_READ | PROT_WRITE) ||
+       !is_pinned(srcHost, ByteCount)))
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS && ByteCount > 0) {
+    if (grow((void **)&s->q, &s->capq, s->nq, sizeof *s->q) != 0)
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+    else
+      s->q[s->nq++] = (queued){(uintptr_t)dstDevice, srcHost, ByteCount};
+  }
   pthread_mutex_unlock(&mu);
   return r;
 }

@@ -38,6 +38,12 @@ cuMemGetInfo_v2
 cuMemImportFromShareableHandle
 cuMemMap
 cuMemRelease
+cuStreamSynchronize
+cuStreamDestroy_v2
+cuStreamCreate
+cuMemcpyHtoDAsync_v2
+cuMemFreeHost
+cuMemHostAlloc
 cuMemSetAccess
 cuMemUnmap
 cuMemcpy2D_v2

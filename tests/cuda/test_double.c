@@ -552,3 +552,76 @@ Test(double_semantics, interprocess_events_open_in_another_process) {
   cr_expect_eq(count_fds(), fds, "the event's memfd closed");
   close(sv[0]);
 }
+
+/* ---- pinned memory, streams, asynchronous copies ---- */
+
+/* An asynchronous copy lands at its stream's synchronisation, not before,
+ * so a program that reuses its staging before then is caught; it reads
+ * pinned memory only, which is freed only once no queued copy reads it. */
+Test(double_semantics, async_copies_land_at_the_streams_sync) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  char log[] = "/tmp/tdcuda-hostalloc.XXXXXX";
+  int lfd = mkstemp(log);
+  cr_assert_geq(lfd, 0);
+  close(lfd);
+  setenv("TDCUDA_HOSTALLOC_LOG", log, 1);
+  uint8_t *pin = NULL;
+  CU_OK(cu->MemHostAlloc((void **)&pin, 8192, 0));
+  unsetenv("TDCUDA_HOSTALLOC_LOG");
+  FILE *f = fopen(log, "r");
+  unsigned long long logged = 0;
+  cr_expect(f != NULL && fscanf(f, "%llu", &logged) == 1 && logged == 8192,
+            "the log says %llu", logged);
+  if (f != NULL)
+    fclose(f);
+  unlink(log);
+
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  CUstream s;
+  cr_expect_eq(cu->StreamCreate(&s, 7), CUDA_ERROR_INVALID_VALUE);
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  memset(pin, 0xab, 4096);
+  CU_OK(cu->MemcpyHtoDAsync(dev, pin, 4096, s));
+  uint8_t back[4096];
+  CU_OK(cu->MemcpyDtoH(back, dev, 4096));
+  cr_expect_eq(back[0], 0, "the copy landed before the sync");
+  /* The source is read at the sync: what is there then is copied. */
+  memset(pin, 0xcd, 4096);
+  cr_expect_eq(cu->MemFreeHost(pin), CUDA_ERROR_INVALID_VALUE,
+               "freed while a queued copy reads it");
+  CU_OK(cu->StreamSynchronize(s));
+  CU_OK(cu->MemcpyDtoH(back, dev, 4096));
+  cr_expect_eq(back[0], 0xcd);
+  cr_expect_eq(back[4095], 0xcd);
+  /* Pageable sources are refused; so are ranges past a pinned buffer. */
+  static uint8_t pageable[64];
+  cr_expect_eq(cu->MemcpyHtoDAsync(dev, pageable, 64, s),
+               CUDA_ERROR_INVALID_VALUE);
+  cr_expect_eq(cu->MemcpyHtoDAsync(dev, pin + 4096, 8192, s),
+               CUDA_ERROR_INVALID_VALUE);
+  /* A destroyed stream's copies are done first, as the driver does. */
+  memset(pin, 0x11, 64);
+  CU_OK(cu->MemcpyHtoDAsync(dev + 4096, pin, 64, s));
+  CU_OK(cu->StreamDestroy(s));
+  CU_OK(cu->MemcpyDtoH(back, dev + 4096, 64));
+  cr_expect_eq(back[63], 0x11);
+  cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE);
+  /* cuCtxSynchronize drains every stream. */
+  CU_OK(cu->StreamCreate(&s, 0));
+  memset(pin, 0x22, 64);
+  CU_OK(cu->MemcpyHtoDAsync(dev, pin, 64, s));
+  CU_OK(cu->CtxSynchronize());
+  CU_OK(cu->MemcpyDtoH(back, dev, 64));
+  cr_expect_eq(back[0], 0x22);
+  CU_OK(cu->StreamDestroy(s));
+  CU_OK(cu->MemFreeHost(pin));
+  cr_expect_eq(cu->MemFreeHost(pin), CUDA_ERROR_INVALID_VALUE, "freed twice");
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+}

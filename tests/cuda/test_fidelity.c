@@ -404,3 +404,39 @@ Test(fidelity, interprocess_events_open_in_another_process) {
   CU_OK(cu->EventDestroy(ev));
   close(sv[0]);
 }
+
+/* ---- staged loads (td_model_load to a GPU) ---- */
+
+/* Pinned memory, a non-blocking stream per slot, asynchronous copies that
+ * land once their stream is synchronised, the slot then reused: what the
+ * model loader's staging does. */
+Test(fidelity, async_copies_from_pinned_slots_land_after_the_sync) {
+  const td__cu *cu = load_or_skip();
+  enter(cu, 0);
+  size_t size = granularity(cu, 0), slot = size / 4;
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = create_filled(cu, size, 0, &h);
+  unsigned char *pin = NULL;
+  CU_OK(cu->MemHostAlloc((void **)&pin, 2 * slot, 0));
+  CUstream s[2];
+  CU_OK(cu->StreamCreate(&s[0], CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->StreamCreate(&s[1], CU_STREAM_NON_BLOCKING));
+  /* Four pieces through two slots, each slot synchronised before reuse. */
+  for (size_t k = 0; k < 4; k++) {
+    size_t i = k % 2;
+    if (k >= 2)
+      CU_OK(cu->StreamSynchronize(s[i]));
+    memset(pin + i * slot, (int)(0x40 + k), slot);
+    CU_OK(cu->MemcpyHtoDAsync(v + k * slot, pin + i * slot, slot, s[i]));
+  }
+  CU_OK(cu->StreamSynchronize(s[0]));
+  CU_OK(cu->StreamSynchronize(s[1]));
+  for (size_t k = 0; k < 4; k++)
+    cr_expect(holds(cu, v + k * slot, slot, (unsigned char)(0x40 + k)),
+              "piece %zu", k);
+  CU_OK(cu->StreamDestroy(s[0]));
+  CU_OK(cu->StreamDestroy(s[1]));
+  CU_OK(cu->MemFreeHost(pin));
+  CU_OK(unmap(cu, v, size));
+  CU_OK(cu->MemRelease(h));
+}

@@ -39,6 +39,15 @@
  * tensord is the producer's device memory itself, mapped, so the target is
  * a ratio of at least 95% (zero copy). Printed, never asserted.
  *
+ * Model load: a safetensors file of 1 GiB (one U8 tensor; 64 MiB on the
+ * double), in the page cache, loaded onto cuda:0 with td_model_load
+ * (TD_CUDA, --force each round: a pinned staging buffer of 256 MiB, reads
+ * overlapped with the host-to-device copies), p50 of 3 rounds, in GB/s of
+ * the file's bytes; against one plain cuMemcpyHtoD of the same bytes from a
+ * pinned buffer (cuMemHostAlloc) into cuMemAlloc memory: the PCIe ceiling
+ * a load that reads as fast as it copies would reach. Printed, never
+ * asserted.
+ *
  * CUDA does not survive fork(), so the consumer is forked before this
  * process touches the driver. Usage: bench_cuda SOCKET (or
  * $TENSORD_SOCKET). Without a GPU it says "no GPU: skipped" and exits 0.
@@ -50,6 +59,7 @@
 #include "gpu.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -274,6 +284,106 @@ static td_storage *create(td_client *c, uint64_t n, uint64_t flags) {
   return s;
 }
 
+/* Writes a safetensors file of one U8 tensor of n bytes (n a multiple of
+ * 16 MiB) at path. Returns 0 or -1. */
+static int write_model(const char *path, uint64_t n) {
+  char h[128];
+  int hl = snprintf(h, sizeof(h),
+                    "{\"w\":{\"dtype\":\"U8\",\"shape\":[%llu],"
+                    "\"data_offsets\":[0,%llu]}}",
+                    (unsigned long long)n, (unsigned long long)n);
+  while (hl % 8 != 0)
+    h[hl++] = ' ';
+  uint8_t len[8];
+  for (int i = 0; i < 8; i++)
+    len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return -1;
+  static uint8_t chunk[16 << 20];
+  for (size_t i = 0; i < sizeof(chunk); i++)
+    chunk[i] = (uint8_t)(i * 131 + 7);
+  bench_write_full(fd, len, 8);
+  bench_write_full(fd, h, (size_t)hl);
+  for (uint64_t off = 0; off < n; off += sizeof(chunk))
+    bench_write_full(fd, chunk, sizeof(chunk));
+  return close(fd);
+}
+
+/* Reads path once, so that the load reads from the page cache. */
+static void warm(const char *path) {
+  static uint8_t buf[1 << 20];
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return;
+  while (read(fd, buf, sizeof(buf)) > 0)
+    ;
+  close(fd);
+}
+
+/* The model-load row: td_model_load onto cuda:0 against a plain pinned
+ * cuMemcpyHtoD of the same bytes. */
+static void model_load(const td__cu *cu, td_client *c) {
+  uint64_t n = on_double ? 64 * MiB : GiB;
+  size_t fr = 0, total = 0;
+  char b1[32];
+  ck(cu, cu->MemGetInfo(&fr, &total), "cuMemGetInfo");
+  if (2 * n + 256 * MiB > fr) {
+    printf("model load: skipped (%s free on the device)\n",
+           bench_size(fr, b1, sizeof(b1)));
+    return;
+  }
+  const char *tmp = getenv("TMPDIR");
+  char path[512];
+  snprintf(path, sizeof(path), "%s/bench_cuda_model.%d.safetensors",
+           tmp && *tmp ? tmp : "/tmp", (int)getpid());
+  if (write_model(path, n) < 0) {
+    printf("model load: skipped (cannot write %s)\n", path);
+    unlink(path);
+    return;
+  }
+  warm(path);
+  uint64_t fbytes = 0;
+  bench_samples ld = {0};
+  for (int round = 0; round < 3; round++) {
+    td_load_opts o = {
+        .device = TD_CUDA, .device_index = 0, .flags = TD_MODEL_FORCE};
+    td_load_result r;
+    uint64_t t0 = bench_now_ns();
+    if (td_model_load(c, path, "bench_cuda_model", &o, &r) < 0)
+      bench_die("td_model_load to cuda:0: %s", td_last_error(c));
+    bench_samples_add(&ld, bench_now_ns() - t0);
+    fbytes = r.bytes;
+  }
+  td_model_unload(c, "bench_cuda_model");
+  double load_gbs = (double)fbytes / (double)bench_pct(&ld, 50);
+  bench_samples_free(&ld);
+  /* The ceiling: one copy from pinned memory, the same bytes. */
+  void *pin = NULL;
+  CUdeviceptr dst = 0;
+  ck(cu, cu->MemHostAlloc(&pin, fbytes, 0), "cuMemHostAlloc");
+  ck(cu, cu->MemAlloc(&dst, fbytes), "cuMemAlloc");
+  memset(pin, 0x5a, fbytes);
+  bench_samples cp = {0};
+  for (int round = 0; round < 3; round++) {
+    uint64_t t0 = bench_now_ns();
+    ck(cu, cu->MemcpyHtoD(dst, pin, fbytes), "cuMemcpyHtoD");
+    ck(cu, cu->CtxSynchronize(), "cuCtxSynchronize");
+    bench_samples_add(&cp, bench_now_ns() - t0);
+  }
+  double copy_gbs = (double)fbytes / (double)bench_pct(&cp, 50);
+  bench_samples_free(&cp);
+  ck(cu, cu->MemFree(dst), "cuMemFree");
+  ck(cu, cu->MemFreeHost(pin), "cuMemFreeHost");
+  unlink(path);
+  printf("model load %s onto cuda:0 (page cache, p50 of 3): %.2f GB/s; "
+         "plain pinned cuMemcpyHtoD %.2f GB/s: %.0f%%%s\n",
+         bench_size(fbytes, b1, sizeof(b1)), load_gbs, copy_gbs,
+         100.0 * load_gbs / copy_gbs,
+         on_double ? " (the test double: host memcpy, not a GPU)" : "");
+  fflush(stdout);
+}
+
 int main(int argc, char **argv) {
   bench_init("bench_cuda");
   sock = bench_socket(argc, argv);
@@ -445,6 +555,7 @@ int main(int argc, char **argv) {
              m.gbs, m.local, 100.0 * m.gbs / m.local);
     td_storage_release(s);
   }
+  model_load(cu, c);
   msg q = {.op = OP_QUIT};
   bench_send_fd(peer, &q, sizeof(q), -1);
   if (bench_wait(cpid) != 0)

@@ -3,7 +3,8 @@
 # tensord in Release with CUDA (BUILD_DIR, default build-gpu at the top of
 # the checkout), runs the real-GPU tests (ctest label gpu) and the GPU
 # benchmark (bench_cuda, through tests/bench/run.sh and its private
-# tensord), in one go and in well under 5 minutes. Exits 0 with "no GPU:
+# tensord; it ends with the model-load line: td_model_load onto cuda:0 in
+# GB/s against a plain pinned cuMemcpyHtoD of the same bytes), in one go and in well under 5 minutes. Exits 0 with "no GPU:
 # skipped" where there is no GPU or no driver (no nvidia-smi, nvidia-smi
 # lists no GPU, or no libcuda.so.1), 1 if a build step or a test failed, 2
 # for a usage error. The benchmark prints; it never fails on a number.

@@ -1,7 +1,8 @@
 /* test_gpu.c: CUDA storages on a real GPU (ctest label gpu): device memory
  * one process writes is what another reads, read-only really is, memory
  * comes back when a holder dies, a consumer outlives the creator, and the
- * capacity is enforced. Every test skips, saying why, without a real
+ * capacity is enforced, a model loaded onto the GPU is the files' bytes in
+ * every attaching process. Every test skips, saying why, without a real
  * driver and a GPU, or when $TENSORD_CUDA_DRIVER names a stand-in (the
  * test double's tests are elsewhere: they prove the protocol, these the
  * driver).
@@ -13,6 +14,7 @@
  * by another. */
 #include "gpu.h"
 #include "harness.h"
+#include "stfile.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -574,4 +576,130 @@ TDT_TEST(gpu, larger_than_the_device_is_enomem) {
   cr_assert_eq(tdt_wait(tdt_fork(over_device, NULL)), 0,
                "see the child's stderr");
   cr_assert_eq(tdt_storages(&d), 0);
+}
+
+/* ---- models loaded onto the GPU (issue 19 §3) ---- */
+
+static char model_dir[64];
+static const char *const model_files[] = {"m-1.safetensors", "m-2.safetensors",
+                                          "m-3.safetensors"};
+
+/* The file's bytes (malloc'd), *n their count; NULL if unreadable. */
+static uint8_t *model_file(size_t i, size_t *n) {
+  char p[160];
+  snprintf(p, sizeof(p), "%s/%s", model_dir, model_files[i]);
+  FILE *f = fopen(p, "rb");
+  if (f == NULL)
+    return NULL;
+  fseek(f, 0, SEEK_END);
+  *n = (size_t)ftell(f);
+  fseek(f, 0, SEEK_SET);
+  uint8_t *b = malloc(*n ? *n : 1);
+  if (b != NULL && fread(b, 1, *n, f) != *n) {
+    free(b);
+    b = NULL;
+  }
+  fclose(f);
+  return b;
+}
+
+/* Loads the checkpoint onto cuda:0 through a 1 MiB staging buffer (the
+ * first shard is 3 MiB: its slots are reused), then exits. */
+static int model_loader(void *arg) {
+  (void)arg;
+  die_with_parent();
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  setenv("TENSORD_LOAD_STAGING", "1M", 1);
+  td_load_opts o = {.device = TD_CUDA, .device_index = 0, .threads = 3};
+  td_load_result r;
+  CHECK_ERR(c, td_model_load(c, model_dir, "gm", &o, &r), 0);
+  CHECK(r.shards == 3 && r.tensors == 5);
+  td_close(c);
+  return 0;
+}
+
+/* Attaches the model and compares every byte of every shard, copied back
+ * from the device, with its file. */
+static int model_attacher(void *arg) {
+  (void)arg;
+  die_with_parent();
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_model *m = NULL;
+  CHECK_ERR(c, td_model_open(c, "gm", TD_RDONLY, 0, &m), 0);
+  for (size_t i = 0; i < 3; i++) {
+    char key[64];
+    td_storage *s = NULL, *h = NULL;
+    snprintf(key, sizeof(key), "gm@1/%s", model_files[i]);
+    CHECK_ERR(c, td_lookup(c, key, TD_RDONLY, 0, &s, NULL), 0);
+    CHECK(td_storage_device(s) == TD_CUDA);
+    size_t n = 0;
+    uint8_t *want = model_file(i, &n);
+    CHECK(want != NULL && td_storage_nbytes(s) == n);
+    CHECK_ERR(c, td_storage_create(c, n, &h), 0);
+    int64_t shape = (int64_t)n;
+    td_view v;
+    CHECK(td_view_contiguous(TD_UINT8, 1, &shape, &v) == 0);
+    CHECK(td_copy(h, &v, s, &v) == 0);
+    CHECK(memcmp(td_storage_data(h), want, n) == 0);
+    free(want);
+    td_storage_release(h);
+    td_storage_release(s);
+  }
+  td_model_close(m);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(gpu, a_model_loaded_onto_the_gpu_is_its_files_in_every_process) {
+  need_gpu();
+  tdt_start(&d, NULL);
+  tdt_mkdtemp(model_dir);
+  static const tdt_st_tensor sh1[] = {{"a", "F32", 2, {768, 1024}},
+                                      {"b", "I64", 1, {6}}};
+  static const tdt_st_tensor sh2[] = {{"c", "BF16", 1, {10}}};
+  static const tdt_st_tensor sh3[] = {{"d", "U8", 1, {(1 << 20) + 33}},
+                                      {"e", "F64", 2, {3, 3}}};
+  const tdt_st_tensor *sh[] = {sh1, sh2, sh3};
+  size_t nt[] = {2, 1, 2};
+  char p[160];
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(p, sizeof(p), "%s/%s", model_dir, model_files[i]);
+    cr_assert_eq(tdt_st_write(p, sh[i], nt[i], NULL, 9), 0);
+  }
+  snprintf(p, sizeof(p), "%s/model.safetensors.index.json", model_dir);
+  cr_assert_eq(tdt_write_text(p, "{\"weight_map\":{"
+                                 "\"a\":\"m-1.safetensors\","
+                                 "\"b\":\"m-1.safetensors\","
+                                 "\"c\":\"m-2.safetensors\","
+                                 "\"d\":\"m-3.safetensors\","
+                                 "\"e\":\"m-3.safetensors\"}}"),
+               0);
+  cr_assert_eq(tdt_wait(tdt_fork(model_loader, NULL)), 0,
+               "the loader failed (see its stderr)");
+  /* One allocation per shard, the loader gone. */
+  cr_assert_eq(tdt_storages(&d), 4, "the manifest and 3 shards");
+  td_client *c = tdt_connect(&d);
+  td_device_stat g[16];
+  size_t ng = 0;
+  cr_assert_eq(td_stat_devices(c, g, 16, &ng), 0, "%s", td_last_error(c));
+  uint64_t on_gpus = 0;
+  for (size_t i = 0; i < ng && i < 16; i++)
+    on_gpus += g[i].storages;
+  cr_expect_eq(on_gpus, 3, "%llu storages on the GPUs for 3 shards",
+               (unsigned long long)on_gpus);
+  pid_t kids[3];
+  for (int i = 0; i < 3; i++)
+    kids[i] = tdt_fork(model_attacher, NULL);
+  for (int i = 0; i < 3; i++)
+    cr_expect_eq(tdt_wait(kids[i]), 0, "attacher %d failed (see its stderr)",
+                 i);
+  cr_assert_eq(td_model_unload(c, "gm"), 0, "%s", td_last_error(c));
+  td_close(c);
+  for (int i = 0; i < 50 && tdt_storages(&d) != 0; i++)
+    sleep_ms(100);
+  cr_expect_eq(tdt_storages(&d), 0);
+  cr_expect_eq(daemon_gpu_bytes(), 0);
+  tdt_rmdir(model_dir);
 }

@@ -2297,6 +2297,38 @@ static PyObject *Tensor_narrow(Tensor *self, PyObject *args) {
   return err < 0 ? raise_view(err) : derive(self, &v);
 }
 
+/* copy_(src): td_copy of src's view into self's, in place; returns self.
+ * Either may be a GPU's: two views on one GPU are copied device to device
+ * (cuMemcpy2D), without a trip through the host. Raises TypeError for a src
+ * that is not a tensord Tensor, ValueError / IndexError as td_copy refuses
+ * (dtype or shape differ, a read-only self, a view outside its storage),
+ * tensord.Error for a driver failure. */
+static PyObject *Tensor_copy_(Tensor *self, PyObject *srcobj) {
+  if (tensor_live(self) < 0)
+    return NULL;
+  if (!PyObject_TypeCheck(srcobj, &TensorType))
+    return PyErr_Format(PyExc_TypeError,
+                        "copy_: the source is a %.100s, not a tensord Tensor",
+                        Py_TYPE(srcobj)->tp_name);
+  Tensor *src = (Tensor *)srcobj;
+  if (tensor_live(src) < 0)
+    return NULL;
+  store *dp = store_ref(self->st), *sp = store_ref(src->st);
+  td_view dv = self->v, sv = src->v;
+  int err;
+  Py_BEGIN_ALLOW_THREADS
+    err = td_copy(dp->s, &dv, sp->s, &sv);
+  Py_END_ALLOW_THREADS
+  store_unref(dp);
+  store_unref(sp);
+  if (err == TD_EINVAL || err == TD_ERANGE || err == TD_EACCES)
+    return raise_view(err == TD_EACCES ? TD_EINVAL : err);
+  if (err < 0)
+    return raise_err(err, td_view_last_error());
+  Py_INCREF(self);
+  return (PyObject *)self;
+}
+
 static PyObject *Tensor_as_strided(Tensor *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"shape", "strides", "offset", "dtype", NULL};
   PyObject *shapeobj, *strideobj, *offobj = Py_None, *dtobj = Py_None;
@@ -2673,6 +2705,10 @@ static PyMethodDef Tensor_methods[] = {
      "squeeze(dim=None) -> Tensor"},
     {"narrow", (PyCFunction)Tensor_narrow, METH_VARARGS,
      "narrow(dim, start, length) -> Tensor"},
+    {"copy_", (PyCFunction)Tensor_copy_, METH_O,
+     "copy_(src) -> self: copies src (a tensord Tensor of the same dtype and "
+     "shape) into this view in place (td_copy); two views on one GPU are "
+     "copied device to device."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -83,6 +83,16 @@ static int read_regions(const json_t *a, td__statedict *sd, char *msg,
     if (!json_is_object(r))
       return td__msg(msg, len, TD_EINVAL, "%snot an object (%s)", where,
                      kind(r));
+    const json_t *dev = json_object_get(r, "device");
+    if (dev != NULL &&
+        !(json_is_string(dev) && strcmp(json_string_value(dev), "cpu") == 0)) {
+      const json_t *k = json_object_get(r, "key");
+      return td__msg(msg, len, TD_EINVAL,
+                     "region %zu lies on a GPU, in a storage of its own "
+                     "(key '%s'): only tensord.torch.load_state_dict reads "
+                     "GPU regions",
+                     i, json_is_string(k) ? json_string_value(k) : "?");
+    }
     const json_t *off = json_object_get(r, "offset");
     const json_t *nb = json_object_get(r, "nbytes");
     if (off == NULL || nb == NULL)

@@ -145,6 +145,7 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import json
+import re
 import logging
 import os
 import tempfile
@@ -762,6 +763,125 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _region_key(prefix: str, version: int, i: int) -> str:
+    """The key of region i of the version of prefix whose packed storage is
+    ``version``: ``PREFIX@<packed storage id>/r<i>``."""
+    return "%s@%d/r%d" % (prefix, version, i)
+
+
+class _Region:
+    """One region of a state dict being packed: the bytes of one storage
+    (a torch storage, or a tensord Tensor's), and the device they live on
+    ("cpu" or "cuda:K")."""
+
+    __slots__ = ("device", "nbytes", "torch_src", "td_src")
+
+    def __init__(self, device: str, nbytes: int, torch_src=None, td_src=None):
+        self.device = device
+        self.nbytes = nbytes
+        self.torch_src = torch_src  # a torch untyped storage
+        self.td_src = td_src  # a tensord Tensor: the whole storage, uint8
+
+    def torch_bytes(self) -> torch.Tensor:
+        """The region as a uint8 torch tensor on its device."""
+        if self.td_src is not None:
+            return self.td_src.torch()
+        return torch.empty(0, dtype=torch.uint8, device=self.torch_src.device).set_(
+            self.torch_src
+        )
+
+
+def _region_of_entry(name: str, t, region_of: dict, regions: list) -> dict:
+    """The manifest entry of tensor t (torch, or a tensord Tensor), adding
+    the storage behind it to regions (once per storage)."""
+    if isinstance(t, _tensord.Tensor):
+        if t.released:
+            raise ValueError(
+                "state dict entry %r: the tensord Tensor is released" % name
+            )
+        sk = ("td", t.instance, t.storage_id)
+        idx = region_of.get(sk)
+        if idx is None:
+            idx = region_of[sk] = len(regions)
+            whole = t.as_strided((t.storage_nbytes,), (1,), 0, dtype="uint8")
+            regions.append(_Region(t.device, t.storage_nbytes, td_src=whole))
+        return {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "stride": list(t.strides),
+            "storage_offset": t.offset,
+            "region": idx,
+        }
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            "state dict entry %r is a %s, not a torch.Tensor"
+            % (name, type(t).__name__)
+        )
+    if t.is_quantized or t.layout != torch.strided or t.device.type == "meta":
+        raise TypeError(
+            "state dict entry %r: a %s %s tensor on %s cannot be packed"
+            % (name, t.layout, t.dtype, t.device)
+        )
+    st = _untyped_storage(t)
+    sk = (t.device, st.data_ptr(), st.nbytes())
+    idx = region_of.get(sk)
+    if idx is None:
+        idx = region_of[sk] = len(regions)
+        if t.device.type == "cuda":
+            dev = "cuda:%d" % (t.device.index or 0)
+        else:
+            dev = "cpu"  # any other device is copied to the packed storage
+        regions.append(_Region(dev, st.nbytes(), torch_src=st))
+    return {
+        "dtype": _dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "storage_offset": t.storage_offset(),
+        "region": idx,
+    }
+
+
+def _fill_cuda_region(client, r: _Region):
+    """A new daemon-owned storage on r's GPU holding r's bytes, copied
+    device to device (by torch for a torch storage, by td_copy for a tensord
+    Tensor); the caller owns it. Raises tensord.Error from the daemon or the
+    driver."""
+    dst = client.empty((max(r.nbytes, 1),), "uint8", uninit=True, device=r.device)
+    try:
+        if r.nbytes:
+            if r.td_src is not None:
+                dst[: r.nbytes].copy_(r.td_src)
+            else:
+                with torch.no_grad():
+                    d = dst.torch()
+                    d[: r.nbytes].copy_(r.torch_bytes())
+                    torch.cuda.synchronize(d.device)  # before any reader
+                    del d
+        return dst
+    except BaseException:
+        dst.release()
+        raise
+
+
+def _sweep_regions(client, prefix: str, below: int) -> int:
+    """Unpublishes every region key of prefix (``PREFIX@<id>/r<i>``) whose
+    version id is below ``below``: old versions' keys (their storages live
+    on while readers hold them) and the orphans of a publisher that died
+    before its switch. Returns how many keys went."""
+    pat = re.compile(re.escape(prefix) + r"@(\d+)/r\d+\Z")
+    gone = 0
+    for s in client.ls():
+        for k in s.get("keys", ()):
+            m = pat.match(k)
+            if m and int(m.group(1)) < below:
+                try:
+                    client.unpublish(k)
+                    gone += 1
+                except tensord.NotFound:
+                    pass
+    return gone
+
+
 def publish_state_dict(
     client, prefix: str, state_dict: "Mapping[str, torch.Tensor] | torch.nn.Module"
 ) -> int:
@@ -770,12 +890,22 @@ def publish_state_dict(
     ``state_dict``: a mapping of names to tensors (``module.state_dict()``),
     or an ``nn.Module``, whose ``state_dict()`` is taken. Every distinct
     torch storage behind the tensors is copied once (whole, so strides and
-    storage offsets stay exact and tied weights stay tied); the tensors may
-    be on any device, and are loaded as CPU tensors. Publishing again under
-    the same prefix replaces the key atomically. Returns the new storage's
-    id. Raises TypeError for anything else, for a value that is not a tensor
-    or is quantized, tensord.Error from the daemon (OutOfMemory,
-    QuotaExceeded...).
+    storage offsets stay exact and tied weights stay tied). A storage on the
+    CPU (or any device but a GPU) is copied into the packed storage; one on
+    a GPU (cuda:K) stays there: it is copied device to device into a
+    daemon-owned storage of its own on that GPU, published under
+    ``PREFIX@<packed storage id>/r<i>`` before the packed storage (which
+    names it) is published under PREFIX, so that the switch stays one
+    publish (docs/python.md, "State dicts on a GPU"). A tensord Tensor
+    (Client.empty(..., device="cuda:K")) may stand in for a torch tensor.
+    Publishing again under the same prefix replaces the key atomically, then
+    unpublishes the region keys of older versions (a version lives on while
+    readers hold its storages) and any left by a publisher that died before
+    its switch. Returns the new packed storage's id. Raises TypeError for
+    anything else, for a value that is not a tensor or is quantized,
+    ValueError for a prefix too long for its region keys, tensord.Error from
+    the daemon (OutOfMemory, QuotaExceeded...); nothing new stays published
+    on failure.
     """
     if isinstance(state_dict, torch.nn.Module):
         state_dict = state_dict.state_dict()
@@ -785,69 +915,93 @@ def publish_state_dict(
             "tensors, as module.state_dict() returns) or an nn.Module, not "
             "a %s" % type(state_dict).__name__
         )
-    regions: list = []  # [storage, nbytes]
+    regions: list = []  # _Region
     region_of: dict = {}
     tensors: dict = {}
     for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                "state dict entry %r is a %s, not a torch.Tensor"
-                % (name, type(t).__name__)
-            )
-        if t.is_quantized or t.layout != torch.strided or t.device.type == "meta":
-            raise TypeError(
-                "state dict entry %r: a %s %s tensor on %s cannot be packed"
-                % (name, t.layout, t.dtype, t.device)
-            )
-        st = _untyped_storage(t)
-        sk = (t.device, st.data_ptr(), st.nbytes())
-        idx = region_of.get(sk)
-        if idx is None:
-            idx = region_of[sk] = len(regions)
-            regions.append(st)
-        tensors[str(name)] = {
-            "dtype": _dtype_name(t.dtype),
-            "shape": list(t.shape),
-            "stride": list(t.stride()),
-            "storage_offset": t.storage_offset(),
-            "region": idx,
-        }
-    # The regions start after the manifest, whose length depends on their
-    # offsets: lay out, and again with more room until the manifest fits.
-    placed: list = []
-    manifest = {"tensors": tensors, "regions": placed}
-    need = 16
-    while True:
-        start = off = _align(need)
-        placed.clear()
-        for st in regions:
-            n = st.nbytes()
-            placed.append({"offset": off, "nbytes": n})
-            off = _align(off + n)
-        text = json.dumps(manifest, separators=(",", ":")).encode()
-        if 16 + len(text) <= start:
-            break
-        need = 16 + len(text)
-    total = off
-    header = bytearray(_MAGIC + len(text).to_bytes(8, "little") + text)
-
-    packed = client.empty((total,), "uint8", uninit=True)
+        tensors[str(name)] = _region_of_entry(name, t, region_of, regions)
+    on_gpu = [i for i, r in enumerate(regions) if r.device.startswith("cuda")]
+    longest = _region_key(prefix, _NO_ID, len(regions))
+    if on_gpu and len(longest.encode()) > tensord.KEY_MAX:
+        raise ValueError(
+            "publish_state_dict: prefix %r of %d bytes leaves no room for its "
+            "GPU regions' keys (%s; a key has at most %d bytes)"
+            % (prefix, len(prefix.encode()), _region_key(prefix, 0, 0), tensord.KEY_MAX)
+        )
+    gpu: dict = {}  # region index -> its daemon-owned GPU storage
+    published: list = []
+    packed = None
     try:
+        # The packed storage first: its id names this version's region keys.
+        # Its size depends on the manifest, which depends on that id: so a
+        # placeholder id of the most digits an id can have while laying out.
+        placed: list = []
+        manifest = {"tensors": tensors, "regions": placed}
+
+        def lay_out(version: int) -> "tuple[int, int, bytes]":
+            need = 16
+            while True:
+                start = off = _align(need)
+                placed.clear()
+                for i, r in enumerate(regions):
+                    if i in gpu or (version and r.device != "cpu"):
+                        placed.append({
+                            "device": "cuda",
+                            "key": _region_key(prefix, version, i),
+                            "storage_id": gpu[i].storage_id if i in gpu else _NO_ID,
+                            "nbytes": r.nbytes,
+                        })
+                        continue
+                    placed.append({"offset": off, "nbytes": r.nbytes})
+                    off = _align(off + r.nbytes)
+                text = json.dumps(manifest, separators=(",", ":")).encode()
+                if 16 + len(text) <= start:
+                    return start, off, text
+                need = 16 + len(text)
+
+        start, total, _ = lay_out(_NO_ID)
+        packed = client.empty((total,), "uint8", uninit=True)
+        version = packed.storage_id
+        for i in on_gpu:
+            gpu[i] = _fill_cuda_region(client, regions[i])
+            client.publish(_region_key(prefix, version, i), gpu[i])
+            published.append(_region_key(prefix, version, i))
+        # The real ids are no longer than the placeholders: the layout fits.
+        start2, total2, text = lay_out(version)
+        assert total2 <= total and start2 <= start
+        header = bytearray(_MAGIC + len(text).to_bytes(8, "little") + text)
         buf = packed.torch()
         buf[: len(header)].copy_(torch.frombuffer(header, dtype=torch.uint8))
-        buf[len(header) : start].zero_()
+        buf[len(header) : start2].zero_()
         with torch.no_grad():
-            for st, r in zip(regions, placed):
-                o, n = r["offset"], r["nbytes"]
+            for i, (r, pl) in enumerate(zip(regions, placed)):
+                if i in gpu:
+                    continue
+                o, n = pl["offset"], pl["nbytes"]
                 if n:
-                    src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-                    buf[o : o + n].copy_(src)
+                    buf[o : o + n].copy_(r.torch_bytes())
                 buf[o + n : _align(o + n)].zero_()
+            buf[total2:].zero_()
         del buf
-        client.publish(prefix, packed)
-        return packed.storage_id
+        client.publish(prefix, packed)  # the switch
+        published.clear()
     finally:
-        packed.release()
+        for k in published:  # a failure before the switch: nothing stays
+            try:
+                client.unpublish(k)
+            except tensord.Error:
+                pass
+        for st in gpu.values():
+            st.release()
+        if packed is not None:
+            packed.release()
+    try:
+        _sweep_regions(client, prefix, version)
+    except tensord.Error as e:  # the switch is made; the next sweep retries
+        logging.getLogger("tensord").warning(
+            "publish_state_dict %r: sweeping old regions: %s", prefix, e
+        )
+    return version
 
 
 def _read_manifest(t) -> dict:
@@ -868,40 +1022,115 @@ def _read_manifest(t) -> dict:
         mv.release()
 
 
+class _VersionChanged(RuntimeError):
+    """A GPU region a manifest names is gone or is another storage: the
+    state dict was replaced between the lookups; start again (after
+    _RETRIES tries in a row, the caller gets this error)."""
+
+
+_RETRIES = 16
+_NO_ID = 2**64 - 1  # a placeholder id of the most digits an id has
+
+
+def _gpu_regions(client, manifest: dict, prefix: str) -> dict:
+    """Looks up (read-only) every GPU region the manifest names; returns
+    {region index: tensord Tensor, uint8 over the whole storage}. Raises
+    _VersionChanged where a key is gone or names another storage than the
+    manifest's (the version was replaced meanwhile); the Tensors looked up
+    so far are released then."""
+    out: dict = {}
+    try:
+        for i, r in enumerate(manifest["regions"]):
+            if r.get("device") != "cuda":
+                continue
+            if client is None:
+                raise ValueError(
+                    "state dict %r has GPU regions: reading it needs the "
+                    "client it came from" % prefix
+                )
+            try:
+                t = client.lookup(r["key"], timeout=0, readonly=True)
+            except tensord.NotFound:
+                raise _VersionChanged(r["key"]) from None
+            out[i] = t
+            if t.storage_id != r["storage_id"]:
+                raise _VersionChanged(r["key"])
+        return out
+    except BaseException:
+        for t in out.values():
+            t.release()
+        raise
+
+
+def _cuda_torch(t, prefix: str, key: str) -> torch.Tensor:
+    """t (a GPU storage's Tensor) as a torch CUDA tensor of the same
+    memory. Raises RuntimeError naming the key when this torch has no
+    CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "state dict %r: region %r lies on %s, and this torch (%s) has no "
+            "CUDA: load it where torch.cuda.is_available(), or publish it "
+            "from CPU tensors" % (prefix, key, t.device, torch.__version__)
+        )
+    return t.torch()
+
+
 def load_state_dict(
     client, prefix: str, readonly: bool = True, timeout: Optional[float] = 0
 ) -> "Weights":
     """Maps the state dict published under ``prefix``; returns its tensors.
 
     One lookup (``timeout`` as for Client.lookup: 0 does not wait, None waits
-    forever) and no further daemon call. readonly=True maps copy-on-write: a
-    write through a returned tensor changes only this process's private copy
-    of the page and never crashes; readonly=False maps the shared pages
-    (writes reach every reader). Each tensor has its original dtype, shape,
-    strides and storage offset; entries that shared a torch storage share one
-    again. The tensors keep the version they were loaded from alive. The
-    dict is a ``Weights`` (a dict that also says which version it holds).
-    Raises tensord.NotFound, ValueError if the key holds no state dict.
+    forever), and one more per region on a GPU. readonly=True maps
+    copy-on-write: a write through a returned CPU tensor changes only this
+    process's private copy of the page and never crashes; readonly=False
+    maps the shared pages (writes reach every reader). Each tensor has its
+    original dtype, shape, strides and storage offset; entries that shared a
+    torch storage share one again. Tensors published from a GPU come back
+    as CUDA tensors over the daemon-owned storage on that GPU, the same
+    memory in every process (always read-only). The tensors keep the
+    version they were loaded from alive. The dict is a ``Weights`` (a dict
+    that also says which version it holds). Raises tensord.NotFound,
+    ValueError if the key holds no state dict, RuntimeError for GPU regions
+    when this torch has no CUDA.
     """
     # Lazily mapped: attaching costs the same for 5 MB or 5 GB; each page is
     # mapped when a forward pass first reads it.
-    t = client.lookup(prefix, timeout=timeout, readonly=readonly, lazy=True)
-    try:
-        return _state_dict_of(t, prefix)
-    finally:
-        t.release()
+    for attempt in range(_RETRIES):
+        t = client.lookup(prefix, timeout=timeout, readonly=readonly, lazy=True)
+        try:
+            return _state_dict_of(t, prefix, client)
+        except _VersionChanged:
+            if attempt == _RETRIES - 1:
+                raise
+        finally:
+            t.release()
+    raise AssertionError("unreachable")
 
 
-def _state_dict_of(t, prefix: str) -> "Weights":
+def _state_dict_of(t, prefix: str, client=None) -> "Weights":
     """The Weights of the packed state dict in t (which the caller keeps
-    and releases: the tensors hold references of their own)."""
+    and releases: the tensors hold references of their own). GPU regions
+    are looked up through client; raises _VersionChanged when they are no
+    longer the version t names (the caller starts again)."""
     manifest = _read_manifest(t)
-    regions = []
-    for r in manifest["regions"]:
-        o, n = r["offset"], r["nbytes"]
-        regions.append(t[o : o + n].torch())
+    gpu = _gpu_regions(client, manifest, prefix)
+    try:
+        regions = []
+        for i, r in enumerate(manifest["regions"]):
+            if i in gpu:
+                regions.append(_cuda_torch(gpu[i], prefix, r["key"])[: r["nbytes"]])
+                continue
+            o, n = r["offset"], r["nbytes"]
+            regions.append(t[o : o + n].torch())
+    finally:
+        for g in gpu.values():
+            g.release()  # each torch tensor holds a reference of its own
     typed: dict = {}
-    out = Weights(prefix, t.storage_id, (t.storage_id,))
+    ids = (t.storage_id,) + tuple(
+        manifest["regions"][i]["storage_id"] for i in sorted(gpu)
+    )
+    out = Weights(prefix, t.storage_id, ids)
     for name, e in manifest["tensors"].items():
         ri = e["region"]
         dt = _TORCH_DTYPES[e["dtype"]]
@@ -964,17 +1193,22 @@ def _open_weights(client, name: str, timeout: Optional[float] = 0) -> Weights:
     lazily mapped: a state dict (one lookup of the key, whose bytes say what
     it holds) or a model (its manifest's key: every tensor of one
     version)."""
-    t = client.lookup(name, timeout=timeout, readonly=True, lazy=True)
-    try:
-        mv = memoryview(t)
+    for attempt in range(_RETRIES):
+        t = client.lookup(name, timeout=timeout, readonly=True, lazy=True)
         try:
-            model = bytes(mv[: len(_MODEL_MAGIC)]) == _MODEL_MAGIC
+            mv = memoryview(t)
+            try:
+                model = bytes(mv[: len(_MODEL_MAGIC)]) == _MODEL_MAGIC
+            finally:
+                mv.release()
+            if model:
+                break
+            return _state_dict_of(t, name, client)
+        except _VersionChanged:
+            if attempt == _RETRIES - 1:
+                raise
         finally:
-            mv.release()
-        if not model:
-            return _state_dict_of(t, name)
-    finally:
-        t.release()
+            t.release()
     return _open_model(client, name, timeout=timeout)
 
 

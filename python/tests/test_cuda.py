@@ -284,3 +284,305 @@ def test_publish_with_an_event_and_wait_in_another_process(
     t.release()
     gc.collect()
     assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+# ---- publish_state_dict with regions on a GPU (the double's) ----
+#
+# torch here is CPU-only, so tensord Tensors on the double's GPUs stand in
+# for torch CUDA tensors: publish_state_dict takes either, and the regions
+# are read back through the extension (a lookup, then share() to the host).
+
+
+def _gpu_tensor(client, data: bytes, device: str, dtype="uint8", shape=None):
+    t = client.empty((len(data),), "uint8", device=device)
+    buf = (ctypes.c_char * len(data)).from_buffer_copy(data)
+    ctypes.memmove(t.data_ptr, buf, len(data))  # the double: host memory
+    if dtype != "uint8":
+        t = t.view_dtype(dtype)
+    if shape is not None:
+        t = t.view(*shape)
+    return t
+
+
+def _region_keys(client, prefix: str) -> dict:
+    """{region key: storage dict} of every published region of prefix."""
+    out = {}
+    for s in client.ls():
+        for k in s["keys"]:
+            if k.startswith(prefix + "@"):
+                out[k] = s
+    return out
+
+
+_READER = r"""
+import sys, tensord, tensord.torch as tdt
+c = tensord.connect(sys.argv[1])
+t = c.lookup(sys.argv[2], timeout=0, readonly=True)
+m = tdt._read_manifest(t)
+g = tdt._gpu_regions(c, m, sys.argv[2])
+for i in sorted(g):
+    print(i, g[i].device, g[i].storage_id,
+          bytes(c.share(g[i][: m["regions"][i]["nbytes"]]).numpy()).hex())
+try:
+    tdt.load_state_dict(c, sys.argv[2])
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+
+
+def _read_in_another_process(daemon: str, prefix: str) -> "tuple[dict, str]":
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TENSORD_CUDA_DRIVER=DOUBLE or "")
+    r = subprocess.run([sys.executable, "-c", _READER, daemon, prefix],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    regions, refused = {}, ""
+    for line in r.stdout.splitlines():
+        if line.startswith("REFUSED"):
+            refused = line
+            continue
+        i, dev, sid, hx = line.split(" ")
+        regions[int(i)] = (dev, int(sid), bytes.fromhex(hx))
+    return regions, refused
+
+
+def test_state_dict_on_a_gpu_keeps_each_region_there(
+    client: tensord.Client, daemon: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    import tensord.torch as tdt
+
+    raw_a = bytes(range(80))
+    raw_b = bytes(range(100, 132))
+    a = _gpu_tensor(client, raw_a, "cuda:0", "float32", (4, 5))
+    b = _gpu_tensor(client, raw_b, "cuda:1", "int32", (8,))
+    c = torch.arange(6, dtype=torch.int64)
+    sd = {"a": a, "a_t": a.transpose(0, 1), "b": b, "c": c}
+    v = tdt.publish_state_dict(client, "sd", sd)
+    keys = _region_keys(client, "sd")
+    # One storage per GPU region, on its GPU; the CPU tensor in the packed
+    # storage, as before.
+    assert sorted(keys) == ["sd@%d/r0" % v, "sd@%d/r1" % v]
+    assert keys["sd@%d/r0" % v]["device"] == "cuda"
+    assert keys["sd@%d/r0" % v]["nbytes"] == 80
+    assert keys["sd@%d/r1" % v]["nbytes"] == 32
+    assert keys["sd@%d/r0" % v]["id"] != keys["sd@%d/r1" % v]["id"]
+    t = client.lookup("sd", timeout=0)
+    m = tdt._read_manifest(t)
+    t.release()
+    r0, r1, r2 = m["regions"]
+    assert r0 == {"device": "cuda", "key": "sd@%d/r0" % v,
+                  "storage_id": keys["sd@%d/r0" % v]["id"], "nbytes": 80}
+    assert r1["device"] == "cuda" and "offset" not in r1
+    assert "device" not in r2 and r2["nbytes"] == 48
+    assert m["tensors"]["a_t"] == {"dtype": "float32", "shape": [5, 4],
+                                   "stride": [1, 5], "storage_offset": 0,
+                                   "region": 0}
+    regions, refused = _read_in_another_process(daemon, "sd")
+    assert regions == {
+        0: ("cuda:0", keys["sd@%d/r0" % v]["id"], raw_a),
+        1: ("cuda:1", keys["sd@%d/r1" % v]["id"], raw_b),
+    }
+    # CPU torch cannot hold the CUDA tensors: a clear refusal, naming why.
+    assert "has no CUDA" in refused and "sd@%d/r0" % v in refused
+    with pytest.raises(RuntimeError, match="has no CUDA"):
+        tdt.load_state_dict(client, "sd")
+    # tensorctl reads CPU regions only, and says so.
+    import subprocess
+
+    ctl = os.environ.get("TENSORCTL_BIN")
+    if ctl:
+        r = subprocess.run([ctl, "--socket", daemon, "show", "sd"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "GPU" in r.stderr, r.stdout + r.stderr
+    a.release()
+    b.release()
+    del sd, a, b
+    client.unpublish("sd")
+    for k in keys:
+        client.unpublish(k)
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+class _Recorder:
+    """A client that passes every call on, and can fail or die at one."""
+
+    def __init__(self, client, fail_at=None, exc=None, on_switch=None):
+        self.c = client
+        self.calls = []
+        self.fail_at = fail_at  # (method, nth call of it)
+        self.exc = exc or tensord.Error
+        self.on_switch = on_switch
+
+    def __getattr__(self, name):
+        f = getattr(self.c, name)
+        if not callable(f):
+            return f
+
+        def call(*args, **kw):
+            self.calls.append(name)
+            if self.fail_at == (name, self.calls.count(name)):
+                raise self.exc("injected failure at %s #%d" % self.fail_at)
+            if name == "publish" and "@" not in args[0] and self.on_switch:
+                self.on_switch()
+            return f(*args, **kw)
+
+        return call
+
+
+def test_republish_switches_at_once_and_old_regions_go_when_released(
+    client: tensord.Client, daemon: str
+) -> None:
+    pytest.importorskip("torch")
+    import tensord.torch as tdt
+
+    a = _gpu_tensor(client, bytes(64), "cuda:0")
+    v1 = tdt.publish_state_dict(client, "rs", {"w": a})
+    old = dict(_region_keys(client, "rs"))
+    # A reader of version 1 holds its region.
+    with tensord.connect(daemon) as reader:
+        t = reader.lookup("rs", timeout=0, readonly=True)
+        held = tdt._gpu_regions(reader, tdt._read_manifest(t), "rs")
+        seen = []
+
+        def at_switch():  # the old version is whole until the switch
+            seen.append(sorted(_region_keys(client, "rs")))
+
+        b = _gpu_tensor(client, bytes(range(64)), "cuda:0")
+        v2 = tdt.publish_state_dict(_Recorder(client, on_switch=at_switch),
+                                    "rs", {"w": b})
+        assert v2 > v1
+        assert seen == [sorted(list(old) + ["rs@%d/r0" % v2])]
+        # After it, only the new version's keys.
+        assert sorted(_region_keys(client, "rs")) == ["rs@%d/r0" % v2]
+        # The stale manifest names a region that is gone: the reader starts
+        # again (load_state_dict and follow() do, a bounded number of times).
+        with pytest.raises(tdt._VersionChanged):
+            tdt._gpu_regions(reader, tdt._read_manifest(t), "rs")
+        t.release()
+        # Version 1's storage lives while the reader holds it.
+        ids = {s["id"] for s in client.ls()}
+        (g,) = held.values()
+        gid = g.storage_id
+        assert gid in ids
+        assert bytes(reader.share(g).numpy()) == bytes(64)
+        g.release()
+    a.release()
+    b.release()
+    assert gid not in {s["id"] for s in wait_storages(
+        daemon, lambda ls: gid not in {s["id"] for s in ls})}
+    client.unpublish("rs")
+    client.unpublish("rs@%d/r0" % v2)
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_a_failure_before_the_switch_leaves_nothing(
+    client: tensord.Client, daemon: str
+) -> None:
+    pytest.importorskip("torch")
+    import tensord.torch as tdt
+
+    a = _gpu_tensor(client, bytes(range(32)), "cuda:0")
+    b = _gpu_tensor(client, bytes(range(16)), "cuda:1")
+    v1 = tdt.publish_state_dict(client, "ff", {"a": a})
+    before = sorted((s["id"], tuple(s["keys"])) for s in client.ls())
+    for fail_at in (("empty", 2), ("empty", 3), ("publish", 2), ("publish", 3)):
+        with pytest.raises(tensord.Error, match="injected"):
+            tdt.publish_state_dict(_Recorder(client, fail_at), "ff",
+                                   {"a": a, "b": b})
+        gc.collect()
+        assert wait_storages(
+            daemon,
+            lambda ls: sorted((s["id"], tuple(s["keys"])) for s in ls) == before,
+        ) is not None
+        assert sorted((s["id"], tuple(s["keys"])) for s in client.ls()) == before
+    t = client.lookup("ff", timeout=0)
+    assert t.storage_id == v1
+    t.release()
+    a.release()
+    b.release()
+    client.unpublish("ff")
+    client.unpublish("ff@%d/r0" % v1)
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+_DYING = r"""
+import os, sys, tensord, tensord.torch as tdt
+c = tensord.connect(sys.argv[1])
+t = c.empty((4096,), "uint8", device="cuda:0")
+class Dies:
+    def __getattr__(self, name):
+        f = getattr(c, name)
+        def call(*a, **kw):
+            if name == "publish" and a[0] == "dd":
+                os._exit(9)  # dies after its regions, before the switch
+            return f(*a, **kw)
+        return call
+tdt.publish_state_dict(Dies(), "dd", {"x": t, "y": t[:16]})
+"""
+
+
+def test_a_dead_publishers_orphans_are_swept_by_the_next_publish(
+    client: tensord.Client, daemon: str
+) -> None:
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    import tensord.torch as tdt
+
+    env = dict(os.environ, TENSORD_CUDA_DRIVER=DOUBLE or "")
+    r = subprocess.run([sys.executable, "-c", _DYING, daemon], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 9, r.stdout + r.stderr
+    (orphan,) = _region_keys(client, "dd")
+    with pytest.raises(tensord.NotFound):
+        client.lookup("dd", timeout=0)
+    a = _gpu_tensor(client, bytes(8), "cuda:0")
+    v = tdt.publish_state_dict(client, "dd", {"x": a})
+    assert sorted(_region_keys(client, "dd")) == ["dd@%d/r0" % v]
+    assert orphan != "dd@%d/r0" % v
+    a.release()
+    client.unpublish("dd")
+    client.unpublish("dd@%d/r0" % v)
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_a_prefix_too_long_for_region_keys(
+    client: tensord.Client, daemon: str
+) -> None:
+    pytest.importorskip("torch")
+    import tensord.torch as tdt
+
+    a = client.empty(4, "uint8", device="cuda:0")
+    with pytest.raises(ValueError, match="region"):
+        tdt.publish_state_dict(client, "p" * 250, {"a": a})
+    a.release()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_copy_between_tensors_on_a_gpu(client: tensord.Client) -> None:
+    src = _gpu_tensor(client, bytes(range(24)), "cuda:0", "int32", (2, 3))
+    dst = client.empty((3, 2), "int32", device="cuda:0")
+    assert dst.copy_(src.transpose(0, 1)) is dst
+    host = client.share(dst).numpy().tolist()
+    want = client.share(src).numpy().T.tolist()
+    assert host == want
+    with pytest.raises(ValueError, match="destination size 3, source size 2"):
+        dst.copy_(src)
+    with pytest.raises(TypeError, match="tensord Tensor"):
+        dst.copy_(b"abc")
+    ro = client.empty(4, "uint8", device="cuda:0")
+    client.publish("ro", ro)
+    r = client.lookup("ro", timeout=0, readonly=True)
+    with pytest.raises(ValueError):
+        r.copy_(ro)
+    client.unpublish("ro")
+    for t in (src, dst, ro, r):
+        t.release()

@@ -1048,13 +1048,18 @@ def _gpu_regions(client, manifest: dict, prefix: str) -> dict:
                     "state dict %r has GPU regions: reading it needs the "
                     "client it came from" % prefix
                 )
+            why = (
+                "state dict %r: region %d (key %r, storage %d) is no longer "
+                "there: a newer version replaced it %d times in a row while "
+                "loading" % (prefix, i, r["key"], r["storage_id"], _RETRIES)
+            )
             try:
                 t = client.lookup(r["key"], timeout=0, readonly=True)
             except tensord.NotFound:
-                raise _VersionChanged(r["key"]) from None
+                raise _VersionChanged(why) from None
             out[i] = t
             if t.storage_id != r["storage_id"]:
-                raise _VersionChanged(r["key"])
+                raise _VersionChanged(why)
         return out
     except BaseException:
         for t in out.values():

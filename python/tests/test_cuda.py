@@ -586,3 +586,65 @@ def test_copy_between_tensors_on_a_gpu(client: tensord.Client) -> None:
     client.unpublish("ro")
     for t in (src, dst, ro, r):
         t.release()
+
+
+def test_load_state_dict_with_gpu_regions_starts_again_when_replaced(
+    client: tensord.Client, daemon: str, monkeypatch
+) -> None:
+    """The reader's logic over GPU regions, with torch's CUDA conversion
+    replaced by a host copy (torch here has no CUDA): entries over their
+    regions, tied ones still tied, and a version replaced between the
+    lookup of the manifest and of its regions makes it start again."""
+    torch = pytest.importorskip("torch")
+    import tensord.torch as tdt
+
+    monkeypatch.setattr(
+        tdt, "_cuda_torch", lambda t, prefix, key: client.share(t).torch())
+    raw = bytes(range(48))
+    a = _gpu_tensor(client, raw, "cuda:0", "int32", (3, 4))
+    v1 = tdt.publish_state_dict(client, "ld", {"a": a, "at": a.transpose(0, 1)})
+    b = _gpu_tensor(client, raw[::-1], "cuda:1", "int32", (3, 4))
+    v2 = None
+
+    class Racing:  # a new version lands right after the first lookup
+        lookups = 0
+
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def lookup(self, key, **kw):
+            nonlocal v2
+            t = client.lookup(key, **kw)
+            if key == "ld":
+                Racing.lookups += 1
+                if Racing.lookups == 1:
+                    v2 = tdt.publish_state_dict(
+                        client, "ld", {"a": b, "at": b.transpose(0, 1)})
+            return t
+
+    w = tdt.load_state_dict(Racing(), "ld")
+    assert Racing.lookups == 2 and v2 > v1
+    assert w.version == v2 and len(w.storage_ids) == 2
+    want = torch.frombuffer(bytearray(raw[::-1]), dtype=torch.int32).view(3, 4)
+    assert torch.equal(w["a"], want) and torch.equal(w["at"], want.t())
+    assert w["at"].data_ptr() == w["a"].data_ptr()
+    # A state dict that keeps changing: the reader gives up, saying so.
+    monkeypatch.setattr(tdt, "_RETRIES", 2)
+
+    class Always(Racing):
+        def lookup(self, key, **kw):
+            t = client.lookup(key, **kw)
+            if key == "ld":
+                tdt.publish_state_dict(client, "ld", {"a": b})
+            return t
+
+    with pytest.raises(RuntimeError, match="replaced it 2 times"):
+        tdt.load_state_dict(Always(), "ld")
+    del w
+    a.release()
+    b.release()
+    client.unpublish("ld")
+    for k in _region_keys(client, "ld"):
+        client.unpublish(k)
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []

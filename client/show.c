@@ -1231,6 +1231,9 @@ static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
   td__cli_printable(o->target, key, sizeof(key));
   int err = td__statedict_parse(base + v->offset, (size_t)v->shape[0], sd, why,
                                 sizeof(why));
+  if (err == TD_ENODEV)
+    return td__msg(msg, len, err, "key '%s' holds a state dict whose %s", key,
+                   why);
   if (err < 0)
     return td__msg(msg, len, err,
                    "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64

@@ -87,7 +87,7 @@ static int read_regions(const json_t *a, td__statedict *sd, char *msg,
     if (dev != NULL &&
         !(json_is_string(dev) && strcmp(json_string_value(dev), "cpu") == 0)) {
       const json_t *k = json_object_get(r, "key");
-      return td__msg(msg, len, TD_EINVAL,
+      return td__msg(msg, len, TD_ENODEV,
                      "region %zu lies on a GPU, in a storage of its own "
                      "(key '%s'): only tensord.torch.load_state_dict reads "
                      "GPU regions",

@@ -72,7 +72,9 @@ int td__statedict_blob_shaped(const td_view *v);
  * region (as load_state_dict would take it). The manifest must be JSON
  * (RFC 8259, UTF-8) without duplicate keys, a NUL in a string or an integer
  * past int64; unknown fields are skipped. Returns 0, or TD_EINVAL (a
- * corrupt blob) or TD_ENOMEM with msg saying what is wrong where (a
+ * corrupt blob), TD_ENODEV (a region on a GPU, in a storage of its own:
+ * python.md, "State dicts on a GPU") or TD_ENOMEM with msg saying what is
+ * wrong where (a
  * syntax error: the manifest's byte); *sd is then empty
  * (td__statedict_free is still safe). The JSON tree's memory is bounded by
  * td__sd_tree_max (jsonmem.h: thread-safe). */

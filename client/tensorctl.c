@@ -616,7 +616,8 @@ static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
     td__cli_printable(r->key, kb, sizeof(kb));
     printf("  %s: %s\n", kb, td_view_format(&r->view, vb, sizeof(vb)));
     if (is_sd && err < 0)
-      printf("    state dict, corrupt: %s\n",
+      printf("    state dict, %s: %s\n",
+             err == TD_ENODEV ? "on a GPU" : "corrupt",
              td__cli_printable(why, vb, sizeof(vb)));
     else if (is_sd) {
       printf("    state dict: %zu tensor%s in %zu region%s (tensorctl show %s "

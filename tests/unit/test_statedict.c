@@ -143,6 +143,26 @@ Test(statedict, an_empty_state_dict) {
   td__statedict_free(&sd);
 }
 
+/* publish_state_dict keeps a CUDA tensor's region on its GPU, in a storage
+ * of its own: tensorctl cannot read it, and says so (TD_ENODEV, not a
+ * corrupt blob), naming the region's key. A CPU region may say "cpu". */
+Test(statedict, a_region_on_a_gpu_is_named_not_corrupt) {
+  td__statedict sd;
+  char msg[1024] = "";
+  int err = parse_as(
+      "{\"tensors\":{\"w\":{\"dtype\":\"uint8\",\"shape\":[4],"
+      "\"stride\":[1],\"storage_offset\":0,\"region\":1}},\"regions\":["
+      "{\"offset\":128,\"nbytes\":4,\"device\":\"cpu\"},"
+      "{\"device\":\"cuda\",\"key\":\"m@7/r1\",\"storage_id\":8,"
+      "\"nbytes\":4}]}",
+      192, &sd, msg, sizeof(msg));
+  cr_assert_eq(err, TD_ENODEV, "%d: %s", err, msg);
+  cr_assert(strstr(msg, "region 1 lies on a GPU") != NULL, "%s", msg);
+  cr_assert(strstr(msg, "'m@7/r1'") != NULL, "%s", msg);
+  cr_assert_eq(sd.ntensors, 0);
+  td__statedict_free(&sd);
+}
+
 Test(statedict, the_header_is_checked) {
   td__statedict sd;
   char msg[256];

@@ -20,6 +20,8 @@ Environment:
                  with plain torch, no tensord (the baseline for memory)
   SERVE_THREADS  torch threads per worker (default 1: workers are processes)
   SERVE_TOPK     logits returned per prediction (default 5)
+  SERVE_CONNECT_WAIT  seconds a starting worker waits for tensord to listen
+                 (default 30; past it the worker fails, and gunicorn stops)
 
 See docs/serving.md.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import List, Optional
 
 import torch
@@ -47,6 +50,7 @@ SOCKET = os.environ.get("SERVE_SOCKET") or None
 PRIVATE = os.environ.get("SERVE_PRIVATE", "") == "1"
 THREADS = int(os.environ.get("SERVE_THREADS", "1"))
 TOPK = int(os.environ.get("SERVE_TOPK", "5"))
+CONNECT_WAIT = float(os.environ.get("SERVE_CONNECT_WAIT", "30"))
 
 log = logging.getLogger("serve")
 app = FastAPI(title="TinyLM over tensord")
@@ -91,6 +95,22 @@ def current() -> Served:
     return served
 
 
+def connect(tensord):
+    """A connection to tensord, waiting up to SERVE_CONNECT_WAIT seconds
+    for one to listen: a worker that fails its start-up makes gunicorn's
+    master stop the whole server ("Worker failed to boot"), so a worker
+    restarted while tensord restarts waits for it instead."""
+    deadline = time.monotonic() + CONNECT_WAIT
+    while True:
+        try:
+            return tensord.connect(SOCKET, name="serve worker")
+        except tensord.Error as e:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("worker %d: %s; trying again", os.getpid(), e)
+            time.sleep(1.0)
+
+
 @app.on_event("startup")
 def startup() -> None:
     torch.set_num_threads(THREADS)
@@ -101,7 +121,7 @@ def startup() -> None:
     import tensord
     import tensord.torch as tdt
 
-    state.client = tensord.connect(SOCKET, name="serve worker")
+    state.client = connect(tensord)
     try:
         # The model tensord has now, whatever file it came from: a worker
         # that restarts after a swap serves the new version, and does not

@@ -14,7 +14,6 @@ Run by ctest as python-serve (python/CMakeLists.txt); by hand, from build/python
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil

@@ -10,7 +10,8 @@ DEBS     := cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev \
             protobuf-c-compiler libjansson-dev libcriterion-dev libdlpack-dev \
             clang-14 libclang-rt-14-dev valgrind \
             python3-dev python3-numpy python3-torch python3-pytest \
-            python3-pip python3-setuptools
+            python3-pip python3-setuptools \
+            python3-fastapi python3-uvicorn python3-httpx gunicorn
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The interpreter the Python package is built and tested for: Debian's,

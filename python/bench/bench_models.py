@@ -94,7 +94,6 @@ from __future__ import annotations
 import gc
 import json
 import mmap
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -267,47 +266,11 @@ def worker_main(conn, socket_path: str) -> None:
     conn.send(("ok", None))
 
 
-class Worker:
-    """A spawned worker answering commands over a pipe."""
-
-    def __init__(self, socket_path: str) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, end = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(end, socket_path))
-        self.proc.start()
-        end.close()
-        self.pid = self.proc.pid
-
-    def reply(self, timeout: float = 600):
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"worker {self.pid} did not answer in {timeout:.0f} s")
-        status, res = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"worker {self.pid} failed:\n{res}")
-        return res
-
-    def call(self, *cmd):
-        self.conn.send(cmd)
-        return self.reply()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("quit",))
-                self.reply(60)
-            except (OSError, EOFError, RuntimeError):
-                pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 def run_workers(way: str, socket_path: str, path: str, pt: str, layers: int) -> dict:
     """Section 3 for one way: K fresh workers hold the model; returns their numbers."""
-    workers: list[Worker] = []
+    workers: list[benchlib.Child] = []
     try:
-        workers = [Worker(socket_path) for _ in range(K)]
+        workers = [benchlib.Child(worker_main, socket_path, start="spawn") for _ in range(K)]
         for w in workers:
             w.reply()
         base = [benchlib.pss_bytes(w.pid) for w in workers]

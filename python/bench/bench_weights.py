@@ -53,7 +53,6 @@ copy, and its attach (the first load_state_dict of a process) <= 10 ms.
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -198,54 +197,18 @@ def reader_main(conn, mode: str) -> None:
         client.close()
 
 
-class Child:
-    """A forked child answering commands over a pipe."""
-
-    def __init__(self, target, *args) -> None:
-        ctx = multiprocessing.get_context("fork")
-        self.conn, end = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(end, *args))
-        self.proc.start()
-        end.close()
-        self.pid = self.proc.pid
-
-    def reply(self, timeout: float = 600):
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"child {self.pid} did not answer in {timeout:.0f} s")
-        status, res = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"child {self.pid} failed:\n{res}")
-        return res
-
-    def call(self, *cmd):
-        self.conn.send(cmd)
-        return self.reply()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("quit",))
-                self.reply(30)
-            except (OSError, EOFError, RuntimeError):
-                pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 def run_mode(mode: str, layers: int) -> dict:
     """Measures one mode; returns its numbers."""
-    readers: list[Child] = []
+    readers: list[benchlib.Child] = []
     builder = None
     fd, path = tempfile.mkstemp(prefix="tensord-bench-weights.", suffix=".pt", dir="/tmp")
     os.close(fd)
     try:
-        readers = [Child(reader_main, mode) for _ in range(K)]
+        readers = [benchlib.Child(reader_main, mode) for _ in range(K)]
         for r in readers:
             r.reply()
         base = [benchlib.pss_bytes(r.pid) for r in readers]
-        builder = Child(builder_main, layers, mode, path)
+        builder = benchlib.Child(builder_main, layers, mode, path)
         info = builder.reply()
         builder.proc.join(60)
         src = path if mode == "torch" else PREFIX
@@ -281,14 +244,14 @@ MODULE_WAYS = (
 
 def run_module(how: str, layers: int) -> dict:
     """Measures one way of serving a module over the published weights."""
-    readers: list[Child] = []
+    readers: list[benchlib.Child] = []
     builder = None
     try:
-        readers = [Child(reader_main, "tensord") for _ in range(K)]
+        readers = [benchlib.Child(reader_main, "tensord") for _ in range(K)]
         for r in readers:
             r.reply()
         base = [benchlib.pss_bytes(r.pid) for r in readers]
-        builder = Child(builder_main, layers, "tensord", "")
+        builder = benchlib.Child(builder_main, layers, "tensord", "")
         info = builder.reply()
         builder.proc.join(60)
         for r in readers:

@@ -164,6 +164,47 @@ def shm_total() -> int:
     return st.f_blocks * st.f_frsize
 
 
+
+class Child:
+    """A child process answering commands over a pipe: target(conn, *args)
+    runs in it (forked, or spawned with start="spawn"); call() sends a
+    command tuple and returns the child's ("ok", result) result or raises
+    with its ("error", traceback)."""
+
+    def __init__(self, target, *args, start: str = "fork") -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context(start)
+        self.conn, end = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(end, *args))
+        self.proc.start()
+        end.close()
+        self.pid = self.proc.pid
+
+    def reply(self, timeout: float = 600):
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"child {self.pid} did not answer in {timeout:.0f} s")
+        status, res = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"child {self.pid} failed:\n{res}")
+        return res
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self.reply()
+
+    def close(self, timeout: float = 60) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("quit",))
+                self.reply(timeout)
+            except (OSError, EOFError, RuntimeError):
+                pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
 class Daemon:
     """A private tensord on a temporary socket, for one benchmark run.
 

@@ -588,19 +588,7 @@ static const char *const model_files[] = {"m-1.safetensors", "m-2.safetensors",
 static uint8_t *model_file(size_t i, size_t *n) {
   char p[160];
   snprintf(p, sizeof(p), "%s/%s", model_dir, model_files[i]);
-  FILE *f = fopen(p, "rb");
-  if (f == NULL)
-    return NULL;
-  fseek(f, 0, SEEK_END);
-  *n = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  uint8_t *b = malloc(*n ? *n : 1);
-  if (b != NULL && fread(b, 1, *n, f) != *n) {
-    free(b);
-    b = NULL;
-  }
-  fclose(f);
-  return b;
+  return tdt_read_file(p, n);
 }
 
 /* Loads the checkpoint onto cuda:0 through a 1 MiB staging buffer (the

@@ -86,19 +86,7 @@ static uint64_t file_size(const char *file) {
 static uint8_t *file_bytes(const char *file, size_t *n) {
   char p[160];
   snprintf(p, sizeof(p), "%s/llm/%s", dir, file);
-  FILE *f = fopen(p, "rb");
-  if (f == NULL)
-    return NULL;
-  fseek(f, 0, SEEK_END);
-  *n = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  uint8_t *b = malloc(*n ? *n : 1);
-  if (b != NULL && fread(b, 1, *n, f) != *n) {
-    free(b);
-    b = NULL;
-  }
-  fclose(f);
-  return b;
+  return tdt_read_file(p, n);
 }
 
 typedef struct load_arg {

@@ -11,10 +11,9 @@ size_t tdt_st_itemsize(const char *d) {
   static const struct {
     const char *n;
     size_t s;
-  } k[] = {{"F64", 8},     {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
-           {"I32", 4},     {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1},
-           {"U16", 2},     {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1},
-           {"F8_E5M2", 1}};
+  } k[] = {{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2},    {"I64", 8},
+           {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},      {"BOOL", 1},
+           {"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
   for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++)
     if (strcmp(k[i].n, d) == 0)
       return k[i].s;
@@ -60,8 +59,8 @@ int tdt_st_write(const char *path, const tdt_st_tensor *t, size_t n,
                              metadata, n ? "," : "");
   for (size_t i = 0; i < n; i++) {
     used += (size_t)snprintf(h + used, cap - used,
-                             "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "",
-                             t[i].name, t[i].dtype);
+                             "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[",
+                             i ? "," : "", t[i].name, t[i].dtype);
     for (int d = 0; d < t[i].ndim; d++)
       used += (size_t)snprintf(h + used, cap - used, "%s%" PRId64, d ? "," : "",
                                t[i].shape[d]);
@@ -147,4 +146,24 @@ int tdt_same_file(const char *a, const char *b) {
   if (fb)
     fclose(fb);
   return same;
+}
+
+uint8_t *tdt_read_file(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL)
+    return NULL;
+  uint8_t *b = NULL;
+  long len;
+  if (fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) >= 0 &&
+      fseek(f, 0, SEEK_SET) == 0) {
+    *n = (size_t)len;
+    b = malloc(*n ? *n : 1);
+    if (b != NULL && fread(b, 1, *n, f) != *n) {
+      free(b);
+      b = NULL;
+      errno = EIO;
+    }
+  }
+  fclose(f);
+  return b;
 }

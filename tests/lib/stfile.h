@@ -24,6 +24,9 @@ uint8_t tdt_st_byte(size_t i, uint64_t j, uint8_t marker);
  * or NULL. Returns 0, or -1 with errno. */
 int tdt_st_write(const char *path, const tdt_st_tensor *t, size_t n,
                  const char *metadata, uint8_t marker);
+/* The bytes of the file at path (malloc'd), *n their count; NULL with
+ * errno if it cannot be read whole. */
+uint8_t *tdt_read_file(const char *path, size_t *n);
 /* Writes 8 bytes of header length (hlen, whatever header's size is), the
  * header text, then data_len bytes of 0x5a: for malformed files. */
 int tdt_st_write_raw(const char *path, uint64_t hlen, const char *header,

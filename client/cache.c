@@ -6,7 +6,6 @@
 #include "htab.h"
 #include "hugepages.h"
 
-#include <ctype.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -122,22 +121,12 @@ static int huge_advise;
  * "off": SIZE_MAX), or dflt when it is unset or not understood. */
 static size_t size_env(const char *name, size_t dflt) {
   const char *s = getenv(name);
+  uint64_t v;
   if (s == NULL || *s == '\0')
     return dflt;
   if (strcmp(s, "off") == 0)
     return SIZE_MAX;
-  if (!isdigit((unsigned char)*s))
-    return dflt;
-  char *end;
-  unsigned long long v = strtoull(s, &end, 10);
-  static const char units[] = "kKmMgG";
-  const char *u = *end != '\0' ? strchr(units, *end) : NULL;
-  int shift = u != NULL ? 10 * (1 + (int)(u - units) / 2) : 0;
-  if (u != NULL)
-    end++;
-  if (*end != '\0' || v > (SIZE_MAX >> shift))
-    return dflt;
-  return (size_t)v << shift;
+  return td__parse_size(s, &v) == 0 && v <= SIZE_MAX ? (size_t)v : dflt;
 }
 
 /* A forked child inherits the mappings but not the handles that own them

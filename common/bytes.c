@@ -1,8 +1,13 @@
-/* bytes.c: byte counts as text, for tensord's messages and tensorctl. */
+/* bytes.c: byte counts as text, for tensord's messages and tensorctl, and
+ * sizes read from text (options, environment variables). */
 #include "common.h"
 
+#include <ctype.h>
+#include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 char *td__human_bytes(uint64_t n, char *buf, size_t len) {
   static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -17,4 +22,51 @@ char *td__human_bytes(uint64_t n, char *buf, size_t len) {
   else
     snprintf(buf, len, "%.1f %s", v, units[u]);
   return buf;
+}
+
+int td__parse_size(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || errno != 0 || !(v >= 0) || isinf(v))
+    return TD_EINVAL;
+  while (isspace((unsigned char)*end))
+    end++;
+  double mult = 1;
+  switch (toupper((unsigned char)*end)) {
+  case '\0':
+    break;
+  case 'K':
+    mult = 1024.0;
+    break;
+  case 'M':
+    mult = 1024.0 * 1024;
+    break;
+  case 'G':
+    mult = 1024.0 * 1024 * 1024;
+    break;
+  case 'T':
+    mult = 1024.0 * 1024 * 1024 * 1024;
+    break;
+  case 'B':
+    break;
+  default:
+    return TD_EINVAL;
+  }
+  if (*end != '\0' && toupper((unsigned char)*end) != 'B') {
+    end++;
+    if (*end == 'i' || *end == 'I')
+      end++;
+    if (*end == 'B' || *end == 'b')
+      end++;
+  } else if (*end != '\0') {
+    end++;
+  }
+  if (*end != '\0')
+    return TD_EINVAL;
+  v *= mult;
+  if (v >= 18446744073709551615.0)
+    return TD_EINVAL;
+  *out = (uint64_t)v;
+  return 0;
 }

@@ -47,6 +47,9 @@ int td__view_fail(int err, const char *fmt, ...)
 /* Formats n bytes as "512 B", "1.5 GiB" (binary units, one decimal, up to
  * PiB) into buf; returns buf. */
 char *td__human_bytes(uint64_t n, char *buf, size_t len);
+/* Parses "64M", "1.5GiB", "4096" (binary units K to T, an optional "iB" or
+ * "B"); returns 0 or TD_EINVAL. */
+int td__parse_size(const char *s, uint64_t *out);
 
 /* The narrow floating-point dtypes as doubles (dtype.c), exactly: every
  * value of these formats is a double. float16 is IEEE binary16; bfloat16

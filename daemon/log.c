@@ -4,8 +4,6 @@
 
 #include "tensord.h"
 
-#include <ctype.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,51 +50,4 @@ int64_t td__now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-int td__parse_size(const char *s, uint64_t *out) {
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (end == s || errno != 0 || !(v >= 0) || isinf(v))
-    return TD_EINVAL;
-  while (isspace((unsigned char)*end))
-    end++;
-  double mult = 1;
-  switch (toupper((unsigned char)*end)) {
-  case '\0':
-    break;
-  case 'K':
-    mult = 1024.0;
-    break;
-  case 'M':
-    mult = 1024.0 * 1024;
-    break;
-  case 'G':
-    mult = 1024.0 * 1024 * 1024;
-    break;
-  case 'T':
-    mult = 1024.0 * 1024 * 1024 * 1024;
-    break;
-  case 'B':
-    break;
-  default:
-    return TD_EINVAL;
-  }
-  if (*end != '\0' && toupper((unsigned char)*end) != 'B') {
-    end++;
-    if (*end == 'i' || *end == 'I')
-      end++;
-    if (*end == 'B' || *end == 'b')
-      end++;
-  } else if (*end != '\0') {
-    end++;
-  }
-  if (*end != '\0')
-    return TD_EINVAL;
-  v *= mult;
-  if (v >= 18446744073709551615.0)
-    return TD_EINVAL;
-  *out = (uint64_t)v;
-  return 0;
 }

@@ -26,7 +26,5 @@ void td__log(int level, const char *fmt, ...)
   } while (0)
 int td__log_level_parse(const char *s);
 int64_t td__now_ms(void); /* wall clock, ms since the epoch */
-/* Parses "64M", "1.5GiB", "4096"; returns 0 or TD_EINVAL. */
-int td__parse_size(const char *s, uint64_t *out);
 
 #endif /* TD_DAEMON_LOG_H */

@@ -1,5 +1,6 @@
 /* main.c: tensord's command line. */
 #include "hugepages.h"
+#include "common.h"
 #include "cudastore.h"
 #include "log.h"
 #include "server.h"

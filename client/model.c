@@ -619,10 +619,10 @@ typedef struct target {
 typedef struct load_ctx load_ctx;
 
 /* Where a chunk of a shard goes: the seam for devices. The CPU sink copies
- * it into the storage's segment in the kernel. A GPU sink (next) reads into
- * a slot of a bounded pinned staging buffer (<= 256 MiB whatever the model)
- * and copies it to the device asynchronously, the next chunk's read
- * overlapping the copy; begin/end set up and drain that. */
+ * it into the storage's segment in the kernel; the GPU sink reads it into a
+ * slot of a bounded pinned staging buffer and copies that to the device
+ * asynchronously, the next read overlapping the copy. begin/end set up and
+ * drain what a sink needs. */
 typedef struct sink {
   int (*begin)(load_ctx *l, char *msg, size_t mlen);
   int (*chunk)(load_ctx *l, uint32_t shard, uint64_t off, uint64_t len,
@@ -835,64 +835,52 @@ static int gpu_end(load_ctx *l, char *msg, size_t mlen) {
 
 static const sink gpu_sink = {gpu_begin, gpu_chunk, gpu_end};
 
-/* The staging bound: TENSORD_LOAD_STAGING (bytes, K/M/G suffixes of 1024,
- * at least 4 KiB), else 256 MiB; never above 256 MiB. Returns 0, or
- * TD_EINVAL with msg for a value that is no size. */
+/* The staging bound: TENSORD_LOAD_STAGING (a size as td__parse_size
+ * reads it, at least 4 KiB), else 256 MiB; never above 256 MiB. Returns
+ * 0, or TD_EINVAL with msg for a value that is no size. */
 static int staging_bound(uint64_t *out, char *msg, size_t mlen) {
   const char *v = getenv("TENSORD_LOAD_STAGING");
+  uint64_t n;
   *out = STAGING_MAX;
   if (v == NULL || v[0] == '\0')
     return 0;
-  char *end;
-  errno = 0;
-  unsigned long long n = strtoull(v, &end, 10);
-  int shift = 0;
-  if (*end == 'K' || *end == 'k')
-    shift = 10;
-  else if (*end == 'M' || *end == 'm')
-    shift = 20;
-  else if (*end == 'G' || *end == 'g')
-    shift = 30;
-  if (shift != 0)
-    end++;
-  if (errno != 0 || end == v || *end != '\0' || v[0] == '-' ||
-      n > (STAGING_MAX >> shift))
+  if (td__parse_size(v, &n) < 0 || n > STAGING_MAX)
     return td__msg(msg, mlen, TD_EINVAL,
                    "TENSORD_LOAD_STAGING='%s': a size in bytes (K, M, G "
                    "suffixes), at most 256M",
                    v);
-  n <<= shift;
   *out = n < STAGING_MIN ? STAGING_MIN : n;
   return 0;
 }
 
-/* Whether the first n bytes of shard i's storage are p's. */
-static int head_equal(load_ctx *l, size_t i, const uint8_t *p, size_t n) {
+/* Whether the first n bytes of shard i's storage are p's: 1 or 0, or a
+ * negative code with msg when they cannot be read back. */
+static int head_equal(load_ctx *l, size_t i, const uint8_t *p, size_t n,
+                      char *msg, size_t mlen) {
   td__cumap *cm = td__storage_cumap(l->st[i]);
-  if (cm != NULL) { /* read back from the device */
-    char msg[TD__ERRMSG_MAX];
-    size_t piece = n < ((size_t)1 << 20) ? n : (size_t)1 << 20;
-    uint8_t *buf = malloc(piece ? piece : 1);
-    int same = buf != NULL;
-    for (size_t off = 0; same && off < n; off += piece) {
-      size_t want = n - off < piece ? n - off : piece;
-      same = td__cumap_copy(cm, 0, off, buf, want, msg, sizeof(msg)) == 0 &&
-             memcmp(buf, p + off, want) == 0;
-    }
-    free(buf);
-    return same;
-  }
-  if (l->seg[i] < 0)
-    return memcmp(dst_of(l, (uint32_t)i), p, n) == 0;
   uint8_t buf[16384];
+  if (cm == NULL && l->seg[i] < 0)
+    return memcmp(dst_of(l, (uint32_t)i), p, n) == 0;
   for (size_t off = 0; off < n;) {
     size_t want = n - off < sizeof(buf) ? n - off : sizeof(buf);
-    ssize_t r = pread(l->seg[i], buf, want, (off_t)off);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0 || memcmp(buf, p + off, (size_t)r) != 0)
+    if (cm != NULL) { /* read back from the device */
+      int err = td__cumap_copy(cm, 0, off, buf, want, msg, mlen);
+      if (err < 0)
+        return err;
+    } else {
+      ssize_t r = pread(l->seg[i], buf, want, (off_t)off);
+      if (r < 0 && errno == EINTR)
+        continue;
+      if (r <= 0)
+        return td__msg(msg, mlen, TD_EIO,
+                       "reading back %s's storage at byte %zu: %s",
+                       l->ck->shards[i].file, off,
+                       r < 0 ? strerror(errno) : "end of file");
+      want = (size_t)r;
+    }
+    if (memcmp(buf, p + off, want) != 0)
       return 0;
-    off += (size_t)r;
+    off += want;
   }
   return 1;
 }
@@ -1031,8 +1019,14 @@ static int fill(td_client *c, td__checkpoint *ck, td_storage **st,
       goto out;
     }
     int64_t mt = (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec;
-    if ((uint64_t)sb.st_size != s->size || mt != s->mtime_ns ||
-        !head_equal(&l, i, s->head, 8 + s->header_len)) {
+    int same = 0;
+    if ((uint64_t)sb.st_size == s->size && mt == s->mtime_ns &&
+        (same = head_equal(&l, i, s->head, 8 + s->header_len, l.msg,
+                           sizeof(l.msg))) < 0) {
+      err = td__fail(c, same, "load: %s", l.msg);
+      goto out;
+    }
+    if (!same) {
       err =
           td__fail(c, TD_EAGAIN,
                    "load: %s changed while it was read (size %" PRIu64

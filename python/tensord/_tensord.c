@@ -1241,6 +1241,26 @@ static PyObject *Client_scope_close(Client *self, PyObject *args) {
   return PyLong_FromUnsignedLongLong(dropped);
 }
 
+/* Reads a timeout in seconds (None: forever) for what on name: 1, or 0
+ * with ValueError for a bad value. */
+static int parse_wait(PyObject *o, const char *what, const char *name,
+                      int *forever, double *secs) {
+  *forever = o == Py_None;
+  *secs = 0;
+  if (*forever)
+    return 1;
+  *secs = PyFloat_AsDouble(o);
+  if (*secs == -1.0 && PyErr_Occurred())
+    return 0;
+  if (!(*secs >= 0) || *secs > 1e9) {
+    PyErr_Format(PyExc_ValueError,
+                 "%s '%s': timeout %R (seconds, >= 0; None waits forever)",
+                 what, name, o);
+    return 0;
+  }
+  return 1;
+}
+
 static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"key",  "timeout", "readonly", "take",
                            "lazy", "_cancel", NULL};
@@ -1252,20 +1272,10 @@ static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   const char *key = key_utf8(keyobj);
   if (key == NULL)
     return NULL;
-  int forever = timeoutobj == Py_None;
-  double timeout = 0;
-  if (!forever) {
-    timeout = PyFloat_AsDouble(timeoutobj);
-    if (timeout == -1.0 && PyErr_Occurred())
-      return NULL;
-    if (!(timeout >= 0) || timeout > 1e9) {
-      PyErr_Format(PyExc_ValueError,
-                   "lookup '%s': timeout %R (seconds, >= 0; None waits "
-                   "forever)",
-                   key, timeoutobj);
-      return NULL;
-    }
-  }
+  int forever;
+  double timeout;
+  if (!parse_wait(timeoutobj, "lookup", key, &forever, &timeout))
+    return NULL;
   unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0) |
                    (lazy ? TD_LAZY : 0);
   int64_t start = mono_ms();
@@ -1540,26 +1550,6 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
 }
 
 /* ---- models (docs/models.md) ---- */
-
-/* A timeout in seconds (None: forever) as a deadline; 0 with an exception
- * on a bad value. */
-static int parse_wait(PyObject *o, const char *what, const char *name,
-                      int *forever, double *secs) {
-  *forever = o == Py_None;
-  *secs = 0;
-  if (*forever)
-    return 1;
-  *secs = PyFloat_AsDouble(o);
-  if (*secs == -1.0 && PyErr_Occurred())
-    return 0;
-  if (!(*secs >= 0) || *secs > 1e9) {
-    PyErr_Format(PyExc_ValueError,
-                 "%s '%s': timeout %R (seconds, >= 0; None waits forever)",
-                 what, name, o);
-    return 0;
-  }
-  return 1;
-}
 
 static PyObject *Client_load_model(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"path",    "name", "force",  "mode",

@@ -1101,10 +1101,27 @@ def load_state_dict(
     """
     # Lazily mapped: attaching costs the same for 5 MB or 5 GB; each page is
     # mapped when a forward pass first reads it.
+    return _lookup_state_dict(client, prefix, timeout, readonly, models=False)
+
+
+def _lookup_state_dict(
+    client, key: str, timeout: Optional[float], readonly: bool, models: bool
+) -> Optional["Weights"]:
+    """The state dict published under key (lazily mapped), looked up again
+    while its GPU regions turn out to be a newer version's (_RETRIES times
+    at most). With models, None where the key holds a model's manifest
+    instead."""
     for attempt in range(_RETRIES):
-        t = client.lookup(prefix, timeout=timeout, readonly=readonly, lazy=True)
+        t = client.lookup(key, timeout=timeout, readonly=readonly, lazy=True)
         try:
-            return _state_dict_of(t, prefix, client)
+            if models:
+                mv = memoryview(t)
+                try:
+                    if bytes(mv[: len(_MODEL_MAGIC)]) == _MODEL_MAGIC:
+                        return None
+                finally:
+                    mv.release()
+            return _state_dict_of(t, key, client)
         except _VersionChanged:
             if attempt == _RETRIES - 1:
                 raise
@@ -1198,23 +1215,8 @@ def _open_weights(client, name: str, timeout: Optional[float] = 0) -> Weights:
     lazily mapped: a state dict (one lookup of the key, whose bytes say what
     it holds) or a model (its manifest's key: every tensor of one
     version)."""
-    for attempt in range(_RETRIES):
-        t = client.lookup(name, timeout=timeout, readonly=True, lazy=True)
-        try:
-            mv = memoryview(t)
-            try:
-                model = bytes(mv[: len(_MODEL_MAGIC)]) == _MODEL_MAGIC
-            finally:
-                mv.release()
-            if model:
-                break
-            return _state_dict_of(t, name, client)
-        except _VersionChanged:
-            if attempt == _RETRIES - 1:
-                raise
-        finally:
-            t.release()
-    return _open_model(client, name, timeout=timeout)
+    w = _lookup_state_dict(client, name, timeout, True, models=True)
+    return w if w is not None else _open_model(client, name, timeout=timeout)
 
 
 def _open_model(
@@ -1264,8 +1266,9 @@ def save_safetensors(
     Each name gets its own copy of its tensor's bytes (tied tensors are
     written once per name, as the format has no ties); the header lists
     them in the mapping's order, the bytes lie widest dtype first (so that
-    each is aligned to its element size, as the safetensors library does). ``metadata``: the header's ``__metadata__`` (str to str). The
-    file is written to a temporary name in its directory, synced and
+    each is aligned to its element size, as the safetensors library does).
+    ``metadata``: the header's ``__metadata__`` (str to str). The file is
+    written to a temporary name in its directory, synced and
     renamed: path is whole or as it was. Raises TypeError for a tensor of
     a dtype safetensors lacks, ValueError for a bad name or metadata.
     """

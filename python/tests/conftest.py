@@ -213,3 +213,13 @@ def client(daemon: str) -> Iterator[tensord.Client]:
                         pass
         left = wait_storages(daemon, lambda ls: not ls)
         assert not left, f"storages left after the test: {left}"
+
+
+@pytest.fixture
+def clean(client: tensord.Client) -> Iterator[tensord.Client]:
+    """The client fixture, and after the test: nothing of it left in the
+    daemon, no storage and no key (modules that install reducers or
+    scopes override it)."""
+    yield client
+    gc.collect()
+    wait_until(lambda: nothing_left(client), "no storage and no key left")

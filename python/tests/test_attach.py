@@ -9,14 +9,6 @@ import torch
 import tensord
 import tensord.torch as tdt
 from _attach_children import Net, attach_child, positions, reference
-from conftest import nothing_left, wait_until
-
-
-@pytest.fixture
-def clean(client):
-    yield client
-    gc.collect()
-    wait_until(lambda: nothing_left(client), "no storage and no key left")
 
 
 def published(c, key="att/net", seed=0):

@@ -15,16 +15,9 @@ import torch
 import tensord
 import tensord.torch as tdt
 from _attach_children import Net, positions, reference
-from conftest import nothing_left, wait_until
+from conftest import nothing_left
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture
-def clean(client):
-    yield client
-    gc.collect()
-    wait_until(lambda: nothing_left(client), "no storage and no key left")
 
 
 def mixed():

@@ -12,7 +12,6 @@ import torch
 import tensord
 import tensord.torch as tdt
 from tensord import _tensord
-from conftest import nothing_left, wait_until
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -47,12 +46,6 @@ def sample_state(seed=0):
     sd["cplx"] = torch.randn(3, dtype=torch.complex64)
     sd["bytes_of_big"] = big.view(torch.uint8)[1]  # another dtype, same storage
     return sd
-
-
-@pytest.fixture
-def clean(client):
-    yield client
-    wait_until(lambda: nothing_left(client), "no storage and no key left")
 
 
 def test_round_trip_exact_and_tied(clean):

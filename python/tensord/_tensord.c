@@ -386,6 +386,14 @@ static int64_t mono_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The mono_ms() at which a wait of secs from start (a mono_ms()) is over.
+ * mono_ms() truncates to the millisecond, so start may lie up to 1 ms
+ * before the true start: one more keeps a wait from ending early (none
+ * for 0, which does not wait). */
+static int64_t deadline_of(int64_t start, double secs) {
+  return secs > 0 ? start + (int64_t)(secs * 1000.0 + 0.999) + 1 : start;
+}
+
 static int64_t real_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
@@ -1279,7 +1287,7 @@ static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0) |
                    (lazy ? TD_LAZY : 0);
   int64_t start = mono_ms();
-  int64_t deadline = start + (int64_t)(timeout * 1000.0 + 0.999);
+  int64_t deadline = deadline_of(start, timeout);
   int first = 1;
   for (;;) {
     int slice = SLICE_MS;
@@ -1594,7 +1602,7 @@ static PyObject *Client_load_model(Client *self, PyObject *args, PyObject *kw) {
                     .threads = threads,
                     .device = dev,
                     .device_index = devindex};
-  int64_t deadline = mono_ms() + (int64_t)(wait * 1000.0 + 0.999);
+  int64_t deadline = deadline_of(mono_ms(), wait);
   td_load_result r;
   call x;
   int err, retried = 0;
@@ -1689,7 +1697,7 @@ static PyObject *Client_open_model(Client *self, PyObject *args, PyObject *kw) {
     return NULL;
   unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (lazy ? TD_LAZY : 0);
   int64_t start = mono_ms();
-  int64_t deadline = start + (int64_t)(timeout * 1000.0 + 0.999);
+  int64_t deadline = deadline_of(start, timeout);
   td_model *m = NULL;
   for (int first = 1;; first = 0) {
     int slice = SLICE_MS;
@@ -2983,7 +2991,7 @@ enum { W_EVENT, W_AGAIN, W_SIGNAL, W_TIMEOUT, W_CLOSED, W_ERROR };
  * limit); NULL with an exception when closed, on an error or a signal whose
  * handler raised. */
 static PyObject *watch_next(Watch *self, int forever, double timeout) {
-  int64_t deadline = mono_ms() + (int64_t)(timeout * 1000.0 + 0.999);
+  int64_t deadline = deadline_of(mono_ms(), timeout);
   char msg[1024] = "";
   int err;
   Py_BEGIN_ALLOW_THREADS

@@ -10,7 +10,6 @@ module it is stopped with SIGTERM, and no segment of it may be left.
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import gc
 import glob
 import os
@@ -25,13 +24,6 @@ from typing import Iterator, List, Optional
 import pytest
 
 import tensord
-
-# A run that outlives $TDT_PY_DUMP_AFTER seconds (ctest sets it short of the
-# test's timeout) prints every thread's stack and exits: a hang, in a test or
-# in a thread that keeps the interpreter from exiting, then says where it is
-# instead of ending as a bare timeout.
-if os.environ.get("TDT_PY_DUMP_AFTER"):
-    faulthandler.dump_traceback_later(int(os.environ["TDT_PY_DUMP_AFTER"]), exit=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(os.path.dirname(HERE))

@@ -882,6 +882,141 @@ def _sweep_regions(client, prefix: str, below: int) -> int:
     return gone
 
 
+def _plan(state_dict, what: str = "publish_state_dict") -> "tuple[dict, list]":
+    """The manifest entries of a state dict's tensors, by name, and the
+    regions (distinct storages) they lie in. Raises TypeError for anything
+    but a state dict or an nn.Module, or a value that cannot be packed."""
+    if isinstance(state_dict, torch.nn.Module):
+        state_dict = state_dict.state_dict()
+    elif not isinstance(state_dict, collections.abc.Mapping):
+        raise TypeError(
+            "%s wants a state dict (a mapping of names to tensors, as "
+            "module.state_dict() returns) or an nn.Module, not a %s"
+            % (what, type(state_dict).__name__)
+        )
+    regions: list = []  # _Region
+    region_of: dict = {}
+    tensors: dict = {}
+    for name, t in state_dict.items():
+        tensors[str(name)] = _region_of_entry(name, t, region_of, regions)
+    return tensors, regions
+
+
+class _Packing:
+    """Where each region of a state dict lies in its packed storage: a
+    16-byte header (_MAGIC, the manifest's length), the manifest (JSON),
+    then the regions on the CPU, each at an offset aligned to _ALIGN. A
+    region on a GPU (device "cuda...") lies in a storage of its own, which
+    the manifest names by key and storage id.
+
+    The layout depends only on the tensors and the regions' devices and
+    sizes, never on storage ids: it is laid out with placeholder ids of the
+    most digits an id has, so two daemons pack the same state dict at the
+    same offsets (tensord.distributed broadcasts the bytes after the
+    header as they are) and the real manifest always fits."""
+
+    def __init__(self, prefix: str, tensors: dict, specs: list) -> None:
+        self.prefix = prefix
+        self.tensors = tensors
+        self.specs = [(str(d), int(n)) for d, n in specs]  # (device, nbytes)
+        self.on_gpu = [i for i, (d, _) in enumerate(self.specs) if d != "cpu"]
+        need = 16
+        while True:
+            self.start = off = _align(need)
+            self.offsets: list = []
+            for d, n in self.specs:
+                if d != "cpu":
+                    self.offsets.append(None)
+                    continue
+                self.offsets.append(off)
+                off = _align(off + n)
+            self.total = off
+            text = self._manifest(_NO_ID, dict.fromkeys(self.on_gpu, _NO_ID))
+            if 16 + len(text) <= self.start:
+                return
+            need = 16 + len(text)
+
+    def _manifest(self, version: int, gpu_ids: dict) -> bytes:
+        placed = []
+        for i, (d, n) in enumerate(self.specs):
+            if d != "cpu":
+                placed.append({
+                    "device": "cuda",
+                    "key": _region_key(self.prefix, version, i),
+                    "storage_id": gpu_ids[i],
+                    "nbytes": n,
+                })
+            else:
+                placed.append({"offset": self.offsets[i], "nbytes": n})
+        manifest = {"tensors": self.tensors, "regions": placed}
+        return json.dumps(manifest, separators=(",", ":")).encode()
+
+    def header(self, version: int, gpu_ids: dict) -> bytes:
+        """The bytes before the first region: the header, the manifest of
+        version (the packed storage's id; gpu_ids: region index -> storage
+        id) and zeros up to self.start."""
+        text = self._manifest(version, gpu_ids)
+        head = _MAGIC + len(text).to_bytes(8, "little") + text
+        assert len(head) <= self.start  # real ids are no longer than _NO_ID
+        return head + bytes(self.start - len(head))
+
+    def fill(self, buf: torch.Tensor, regions: list) -> None:
+        """Copies the CPU regions (_Region) into buf, the packed storage
+        as uint8, zeroing the padding after each and the tail: every byte
+        from self.start on is set."""
+        with torch.no_grad():
+            for i, r in enumerate(regions):
+                o = self.offsets[i]
+                if o is None:
+                    continue
+                if r.nbytes:
+                    buf[o : o + r.nbytes].copy_(r.torch_bytes())
+                buf[o + r.nbytes : _align(o + r.nbytes)].zero_()
+            last = self.start
+            for i, o in enumerate(self.offsets):
+                if o is not None:
+                    last = _align(o + self.specs[i][1])
+            buf[last : self.total].zero_()
+
+
+def _switch(client, prefix: str, packed, gpu: dict) -> None:
+    """Publishes version packed of prefix (its header written): the GPU
+    regions' keys first, then the packed storage under prefix (the switch),
+    then sweeps older versions' region keys. On failure before the switch,
+    the region keys published are unpublished again."""
+    version = packed.storage_id
+    published: list = []
+    try:
+        for i in sorted(gpu):
+            client.publish(_region_key(prefix, version, i), gpu[i])
+            published.append(_region_key(prefix, version, i))
+        client.publish(prefix, packed)  # the switch
+        published.clear()
+    finally:
+        for k in published:  # a failure before the switch: nothing stays
+            try:
+                client.unpublish(k)
+            except tensord.Error:
+                pass
+    try:
+        _sweep_regions(client, prefix, version)
+    except tensord.Error as e:  # the switch is made; the next sweep retries
+        logging.getLogger("tensord").warning(
+            "publish_state_dict %r: sweeping old regions: %s", prefix, e
+        )
+
+
+def _check_prefix(prefix: str, nregions: int, what: str) -> None:
+    longest = _region_key(prefix, _NO_ID, nregions)
+    if len(longest.encode()) > tensord.KEY_MAX:
+        raise ValueError(
+            "%s: prefix %r of %d bytes leaves no room for its GPU regions' "
+            "keys (%s; a key has at most %d bytes)"
+            % (what, prefix, len(prefix.encode()), _region_key(prefix, 0, 0),
+               tensord.KEY_MAX)
+        )
+
+
 def publish_state_dict(
     client, prefix: str, state_dict: "Mapping[str, torch.Tensor] | torch.nn.Module"
 ) -> int:
@@ -907,101 +1042,30 @@ def publish_state_dict(
     the daemon (OutOfMemory, QuotaExceeded...); nothing new stays published
     on failure.
     """
-    if isinstance(state_dict, torch.nn.Module):
-        state_dict = state_dict.state_dict()
-    elif not isinstance(state_dict, collections.abc.Mapping):
-        raise TypeError(
-            "publish_state_dict wants a state dict (a mapping of names to "
-            "tensors, as module.state_dict() returns) or an nn.Module, not "
-            "a %s" % type(state_dict).__name__
-        )
-    regions: list = []  # _Region
-    region_of: dict = {}
-    tensors: dict = {}
-    for name, t in state_dict.items():
-        tensors[str(name)] = _region_of_entry(name, t, region_of, regions)
-    on_gpu = [i for i, r in enumerate(regions) if r.device.startswith("cuda")]
-    longest = _region_key(prefix, _NO_ID, len(regions))
-    if on_gpu and len(longest.encode()) > tensord.KEY_MAX:
-        raise ValueError(
-            "publish_state_dict: prefix %r of %d bytes leaves no room for its "
-            "GPU regions' keys (%s; a key has at most %d bytes)"
-            % (prefix, len(prefix.encode()), _region_key(prefix, 0, 0), tensord.KEY_MAX)
-        )
+    tensors, regions = _plan(state_dict)
+    packing = _Packing(prefix, tensors, [(r.device, r.nbytes) for r in regions])
+    if packing.on_gpu:
+        _check_prefix(prefix, len(regions), "publish_state_dict")
     gpu: dict = {}  # region index -> its daemon-owned GPU storage
-    published: list = []
     packed = None
     try:
-        # The packed storage first: its id names this version's region keys.
-        # Its size depends on the manifest, which depends on that id: so a
-        # placeholder id of the most digits an id can have while laying out.
-        placed: list = []
-        manifest = {"tensors": tensors, "regions": placed}
-
-        def lay_out(version: int) -> "tuple[int, int, bytes]":
-            need = 16
-            while True:
-                start = off = _align(need)
-                placed.clear()
-                for i, r in enumerate(regions):
-                    if i in gpu or (version and r.device != "cpu"):
-                        placed.append({
-                            "device": "cuda",
-                            "key": _region_key(prefix, version, i),
-                            "storage_id": gpu[i].storage_id if i in gpu else _NO_ID,
-                            "nbytes": r.nbytes,
-                        })
-                        continue
-                    placed.append({"offset": off, "nbytes": r.nbytes})
-                    off = _align(off + r.nbytes)
-                text = json.dumps(manifest, separators=(",", ":")).encode()
-                if 16 + len(text) <= start:
-                    return start, off, text
-                need = 16 + len(text)
-
-        start, total, _ = lay_out(_NO_ID)
-        packed = client.empty((total,), "uint8", uninit=True)
-        version = packed.storage_id
-        for i in on_gpu:
+        packed = client.empty((packing.total,), "uint8", uninit=True)
+        for i in packing.on_gpu:
             gpu[i] = _fill_cuda_region(client, regions[i])
-            client.publish(_region_key(prefix, version, i), gpu[i])
-            published.append(_region_key(prefix, version, i))
-        # The real ids are no longer than the placeholders: the layout fits.
-        start2, total2, text = lay_out(version)
-        assert total2 <= total and start2 <= start
-        header = bytearray(_MAGIC + len(text).to_bytes(8, "little") + text)
         buf = packed.torch()
-        buf[: len(header)].copy_(torch.frombuffer(header, dtype=torch.uint8))
-        buf[len(header) : start2].zero_()
-        with torch.no_grad():
-            for i, (r, pl) in enumerate(zip(regions, placed)):
-                if i in gpu:
-                    continue
-                o, n = pl["offset"], pl["nbytes"]
-                if n:
-                    buf[o : o + n].copy_(r.torch_bytes())
-                buf[o + n : _align(o + n)].zero_()
-            buf[total2:].zero_()
+        head = packing.header(
+            packed.storage_id, {i: g.storage_id for i, g in gpu.items()}
+        )
+        buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        packing.fill(buf, regions)
         del buf
-        client.publish(prefix, packed)  # the switch
-        published.clear()
+        _switch(client, prefix, packed, gpu)
+        return packed.storage_id
     finally:
-        for k in published:  # a failure before the switch: nothing stays
-            try:
-                client.unpublish(k)
-            except tensord.Error:
-                pass
         for st in gpu.values():
             st.release()
         if packed is not None:
             packed.release()
-    try:
-        _sweep_regions(client, prefix, version)
-    except tensord.Error as e:  # the switch is made; the next sweep retries
-        logging.getLogger("tensord").warning(
-            "publish_state_dict %r: sweeping old regions: %s", prefix, e
-        )
-    return version
 
 
 def _read_manifest(t) -> dict:

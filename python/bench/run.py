@@ -3,8 +3,8 @@
 
 Usage: /usr/bin/python3 python/bench/run.py [BUILD_DIR] [--quick]
 
-Runs bench_handoff.py, bench_dataloader.py, bench_weights.py and
-bench_models.py, each with its own private tensord from BUILD_DIR (default
+Runs bench_handoff.py, bench_dataloader.py, bench_weights.py,
+bench_models.py and bench_distributed.py, each with its own private tensord from BUILD_DIR (default
 build/): $TENSORD_BIN defaults to BUILD_DIR/daemon/tensord and the package comes
 from BUILD_DIR/python. Prints
 their tables and how long each took; exits non-zero if one failed.
@@ -22,7 +22,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-BENCHES = ["bench_handoff.py", "bench_dataloader.py", "bench_weights.py", "bench_models.py"]
+BENCHES = ["bench_handoff.py", "bench_dataloader.py", "bench_weights.py", "bench_models.py",
+           "bench_distributed.py"]
 
 
 def main(argv: list[str]) -> int:

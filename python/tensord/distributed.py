@@ -227,12 +227,12 @@ def _check_use(got: list, members: List[int], src: int, bucket: int) -> None:
     if not has[src]:
         raise ValueError(
             "broadcast_state_dict %r: rank %d is src and passed None: the "
-            "source rank passes its state dict" % (names[src], src))
+            "source rank passes its state dict (or path)" % (names[src], src))
     extra = sorted(r for r, h in has.items() if h and r != src)
     if extra:
         raise ValueError(
-            "broadcast_state_dict %r: rank%s %s passed a state dict, but only "
-            "src (rank %d) may: the others pass None" % (
+            "broadcast_state_dict %r: rank%s %s passed a state dict (or a "
+            "path), but only src (rank %d) may: the others pass None" % (
                 names[src], "s" if len(extra) > 1 else "",
                 ",".join(map(str, extra)), src))
     err = got[members.index(src)][2]
@@ -425,7 +425,7 @@ def broadcast_state_dict(
     doing); then nothing of the attempt stays in any tensord.
     """
     return _broadcast(state_dict, name, src, group, client, timeout,
-                      bucket_bytes, None, None)
+                      bucket_bytes, None, None, state_dict is not None)
 
 
 def _check_name(name: str, nregions: int) -> None:
@@ -439,7 +439,8 @@ def _check_name(name: str, nregions: int) -> None:
 
 
 def _broadcast(state_dict, name, src, group, client, timeout, bucket_bytes,
-               read_error: Optional[str], metadata: Optional[dict]):
+               read_error: Optional[str], metadata: Optional[dict],
+               passed: bool):
     nodes = _node_layout(group, client, timeout)
     me = dist.get_rank()
     members = _group_ranks(group)
@@ -462,8 +463,8 @@ def _broadcast(state_dict, name, src, group, client, timeout, bucket_bytes,
                 _check_name(name, len(regions))
         except (TypeError, ValueError) as e:
             err = (type(e).__name__, str(e))
-    got = _local_gather((name, state_dict is not None or read_error is not None,
-                         err, int(bucket_bytes)), group, len(members))
+    got = _local_gather((name, passed, err, int(bucket_bytes)), group,
+                        len(members))
     _check_use(got, members, src, int(bucket_bytes))
     spec = _local_bcast(spec, src, group)
 
@@ -520,34 +521,48 @@ def _lead(c, nodes: _Nodes, name: str, spec: dict, src: int, bucket: int,
     status: Tuple[str, Any] = ("failed", "")
     try:
         try:
+            err = None
             try:
                 L.make()
-                err = None
             except (tensord.Error, _Failed) as e:
                 err = "%s: its leader (rank %d) failed %s: %s" % (
                     where, me, L.phase, e)
             if nodes.node_of[src] == n:
-                if me == src:
+                # Every failure here becomes err, so that the leaders still
+                # agree below: the others hear the cause, not a timeout.
+                try:
+                    if me == src:
+                        if err is None:
+                            L.phase = "copying the state dict into its tensord"
+                            L.packing.fill(L.packed.torch(), regions)
+                            for i, g in L.gpu.items():
+                                with torch.no_grad():
+                                    d = g.torch()
+                                    d[: regions[i].nbytes].copy_(
+                                        regions[i].torch_bytes())
+                                    del d
+                            if L.gpu:
+                                torch.cuda.synchronize()
+                    else:
+                        L.phase = "waiting for rank %d to write the state dict" % src
+                        keys = None
+                        if err is None:
+                            try:
+                                keys = L.stage()
+                            except tensord.Error as e:
+                                err = "%s: its leader (rank %d) failed staging " \
+                                      "its storages: %s" % (where, me, e)
+                        _local_bcast(keys, me, local)
+                        errs = [e for e in _local_gather(None, local, size) if e]
+                        if err is None and errs:
+                            err = "%s: %s" % (where, errs[0])
+                        if L.scope is not None:
+                            c.scope_close(L.scope)
+                            L.scope = None
+                except (tensord.Error, RuntimeError) as e:
                     if err is None:
-                        L.phase = "copying the state dict into its tensord"
-                        L.packing.fill(L.packed.torch(), regions)
-                        for i, g in L.gpu.items():
-                            with torch.no_grad():
-                                d = g.torch()
-                                d[: regions[i].nbytes].copy_(regions[i].torch_bytes())
-                                del d
-                        if L.gpu:
-                            torch.cuda.synchronize()
-                else:
-                    L.phase = "waiting for rank %d to write the state dict" % src
-                    keys = L.stage() if err is None else None
-                    _local_bcast(keys, me, local)
-                    errs = [e for e in _local_gather(None, local, size) if e]
-                    if err is None and errs:
-                        err = "%s: %s" % (where, errs[0])
-                    if L.scope is not None:
-                        c.scope_close(L.scope)
-                        L.scope = None
+                        err = "%s: its leader (rank %d) failed %s: %s" % (
+                            where, me, L.phase, e)
             if len(nodes.leaders) > 1:
                 L.phase = "agreeing with the other leaders to start"
                 errs = [e for e in _local_gather(err, nodes.leaders_group,
@@ -701,4 +716,4 @@ def load_safetensors_distributed(
         except (OSError, ValueError) as e:  # every rank raises it
             err = "reading %s: %s" % (os.fspath(path), e)
     return _broadcast(sd, name, src, group, client, timeout, bucket_bytes,
-                      err, meta)
+                      err, meta, path is not None)

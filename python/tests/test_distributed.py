@@ -213,7 +213,7 @@ def test_wrong_use_gets_the_same_clear_error_everywhere(nodes, tmp_path):
     ok(res)
     for what, want in (
         ("src_none", "rank 0 is src and passed None"),
-        ("extra_dict", "rank 3 passed a state dict, but only src (rank 0) may"),
+        ("extra_dict", "rank 3 passed a state dict (or a path), but only src (rank 0) may"),
         ("names", "the ranks disagree on the name: rank 0 'w', rank 1 'w', "
                   "rank 2 'v', rank 3 'w'"),
         ("not_tensor", "TypeError: broadcast_state_dict 'w': rank 0's state "

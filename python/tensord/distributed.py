@@ -485,8 +485,9 @@ def _broadcast(state_dict, name, src, group, client, timeout, bucket_bytes,
                     try:
                         _fill_from(c, keys, _tt._Packing(name, spec["tensors"],
                                                          spec["regions"]), regions)
-                    except (tensord.Error, RuntimeError) as e:
-                        fill_err = "rank %d writing its state dict: %s" % (me, e)
+                    except Exception as e:  # noqa: BLE001 - the leader must hear it
+                        fill_err = "rank %d writing its state dict: %s: %s" % (
+                            me, type(e).__name__, e)
                 _local_gather(fill_err, local, len(nodes.nodes[n]))
             status = _local_bcast(None, leader, local)
         except RuntimeError as e:

@@ -3015,7 +3015,10 @@ static PyObject *watch_next(Watch *self, int forever, double timeout) {
       } else if (err != TD_ETIMEDOUT) {
         snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
       } else {
+        /* -1 is forever: a deadline already past waits not at all. */
         int64_t left = forever ? -1 : deadline - mono_ms();
+        if (!forever && left < 0)
+          left = 0;
         struct pollfd p[2] = {{.fd = td_watch_fd(self->w), .events = POLLIN},
                               {.fd = self->wake[0], .events = POLLIN}};
         int n = left == 0 ? 0
@@ -3031,7 +3034,7 @@ static PyObject *watch_next(Watch *self, int forever, double timeout) {
         } else if (p[1].revents) {
           what = W_CLOSED;
         } else if (n == 0) {
-          what = left < 0 || mono_ms() < deadline ? W_AGAIN : W_TIMEOUT;
+          what = forever || mono_ms() < deadline ? W_AGAIN : W_TIMEOUT;
         } else {
           what = W_AGAIN; /* bytes came: read them */
         }

@@ -67,6 +67,30 @@ def test_fileno_is_readable_when_events_came(client):
         w.close()
 
 
+def test_a_short_timeout_ends_even_when_a_millisecond_passes(client):
+    """next(timeout=0) and next(timeout=0.001) return None when nothing
+    came, also when the clock's millisecond ticks inside the call (which a
+    loaded machine makes likely; once that waited forever). A thread makes
+    the calls; if one blocks, close() ends it and the test fails."""
+    w = client.watch("quiet/")
+    out = {"n": 0}
+
+    def reader():
+        try:
+            for i in range(3000):
+                assert w.next(timeout=0 if i % 2 else 0.001) is None
+                out["n"] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["e"] = e
+
+    th = threading.Thread(target=reader)
+    th.start()
+    th.join(30)
+    w.close()
+    th.join(5)
+    assert "e" not in out and out["n"] == 3000, (out, "a short next() hung")
+
+
 def test_close_from_another_thread_wakes_a_blocked_next(client):
     w = client.watch("none/")
     out = {}

@@ -1,6 +1,6 @@
 /* fuzz_state.c: the libFuzzer target over --state-dir loading: the snapshot
  * and journal parser, adoption of recorded segments, and the sweep of
- * unnamed ones (td__state_open in daemon/state.c).
+ * unnamed ones (td__state_open in daemon/server/state.c).
  *
  * Each input (laid out as state_input.h says) becomes a state directory: a
  * snapshot and journals, and the segments their records name, some missing

@@ -1,4 +1,4 @@
-/* test_metrics.c: daemon/metrics.c: label values escaped as the text format
+/* test_metrics.c: daemon/server/metrics.c: label values escaped as the text format
  * wants, cut short only between escapes; latency buckets take their upper
  * bound (le is inclusive) and the rest goes to +Inf; counters show in the
  * rendered text. */

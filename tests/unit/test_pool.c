@@ -1,4 +1,4 @@
-/* test_pool.c: daemon/pool.c, the recycling pool's bookkeeping: a create is
+/* test_pool.c: daemon/engine/pool.c, the recycling pool's bookkeeping: a create is
  * served the smallest fit of its own uid and device, within twice its size;
  * hits and misses count what they should; entries leave oldest first and
  * come back where their age puts them. */

@@ -1,4 +1,4 @@
-/* test_registry.c: reference bookkeeping of daemon/registry.c, without any
+/* test_registry.c: reference bookkeeping of daemon/engine/registry.c, without any
  * I/O: storages live exactly while holders' and keys' references last. */
 #include "registry.h"
 

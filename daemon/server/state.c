@@ -9,6 +9,7 @@
 #include "state.h"
 
 #include "common.h"
+#include "journal.h"
 #include "log.h"
 #include "segment.h"
 #include "tensord.pb-c.h"
@@ -25,8 +26,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define REC_HDR 8
-#define REC_MAX (1u << 20)
 /* Compact when the journal outgrows the snapshot this many times over. */
 #define COMPACT_RATIO 4
 #define COMPACT_MIN (4u << 20)
@@ -77,7 +76,7 @@ struct td__state {
   deferred *dhead, *dtail;
   uint64_t journal_bytes, snapshot_bytes;
   int compacting;     /* a snapshot is being built, then written */
-  struct snap *csnap; /* being built, a slice per loop turn */
+  td__snap *csnap;    /* being built, a slice per loop turn */
   uv_idle_t *cidle;   /* drives the slices; freed by its close */
   uv_work_t cwork;
   uint8_t *cbuf; /* built: being written */
@@ -86,193 +85,6 @@ struct td__state {
   int cerr;
 };
 
-/* ---- records ---- */
-
-static uint32_t crc32c(const uint8_t *p, size_t n) {
-  static uint32_t table[256];
-  if (table[1] == 0) {
-    for (uint32_t i = 0; i < 256; i++) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; k++)
-        c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
-      table[i] = c;
-    }
-  }
-  uint32_t c = 0xffffffffu;
-  while (n--)
-    c = table[(c ^ *p++) & 0xff] ^ (c >> 8);
-  return c ^ 0xffffffffu;
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-         (uint32_t)p[3] << 24;
-}
-
-/* Appends r, framed, to *buf. Returns 0 or TD_ENOMEM. */
-static int append(uint8_t **buf, size_t *len, size_t *cap,
-                  const Tensord__StateRecord *r) {
-  size_t n = tensord__state_record__get_packed_size(r);
-  if (*len + REC_HDR + n > *cap) {
-    size_t c = *cap ? *cap : 4096;
-    while (c < *len + REC_HDR + n)
-      c *= 2;
-    uint8_t *p = realloc(*buf, c);
-    if (p == NULL)
-      return TD_ENOMEM;
-    *buf = p;
-    *cap = c;
-  }
-  uint8_t *p = *buf + *len;
-  tensord__state_record__pack(r, p + REC_HDR);
-  put32(p, (uint32_t)n);
-  put32(p + 4, crc32c(p + REC_HDR, n));
-  *len += REC_HDR + n;
-  return 0;
-}
-
-/* Fills m (and vm) with what brings key back: its storage, owner, view,
- * publisher. */
-static void key_record(const char *key, size_t len, const td__storage *s,
-                       uid_t publisher, const td_view *view,
-                       int64_t published_ms, Tensord__StateKey *m,
-                       Tensord__View *vm) {
-  tensord__state_key__init(m);
-  m->key.data = (uint8_t *)key;
-  m->key.len = len;
-  m->segment = (char *)s->name;
-  m->nbytes = s->nbytes;
-  m->owner_uid = s->owner.uid;
-  m->owner_gid = s->owner.gid;
-  m->owner_pid = s->owner.pid;
-  m->mode = s->mode;
-  m->created_unix_ms = s->created_ms;
-  m->published_unix_ms = published_ms;
-  m->publisher_uid = publisher;
-  m->publisher_known = 1;
-  td__view_to_msg(view, vm);
-  m->view = vm;
-}
-
-/* A snapshot being serialised: the records so far, and how far the walk
- * over storages (in id order) has come. */
-typedef struct snap {
-  uint8_t *buf;
-  size_t len, cap;
-  uint64_t after; /* the storages up to this id are in buf */
-  size_t nkeys;
-  unsigned slices;
-  char (*prefixes)[TD__PREFIX_MAX]; /* of adopted segments, seen so far */
-  size_t nprefixes;
-} snap;
-
-static void snap_free(snap *sn) {
-  if (sn == NULL)
-    return;
-  free(sn->buf);
-  free(sn->prefixes);
-  free(sn);
-}
-
-/* Starts a snapshot of generation gen: its generation and this instance's
- * prefix. Returns it, or NULL (no memory). */
-static snap *snap_begin(td__server *srv, uint64_t gen) {
-  snap *sn = calloc(1, sizeof(*sn));
-  if (sn == NULL)
-    return NULL;
-  Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  r.body_case = TENSORD__STATE_RECORD__BODY_GENERATION;
-  r.generation = gen;
-  int err = append(&sn->buf, &sn->len, &sn->cap, &r);
-  r.body_case = TENSORD__STATE_RECORD__BODY_PREFIX;
-  r.prefix = srv->prefix;
-  if (err == 0)
-    err = append(&sn->buf, &sn->len, &sn->cap, &r);
-  if (err < 0) {
-    snap_free(sn);
-    return NULL;
-  }
-  return sn;
-}
-
-/* Notes the prefix of s's segment if it is an adopted one not yet seen. */
-static int snap_prefix(td__server *srv, snap *sn, const td__storage *s) {
-  char p[TD__PREFIX_MAX];
-  if (td__segment_prefix(s->name, p) < 0 || strcmp(p, srv->prefix) == 0)
-    return 0;
-  for (size_t i = 0; i < sn->nprefixes; i++)
-    if (strcmp(sn->prefixes[i], p) == 0)
-      return 0;
-  char(*np)[TD__PREFIX_MAX] =
-      realloc(sn->prefixes, (sn->nprefixes + 1) * sizeof(*np));
-  if (np == NULL)
-    return TD_ENOMEM;
-  sn->prefixes = np;
-  memcpy(sn->prefixes[sn->nprefixes++], p, sizeof(p));
-  return 0;
-}
-
-/* Serialises the keys of the storages after sn->after, a whole storage at
- * a time, until at least max keys are in or no storage is left. Returns 1
- * when every storage is in (the prefixes of adopted segments then end the
- * snapshot), 0 if some are left, or TD_ENOMEM. */
-static int snap_keys(td__server *srv, snap *sn, size_t max) {
-  Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  size_t n = 0;
-  sn->slices++;
-  const td__storage *s = td__storage_after(&srv->reg, sn->after);
-  for (; s != NULL && n < max; s = s->next) {
-    if (s->keys != NULL && snap_prefix(srv, sn, s) < 0)
-      return TD_ENOMEM;
-    for (const td__key *k = s->keys; k != NULL; k = k->snext) {
-      /* Never journaled, gone at a restart: scoped keys, and keys of a
-       * GPU's storages (device memory dies with the daemon). */
-      if (k->scope != NULL || s->device != TD_CPU)
-        continue;
-      n++;
-      Tensord__StateKey m;
-      Tensord__View vm;
-      key_record(k->name, k->len, s, k->uid, &k->view, k->published_ms, &m,
-                 &vm);
-      r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
-      r.put = &m;
-      if (append(&sn->buf, &sn->len, &sn->cap, &r) < 0)
-        return TD_ENOMEM;
-    }
-    sn->after = s->id;
-  }
-  sn->nkeys += n;
-  if (s != NULL)
-    return 0;
-  r.body_case = TENSORD__STATE_RECORD__BODY_PREFIX;
-  for (size_t i = 0; i < sn->nprefixes; i++) {
-    r.prefix = sn->prefixes[i];
-    if (append(&sn->buf, &sn->len, &sn->cap, &r) < 0)
-      return TD_ENOMEM;
-  }
-  return 1;
-}
-
-/* Serialises every key and the prefixes in use as a snapshot of generation
- * gen, at once. Returns 0 or TD_ENOMEM. */
-static int snapshot_build(td__server *srv, uint64_t gen, uint8_t **out,
-                          size_t *outlen) {
-  snap *sn = snap_begin(srv, gen);
-  if (sn == NULL || snap_keys(srv, sn, SIZE_MAX) < 0) {
-    snap_free(sn);
-    return TD_ENOMEM;
-  }
-  *out = sn->buf;
-  *outlen = sn->len;
-  sn->buf = NULL;
-  snap_free(sn);
-  return 0;
-}
 
 static int write_all(int fd, const uint8_t *p, size_t n) {
   while (n > 0) {
@@ -377,167 +189,6 @@ static int slurp(int dirfd, const char *name, uint8_t **buf, size_t *len) {
   return 1;
 }
 
-/* The last put of one live key, in the order keys were first put. */
-typedef struct putent {
-  td__hnode node;
-  Tensord__StateRecord *r;
-  struct putent *prev, *next;
-} putent;
-
-/* A segment adopted during the load, by name. */
-typedef struct nameent {
-  td__hnode node;
-  td__storage *s;
-} nameent;
-
-/* What the records say, before any segment is looked at. */
-typedef struct loaded {
-  td__htab puts; /* putent by key */
-  putent *first, *last;
-  td__htab names; /* nameent by segment name */
-  char (*prefixes)[64];
-  size_t nprefixes;
-  uint64_t gen;
-  Tensord__StateRecord **all; /* every decoded record, to free */
-  size_t nall, allcap;
-} loaded;
-
-static int put_eq(const td__hnode *n, const void *key) {
-  const ProtobufCBinaryData *a =
-      &td__container_of(n, putent, node)->r->put->key;
-  const ProtobufCBinaryData *b = key;
-  /* An empty key's data is NULL: no memcmp on it. */
-  return a->len == b->len &&
-         (a->len == 0 || memcmp(a->data, b->data, a->len) == 0);
-}
-
-static putent *find_put(const loaded *l, const ProtobufCBinaryData *key) {
-  td__hnode *n =
-      td__htab_find(&l->puts, td__hash_bytes(key->data, key->len), put_eq, key);
-  return n ? td__container_of(n, putent, node) : NULL;
-}
-
-static int name_eq(const td__hnode *n, const void *key) {
-  return strcmp(td__container_of(n, nameent, node)->s->name, key) == 0;
-}
-
-static td__storage *find_name(const loaded *l, const char *name) {
-  td__hnode *n = td__htab_find(&l->names, td__hash_bytes(name, strlen(name)),
-                               name_eq, name);
-  return n ? td__container_of(n, nameent, node)->s : NULL;
-}
-
-static int keep(loaded *l, Tensord__StateRecord *r) {
-  if (l->nall == l->allcap) {
-    size_t cap = l->allcap ? l->allcap * 2 : 64;
-    void *p = realloc(l->all, cap * sizeof(*l->all));
-    if (p == NULL)
-      return TD_ENOMEM;
-    l->all = p;
-    l->allcap = cap;
-  }
-  l->all[l->nall++] = r;
-  return 0;
-}
-
-/* Applies the records in buf. Returns the bytes of whole, valid records: a
- * torn or corrupt tail (a crash mid-append) ends the replay there. */
-static size_t replay(loaded *l, const uint8_t *buf, size_t len,
-                     const char *name) {
-  size_t off = 0;
-  while (off + REC_HDR <= len) {
-    uint32_t n = get32(buf + off);
-    if (n > REC_MAX || off + REC_HDR + n > len ||
-        crc32c(buf + off + REC_HDR, n) != get32(buf + off + 4))
-      break;
-    Tensord__StateRecord *r =
-        tensord__state_record__unpack(NULL, n, buf + off + REC_HDR);
-    if (r == NULL || keep(l, r) < 0) {
-      if (r)
-        tensord__state_record__free_unpacked(r, NULL);
-      break;
-    }
-    off += REC_HDR + n;
-    switch (r->body_case) {
-    case TENSORD__STATE_RECORD__BODY_GENERATION:
-      l->gen = r->generation;
-      break;
-    case TENSORD__STATE_RECORD__BODY_PREFIX:
-      if (td__segment_prefix_valid(r->prefix)) {
-        void *p = realloc(l->prefixes, (l->nprefixes + 1) * 64);
-        if (p != NULL) {
-          l->prefixes = p;
-          snprintf(l->prefixes[l->nprefixes++], 64, "%s", r->prefix);
-        }
-      }
-      break;
-    case TENSORD__STATE_RECORD__BODY_PUT: {
-      putent *e = find_put(l, &r->put->key);
-      if (e != NULL) {
-        e->r = r;
-        break;
-      }
-      e = calloc(1, sizeof(*e));
-      const ProtobufCBinaryData *k = &r->put->key;
-      if (e == NULL || td__htab_insert(&l->puts, &e->node,
-                                       td__hash_bytes(k->data, k->len)) < 0) {
-        free(e);
-        break;
-      }
-      e->r = r;
-      e->prev = l->last;
-      if (l->last)
-        l->last->next = e;
-      else
-        l->first = e;
-      l->last = e;
-      break;
-    }
-    case TENSORD__STATE_RECORD__BODY_DEL: {
-      putent *e = find_put(l, &r->del);
-      if (e == NULL)
-        break;
-      td__htab_remove(&l->puts, &e->node);
-      if (e->prev)
-        e->prev->next = e->next;
-      else
-        l->first = e->next;
-      if (e->next)
-        e->next->prev = e->prev;
-      else
-        l->last = e->prev;
-      free(e);
-      break;
-    }
-    default:
-      break;
-    }
-  }
-  if (off < len)
-    td__warn("state: %s: %zu byte(s) after the last whole record ignored "
-             "(a write cut short by a crash)",
-             name, len - off);
-  return off;
-}
-
-static void loaded_free(loaded *l) {
-  for (putent *e = l->first, *next; e; e = next) {
-    next = e->next;
-    free(e);
-  }
-  td__htab_free(&l->puts);
-  for (size_t i = 0; i < l->names.nbuckets; i++) {
-    for (td__hnode *n = l->names.buckets[i], *next; n; n = next) {
-      next = n->next;
-      free(td__container_of(n, nameent, node));
-    }
-  }
-  td__htab_free(&l->names);
-  for (size_t i = 0; i < l->nall; i++)
-    tensord__state_record__free_unpacked(l->all[i], NULL);
-  free(l->all);
-  free(l->prefixes);
-}
 
 /* Serves the key recorded in m again: finds (or registers) its segment and
  * publishes the key. Returns 0, or a negative code with a warning: the
@@ -545,7 +196,7 @@ static void loaded_free(loaded *l) {
  * ran out. The key is then dropped, and a segment registered for it alone
  * is unregistered again (and swept, as nothing names it), its charge
  * given back. */
-static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
+static int adopt(td__server *srv, td__loaded *l, const Tensord__StateKey *m) {
   td__registry *reg = &srv->reg;
   char key[TD_KEY_MAX + 1], msg[256];
   size_t klen = m->key.len;
@@ -563,8 +214,8 @@ static int adopt(td__server *srv, loaded *l, const Tensord__StateKey *m) {
     td__warn("state: key '%s': recorded view is invalid; dropped", key);
     return TD_EINVAL;
   }
-  td__storage *s = find_name(l, m->segment);
-  nameent *ne = NULL;
+  td__storage *s = td__loaded_name(l, m->segment);
+  td__nameent *ne = NULL;
   int err;
   if (s == NULL) {
     td__segment_desc d;
@@ -647,11 +298,11 @@ nomem:
 }
 
 static int adopted(const char *name, void *arg) {
-  return find_name(arg, name) != NULL;
+  return td__loaded_name(arg, name) != NULL;
 }
 
 /* Unlinks every segment under the recorded prefixes that no key names. */
-static int sweep(const loaded *l) {
+static int sweep(const td__loaded *l) {
   int n = 0;
   for (size_t i = 0; i < l->nprefixes; i++) {
     int k = td__segments_unlink_prefix(l->prefixes[i] + 1, adopted, (void *)l);
@@ -667,7 +318,7 @@ static int sweep(const loaded *l) {
 static int fresh_start(td__state *st, uint64_t gen) {
   uint8_t *sbuf = NULL;
   size_t snaplen = 0;
-  int err = snapshot_build(st->srv, gen, &sbuf, &snaplen);
+  int err = td__snapshot_build(&st->srv->reg, st->srv->prefix, gen, &sbuf, &snaplen);
   if (err == 0)
     err = open_journal(st, gen);
   if (err == 0)
@@ -685,7 +336,7 @@ int td__state_open(td__server *srv, const char *dir) {
   st->srv = srv;
   st->dirfd = st->lockfd = st->jfd = -1;
   snprintf(st->dir, sizeof(st->dir), "%s", dir);
-  loaded l = {0};
+  td__loaded l = {0};
   int err;
   if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
     err = -errno;
@@ -716,7 +367,7 @@ int td__state_open(td__server *srv, const char *dir) {
     goto fail;
   }
   if (err > 0) {
-    replay(&l, buf, len, "snapshot");
+    td__replay(&l, buf, len, "snapshot");
     free(buf);
   }
   uint64_t gen = l.gen;
@@ -726,7 +377,7 @@ int td__state_open(td__server *srv, const char *dir) {
     err = slurp(st->dirfd, name, &buf, &len);
     if (err <= 0)
       break;
-    replay(&l, buf, len, name);
+    td__replay(&l, buf, len, name);
     free(buf);
   }
 
@@ -740,7 +391,7 @@ int td__state_open(td__server *srv, const char *dir) {
     snprintf(l.prefixes[l.nprefixes++], 64, "%s", srv->prev[i]);
   }
   size_t served = 0, dropped = 0;
-  for (putent *e = l.first; e; e = e->next) {
+  for (td__putent *e = l.first; e; e = e->next) {
     if (adopt(srv, &l, e->r->put) == 0)
       served++;
     else
@@ -758,7 +409,7 @@ int td__state_open(td__server *srv, const char *dir) {
     td__error("--state-dir %s: writing snapshot: %s", dir, td_strerror(err));
     goto fail;
   }
-  loaded_free(&l);
+  td__loaded_free(&l);
   /* The replayed records were freed under the storages adopted after them:
    * give that memory back rather than keep it for the daemon's life. */
   malloc_trim(0);
@@ -770,7 +421,7 @@ fail:
    * their segments stay for the next start, which serves them. */
   if (srv->reg.storages.count > 0)
     srv->keep_segments = 1;
-  loaded_free(&l);
+  td__loaded_free(&l);
   if (st->jfd >= 0)
     close(st->jfd);
   if (st->lockfd >= 0)
@@ -958,7 +609,7 @@ static void sync_start(td__state *st) {
 }
 
 static int log_record(td__state *st, const Tensord__StateRecord *r) {
-  if (append(&st->pending, &st->pending_len, &st->pending_cap, r) < 0) {
+  if (td__rec_append(&st->pending, &st->pending_len, &st->pending_cap, r) < 0) {
     td__error("state: out of memory recording a key change; refusing it");
     return TD_ENOMEM;
   }
@@ -974,7 +625,7 @@ int td__state_put(td__state *st, const char *key, size_t len,
   Tensord__StateKey m;
   Tensord__View vm;
   Tensord__StateRecord r = TENSORD__STATE_RECORD__INIT;
-  key_record(key, len, s, publisher, view, td__now_ms(), &m, &vm);
+  td__rec_key(key, len, s, publisher, view, td__now_ms(), &m, &vm);
   r.body_case = TENSORD__STATE_RECORD__BODY_PUT;
   r.put = &m;
   return log_record(st, &r);
@@ -1067,7 +718,7 @@ static void free_handle(uv_handle_t *h) {
 static void compact_build_end(td__state *st) {
   if (st->cidle != NULL)
     uv_idle_stop(st->cidle);
-  snap_free(st->csnap);
+  td__snap_free(st->csnap);
   st->csnap = NULL;
 }
 
@@ -1075,7 +726,7 @@ static void compact_build_end(td__state *st) {
  * thread pool. */
 static void compact_slice(td__state *st) {
   td__server *srv = st->srv;
-  int done = snap_keys(srv, st->csnap, COMPACT_SLICE_KEYS);
+  int done = td__snap_keys(&srv->reg, srv->prefix, st->csnap, COMPACT_SLICE_KEYS);
   if (done == 0) {
     if (st->cidle == NULL && (st->cidle = malloc(sizeof(*st->cidle))) != NULL) {
       uv_idle_init(srv->loop, st->cidle);
@@ -1085,7 +736,7 @@ static void compact_slice(td__state *st) {
       uv_idle_start(st->cidle, on_compact_idle);
       return;
     }
-    done = snap_keys(srv, st->csnap, SIZE_MAX); /* no handle: all now */
+    done = td__snap_keys(&srv->reg, srv->prefix, st->csnap, SIZE_MAX); /* no handle: all now */
   }
   if (done < 0) {
     td__error("state: no memory to build a snapshot in %s; journal.%llu "
@@ -1128,11 +779,11 @@ static void on_compact_idle(uv_idle_t *h) {
  * state of the end. */
 static void compact_start(td__state *st) {
   uint64_t gen = st->gen + 1;
-  snap *sn = snap_begin(st->srv, gen);
+  td__snap *sn = td__snap_begin(st->srv->prefix, gen);
   if (sn == NULL)
     return;
   if (open_journal(st, gen) < 0) {
-    snap_free(sn);
+    td__snap_free(sn);
     return;
   }
   st->csnap = sn;
@@ -1154,7 +805,7 @@ void td__state_close(td__state *st) {
   uint8_t *buf;
   size_t len;
   uint64_t gen = st->gen + 1;
-  if (snapshot_build(st->srv, gen, &buf, &len) == 0) {
+  if (td__snapshot_build(&st->srv->reg, st->srv->prefix, gen, &buf, &len) == 0) {
     int err = open_journal(st, gen);
     if (err == 0)
       err = snapshot_write(st->dirfd, buf, len, gen);

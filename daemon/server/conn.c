@@ -5,10 +5,7 @@
 #include "common.h"
 #include "events.h"
 #include "log.h"
-#include "ops.h"
 #include "server.h"
-#include "state.h"
-#include "upgrade.h"
 
 #include "tensord.pb-c.h"
 
@@ -319,7 +316,7 @@ static int process_frames(td__conn *c) {
     uint32_t nwaiters = c->nwaiters;
     c->req_ns = uv_hrtime();
     c->req_timed = 0;
-    int err = td__dispatch(c, req);
+    int err = srv->hooks.dispatch(c, req);
     if (c->nwaiters > nwaiters)
       srv->metrics.lookup_waits++;
     else if (!c->req_timed)
@@ -581,9 +578,7 @@ void td__conn_close(td__conn *c, const char *why) {
   }
   if (srv->current == c)
     srv->current = NULL; /* what its close frees was not its request's */
-  td__ops_conn_gone(c);
-  td__state_conn_gone(srv->state, c);
-  td__upgrade_conn_gone(c);
+  srv->hooks.conn_gone(c);
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
     c->nhandles++;
   td__wire_free(&c->wire);

@@ -3,7 +3,7 @@
 #include "common.h"
 #include "cudastore.h"
 #include "log.h"
-#include "server.h"
+#include "start.h"
 #include "upgrade.h"
 
 #include <errno.h>

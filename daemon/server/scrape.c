@@ -8,6 +8,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "server.h"
+#include "sock.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -431,3 +431,12 @@ int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep,
   }
   return total;
 }
+
+/* The pool's ageing timer: unlinks what was idle too long, and waits for
+ * the next. */
+void td__server_pool_tick(uv_timer_t *t) {
+  td__server *srv = td__container_of(t, td__server, pool_timer);
+  int64_t due = td__pool_age(srv, td__now_ms());
+  if (due >= 0 && !srv->stopping)
+    uv_timer_start(t, td__server_pool_tick, due < 10 ? 10 : (uint64_t)due, 0);
+}

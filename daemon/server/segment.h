@@ -73,6 +73,9 @@ int td__segment_recycle(td__server *srv, td__storage *s);
  * uid ever had an fd on it. */
 int td__segment_pool(td__server *srv, td_device device, const char *name,
                      uint64_t nbytes, uid_t uid);
+/* The pool's ageing timer (srv->pool_timer): unlinks what was idle too
+ * long, and waits for the next. */
+void td__server_pool_tick(uv_timer_t *t);
 /* Unlinks every pooled segment (a stop). */
 void td__pool_drain(td__server *srv);
 /* Unlinks the pooled segments idle for longer than the pool's idle_ms, and

@@ -4,7 +4,6 @@
 #define TD_DAEMON_SERVER_H
 
 #include "backend.h"
-#include "conn.h"
 #include "metrics.h"
 #include "pool.h"
 #include "registry.h"
@@ -28,9 +27,26 @@
 
 typedef struct td__state td__state;     /* state.c */
 typedef struct td__upgrade td__upgrade; /* upgrade.c */
+typedef struct td__conn td__conn;       /* conn.c */
+typedef struct td__drain td__drain;     /* drain.c */
+struct Tensord__Request;
+
+/* What connections and thread-pool jobs call up into, set by
+ * td__server_init (start.c): so that they include no header of the files
+ * above them (tests/layers allows no circle of more than 3 files). */
+typedef struct td__hooks {
+  /* Handles one request (ops.c): 0, or a protocol error's code. */
+  int (*dispatch)(td__conn *c, struct Tensord__Request *req);
+  /* c is closing: its waiters, creates, held replies and part in an
+   * upgrade are forgotten. */
+  void (*conn_gone)(td__conn *c);
+  /* The last thread-pool job a stop waited for is done. */
+  void (*stopped)(td__server *srv);
+} td__hooks;
 
 struct td__server {
   uv_loop_t *loop;
+  td__hooks hooks;
   td__registry reg;
   int listen_fd;
   int own_socket; /* we bound it: unlink at exit */
@@ -111,58 +127,13 @@ typedef struct td__options {
   const char *binary;       /* the executable's path, resolved at start */
 } td__options;
 
-/* Makes the directory of path, a Unix socket tensord is about to bind, if
- * it is missing (mode 0700), then checks it and every directory above it:
- * each must belong to tensord's user or root and be writable by no one else
- * unless it is sticky, or whoever owns or may write it could replace the
- * socket. sock names the socket ("socket", "metrics socket") and opt the
- * option that chose it ("--socket", "--metrics"), for the messages. Returns
- * 0, or a negative code after logging why. */
-int td__socket_dir(const char *path, const char *sock, const char *opt);
-/* Returns a new Unix stream socket (non-blocking, close-on-exec) bound to
- * path, which has mode from the moment it exists (the umask is set around
- * bind: call it before the loop runs, while no other thread may look), or
- * -errno (TD_ENAMETOOLONG for a path too long) with nothing left open. The
- * caller owns the fd. */
-int td__socket_bind(const char *path, mode_t mode);
-/* Sets srv up without a socket: for tests and the fuzz target, which hand
- * it connections with td__conn_accept. */
-void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o);
-/* td__server_init, then listens (or adopts LISTEN_FDS), loads --state-dir
- * and signals readiness. */
-int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o);
-/* Polls the listening socket and sets up the timers, checks and signal
- * handlers of a serving daemon (td__server_start, or a live upgrade taking
- * over). */
-void td__server_listen(td__server *srv);
-/* Starts (on) or stops accepting new clients: a stop leaves them waiting in
- * the listening socket's backlog. */
-void td__server_accepting(td__server *srv, int on);
-/* Tells systemd (or whoever set NOTIFY_SOCKET) state, with MAINPID=<our
- * pid>. */
-void td__server_notify(const char *state);
-/* The same with MAINPID=pid: a live upgrade's old daemon names its
- * successor before it exits, so that systemd never sees the service's main
- * process gone (it reads notifications before SIGCHLD). state may be "". */
-void td__server_notify_pid(const char *state, int pid);
-/* After the loop has ended: without --state-dir, a last sweep of the
- * instance's segments; with it, nothing (the next start sweeps). */
-void td__server_finish(td__server *srv);
-/* Stops accepting and closes every client at once, dropping what they held
- * (and what closed clients still held, see drain.h) now. Then, once no job is
- * left on the thread pool (a journal sync or a compaction would use the
- * state, a create the registry), writes the final snapshot of --state-dir
- * and frees every storage: at once if none is in flight, else from the
- * td__work_done of the last one (srv->stopped says when). Storages that
- * keys name keep their segments with --state-dir; every other segment is
- * unlinked. */
-void td__server_stop(td__server *srv);
-/* The pool's ageing timer: unlinks what was idle too long, and waits for
- * the next. */
-void td__server_pool_tick(uv_timer_t *t);
 /* Every thread-pool job's completion callback ends with this, after
  * whatever it queued in turn: it counts the job out of srv->pending_work
  * and finishes a stop that was waiting for it. */
-void td__work_done(td__server *srv);
+static inline void td__work_done(td__server *srv) {
+  srv->pending_work--;
+  if (srv->stopping && !srv->stopped && srv->pending_work == 0)
+    srv->hooks.stopped(srv);
+}
 
 #endif /* TD_DAEMON_SERVER_H */

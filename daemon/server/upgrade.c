@@ -20,6 +20,7 @@
 #include "registry.h"
 #include "scrape.h"
 #include "segment.h"
+#include "start.h"
 #include "state.h"
 #include "viewmsg.h"
 #include "waitq.h"
@@ -1867,6 +1868,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
 
   memset(srv, 0, sizeof(*srv));
   srv->loop = loop;
+  srv->hooks = td__serving;
   srv->listen_fd = -1;
   srv->argv = o->argv;
   srv->binary = o->binary;

@@ -3,6 +3,7 @@
  * list, so that a publish, a timeout or a hang-up finds it at once. */
 #include "waitq.h"
 
+#include "conn.h"
 #include "log.h"
 #include "server.h"
 

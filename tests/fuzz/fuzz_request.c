@@ -20,7 +20,8 @@
 #include "common.h"
 #include "log.h"
 #include "segment.h"
-#include "server.h"
+#include "conn.h"
+#include "start.h"
 #include "fuzz_input.h"
 #include "oracle.h"
 

@@ -32,7 +32,8 @@
  * (fuzz_state_replay) that ctest runs over tests/fuzz/state_corpus. */
 #include "common.h"
 #include "log.h"
-#include "server.h"
+#include "conn.h"
+#include "start.h"
 #include "state.h"
 #include "state_input.h"
 #include "view_sure.h"

@@ -3,7 +3,8 @@
  * bound (le is inclusive) and the rest goes to +Inf; counters show in the
  * rendered text. */
 #include "metrics.h"
-#include "server.h"
+#include "conn.h"
+#include "start.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>

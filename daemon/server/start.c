@@ -1,11 +1,14 @@
-/* server.c: the listening socket (bound or inherited from systemd), accepting
+/* start.c: the listening socket (bound or inherited from systemd), accepting
  * clients, readiness notification, and orderly shutdown. */
-#include "server.h"
+#include "start.h"
 
 #include "common.h"
+#include "conn.h"
 #include "drain.h"
 #include "log.h"
+#include "ops.h"
 #include "segment.h"
+#include "sock.h"
 #include "state.h"
 #include "upgrade.h"
 
@@ -28,6 +31,7 @@
 #define ACCEPT_RETRY_MS 100
 
 static void on_accept(uv_poll_t *h, int status, int events);
+static void stop_finish(td__server *srv);
 
 static void accept_resume(uv_timer_t *t) {
   td__server *srv = td__container_of(t, td__server, accept_timer);
@@ -69,127 +73,6 @@ void td__server_accepting(td__server *srv, int on) {
     uv_poll_stop(&srv->listen_poll);
     uv_timer_stop(&srv->accept_timer);
   }
-}
-
-/* Names uid for a message: "uid 1000 (alice)", or "uid 1000". */
-static const char *uid_name(uid_t uid, char *buf, size_t len) {
-  const struct passwd *pw = getpwuid(uid);
-  if (pw != NULL)
-    snprintf(buf, len, "uid %u (%s)", (unsigned)uid, pw->pw_name);
-  else
-    snprintf(buf, len, "uid %u", (unsigned)uid);
-  return buf;
-}
-
-/* Checks one directory on a socket's path: it must belong to tensord's user
- * or root, and be writable by no one else unless it is sticky (as /tmp is:
- * there others cannot remove or rename what is ours). Anyone else who owns
- * or may write it could replace the socket with their own: the main one, to
- * serve tensord's clients memory they control; --metrics', to answer its
- * scrapers. what says which directory it is, sock which socket and opt the
- * option that chose it. Returns 0 or TD_EACCES, after logging. */
-static int check_dir(const char *dir, const char *what, const char *sock,
-                     const char *opt) {
-  struct stat st;
-  char who[96], me[96], ok[128];
-  if (geteuid() == 0)
-    snprintf(ok, sizeof(ok), "root, tensord's user");
-  else
-    snprintf(ok, sizeof(ok), "tensord's %s or root",
-             uid_name(geteuid(), me, sizeof(me)));
-  if (lstat(dir, &st) == 0 && S_ISLNK(st.st_mode) && st.st_uid != 0 &&
-      st.st_uid != geteuid()) {
-    td__error("%s %s is a symbolic link owned by %s, not by %s: whoever owns "
-              "it could point it elsewhere; refusing it (remove it, or "
-              "choose another %s)",
-              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok, opt);
-    return TD_EACCES;
-  }
-  if (stat(dir, &st) < 0) {
-    int err = -errno;
-    td__error("%s %s: %s", what, dir, strerror(errno));
-    return err;
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    td__error("%s %s is not a directory", what, dir);
-    return TD_EACCES;
-  }
-  if (st.st_uid != 0 && st.st_uid != geteuid()) {
-    td__error("%s %s is owned by %s, not by %s: whoever owns it could "
-              "replace the %s; refusing it (remove it, or choose "
-              "another %s)",
-              what, dir, uid_name(st.st_uid, who, sizeof(who)), ok, sock, opt);
-    return TD_EACCES;
-  }
-  if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)) {
-    td__error("%s %s, owned by %s, has mode %04o: others may write it and "
-              "could replace the %s; refusing it (chmod go-w it, or "
-              "choose another %s)",
-              what, dir, uid_name(st.st_uid, who, sizeof(who)),
-              (unsigned)(st.st_mode & 07777), sock, opt);
-    return TD_EACCES;
-  }
-  return 0;
-}
-
-int td__socket_dir(const char *path, const char *sock, const char *opt) {
-  char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
-  char what[64], above[64];
-  snprintf(what, sizeof(what), "%s directory", sock);
-  snprintf(above, sizeof(above), "directory above the %s", sock);
-  snprintf(dir, sizeof(dir), "%s", path);
-  char *slash = strrchr(dir, '/');
-  if (slash == NULL) /* relative to the working directory */
-    snprintf(dir, sizeof(dir), ".");
-  else if (slash == dir)
-    dir[1] = '\0'; /* "/" */
-  else
-    *slash = '\0';
-  if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-    int err = -errno;
-    td__error("cannot create %s %s: %s", what, dir, strerror(errno));
-    return err;
-  }
-  int err = check_dir(dir, what, sock, opt);
-  if (err < 0)
-    return err;
-  char real[PATH_MAX];
-  if (realpath(dir, real) == NULL) {
-    err = -errno;
-    td__error("%s %s: %s", what, dir, strerror(errno));
-    return err;
-  }
-  for (char *end = strrchr(real, '/'); end != NULL; end = strrchr(real, '/')) {
-    if (end == real) /* the root, last */
-      return check_dir("/", above, sock, opt);
-    *end = '\0';
-    if ((err = check_dir(real, above, sock, opt)) < 0)
-      return err;
-  }
-  return 0;
-}
-
-int td__socket_bind(const char *path, mode_t mode) {
-  struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  if (strlen(path) >= sizeof(sa.sun_path))
-    return TD_ENAMETOOLONG;
-  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return -errno;
-  /* bind() makes the socket 0777 less the umask: with the umask that leaves
-   * mode, the socket has its mode from the moment it exists, whatever the
-   * umask was (under 022 others could not connect, lacking the write bit,
-   * but the mode would say 0755), and no chmod follows the path after. */
-  mode_t was = umask((mode_t)(~mode & 0777));
-  int bound = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
-  umask(was);
-  if (bound < 0) {
-    int err = -errno;
-    close(fd);
-    return err;
-  }
-  return fd;
 }
 
 /* Unlinks path if it is a socket nobody listens on. */
@@ -361,7 +244,7 @@ static void warn_unreachable(const char *path, mode_t mode, gid_t gid) {
                "socket's group and chmod g+x)",
                (unsigned)mode, oth ? "everyone" : "the socket's group", path,
                at, (unsigned)(st.st_mode & 07777),
-               uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid, at);
+               td__uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid, at);
       return;
     }
   }
@@ -480,9 +363,19 @@ static void record_instance(td__server *srv) {
   }
 }
 
+/* hooks.conn_gone. */
+static void conn_gone(td__conn *c) {
+  td__ops_conn_gone(c);
+  td__state_conn_gone(c->srv->state, c);
+  td__upgrade_conn_gone(c);
+}
+
+const td__hooks td__serving = {td__dispatch, conn_gone, stop_finish};
+
 void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   memset(srv, 0, sizeof(*srv));
   srv->loop = loop;
+  srv->hooks = td__serving;
   srv->listen_fd = -1;
   srv->start_ms = td__now_ms();
   td__waits_init(&srv->waits);
@@ -539,13 +432,6 @@ void td__server_listen(td__server *srv) {
   srv->sigint.data = srv->sigterm.data = srv;
   uv_signal_start(&srv->sigint, on_signal, SIGINT);
   uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
-}
-
-void td__server_pool_tick(uv_timer_t *t) {
-  td__server *srv = td__container_of(t, td__server, pool_timer);
-  int64_t due = td__pool_age(srv, td__now_ms());
-  if (due >= 0 && !srv->stopping)
-    uv_timer_start(t, td__server_pool_tick, due < 10 ? 10 : (uint64_t)due, 0);
 }
 
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
@@ -690,12 +576,6 @@ void td__server_stop(td__server *srv) {
     return;
   }
   stop_finish(srv);
-}
-
-void td__work_done(td__server *srv) {
-  srv->pending_work--;
-  if (srv->stopping && !srv->stopped && srv->pending_work == 0)
-    stop_finish(srv);
 }
 
 void td__server_finish(td__server *srv) {

@@ -925,21 +925,27 @@ out:
   return err;
 }
 
+/* Answers Upgrade request seq on c with fd (or -1), and the new tensord's
+ * pid and version once it has taken over (0 and "" before). */
+static void reply(const td__upgrade *u, td__conn *c, uint64_t seq, int fd) {
+  Tensord__UpgradeReply m = TENSORD__UPGRADE_REPLY__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  m.old_pid = (int32_t)getpid();
+  m.new_pid = u->new_pid;
+  m.old_version = (char *)TD_VERSION_STRING;
+  m.new_version = (char *)u->new_version;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
+  r.upgrade = &m;
+  td__conn_send(c, &r, fd);
+}
+
 /* Answers tensorctl upgrade, as well as the socket takes it, and exits. */
 static void exit_handed_over(td__upgrade *u) {
   td__conn *c = u->asker;
   if (c != NULL && !c->closing) {
-    Tensord__UpgradeReply m = TENSORD__UPGRADE_REPLY__INIT;
-    Tensord__Response r = TENSORD__RESPONSE__INIT;
-    m.old_pid = (int32_t)getpid();
-    m.new_pid = u->new_pid;
-    m.old_version = (char *)TD_VERSION_STRING;
-    m.new_version = u->new_version;
-    r.seq = u->asker_seq;
-    r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
-    r.upgrade = &m;
     c->in_batch = 1; /* queue only */
-    td__conn_send(c, &r, -1);
+    reply(u, c, u->asker_seq, -1);
     for (int i = 0; i < 100 && td__wire_pending(&c->wire) > 0; i++) {
       if (td__wire_flush(&c->wire, MSG_DONTWAIT) != TD_EAGAIN)
         break;
@@ -1013,6 +1019,21 @@ static int may_upgrade(td__conn *c, uint64_t seq) {
   return 0;
 }
 
+/* Returns argv without --upgrade, then extra, in an array to free (the
+ * strings are argv's), or NULL. */
+static char **without_upgrade(char *const *argv, char *extra) {
+  size_t n = 0, j = 0;
+  while (argv[n] != NULL)
+    n++;
+  char **args = calloc(n + 2, sizeof(char *));
+  for (size_t i = 0; args != NULL && i < n; i++)
+    if (strcmp(argv[i], "--upgrade") != 0)
+      args[j++] = argv[i];
+  if (args != NULL)
+    args[j] = extra;
+  return args;
+}
+
 static void on_proc_closed(uv_handle_t *h) {
   free(h);
 }
@@ -1023,17 +1044,15 @@ static void on_child_exit(uv_process_t *p, int64_t status, int signum) {
   if (u != NULL && u->proc == p) {
     u->proc = NULL;
     if (u->fd < 0) { /* it never asked for the channel */
-      char msg[512];
+      char msg[512], how[64];
       if (signum)
-        snprintf(msg, sizeof(msg),
-                 "the new tensord (pid %d, %s) was killed by signal %d "
-                 "before the handover began",
-                 u->child_pid, u->binary, signum);
+        snprintf(how, sizeof(how), "was killed by signal %d", signum);
       else
-        snprintf(msg, sizeof(msg),
-                 "the new tensord (pid %d, %s) exited with status %lld "
-                 "before the handover began",
-                 u->child_pid, u->binary, (long long)status);
+        snprintf(how, sizeof(how), "exited with status %lld",
+                 (long long)status);
+      snprintf(msg, sizeof(msg),
+               "the new tensord (pid %d, %s) %s before the handover began",
+               u->child_pid, u->binary, how);
       td__warn("upgrade: %s; serving on", msg);
       fail_asker(u, TD_EIO, msg);
       upgrade_free(u);
@@ -1051,10 +1070,7 @@ static int spawn_new(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
     return td__conn_error(c, seq, TD_EINVAL,
                           "upgrade: this tensord does not know the binary it "
                           "was started from; give one (--binary)");
-  size_t n = 0;
-  while (srv->argv[n] != NULL)
-    n++;
-  char **args = calloc(n + 2, sizeof(char *));
+  char **args = without_upgrade(srv->argv, "--upgrade");
   td__upgrade *u = calloc(1, sizeof(*u));
   uv_process_t *p = calloc(1, sizeof(*p));
   if (args == NULL || u == NULL || p == NULL) {
@@ -1063,11 +1079,6 @@ static int spawn_new(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
     free(p);
     return td__conn_error(c, seq, TD_ENOMEM, "upgrade: out of memory");
   }
-  size_t j = 0;
-  for (size_t i = 0; i < n; i++)
-    if (strcmp(srv->argv[i], "--upgrade") != 0)
-      args[j++] = srv->argv[i];
-  args[j++] = "--upgrade";
   uv_stdio_container_t stdio[3];
   for (int i = 0; i < 3; i++) {
     stdio[i].flags = UV_INHERIT_FD;
@@ -1135,17 +1146,10 @@ int td__upgrade_request(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
   uv_check_init(srv->loop, &u->check);
   u->check_ready = 1;
   u->check.data = u;
-  Tensord__UpgradeReply rm = TENSORD__UPGRADE_REPLY__INIT;
-  Tensord__Response r = TENSORD__RESPONSE__INIT;
-  rm.old_pid = (int32_t)getpid();
-  rm.old_version = (char *)TD_VERSION_STRING;
-  r.seq = seq;
-  r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
-  r.upgrade = &rm;
   td__info("upgrade: tensord pid %d (handover version %u) takes over; "
            "quiescing",
            (int)m->pid, m->handover_version);
-  td__conn_send(c, &r, sv[1]);
+  reply(u, c, seq, sv[1]);
   /* Nothing more is read or accepted: requests wait in the kernel's
    * buffers for whichever daemon serves next. */
   srv->quiesced = 1;
@@ -1188,7 +1192,7 @@ typedef struct taking {
   td__server *srv;
   chan ch;
   td__conn **conns;
-  uint64_t *in_left, *out_left; /* ConnBytes still due per connection */
+  uint64_t (*left)[2]; /* ConnBytes due per connection: input, output */
   size_t nconns, cap;
   int dirfd, lockfd;
   uint64_t state_gen;
@@ -1314,13 +1318,10 @@ static int take_conn(taking *t, const Tensord__Handover__Conn *m) {
     td__conn **c = realloc(t->conns, cap * sizeof(*c));
     if (c != NULL)
       t->conns = c;
-    uint64_t *a = realloc(t->in_left, cap * sizeof(*a));
+    uint64_t(*a)[2] = realloc(t->left, cap * sizeof(*a));
     if (a != NULL)
-      t->in_left = a;
-    uint64_t *b = realloc(t->out_left, cap * sizeof(*b));
-    if (b != NULL)
-      t->out_left = b;
-    if (c == NULL || a == NULL || b == NULL)
+      t->left = a;
+    if (c == NULL || a == NULL)
       return fail(t, TD_ENOMEM, "out of memory");
     t->cap = cap;
   }
@@ -1355,8 +1356,8 @@ static int take_conn(taking *t, const Tensord__Handover__Conn *m) {
     c->watch_dropped = m->watch_dropped;
   }
   t->conns[t->nconns] = c;
-  t->in_left[t->nconns] = m->input_len;
-  t->out_left[t->nconns] = m->output_len;
+  t->left[t->nconns][0] = m->input_len;
+  t->left[t->nconns][1] = m->output_len;
   t->nconns++;
   td__wire *w = &c->wire;
   if (m->input_len > TD__FRAME_HDR + TD__FRAME_MAX ||
@@ -1390,7 +1391,7 @@ static int take_bytes(taking *t, const Tensord__Handover__ConnBytes *m) {
   if (m->conn >= t->nconns)
     return fail(t, TD_EPROTO, "bytes for connection %u of %zu", m->conn,
                 t->nconns);
-  uint64_t *left = m->output ? &t->out_left[m->conn] : &t->in_left[m->conn];
+  uint64_t *left = &t->left[m->conn][m->output != 0];
   if (m->data.len > *left)
     return fail(t, TD_EPROTO, "connection %u: more bytes than announced",
                 m->conn);
@@ -1532,7 +1533,7 @@ static int take_waiters(taking *t, const Tensord__Handover__Waiters *b) {
 static int take_end(taking *t, const Tensord__Handover__End *m) {
   td__server *srv = t->srv;
   for (size_t i = 0; i < t->nconns; i++)
-    if (t->in_left[i] || t->out_left[i])
+    if (t->left[i][0] || t->left[i][1])
       return fail(t, TD_EPROTO, "connection %zu: bytes missing", i);
   for (const td__storage *s = srv->reg.first; s != NULL; s = s->next)
     if (s->refs == 0)
@@ -1775,17 +1776,9 @@ static void wait_gone(pid_t pid) {
  * close-on-exec. */
 static void start_normally(const char *binary, char **argv, const char *why) {
   td__warn("upgrade: %s; starting normally instead", why);
-  size_t n = 0;
-  while (argv[n] != NULL)
-    n++;
-  char **args = calloc(n + 1, sizeof(char *));
-  if (args != NULL) {
-    size_t j = 0;
-    for (size_t i = 0; i < n; i++)
-      if (strcmp(argv[i], "--upgrade") != 0)
-        args[j++] = argv[i];
+  char **args = without_upgrade(argv, NULL);
+  if (args != NULL)
     execv(binary ? binary : "/proc/self/exe", args);
-  }
   td__error("upgrade: cannot start normally: %s", strerror(errno));
   _exit(1);
 }
@@ -1813,8 +1806,7 @@ static int broken_off(taking *t, char **argv, int err, pid_t old) {
    * the buffers of the taking itself go here, not lost with its frame. */
   chan_free(&t->ch);
   free(t->conns);
-  free(t->in_left);
-  free(t->out_left);
+  free(t->left);
   return 1;
 }
 
@@ -1835,16 +1827,22 @@ static int gave_up(taking *t, int err, const char *what) {
   return fail(t, err, "%s: %s", what, td_strerror(err));
 }
 
-/* Sets *err and t->msg for a packet p that came where one of kind want was
- * due (an Abort, or another), and frees it. */
-static void unexpected(taking *t, Packet *p, const char *want, int *err) {
-  if (p->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT) {
-    *err = fail(t, TD_ECANCELED, "%s", p->abort->message);
-  } else {
-    *err = fail(t, TD_EPROTO, "packet type %d came where %s was due",
-                (int)p->body_case, want);
-  }
-  tensord__handover__packet__free_unpacked(p, NULL);
+/* Receives the next packet into *p, of kind want (what names it). Returns
+ * 0, or a negative code with why in t->msg: TD_ECANCELED for an Abort,
+ * TD_EPROTO for another packet. */
+static int await(taking *t, int want, const char *what, Packet **p) {
+  int err = chan_recv(&t->ch, p);
+  if (err < 0)
+    return fail(t, err, "waiting for %s: %s", what, td_strerror(err));
+  if ((int)(*p)->body_case == want)
+    return 0;
+  if ((*p)->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT)
+    err = fail(t, TD_ECANCELED, "%s", (*p)->abort->message);
+  else
+    err = fail(t, TD_EPROTO, "packet type %d came where %s was due",
+               (int)(*p)->body_case, what);
+  tensord__handover__packet__free_unpacked(*p, NULL);
+  return err;
 }
 
 int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
@@ -1880,11 +1878,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
     return 1;
   }
   Packet *p = NULL;
-  int err = chan_recv(&t.ch, &p);
-  if (err < 0)
-    fail(&t, err, "waiting for Begin: %s", td_strerror(err));
-  else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_BEGIN)
-    unexpected(&t, p, "Begin", &err);
+  int err = await(&t, TENSORD__HANDOVER__PACKET__BODY_BEGIN, "Begin", &p);
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   const Tensord__Handover__Begin *b = p->begin;
@@ -1923,15 +1917,10 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   Tensord__Handover__Ready rd = TENSORD__HANDOVER__READY__INIT;
   err = send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_READY, &rd);
   stall("ready");
-  if (err < 0) {
+  if (err < 0)
     err = gave_up(&t, err, "sending Ready");
-  } else {
-    err = chan_recv(&t.ch, &p);
-    if (err < 0)
-      fail(&t, err, "waiting for Commit: %s", td_strerror(err));
-    else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT)
-      unexpected(&t, p, "Commit", &err);
-  }
+  else
+    err = await(&t, TENSORD__HANDOVER__PACKET__BODY_COMMIT, "Commit", &p);
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   tensord__handover__packet__free_unpacked(p, NULL);
@@ -1965,8 +1954,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   for (size_t i = 0; i < t.nconns; i++)
     td__conn_resume(t.conns[i]);
   free(t.conns);
-  free(t.in_left);
-  free(t.out_left);
+  free(t.left);
   if (t.has_state)
     td__state_adopt(srv, srv->state_dir, t.dirfd, t.lockfd, t.state_gen);
   if (t.metrics_fd >= 0)

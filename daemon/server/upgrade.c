@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "events.h"
+#include "handover.h"
 #include "log.h"
 #include "metrics.h"
 #include "registry.h"
@@ -22,7 +23,6 @@
 #include "segment.h"
 #include "start.h"
 #include "state.h"
-#include "viewmsg.h"
 #include "waitq.h"
 
 #include "handover.pb-c.h"
@@ -286,13 +286,12 @@ static int send_body(chan *ch, int body, void *m) {
 
 /* ---- the old side ---- */
 
-static td__conn *conn_of(const td__ref *ref) {
-  td__holdings *h = td__container_of(ref->peer, td__holdings, peer);
-  return td__container_of(h, td__conn, hold);
-}
-
 static int handed(const td__upgrade *u, const td__conn *c) {
   return c != u->channel && c != u->asker;
+}
+
+static uint32_t number_of(const td__holdings *h) {
+  return td__container_of(h, td__conn, hold)->hindex;
 }
 
 /* Where a refusal's message goes (tensorctl upgrade) and who logs it. */
@@ -334,15 +333,6 @@ static void resume(td__server *srv) {
     td__conn_resume(c);
   }
 }
-
-typedef struct sender {
-  chan *ch;
-  td__upgrade *u;
-  Tensord__Handover__Waiter *w;
-  Tensord__Handover__Waiter **wp;
-  size_t nw, wcap, wbytes;
-  uint64_t nwaiters;
-} sender;
 
 static int send_options(td__upgrade *u, chan *ch) {
   td__server *srv = u->srv;
@@ -492,225 +482,39 @@ static int send_conn(chan *ch, td__conn *c) {
   return err;
 }
 
-/* Sends every storage in id order, with its holders, in batches. */
-static int send_storages(chan *ch, td__server *srv, uint64_t *count) {
-  enum { MAX = 512 };
-  Tensord__Handover__Storage m[MAX];
-  Tensord__Handover__Storage *mp[MAX];
-  size_t n = 0, bytes = 0;
+/* Sends m, a message of one list (Storages, Pool, Scopes, Keys, Waiters), as
+ * packets of type body, a new one after each BATCH_BYTES of entries. */
+static int send_batches(chan *ch, int body, ProtobufCMessage *m) {
+  const ProtobufCFieldDescriptor *f = &m->descriptor->fields[0];
+  size_t *count = (size_t *)((char *)m + f->quantifier_offset);
+  void ***list = (void ***)((char *)m + f->offset);
+  size_t all = *count;
+  void **first = *list;
   int err = 0;
-  *count = 0;
-  for (td__storage *s = srv->reg.first;; s = s->next) {
-    if (s != NULL) {
-      Tensord__Handover__Storage *e = &m[n];
-      tensord__handover__storage__init(e);
-      e->id = s->id;
-      e->nbytes = s->nbytes;
-      e->device = (Tensord__Device)s->device;
-      e->refs = s->refs;
-      e->mode = s->mode;
-      e->foreign = s->foreign;
-      e->named = s->named;
-      e->owner_pid = s->owner.pid;
-      e->owner_uid = s->owner.uid;
-      e->owner_gid = s->owner.gid;
-      e->created_ms = s->created_ms;
-      e->name = s->name;
-      size_t nh = 0;
-      const td__ref *last = NULL;
-      for (const td__ref *r = s->holders; r != NULL; r = r->snext) {
-        nh++;
-        last = r;
-      }
-      if (nh > 0) {
-        /* One allocation: the pointers, then the messages. Listed last
-         * first: the new side prepends, as td__ref_add does. */
-        void *mem = malloc(nh * (sizeof(void *) + sizeof(**e->holders)));
-        if (mem == NULL) {
-          err = TD_ENOMEM;
-          break;
-        }
-        e->holders = mem;
-        Tensord__Handover__Holder *h =
-            (Tensord__Handover__Holder *)((void **)mem + nh);
-        size_t i = 0;
-        for (const td__ref *r = last; r != NULL; r = r->sprev, i++) {
-          tensord__handover__holder__init(&h[i]);
-          h[i].conn = conn_of(r)->hindex;
-          h[i].rw = r->rw;
-          h[i].ro = r->ro;
-          e->holders[i] = &h[i];
-        }
-        e->n_holders = nh;
-      }
-      mp[n++] = e;
-      bytes += 64 + strlen(s->name) + 16 * nh;
-      (*count)++;
-    }
-    if (n > 0 && (s == NULL || n == MAX || bytes > BATCH_BYTES)) {
-      Tensord__Handover__Storages b = TENSORD__HANDOVER__STORAGES__INIT;
-      b.n_storages = n;
-      b.storages = mp;
-      err = send_body(ch, TENSORD__HANDOVER__PACKET__BODY_STORAGES, &b);
-      for (size_t i = 0; i < n; i++)
-        free(m[i].holders);
-      n = bytes = 0;
-      if (err < 0)
-        break;
-    }
-    if (s == NULL)
-      break;
+  for (size_t i = 0, j; i < all && err == 0; i = j) {
+    size_t bytes = 0;
+    for (j = i; j < all && bytes < BATCH_BYTES; j++)
+      bytes += protobuf_c_message_get_packed_size(first[j]);
+    *count = j - i;
+    *list = first + i;
+    err = send_body(ch, body, m);
   }
-  for (size_t i = 0; i < n; i++)
-    free(m[i].holders);
+  *count = all;
+  *list = first;
   return err;
 }
 
-static int send_pool(chan *ch, td__server *srv) {
-  enum { MAX = 256 };
-  Tensord__Handover__Pooled m[MAX];
-  Tensord__Handover__Pooled *mp[MAX];
-  size_t n = 0;
-  for (td__pooled *e = srv->pool.oldest;; e = e->next) {
-    if (e != NULL) {
-      tensord__handover__pooled__init(&m[n]);
-      m[n].name = e->name;
-      m[n].uid = e->uid;
-      m[n].nbytes = e->nbytes;
-      m[n].since_ms = e->since_ms;
-      mp[n] = &m[n];
-      n++;
-    }
-    if (n > 0 && (e == NULL || n == MAX)) {
-      Tensord__Handover__Pool b = TENSORD__HANDOVER__POOL__INIT;
-      b.n_pooled = n;
-      b.pooled = mp;
-      int err = send_body(ch, TENSORD__HANDOVER__PACKET__BODY_POOL, &b);
-      if (err < 0)
-        return err;
-      n = 0;
-    }
-    if (e == NULL)
-      return 0;
-  }
-}
-
-static int send_scopes(chan *ch, td__upgrade *u, uint64_t *count) {
-  enum { MAX = 1024 };
-  Tensord__Handover__ScopeEntry m[MAX];
-  Tensord__Handover__ScopeEntry *mp[MAX];
-  size_t n = 0;
-  *count = 0;
-  td__conn *c = u->srv->conns;
-  const td__scope *sc = NULL;
-  for (;;) {
-    /* Each connection's scopes last first: the new side prepends. */
-    while (sc == NULL && c != NULL) {
-      if (handed(u, c))
-        for (sc = c->scopes; sc != NULL && sc->onext != NULL; sc = sc->onext)
-          ;
-      if (sc == NULL)
-        c = c->next;
-    }
-    if (sc != NULL) {
-      tensord__handover__scope_entry__init(&m[n]);
-      m[n].token = sc->token;
-      m[n].uid = sc->uid;
-      m[n].conn = c->hindex;
-      mp[n] = &m[n];
-      n++;
-      (*count)++;
-      sc = sc->oprev;
-      if (sc == NULL)
-        c = c->next;
-    }
-    if (n > 0 && (c == NULL || n == MAX)) {
-      Tensord__Handover__Scopes b = TENSORD__HANDOVER__SCOPES__INIT;
-      b.n_scopes = n;
-      b.scopes = mp;
-      int err = send_body(ch, TENSORD__HANDOVER__PACKET__BODY_SCOPES, &b);
-      if (err < 0)
-        return err;
-      n = 0;
-    }
-    if (c == NULL)
-      return 0;
-  }
-}
-
-/* Sends every key, each storage's last first (the new side prepends). */
-static int send_keys(chan *ch, td__server *srv, uint64_t *count) {
-  enum { MAX = 256 };
-  Tensord__Handover__Key m[MAX];
-  Tensord__Handover__Key *mp[MAX];
-  Tensord__View vm[MAX];
-  size_t n = 0, bytes = 0;
-  *count = 0;
-  const td__storage *s = srv->reg.first;
-  const td__key *k = NULL;
-  for (;;) {
-    while (k == NULL && s != NULL) {
-      for (k = s->keys; k != NULL && k->snext != NULL; k = k->snext)
-        ;
-      if (k == NULL)
-        s = s->next;
-    }
-    if (k != NULL) {
-      Tensord__Handover__Key *e = &m[n];
-      tensord__handover__key__init(e);
-      e->name.data = (uint8_t *)k->name;
-      e->name.len = k->len;
-      e->storage = s->id;
-      td__view_to_msg(&k->view, &vm[n]);
-      e->view = &vm[n];
-      e->uid = k->uid;
-      e->published_ms = k->published_ms;
-      e->scope = k->scope ? k->scope->token : 0;
-      if (k->has_event) {
-        e->event.data = (uint8_t *)k->event;
-        e->event.len = sizeof(k->event);
-      }
-      mp[n++] = e;
-      bytes += 96 + k->len + 16 * (size_t)k->view.ndim;
-      (*count)++;
-      k = k->sprev;
-      if (k == NULL)
-        s = s->next;
-    }
-    if (n > 0 && (s == NULL || n == MAX || bytes > BATCH_BYTES)) {
-      Tensord__Handover__Keys b = TENSORD__HANDOVER__KEYS__INIT;
-      b.n_keys = n;
-      b.keys = mp;
-      int err = send_body(ch, TENSORD__HANDOVER__PACKET__BODY_KEYS, &b);
-      if (err < 0)
-        return err;
-      n = bytes = 0;
-    }
-    if (s == NULL)
-      return 0;
-  }
-}
-
-static int flush_waiters(sender *sd) {
-  if (sd->nw == 0)
-    return 0;
-  for (size_t i = 0; i < sd->nw; i++)
-    sd->wp[i] = &sd->w[i];
-  Tensord__Handover__Waiters b = TENSORD__HANDOVER__WAITERS__INIT;
-  b.n_waiters = sd->nw;
-  b.waiters = sd->wp;
-  int err = send_body(sd->ch, TENSORD__HANDOVER__PACKET__BODY_WAITERS, &b);
-  sd->nw = sd->wbytes = 0;
-  return err;
-}
-
+/* Adds a waiter to Waiters arg, whose pointers to its messages are followed
+ * by room for one message per waiter of the server. */
 static int put_waiter(void *arg, td__conn *c, const char *key, size_t len,
                       const td__lookup_args *a, int32_t wait_ms,
                       int64_t deadline_ms) {
-  sender *sd = arg;
-  if (!handed(sd->u, c))
-    return 0; /* refused earlier: cannot happen */
-  Tensord__Handover__Waiter *e = &sd->w[sd->nw];
+  Tensord__Handover__Waiters *ws = arg;
+  size_t cap = c->srv->waits.count, i = ws->n_waiters;
+  if (!handed(c->srv->upgrade, c) || i == cap)
+    return 0; /* refused earlier, or not counted: cannot happen */
+  Tensord__Handover__Waiter *e =
+      (Tensord__Handover__Waiter *)(ws->waiters + cap) + i;
   tensord__handover__waiter__init(e);
   e->conn = c->hindex;
   e->key.data = (uint8_t *)key;
@@ -721,11 +525,7 @@ static int put_waiter(void *arg, td__conn *c, const char *key, size_t len,
   e->force_fd = a->force_fd;
   e->wait_ms = wait_ms;
   e->deadline_ms = deadline_ms;
-  sd->nw++;
-  sd->nwaiters++;
-  sd->wbytes += 48 + len;
-  if (sd->nw == sd->wcap || sd->wbytes > BATCH_BYTES)
-    return flush_waiters(sd);
+  ws->waiters[ws->n_waiters++] = e;
   return 0;
 }
 
@@ -796,9 +596,11 @@ static int send_failed(const chan *ch, int err, const char *what, char *msg,
 static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   td__server *srv = u->srv;
   chan ch;
-  sender sd = {0};
-  int err = chan_init(&ch, u->fd, -1);
+  td__handover_conn *hc = malloc((srv->nconns + 1) * sizeof(*hc));
+  Tensord__Handover__Waiters ws = TENSORD__HANDOVER__WAITERS__INIT;
+  int err = hc ? chan_init(&ch, u->fd, -1) : TD_ENOMEM;
   if (err < 0) {
+    free(hc);
     snprintf(msg, msglen, "out of memory");
     return err;
   }
@@ -847,34 +649,41 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   while (tail != NULL && tail->next != NULL)
     tail = tail->next;
   uint32_t index = 0;
-  for (td__conn *c = tail; c != NULL; c = c->prev)
-    c->hindex = handed(u, c) ? index++ : UINT32_MAX;
   for (td__conn *c = tail; c != NULL && err == 0; c = c->prev) {
+    c->hindex = UINT32_MAX;
     if (handed(u, c)) {
+      hc[index] = (td__handover_conn){&c->hold, c, &c->scopes, &c->nscopes};
+      c->hindex = index++;
       err = send_conn(&ch, c);
-      end.conns++;
     }
   }
-  if (err == 0)
-    err = send_storages(&ch, srv, &end.storages);
-  if (err == 0)
-    err = send_pool(&ch, srv);
-  end.pooled = srv->pool.count;
-  if (err == 0)
-    err = send_scopes(&ch, u, &end.scopes);
-  if (err == 0)
-    err = send_keys(&ch, srv, &end.keys);
+  end.conns = index;
+  td__handover h;
+  if (err == 0 && (err = td__handover_save(&srv->reg, &srv->pool, hc, index,
+                                           number_of, &h)) == 0) {
+    struct {
+      int body;
+      ProtobufCMessage *m;
+    } lists[] = {{TENSORD__HANDOVER__PACKET__BODY_STORAGES, &h.storages.base},
+                 {TENSORD__HANDOVER__PACKET__BODY_POOL, &h.pool.base},
+                 {TENSORD__HANDOVER__PACKET__BODY_SCOPES, &h.scopes.base},
+                 {TENSORD__HANDOVER__PACKET__BODY_KEYS, &h.keys.base}};
+    for (size_t i = 0; i < 4 && err == 0; i++)
+      err = send_batches(&ch, lists[i].body, lists[i].m);
+    end.storages = h.storages.n_storages;
+    end.pooled = h.pool.n_pooled;
+    end.scopes = h.scopes.n_scopes;
+    end.keys = h.keys.n_keys;
+    td__handover_free(&h);
+  }
   if (err == 0) {
-    sd.ch = &ch;
-    sd.u = u;
-    sd.wcap = 512;
-    sd.w = malloc(sd.wcap * sizeof(*sd.w));
-    sd.wp = malloc(sd.wcap * sizeof(*sd.wp));
-    err = sd.w && sd.wp ? td__waits_each(&srv->waits, put_waiter, &sd)
-                        : TD_ENOMEM;
+    ws.waiters =
+        malloc(srv->waits.count * (sizeof(void *) + sizeof(**ws.waiters)) + 1);
+    err = ws.waiters ? td__waits_each(&srv->waits, put_waiter, &ws) : TD_ENOMEM;
     if (err == 0)
-      err = flush_waiters(&sd);
-    end.waiters = sd.nwaiters;
+      err =
+          send_batches(&ch, TENSORD__HANDOVER__PACKET__BODY_WAITERS, &ws.base);
+    end.waiters = ws.n_waiters;
   }
   if (err == 0)
     err = send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_END, &end);
@@ -920,27 +729,33 @@ out:
     chan_deadline(&ch, 100);
     send_body(&ch, TENSORD__HANDOVER__PACKET__BODY_ABORT, &ab);
   }
-  free(sd.w);
-  free(sd.wp);
+  free(hc);
+  free(ws.waiters);
   chan_free(&ch);
   return err;
+}
+
+/* Answers Upgrade request seq on c with fd (or -1), and the new tensord's
+ * pid and version once it has taken over (0 and "" before). */
+static void reply(const td__upgrade *u, td__conn *c, uint64_t seq, int fd) {
+  Tensord__UpgradeReply m = TENSORD__UPGRADE_REPLY__INIT;
+  Tensord__Response r = TENSORD__RESPONSE__INIT;
+  m.old_pid = (int32_t)getpid();
+  m.new_pid = u->new_pid;
+  m.old_version = (char *)TD_VERSION_STRING;
+  m.new_version = (char *)u->new_version;
+  r.seq = seq;
+  r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
+  r.upgrade = &m;
+  td__conn_send(c, &r, fd);
 }
 
 /* Answers tensorctl upgrade, as well as the socket takes it, and exits. */
 static void exit_handed_over(td__upgrade *u) {
   td__conn *c = u->asker;
   if (c != NULL && !c->closing) {
-    Tensord__UpgradeReply m = TENSORD__UPGRADE_REPLY__INIT;
-    Tensord__Response r = TENSORD__RESPONSE__INIT;
-    m.old_pid = (int32_t)getpid();
-    m.new_pid = u->new_pid;
-    m.old_version = (char *)TD_VERSION_STRING;
-    m.new_version = u->new_version;
-    r.seq = u->asker_seq;
-    r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
-    r.upgrade = &m;
     c->in_batch = 1; /* queue only */
-    td__conn_send(c, &r, -1);
+    reply(u, c, u->asker_seq, -1);
     for (int i = 0; i < 100 && td__wire_pending(&c->wire) > 0; i++) {
       if (td__wire_flush(&c->wire, MSG_DONTWAIT) != TD_EAGAIN)
         break;
@@ -1014,6 +829,21 @@ static int may_upgrade(td__conn *c, uint64_t seq) {
   return 0;
 }
 
+/* Returns argv without --upgrade, then extra, in an array to free (the
+ * strings are argv's), or NULL. */
+static char **without_upgrade(char *const *argv, char *extra) {
+  size_t n = 0, j = 0;
+  while (argv[n] != NULL)
+    n++;
+  char **args = calloc(n + 2, sizeof(char *));
+  for (size_t i = 0; args != NULL && i < n; i++)
+    if (strcmp(argv[i], "--upgrade") != 0)
+      args[j++] = argv[i];
+  if (args != NULL)
+    args[j] = extra;
+  return args;
+}
+
 static void on_proc_closed(uv_handle_t *h) {
   free(h);
 }
@@ -1024,17 +854,15 @@ static void on_child_exit(uv_process_t *p, int64_t status, int signum) {
   if (u != NULL && u->proc == p) {
     u->proc = NULL;
     if (u->fd < 0) { /* it never asked for the channel */
-      char msg[512];
+      char msg[512], how[64];
       if (signum)
-        snprintf(msg, sizeof(msg),
-                 "the new tensord (pid %d, %s) was killed by signal %d "
-                 "before the handover began",
-                 u->child_pid, u->binary, signum);
+        snprintf(how, sizeof(how), "was killed by signal %d", signum);
       else
-        snprintf(msg, sizeof(msg),
-                 "the new tensord (pid %d, %s) exited with status %lld "
-                 "before the handover began",
-                 u->child_pid, u->binary, (long long)status);
+        snprintf(how, sizeof(how), "exited with status %lld",
+                 (long long)status);
+      snprintf(msg, sizeof(msg),
+               "the new tensord (pid %d, %s) %s before the handover began",
+               u->child_pid, u->binary, how);
       td__warn("upgrade: %s; serving on", msg);
       fail_asker(u, TD_EIO, msg);
       upgrade_free(u);
@@ -1052,10 +880,7 @@ static int spawn_new(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
     return td__conn_error(c, seq, TD_EINVAL,
                           "upgrade: this tensord does not know the binary it "
                           "was started from; give one (--binary)");
-  size_t n = 0;
-  while (srv->argv[n] != NULL)
-    n++;
-  char **args = calloc(n + 2, sizeof(char *));
+  char **args = without_upgrade(srv->argv, "--upgrade");
   td__upgrade *u = calloc(1, sizeof(*u));
   uv_process_t *p = calloc(1, sizeof(*p));
   if (args == NULL || u == NULL || p == NULL) {
@@ -1064,11 +889,6 @@ static int spawn_new(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
     free(p);
     return td__conn_error(c, seq, TD_ENOMEM, "upgrade: out of memory");
   }
-  size_t j = 0;
-  for (size_t i = 0; i < n; i++)
-    if (strcmp(srv->argv[i], "--upgrade") != 0)
-      args[j++] = srv->argv[i];
-  args[j++] = "--upgrade";
   uv_stdio_container_t stdio[3];
   for (int i = 0; i < 3; i++) {
     stdio[i].flags = UV_INHERIT_FD;
@@ -1136,17 +956,10 @@ int td__upgrade_request(td__conn *c, uint64_t seq, const Tensord__Upgrade *m) {
   uv_check_init(srv->loop, &u->check);
   u->check_ready = 1;
   u->check.data = u;
-  Tensord__UpgradeReply rm = TENSORD__UPGRADE_REPLY__INIT;
-  Tensord__Response r = TENSORD__RESPONSE__INIT;
-  rm.old_pid = (int32_t)getpid();
-  rm.old_version = (char *)TD_VERSION_STRING;
-  r.seq = seq;
-  r.body_case = TENSORD__RESPONSE__BODY_UPGRADE;
-  r.upgrade = &rm;
   td__info("upgrade: tensord pid %d (handover version %u) takes over; "
            "quiescing",
            (int)m->pid, m->handover_version);
-  td__conn_send(c, &r, sv[1]);
+  reply(u, c, seq, sv[1]);
   /* Nothing more is read or accepted: requests wait in the kernel's
    * buffers for whichever daemon serves next. */
   srv->quiesced = 1;
@@ -1188,8 +1001,8 @@ void td__upgrade_stop(td__server *srv) {
 typedef struct taking {
   td__server *srv;
   chan ch;
-  td__conn **conns;
-  uint64_t *in_left, *out_left; /* ConnBytes still due per connection */
+  td__handover_conn *conns; /* each owner is the td__conn */
+  uint64_t (*left)[2];      /* ConnBytes due per connection: input, output */
   size_t nconns, cap;
   int dirfd, lockfd;
   uint64_t state_gen;
@@ -1312,16 +1125,13 @@ static int take_conn(taking *t, const Tensord__Handover__Conn *m) {
                 t->nconns);
   if (t->nconns == t->cap) {
     size_t cap = t->cap ? t->cap * 2 : 64;
-    td__conn **c = realloc(t->conns, cap * sizeof(*c));
+    td__handover_conn *c = realloc(t->conns, cap * sizeof(*c));
     if (c != NULL)
       t->conns = c;
-    uint64_t *a = realloc(t->in_left, cap * sizeof(*a));
+    uint64_t(*a)[2] = realloc(t->left, cap * sizeof(*a));
     if (a != NULL)
-      t->in_left = a;
-    uint64_t *b = realloc(t->out_left, cap * sizeof(*b));
-    if (b != NULL)
-      t->out_left = b;
-    if (c == NULL || a == NULL || b == NULL)
+      t->left = a;
+    if (c == NULL || a == NULL)
       return fail(t, TD_ENOMEM, "out of memory");
     t->cap = cap;
   }
@@ -1355,9 +1165,10 @@ static int take_conn(taking *t, const Tensord__Handover__Conn *m) {
     td__watch_start(c, m->watch_seq, m->watch_prefix.data, m->watch_prefix.len);
     c->watch_dropped = m->watch_dropped;
   }
-  t->conns[t->nconns] = c;
-  t->in_left[t->nconns] = m->input_len;
-  t->out_left[t->nconns] = m->output_len;
+  t->conns[t->nconns] =
+      (td__handover_conn){&c->hold, c, &c->scopes, &c->nscopes};
+  t->left[t->nconns][0] = m->input_len;
+  t->left[t->nconns][1] = m->output_len;
   t->nconns++;
   td__wire *w = &c->wire;
   if (m->input_len > TD__FRAME_HDR + TD__FRAME_MAX ||
@@ -1391,11 +1202,11 @@ static int take_bytes(taking *t, const Tensord__Handover__ConnBytes *m) {
   if (m->conn >= t->nconns)
     return fail(t, TD_EPROTO, "bytes for connection %u of %zu", m->conn,
                 t->nconns);
-  uint64_t *left = m->output ? &t->out_left[m->conn] : &t->in_left[m->conn];
+  uint64_t *left = &t->left[m->conn][m->output != 0];
   if (m->data.len > *left)
     return fail(t, TD_EPROTO, "connection %u: more bytes than announced",
                 m->conn);
-  td__wire *w = &t->conns[m->conn]->wire;
+  td__wire *w = &((td__conn *)t->conns[m->conn].owner)->wire;
   if (m->output) {
     memcpy(w->out + w->out_len, m->data.data, m->data.len);
     w->out_len += m->data.len;
@@ -1407,113 +1218,6 @@ static int take_bytes(taking *t, const Tensord__Handover__ConnBytes *m) {
   return 0;
 }
 
-static int take_storages(taking *t, const Tensord__Handover__Storages *b) {
-  td__server *srv = t->srv;
-  for (size_t i = 0; i < b->n_storages; i++) {
-    const Tensord__Handover__Storage *m = b->storages[i];
-    td__storage *s = calloc(1, sizeof(*s));
-    if (s == NULL)
-      return fail(t, TD_ENOMEM, "out of memory");
-    s->id = m->id;
-    s->nbytes = m->nbytes;
-    s->device = (td_device)m->device;
-    s->mode = m->mode;
-    s->foreign = m->foreign;
-    s->named = m->named;
-    s->owner.pid = m->owner_pid;
-    s->owner.uid = m->owner_uid;
-    s->owner.gid = m->owner_gid;
-    s->created_ms = m->created_ms;
-    snprintf(s->name, sizeof(s->name), "%s", m->name);
-    char why[256];
-    td__charge(&srv->reg, s->owner.uid, td__host_bytes(s), 1, why, sizeof(why));
-    if (td__storage_insert(&srv->reg, s, NULL) < 0) {
-      td__credit(&srv->reg, s->owner.uid, td__host_bytes(s));
-      free(s);
-      return fail(t, TD_ENOMEM, "out of memory");
-    }
-    for (size_t j = 0; j < m->n_holders; j++) {
-      const Tensord__Handover__Holder *h = m->holders[j];
-      if (h->conn >= t->nconns)
-        return fail(t, TD_EPROTO, "storage %llu: held by connection %u of %zu",
-                    (unsigned long long)m->id, h->conn, t->nconns);
-      int err =
-          td__ref_restore(&srv->reg, &t->conns[h->conn]->hold, s, h->rw, h->ro);
-      if (err < 0)
-        return fail(t, err, "storage %llu: restoring references: %s",
-                    (unsigned long long)m->id, td_strerror(err));
-    }
-  }
-  return 0;
-}
-
-static int take_pool(taking *t, const Tensord__Handover__Pool *b) {
-  for (size_t i = 0; i < b->n_pooled; i++) {
-    td__pooled *e = calloc(1, sizeof(*e));
-    if (e == NULL)
-      return fail(t, TD_ENOMEM, "out of memory");
-    snprintf(e->name, sizeof(e->name), "%s", b->pooled[i]->name);
-    e->uid = b->pooled[i]->uid;
-    e->device = TD_CPU;
-    e->nbytes = b->pooled[i]->nbytes;
-    e->since_ms = b->pooled[i]->since_ms;
-    td__pool_put(&t->srv->pool, e);
-  }
-  return 0;
-}
-
-static int take_scopes(taking *t, const Tensord__Handover__Scopes *b) {
-  for (size_t i = 0; i < b->n_scopes; i++) {
-    const Tensord__Handover__ScopeEntry *m = b->scopes[i];
-    if (m->conn >= t->nconns)
-      return fail(t, TD_EPROTO, "scope of connection %u of %zu", m->conn,
-                  t->nconns);
-    td__conn *c = t->conns[m->conn];
-    td__scope *sc = NULL;
-    int err = td__scope_open(&t->srv->reg, m->token, m->uid, c, &sc);
-    if (err < 0)
-      return fail(t, err, "scope %016llx: %s", (unsigned long long)m->token,
-                  td_strerror(err));
-    sc->onext = c->scopes;
-    if (c->scopes != NULL)
-      c->scopes->oprev = sc;
-    c->scopes = sc;
-    c->nscopes++;
-  }
-  return 0;
-}
-
-static int take_keys(taking *t, const Tensord__Handover__Keys *b) {
-  td__registry *reg = &t->srv->reg;
-  for (size_t i = 0; i < b->n_keys; i++) {
-    const Tensord__Handover__Key *m = b->keys[i];
-    td__storage *s = td__storage_find(reg, m->storage);
-    td_view v;
-    char why[256];
-    if (s == NULL || m->view == NULL || m->name.len == 0 ||
-        m->name.len > TD_KEY_MAX ||
-        td__view_from_msg(m->view, &v, why, sizeof(why)) < 0)
-      return fail(t, TD_EPROTO, "key %zu of a batch: bad storage or view", i);
-    td__scope *sc = NULL;
-    if (m->scope != 0 && (sc = td__scope_find(reg, m->scope)) == NULL)
-      return fail(t, TD_EPROTO, "key in scope %016llx, which was not sent",
-                  (unsigned long long)m->scope);
-    td__key_prep p;
-    int err = td__key_prepare(reg, (const char *)m->name.data, m->name.len, s,
-                              m->uid, &p);
-    if (err < 0)
-      return fail(t, err, "key: %s", td_strerror(err));
-    p.scope = sc;
-    td__key *k = td__key_commit(reg, &p, &v);
-    k->published_ms = m->published_ms;
-    if (m->event.len == sizeof(k->event)) {
-      k->has_event = 1;
-      memcpy(k->event, m->event.data, sizeof(k->event));
-    }
-  }
-  return 0;
-}
-
 static int take_waiters(taking *t, const Tensord__Handover__Waiters *b) {
   for (size_t i = 0; i < b->n_waiters; i++) {
     const Tensord__Handover__Waiter *m = b->waiters[i];
@@ -1521,8 +1225,9 @@ static int take_waiters(taking *t, const Tensord__Handover__Waiters *b) {
       return fail(t, TD_EPROTO, "waiter of connection %u of %zu", m->conn,
                   t->nconns);
     td__lookup_args a = {m->seq, m->readonly, m->take, m->force_fd};
-    int err = td__wait_restore(t->conns[m->conn], (const char *)m->key.data,
-                               m->key.len, &a, m->wait_ms, m->deadline_ms);
+    int err =
+        td__wait_restore(t->conns[m->conn].owner, (const char *)m->key.data,
+                         m->key.len, &a, m->wait_ms, m->deadline_ms);
     if (err < 0)
       return fail(t, err, "waiter: %s", td_strerror(err));
   }
@@ -1533,7 +1238,7 @@ static int take_waiters(taking *t, const Tensord__Handover__Waiters *b) {
 static int take_end(taking *t, const Tensord__Handover__End *m) {
   td__server *srv = t->srv;
   for (size_t i = 0; i < t->nconns; i++)
-    if (t->in_left[i] || t->out_left[i])
+    if (t->left[i][0] || t->left[i][1])
       return fail(t, TD_EPROTO, "connection %zu: bytes missing", i);
   for (const td__storage *s = srv->reg.first; s != NULL; s = s->next)
     if (s->refs == 0)
@@ -1571,18 +1276,6 @@ static int take_all(taking *t) {
     case TENSORD__HANDOVER__PACKET__BODY_CONN_BYTES:
       err = take_bytes(t, p->conn_bytes);
       break;
-    case TENSORD__HANDOVER__PACKET__BODY_STORAGES:
-      err = take_storages(t, p->storages);
-      break;
-    case TENSORD__HANDOVER__PACKET__BODY_POOL:
-      err = take_pool(t, p->pool);
-      break;
-    case TENSORD__HANDOVER__PACKET__BODY_SCOPES:
-      err = take_scopes(t, p->scopes);
-      break;
-    case TENSORD__HANDOVER__PACKET__BODY_KEYS:
-      err = take_keys(t, p->keys);
-      break;
     case TENSORD__HANDOVER__PACKET__BODY_WAITERS:
       err = take_waiters(t, p->waiters);
       break;
@@ -1593,8 +1286,9 @@ static int take_all(taking *t) {
     case TENSORD__HANDOVER__PACKET__BODY_ABORT:
       err = fail(t, TD_ECANCELED, "%s", p->abort->message);
       break;
-    default:
-      err = fail(t, TD_EPROTO, "unexpected packet type %d", (int)p->body_case);
+    default: /* the engine's lists; it refuses any other packet */
+      err = td__handover_take(&t->srv->reg, &t->srv->pool, t->conns, t->nconns,
+                              p, t->msg, sizeof(t->msg));
     }
     tensord__handover__packet__free_unpacked(p, NULL);
     if (err < 0 || done)
@@ -1776,17 +1470,9 @@ static void wait_gone(pid_t pid) {
  * close-on-exec. */
 static void start_normally(const char *binary, char **argv, const char *why) {
   td__warn("upgrade: %s; starting normally instead", why);
-  size_t n = 0;
-  while (argv[n] != NULL)
-    n++;
-  char **args = calloc(n + 1, sizeof(char *));
-  if (args != NULL) {
-    size_t j = 0;
-    for (size_t i = 0; i < n; i++)
-      if (strcmp(argv[i], "--upgrade") != 0)
-        args[j++] = argv[i];
+  char **args = without_upgrade(argv, NULL);
+  if (args != NULL)
     execv(binary ? binary : "/proc/self/exe", args);
-  }
   td__error("upgrade: cannot start normally: %s", strerror(errno));
   _exit(1);
 }
@@ -1814,8 +1500,7 @@ static int broken_off(taking *t, char **argv, int err, pid_t old) {
    * the buffers of the taking itself go here, not lost with its frame. */
   chan_free(&t->ch);
   free(t->conns);
-  free(t->in_left);
-  free(t->out_left);
+  free(t->left);
   return 1;
 }
 
@@ -1836,16 +1521,22 @@ static int gave_up(taking *t, int err, const char *what) {
   return fail(t, err, "%s: %s", what, td_strerror(err));
 }
 
-/* Sets *err and t->msg for a packet p that came where one of kind want was
- * due (an Abort, or another), and frees it. */
-static void unexpected(taking *t, Packet *p, const char *want, int *err) {
-  if (p->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT) {
-    *err = fail(t, TD_ECANCELED, "%s", p->abort->message);
-  } else {
-    *err = fail(t, TD_EPROTO, "packet type %d came where %s was due",
-                (int)p->body_case, want);
-  }
-  tensord__handover__packet__free_unpacked(p, NULL);
+/* Receives the next packet into *p, of kind want (what names it). Returns
+ * 0, or a negative code with why in t->msg: TD_ECANCELED for an Abort,
+ * TD_EPROTO for another packet. */
+static int await(taking *t, int want, const char *what, Packet **p) {
+  int err = chan_recv(&t->ch, p);
+  if (err < 0)
+    return fail(t, err, "waiting for %s: %s", what, td_strerror(err));
+  if ((int)(*p)->body_case == want)
+    return 0;
+  if ((*p)->body_case == TENSORD__HANDOVER__PACKET__BODY_ABORT)
+    err = fail(t, TD_ECANCELED, "%s", (*p)->abort->message);
+  else
+    err = fail(t, TD_EPROTO, "packet type %d came where %s was due",
+               (int)(*p)->body_case, what);
+  tensord__handover__packet__free_unpacked(*p, NULL);
+  return err;
 }
 
 int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
@@ -1882,11 +1573,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
     return 1;
   }
   Packet *p = NULL;
-  int err = chan_recv(&t.ch, &p);
-  if (err < 0)
-    fail(&t, err, "waiting for Begin: %s", td_strerror(err));
-  else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_BEGIN)
-    unexpected(&t, p, "Begin", &err);
+  int err = await(&t, TENSORD__HANDOVER__PACKET__BODY_BEGIN, "Begin", &p);
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   const Tensord__Handover__Begin *b = p->begin;
@@ -1925,15 +1612,10 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   Tensord__Handover__Ready rd = TENSORD__HANDOVER__READY__INIT;
   err = send_body(&t.ch, TENSORD__HANDOVER__PACKET__BODY_READY, &rd);
   stall("ready");
-  if (err < 0) {
+  if (err < 0)
     err = gave_up(&t, err, "sending Ready");
-  } else {
-    err = chan_recv(&t.ch, &p);
-    if (err < 0)
-      fail(&t, err, "waiting for Commit: %s", td_strerror(err));
-    else if (p->body_case != TENSORD__HANDOVER__PACKET__BODY_COMMIT)
-      unexpected(&t, p, "Commit", &err);
-  }
+  else
+    err = await(&t, TENSORD__HANDOVER__PACKET__BODY_COMMIT, "Commit", &p);
   if (err < 0)
     return broken_off(&t, argv, err, old_pid);
   tensord__handover__packet__free_unpacked(p, NULL);
@@ -1965,10 +1647,9 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   if (srv->pool.count > 0)
     uv_timer_start(&srv->pool_timer, td__server_pool_tick, 10, 0);
   for (size_t i = 0; i < t.nconns; i++)
-    td__conn_resume(t.conns[i]);
+    td__conn_resume(t.conns[i].owner);
   free(t.conns);
-  free(t.in_left);
-  free(t.out_left);
+  free(t.left);
   if (t.has_state)
     td__state_adopt(srv, srv->state_dir, t.dirfd, t.lockfd, t.state_gen);
   if (t.metrics_fd >= 0)

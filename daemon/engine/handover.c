@@ -1,0 +1,266 @@
+/* handover.c: the engine's state as the messages of a live upgrade, and
+ * back (handover.h). */
+#include "handover.h"
+
+#include "common.h"
+#include "viewmsg.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int td__handover_save(const td__registry *r, const td__pool *p,
+                      const td__handover_conn *conns, size_t n,
+                      uint32_t (*number)(const td__holdings *h),
+                      td__handover *h) {
+  *h = (td__handover){
+      TENSORD__HANDOVER__STORAGES__INIT, TENSORD__HANDOVER__POOL__INIT,
+      TENSORD__HANDOVER__SCOPES__INIT, TENSORD__HANDOVER__KEYS__INIT, NULL};
+  size_t ns = r->storages.count, nh = 0, np = p->count;
+  size_t nc = r->scopes.count, nk = r->keys.count, i;
+  for (const td__storage *s = r->first; s != NULL; s = s->next)
+    for (const td__ref *ref = s->holders; ref != NULL; ref = ref->snext)
+      nh++;
+  /* One block, 1 byte more so that only no memory gives NULL: each list's
+   * pointers, then its messages (pointer-aligned), the keys' views last. */
+  Tensord__Handover__Storage **sp = h->mem =
+      malloc(1 + ns * (sizeof(void *) + sizeof(Tensord__Handover__Storage)) +
+             nh * (sizeof(void *) + sizeof(Tensord__Handover__Holder)) +
+             np * (sizeof(void *) + sizeof(Tensord__Handover__Pooled)) +
+             nc * (sizeof(void *) + sizeof(Tensord__Handover__ScopeEntry)) +
+             nk * (sizeof(void *) + sizeof(Tensord__Handover__Key) +
+                   sizeof(Tensord__View)));
+  if (sp == NULL)
+    return TD_ENOMEM;
+  Tensord__Handover__Storage *se = (void *)(sp + ns);
+  Tensord__Handover__Holder **hp = (void *)(se + ns), *he = (void *)(hp + nh);
+  Tensord__Handover__Pooled **pp = (void *)(he + nh), *pe = (void *)(pp + np);
+  Tensord__Handover__ScopeEntry **cp = (void *)(pe + np);
+  Tensord__Handover__ScopeEntry *ce = (void *)(cp + nc);
+  Tensord__Handover__Key **kp = (void *)(ce + nc), *ke = (void *)(kp + nk);
+  Tensord__View *ve = (void *)(ke + nk);
+
+  h->storages.storages = sp;
+  nh = i = 0;
+  for (const td__storage *s = r->first; s != NULL; s = s->next, i++) {
+    Tensord__Handover__Storage *e = sp[i] = &se[i];
+    tensord__handover__storage__init(e);
+    e->id = s->id;
+    e->nbytes = s->nbytes;
+    e->device = (Tensord__Device)s->device;
+    e->refs = s->refs;
+    e->mode = s->mode;
+    e->foreign = s->foreign;
+    e->named = s->named;
+    e->owner_pid = s->owner.pid;
+    e->owner_uid = s->owner.uid;
+    e->owner_gid = s->owner.gid;
+    e->created_ms = s->created_ms;
+    e->name = (char *)s->name;
+    /* Holders last first: the new side prepends, as td__ref_add does. */
+    const td__ref *ref = s->holders;
+    while (ref != NULL && ref->snext != NULL)
+      ref = ref->snext;
+    e->holders = hp + nh;
+    for (; ref != NULL; ref = ref->sprev, nh++, e->n_holders++) {
+      Tensord__Handover__Holder *m = hp[nh] = &he[nh];
+      tensord__handover__holder__init(m);
+      m->conn = number(td__ref_holdings(ref));
+      m->rw = ref->rw;
+      m->ro = ref->ro;
+    }
+  }
+  h->storages.n_storages = i;
+
+  h->pool.pooled = pp;
+  i = 0;
+  for (const td__pooled *x = p->oldest; x != NULL; x = x->next, i++) {
+    pp[i] = &pe[i];
+    tensord__handover__pooled__init(pp[i]);
+    pp[i]->name = (char *)x->name;
+    pp[i]->uid = x->uid;
+    pp[i]->nbytes = x->nbytes;
+    pp[i]->since_ms = x->since_ms;
+  }
+  h->pool.n_pooled = i;
+
+  /* The last connection first (the order its server lists them in), each
+   * one's scopes last first: the new side prepends. */
+  h->scopes.scopes = cp;
+  i = 0;
+  for (size_t c = n; c-- > 0;) {
+    const td__scope *sc = *conns[c].scopes;
+    while (sc != NULL && sc->onext != NULL)
+      sc = sc->onext;
+    for (; sc != NULL && i < nc; sc = sc->oprev, i++) {
+      cp[i] = &ce[i];
+      tensord__handover__scope_entry__init(cp[i]);
+      cp[i]->token = sc->token;
+      cp[i]->uid = sc->uid;
+      cp[i]->conn = (uint32_t)c;
+    }
+  }
+  h->scopes.n_scopes = i;
+
+  /* Each storage's keys last first: the new side prepends. */
+  h->keys.keys = kp;
+  i = 0;
+  for (const td__storage *s = r->first; s != NULL; s = s->next) {
+    const td__key *k = s->keys;
+    while (k != NULL && k->snext != NULL)
+      k = k->snext;
+    for (; k != NULL && i < nk; k = k->sprev, i++) {
+      Tensord__Handover__Key *e = kp[i] = &ke[i];
+      tensord__handover__key__init(e);
+      e->name.data = (uint8_t *)k->name;
+      e->name.len = k->len;
+      e->storage = s->id;
+      td__view_to_msg(&k->view, &ve[i]);
+      e->view = &ve[i];
+      e->uid = k->uid;
+      e->published_ms = k->published_ms;
+      e->scope = k->scope ? k->scope->token : 0;
+      if (k->has_event) {
+        e->event.data = (uint8_t *)k->event;
+        e->event.len = sizeof(k->event);
+      }
+    }
+  }
+  h->keys.n_keys = i;
+  return 0;
+}
+
+void td__handover_free(td__handover *h) {
+  free(h->mem);
+}
+
+static int take_storages(td__registry *r, const td__handover_conn *conns,
+                         size_t n, const Tensord__Handover__Storages *b,
+                         char *msg, size_t len) {
+  for (size_t i = 0; i < b->n_storages; i++) {
+    const Tensord__Handover__Storage *m = b->storages[i];
+    td__storage *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
+    s->id = m->id;
+    s->nbytes = m->nbytes;
+    s->device = (td_device)m->device;
+    s->mode = m->mode;
+    s->foreign = m->foreign;
+    s->named = m->named;
+    s->owner.pid = m->owner_pid;
+    s->owner.uid = m->owner_uid;
+    s->owner.gid = m->owner_gid;
+    s->created_ms = m->created_ms;
+    snprintf(s->name, sizeof(s->name), "%s", m->name);
+    td__charge(r, s->owner.uid, td__host_bytes(s), 1, NULL, 0);
+    if (td__storage_insert(r, s, NULL) < 0) {
+      td__credit(r, s->owner.uid, td__host_bytes(s));
+      free(s);
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
+    }
+    for (size_t j = 0; j < m->n_holders; j++) {
+      const Tensord__Handover__Holder *h = m->holders[j];
+      if (h->conn >= n)
+        return td__msg(msg, len, TD_EPROTO,
+                       "storage %llu: held by connection %u of %zu",
+                       (unsigned long long)m->id, h->conn, n);
+      int err = td__ref_restore(r, conns[h->conn].hold, s, h->rw, h->ro);
+      if (err < 0)
+        return td__msg(msg, len, err, "storage %llu: restoring references: %s",
+                       (unsigned long long)m->id, td_strerror(err));
+    }
+  }
+  return 0;
+}
+
+static int take_pool(td__pool *p, const Tensord__Handover__Pool *b, char *msg,
+                     size_t len) {
+  for (size_t i = 0; i < b->n_pooled; i++) {
+    td__pooled *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+      return td__msg(msg, len, TD_ENOMEM, "out of memory");
+    snprintf(e->name, sizeof(e->name), "%s", b->pooled[i]->name);
+    e->uid = b->pooled[i]->uid;
+    e->device = TD_CPU;
+    e->nbytes = b->pooled[i]->nbytes;
+    e->since_ms = b->pooled[i]->since_ms;
+    td__pool_put(p, e);
+  }
+  return 0;
+}
+
+static int take_scopes(td__registry *r, const td__handover_conn *conns,
+                       size_t n, const Tensord__Handover__Scopes *b, char *msg,
+                       size_t len) {
+  for (size_t i = 0; i < b->n_scopes; i++) {
+    const Tensord__Handover__ScopeEntry *m = b->scopes[i];
+    if (m->conn >= n)
+      return td__msg(msg, len, TD_EPROTO, "scope of connection %u of %zu",
+                     m->conn, n);
+    const td__handover_conn *c = &conns[m->conn];
+    td__scope *sc = NULL;
+    int err = td__scope_open(r, m->token, m->uid, c->owner, &sc);
+    if (err < 0)
+      return td__msg(msg, len, err, "scope %016llx: %s",
+                     (unsigned long long)m->token, td_strerror(err));
+    sc->onext = *c->scopes;
+    if (*c->scopes != NULL)
+      (*c->scopes)->oprev = sc;
+    *c->scopes = sc;
+    (*c->nscopes)++;
+  }
+  return 0;
+}
+
+static int take_keys(td__registry *r, const Tensord__Handover__Keys *b,
+                     char *msg, size_t len) {
+  for (size_t i = 0; i < b->n_keys; i++) {
+    const Tensord__Handover__Key *m = b->keys[i];
+    td__storage *s = td__storage_find(r, m->storage);
+    td_view v;
+    char why[256];
+    if (s == NULL || m->view == NULL || m->name.len == 0 ||
+        m->name.len > TD_KEY_MAX ||
+        td__view_from_msg(m->view, &v, why, sizeof(why)) < 0)
+      return td__msg(msg, len, TD_EPROTO,
+                     "key %zu of a batch: bad storage or view", i);
+    td__scope *sc = NULL;
+    if (m->scope != 0 && (sc = td__scope_find(r, m->scope)) == NULL)
+      return td__msg(msg, len, TD_EPROTO,
+                     "key in scope %016llx, which was not sent",
+                     (unsigned long long)m->scope);
+    td__key_prep p;
+    int err = td__key_prepare(r, (const char *)m->name.data, m->name.len, s,
+                              m->uid, &p);
+    if (err < 0)
+      return td__msg(msg, len, err, "key: %s", td_strerror(err));
+    p.scope = sc;
+    td__key *k = td__key_commit(r, &p, &v);
+    k->published_ms = m->published_ms;
+    if (m->event.len == sizeof(k->event)) {
+      k->has_event = 1;
+      memcpy(k->event, m->event.data, sizeof(k->event));
+    }
+  }
+  return 0;
+}
+
+int td__handover_take(td__registry *r, td__pool *p,
+                      const td__handover_conn *conns, size_t n,
+                      const Tensord__Handover__Packet *m, char *msg,
+                      size_t len) {
+  switch (m->body_case) {
+  case TENSORD__HANDOVER__PACKET__BODY_STORAGES:
+    return take_storages(r, conns, n, m->storages, msg, len);
+  case TENSORD__HANDOVER__PACKET__BODY_POOL:
+    return take_pool(p, m->pool, msg, len);
+  case TENSORD__HANDOVER__PACKET__BODY_SCOPES:
+    return take_scopes(r, conns, n, m->scopes, msg, len);
+  case TENSORD__HANDOVER__PACKET__BODY_KEYS:
+    return take_keys(r, m->keys, msg, len);
+  default:
+    return td__msg(msg, len, TD_EPROTO, "unexpected packet type %d",
+                   (int)m->body_case);
+  }
+}

@@ -4,7 +4,7 @@
 #include "statedict.h"
 
 #include "clitext.h"
-#include "common.h"
+#include "internal.h"
 
 #include <inttypes.h>
 #include "jsonmem.h"
@@ -176,7 +176,7 @@ static int read_tensors(json_t *o, td__statedict *sd, char *msg, size_t len) {
       return td__msg(msg, len, TD_ENOMEM, "out of memory");
     sd->ntensors++; /* freed with sd from here */
     char shown[96], where[128];
-    td__cli_printable(name, shown, sizeof(shown));
+    td__printable(name, shown, sizeof(shown));
     snprintf(where, sizeof(where), "tensor '%s': ", shown);
     int err = read_entry(e, t, where, msg, len);
     if (err < 0)
@@ -238,7 +238,7 @@ static int check(td__statedict *sd, size_t n, char *msg, size_t len) {
   for (size_t i = 0; i < sd->ntensors; i++) {
     td__sd_tensor *t = &sd->tensors[i];
     char shown[96], why[TD__ERRMSG_MAX];
-    td__cli_printable(t->name, shown, sizeof(shown));
+    td__printable(t->name, shown, sizeof(shown));
     if (t->region >= sd->nregions)
       return td__msg(msg, len, TD_EINVAL,
                      "tensor '%s': region %u, of %zu regions", shown, t->region,
@@ -357,7 +357,7 @@ const td__sd_tensor *td__statedict_find(const td__statedict *sd,
 int td__statedict_view(const td__statedict *sd, const td__sd_tensor *t,
                        uint64_t blob_off, td_view *v, char *msg, size_t len) {
   char shown[96];
-  td__cli_printable(t->name, shown, sizeof(shown));
+  td__printable(t->name, shown, sizeof(shown));
   if (t->dtype == TD_DTYPE_INVALID)
     return td__msg(msg, len, TD_EINVAL,
                    "tensor '%s' is %s, a dtype tensord does not read", shown,
@@ -420,7 +420,7 @@ void td__statedict_print_text(const td__statedict *sd, const char *indent) {
          "SHAPE", "BYTES");
   for (size_t i = 0; i < sd->ntensors; i++) {
     const td__sd_tensor *t = &sd->tensors[i];
-    td__cli_printable(t->name, name, sizeof(name));
+    td__printable(t->name, name, sizeof(name));
     int pad = wn - width(name);
     printf("%s%s%*s  %-*s  %-*s  %s\n", indent, name, pad > 0 ? pad : 0, "", wd,
            t->dtype_name, ws_, shape_text(t, sh, sizeof(sh)),

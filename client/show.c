@@ -97,32 +97,9 @@ static uint64_t load_uint(td_dtype dt, const uint8_t *p) {
 
 /* Decodes a float element (or a complex's component: pass part_dtype). */
 static double load_float(td_dtype dt, const uint8_t *p) {
-  switch (dt) {
-  case TD_FLOAT16: {
-    uint16_t b;
-    memcpy(&b, p, sizeof(b));
-    return td__float16_to_double(b);
-  }
-  case TD_BFLOAT16: {
-    uint16_t b;
-    memcpy(&b, p, sizeof(b));
-    return td__bfloat16_to_double(b);
-  }
-  case TD_FLOAT8_E4M3FN:
-    return td__float8_e4m3fn_to_double(p[0]);
-  case TD_FLOAT8_E5M2:
-    return td__float8_e5m2_to_double(p[0]);
-  case TD_FLOAT32: {
-    float f;
-    memcpy(&f, p, sizeof(f));
-    return f;
-  }
-  default: {
-    double d;
-    memcpy(&d, p, sizeof(d));
-    return d;
-  }
-  }
+  double x = NAN;
+  td_elem_to_double(dt, p, &x);
+  return x;
 }
 
 /* Returns the address of the element at flat (row-major) index flat. */

@@ -138,6 +138,15 @@ size_t td_dtype_size(td_dtype dtype);
 const char *td_dtype_name(td_dtype dtype);
 /* Parses a PyTorch or numpy spelling; returns TD_DTYPE_INVALID if unknown. */
 td_dtype td_dtype_from_name(const char *name);
+/* Sets *out to the value of the element of dtype at elem (native
+ * little-endian bytes, as a storage holds them; no alignment needed): exact
+ * for every float dtype (float16, bfloat16 and the float8s included, NaN
+ * and infinities as they are; float8_e4m3fn has no infinity, its largest
+ * value is 448) and for integers up to 2^53, larger ones rounded to the
+ * nearest double; bool is 0 or 1 (any byte but 0 is 1). Returns 0, or
+ * TD_EINVAL for an unknown dtype and for a complex one (decode each part
+ * as a float32 or float64); *out is unchanged on failure. */
+int td_elem_to_double(td_dtype dtype, const void *elem, double *out);
 
 /* Where a storage's bytes live. */
 typedef enum { TD_CPU = 0, TD_CUDA = 1 } td_device;

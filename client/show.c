@@ -5,7 +5,6 @@
 #include "clitext.h"
 #include "common.h"
 #include "jsonmem.h"
-#include "statedict.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -869,7 +868,7 @@ static void json_elem(const td_view *v, const uint8_t *p) {
   }
 }
 
-static void print_json(const char *key, const td__sd_tensor *tensor,
+static void print_json(const char *key, const td_state_dict_entry *tensor,
                        const td_storage *s, int whole, const td_view *src,
                        const char *index, const td_view *v, const void *base,
                        const td__show_stats *st) {
@@ -1188,34 +1187,26 @@ fail:
   return err;
 }
 
-/* Whether v (a key's, checked against its storage at base) is a blob of
- * tensord.torch.publish_state_dict. */
-static int is_state_dict(const td_view *v, const uint8_t *base) {
-  return td__statedict_blob_shaped(v) &&
-         td__statedict_is(base + v->offset, (size_t)v->shape[0]);
-}
-
 /* What show does with a key that holds a state dict: lists its tensors
  * (o->index NULL), or sets *v to tensor o->index's view (--dtype applied),
  * *index to the INDEX after it and *tensor to it, to be shown as any view.
- * sd is parsed here and the caller's to free. Returns 0 with *listed 1 when
+ * *sd is parsed here and the caller's to free. Returns 0 with *listed 1 when
  * it listed, 0 to show *v, or a TD_E* code with msg. */
 static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
-                      td__statedict *sd, const td__sd_tensor **tensor,
+                      td_state_dict **sd, td_state_dict_entry *tensor,
                       const char **index, int *listed, char *msg, size_t len) {
-  const uint8_t *base = td_storage_data(s);
-  char why[TD__ERRMSG_MAX], key[TD_KEY_MAX + 1], name[128];
+  char key[TD_KEY_MAX + 1], name[128];
+  size_t i;
   td__cli_printable(o->target, key, sizeof(key));
-  int err = td__statedict_parse(base + v->offset, (size_t)v->shape[0], sd, why,
-                                sizeof(why));
+  int err = td_state_dict_parse(s, v, sd);
   if (err == TD_ENODEV)
     return td__msg(msg, len, err, "key '%s' holds a state dict whose %s", key,
-                   why);
+                   td_last_error(NULL));
   if (err < 0)
     return td__msg(msg, len, err,
                    "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
                    " shows its raw bytes)",
-                   key, why, td_storage_id(s));
+                   key, td_last_error(NULL), td_storage_id(s));
   *listed = o->index == NULL;
   if (*listed) {
     if (o->dtype != TD_DTYPE_INVALID)
@@ -1225,32 +1216,31 @@ static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
                      key, key, td_dtype_name(o->dtype));
     return 0;
   }
-  *tensor = td__statedict_find(sd, o->index);
-  if (*tensor == NULL)
+  size_t n = td_state_dict_count(*sd);
+  if (td_state_dict_find(*sd, o->index, &i) < 0)
     return td__msg(msg, len, TD_ENOENT,
                    "key '%s' holds a state dict with no tensor '%s' "
                    "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
                    "%" PRIu64 " [INDEX] shows its raw bytes)",
-                   key, td__cli_printable(o->index, name, sizeof(name)), key,
-                   sd->ntensors, sd->ntensors == 1 ? "" : "s",
-                   td_storage_id(s));
+                   key, td__cli_printable(o->index, name, sizeof(name)), key, n,
+                   n == 1 ? "" : "s", td_storage_id(s));
+  td_state_dict_tensor(*sd, i, tensor);
   td_view t;
-  if ((err = td__statedict_view(sd, *tensor, (uint64_t)v->offset, &t, msg,
-                                len)) < 0)
-    return err;
+  if ((err = td_state_dict_view(*sd, i, &t)) < 0)
+    return td__msg(msg, len, err, "%s", td_last_error(NULL));
   if (o->dtype != TD_DTYPE_INVALID &&
       (err = td_view_reinterpret(&t, o->dtype)) < 0)
     return td__msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
                    td_view_last_error());
-  if ((err = td__view_check_msg(&t, td_storage_nbytes(s), msg, len)) < 0)
-    return err;
+  if ((err = td_view_check(&t, td_storage_nbytes(s))) < 0)
+    return td__msg(msg, len, err, "%s", td_view_last_error());
   *v = t;
   *index = o->third;
   return 0;
 }
 
 static void print_listing(const char *key, const td_storage *s,
-                          const td_view *src, const td__statedict *sd,
+                          const td_view *src, const td_state_dict *sd,
                           int json) {
   if (json) {
     printf("{\"key\":");
@@ -1260,7 +1250,7 @@ static void print_listing(const char *key, const td_storage *s,
            td_storage_id(s), td_storage_nbytes(s));
     td__cli_json_view(src);
     printf(",\"state_dict\":");
-    td__statedict_print_json(sd);
+    td__show_sd_json(sd);
     printf("}\n");
     return;
   }
@@ -1270,11 +1260,86 @@ static void print_listing(const char *key, const td_storage *s,
          td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
   printf("view   ");
   text_view(src);
+  size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
   printf("state dict: %zu tensor%s in %zu region%s (tensorctl show %s TENSOR "
          "[INDEX] shows one)\n",
-         sd->ntensors, sd->ntensors == 1 ? "" : "s", sd->nregions,
-         sd->nregions == 1 ? "" : "s", kb);
-  td__statedict_print_text(sd, "");
+         nt, nt == 1 ? "" : "s", nr, nr == 1 ? "" : "s", kb);
+  td__show_sd_text(sd, "");
+}
+
+/* "[16, 8]" into buf. */
+static char *shape_text(const td_state_dict_entry *t, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "[");
+  for (int32_t d = 0; d < t->ndim && used < len; d++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%" PRId64,
+                             d ? ", " : "", t->shape[d]);
+  if (used < len)
+    snprintf(buf + used, len - used, "]");
+  return buf;
+}
+
+/* Characters (UTF-8 code points) of s: what a column of it takes, but for
+ * the rare wide ones. */
+static int width(const char *s) {
+  int n = 0;
+  for (; *s; s++)
+    n += ((unsigned char)*s & 0xc0) != 0x80;
+  return n;
+}
+
+void td__show_sd_text(const td_state_dict *sd, const char *indent) {
+  int wn = 4, wd = 5, ws_ = 5; /* NAME, DTYPE, SHAPE */
+  char sh[400], name[TD_STATE_DICT_NAME_MAX + 1], size[32];
+  td_state_dict_entry t;
+  size_t nt = td_state_dict_count(sd);
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    int n = width(t.name);
+    wn = n > wn ? (n < 48 ? n : 48) : wn;
+    n = (int)strlen(t.dtype_name);
+    wd = n > wd ? n : wd;
+    n = (int)strlen(shape_text(&t, sh, sizeof(sh)));
+    ws_ = n > ws_ ? (n < 32 ? n : 32) : ws_;
+  }
+  printf("%s%-*s  %-*s  %-*s  %s\n", indent, wn, "NAME", wd, "DTYPE", ws_,
+         "SHAPE", "BYTES");
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    td__cli_printable(t.name, name, sizeof(name));
+    int pad = wn - width(name);
+    printf("%s%s%*s  %-*s  %-*s  %s\n", indent, name, pad > 0 ? pad : 0, "", wd,
+           t.dtype_name, ws_, shape_text(&t, sh, sizeof(sh)),
+           t.itemsize ? td__human_bytes(t.nbytes, size, sizeof(size)) : "?");
+  }
+}
+
+void td__show_sd_json(const td_state_dict *sd) {
+  td_state_dict_entry t;
+  uint64_t off, nbytes;
+  size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
+  printf("{\"tensors\":[");
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    printf("%s{\"name\":", i ? "," : "");
+    td__cli_json_str(t.name);
+    printf(",\"dtype\":");
+    td__cli_json_str(t.dtype_name);
+    printf(",\"shape\":[");
+    for (int32_t d = 0; d < t.ndim; d++)
+      printf("%s%" PRId64, d ? "," : "", t.shape[d]);
+    printf("],\"stride\":[");
+    for (int32_t d = 0; d < t.ndim; d++)
+      printf("%s%" PRId64, d ? "," : "", t.stride[d]);
+    printf("],\"storage_offset\":%" PRId64 ",\"region\":%u,\"nbytes\":",
+           t.storage_offset, t.region);
+    if (t.itemsize)
+      printf("%" PRIu64 "}", t.nbytes);
+    else
+      printf("null}");
+  }
+  printf("],\"regions\":[");
+  for (size_t i = 0; i < nr && td_state_dict_region(sd, i, &off, &nbytes) == 0;
+       i++)
+    printf("%s{\"offset\":%" PRIu64 ",\"nbytes\":%" PRIu64 "}", i ? "," : "",
+           off, nbytes);
+  printf("]}");
 }
 
 /* Whether v (a key's, checked against its storage at base) is a model's
@@ -1396,8 +1461,9 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
   char msg[TD__ERRMSG_MAX];
   td_client *c = NULL;
   td_storage *s = NULL;
-  td__statedict sd = {0};
-  const td__sd_tensor *tensor = NULL;
+  td_state_dict *sd = NULL;
+  td_state_dict_entry te;
+  const td_state_dict_entry *tensor = NULL;
   if (td_connect(o.socket, &c) < 0) {
     fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
     return 1;
@@ -1418,17 +1484,18 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
       goto fail;
     goto done;
   }
-  if (!whole && is_state_dict(&src, base)) {
+  if (!whole && td_state_dict_is(s, &src)) {
     int listed = 0;
-    if ((err = state_dict(&o, s, &src, &sd, &tensor, &index, &listed, msg,
+    if ((err = state_dict(&o, s, &src, &sd, &te, &index, &listed, msg,
                           sizeof(msg))) < 0)
       goto fail;
     if (listed) {
-      print_listing(key, s, &src, &sd, o.json);
+      print_listing(key, s, &src, sd, o.json);
       goto done;
     }
+    tensor = &te;
   } else if (o.third != NULL) {
-    td__statedict_free(&sd);
+    td_state_dict_free(sd);
     td_storage_release(s);
     td_close(c);
     fprintf(stderr,
@@ -1463,7 +1530,7 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
       printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n",
              td__cli_printable(key, kb, sizeof(kb)), td_storage_id(s), hs);
     if (tensor != NULL) {
-      char name[TD__SD_NAME_MAX + 1];
+      char name[TD_STATE_DICT_NAME_MAX + 1];
       printf("tensor '%s' of the state dict (region %u)\n",
              td__cli_printable(tensor->name, name, sizeof(name)),
              tensor->region);
@@ -1477,13 +1544,13 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     print_text(&v, base, &st);
   }
 done:
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
   td_storage_release(s);
   td_close(c);
   return 0;
 fail:
   fprintf(stderr, "tensorctl show: %s\n", msg);
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
   td_storage_release(s);
   td_close(c);
   return 1;

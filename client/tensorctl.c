@@ -4,7 +4,6 @@
 #include "common.h"
 #include "safetensors.h"
 #include "show.h"
-#include "statedict.h"
 #include "tensord.h"
 #include "top.h"
 
@@ -582,17 +581,11 @@ static int info_key(const td_key_info *k, void *arg) {
 /* Prints key r's view and, if its bytes (in s, NULL if unreadable) are a
  * state dict, its tensors. */
 static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
-  td__statedict sd = {0};
+  td_state_dict *sd = NULL;
   char why[TD__ERRMSG_MAX] = "";
-  int is_sd = 0, err = 0;
-  if (s != NULL && td__statedict_blob_shaped(&r->view) &&
-      td_view_check(&r->view, td_storage_nbytes(s)) == 0) {
-    const uint8_t *b = (const uint8_t *)td_storage_data(s) + r->view.offset;
-    is_sd = td__statedict_is(b, (size_t)r->view.shape[0]);
-    if (is_sd)
-      err = td__statedict_parse(b, (size_t)r->view.shape[0], &sd, why,
-                                sizeof(why));
-  }
+  int is_sd = s != NULL && td_state_dict_is(s, &r->view), err = 0;
+  if (is_sd && (err = td_state_dict_parse(s, &r->view, &sd)) < 0)
+    snprintf(why, sizeof(why), "%s", td_last_error(NULL));
   char kb[TD_KEY_MAX + 1];
   if (json) {
     if (i)
@@ -608,7 +601,7 @@ static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
       putchar('}');
     } else if (is_sd) {
       printf(",\"state_dict\":");
-      td__statedict_print_json(&sd);
+      td__show_sd_json(sd);
     }
     putchar('}');
   } else {
@@ -620,14 +613,14 @@ static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
              err == TD_ENODEV ? "on a GPU" : "corrupt",
              td__cli_printable(why, vb, sizeof(vb)));
     else if (is_sd) {
+      size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
       printf("    state dict: %zu tensor%s in %zu region%s (tensorctl show %s "
              "TENSOR shows one)\n",
-             sd.ntensors, sd.ntensors == 1 ? "" : "s", sd.nregions,
-             sd.nregions == 1 ? "" : "s", kb);
-      td__statedict_print_text(&sd, "    ");
+             nt, nt == 1 ? "" : "s", nr, nr == 1 ? "" : "s", kb);
+      td__show_sd_text(sd, "    ");
     }
   }
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
 }
 
 static int cmd_info(td_client *c, const char *arg) {
@@ -646,7 +639,7 @@ static int cmd_info(td_client *c, const char *arg) {
      * a key's view could be a state dict; none if they cannot be had. */
     td_storage *s = NULL;
     for (size_t i = 0; i < st.nkeys && s == NULL; i++)
-      if (st.device == TD_CPU && td__statedict_blob_shaped(&st.keys[i].view) &&
+      if (st.device == TD_CPU && td_state_dict_is(NULL, &st.keys[i].view) &&
           td_storage_open(c, st.keys[i].id, TD_RDONLY | TD_LAZY, &s) < 0)
         break;
     for (size_t i = 0; i < st.nkeys; i++)

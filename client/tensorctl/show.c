@@ -3,12 +3,11 @@
 #include "show.h"
 
 #include "clitext.h"
-#include "common.h"
-#include "jsonmem.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -200,8 +199,8 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     n--;
   if (n > 0 && s[0] == '[') {
     if (s[n - 1] != ']')
-      return td__msg(msg, len, TD_EINVAL, "index '%s': no ']' to close the '['",
-                     expr);
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "index '%s': no ']' to close the '['", expr);
     s++;
     n -= 2;
   }
@@ -216,12 +215,13 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     if (blank && i == n && nitems > 0)
       break; /* "[0,]": Python's trailing comma */
     if (nitems == sizeof(items) / sizeof(items[0]))
-      return td__msg(msg, len, TD_EINVAL, "index '%s': too many items", expr);
+      return td__cli_msg(msg, len, TD_EINVAL, "index '%s': too many items",
+                         expr);
     if (blank || parse_item(s + start, k, &items[nitems]) < 0)
-      return td__msg(msg, len, TD_EINVAL,
-                     "index '%s': '%.*s' is not an int, a slice a:b:c, "
-                     "'...' or 'None'",
-                     expr, (int)k, s + start);
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "index '%s': '%.*s' is not an int, a slice a:b:c, "
+                         "'...' or 'None'",
+                         expr, (int)k, s + start);
     nitems++;
     start = i + 1;
   }
@@ -231,13 +231,13 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     ellipses += items[i].kind == IX_ELLIPSIS;
   }
   if (ellipses > 1)
-    return td__msg(msg, len, TD_EINVAL, "index '%s': more than one '...'",
-                   expr);
+    return td__cli_msg(msg, len, TD_EINVAL, "index '%s': more than one '...'",
+                       expr);
   if (consuming > v->ndim)
-    return td__msg(msg, len, TD_EINVAL,
-                   "index '%s': %d %s for a view of %d dim%s", expr, consuming,
-                   consuming == 1 ? "index" : "indices", (int)v->ndim,
-                   v->ndim == 1 ? "" : "s");
+    return td__cli_msg(msg, len, TD_EINVAL,
+                       "index '%s': %d %s for a view of %d dim%s", expr,
+                       consuming, consuming == 1 ? "index" : "indices",
+                       (int)v->ndim, v->ndim == 1 ? "" : "s");
   td_view w = *v;
   int32_t d = 0, orig = 0; /* dim in w; dim in v */
   for (size_t i = 0; i < nitems; i++) {
@@ -247,10 +247,10 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     case IX_INT: {
       int64_t size = w.shape[d];
       if (it->v[0] < -size || it->v[0] >= size)
-        return td__msg(msg, len, TD_ERANGE,
-                       "index '%s': dim %d: index %" PRId64
-                       " out of range for size %" PRId64,
-                       expr, (int)orig, it->v[0], size);
+        return td__cli_msg(msg, len, TD_ERANGE,
+                           "index '%s': dim %d: index %" PRId64
+                           " out of range for size %" PRId64,
+                           expr, (int)orig, it->v[0], size);
       err = td_view_select(&w, d, it->v[0]);
       orig++;
       break;
@@ -258,10 +258,10 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     case IX_SLICE: {
       int64_t step = it->has[2] ? it->v[2] : 1;
       if (step < 1)
-        return td__msg(msg, len, TD_EINVAL,
-                       "index '%s': dim %d: step %" PRId64
-                       " (steps must be 1 or more)",
-                       expr, (int)orig, step);
+        return td__cli_msg(msg, len, TD_EINVAL,
+                           "index '%s': dim %d: step %" PRId64
+                           " (steps must be 1 or more)",
+                           expr, (int)orig, step);
       err = td_view_slice(&w, d, it->has[0] ? it->v[0] : 0,
                           it->has[1] ? it->v[1] : INT64_MAX, step);
       d++, orig++;
@@ -277,8 +277,8 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
       break;
     }
     if (err < 0)
-      return td__msg(msg, len, err, "index '%s': %s", expr,
-                     td_view_last_error());
+      return td__cli_msg(msg, len, err, "index '%s': %s", expr,
+                         td_view_last_error());
   }
   *v = w;
   return 0;
@@ -1152,34 +1152,36 @@ static int resolve(td_client *c, const show_opts *o, td_storage **s, td_view *v,
     } else if (err == TD_ENOENT) { /* maybe a key made of digits */
       err = td_lookup(c, o->target, flags, 0, s, v);
       if (err == TD_ENOENT)
-        return td__msg(msg, len, err,
-                       "storage %s: no such storage (and no key '%s')",
-                       o->target, o->target);
+        return td__cli_msg(msg, len, err,
+                           "storage %s: no such storage (and no key '%s')",
+                           o->target, o->target);
     }
   } else {
     err = td_lookup(c, o->target, flags, 0, s, v);
   }
   if (err < 0)
-    return td__msg(msg, len, err, "%s", td_last_error(c));
+    return td__cli_msg(msg, len, err, "%s", td_last_error(c));
   if (td_storage_device(*s) != TD_CPU) {
-    err = td__msg(msg, len, TD_ENODEV,
-                  "storage %" PRIu64 " is a GPU's: show reads CPU "
-                  "storages only",
-                  td_storage_id(*s));
+    err = td__cli_msg(msg, len, TD_ENODEV,
+                      "storage %" PRIu64 " is a GPU's: show reads CPU "
+                      "storages only",
+                      td_storage_id(*s));
     goto fail;
   }
   if (*whole) {
     td_dtype dt = o->dtype != TD_DTYPE_INVALID ? o->dtype : TD_UINT8;
     int64_t n = (int64_t)(td_storage_nbytes(*s) / td_dtype_size(dt));
     if ((err = td_view_contiguous(dt, 1, &n, v)) < 0) {
-      td__msg(msg, len, err, "%s", td_view_last_error());
+      td__cli_msg(msg, len, err, "%s", td_view_last_error());
       goto fail;
     }
   }
   /* A key's view is checked before its bytes are read (to see whether it
    * is a state dict), and --dtype applies after (resolve_key). */
-  if ((err = td__view_check_msg(v, td_storage_nbytes(*s), msg, len)) < 0)
+  if ((err = td_view_check(v, td_storage_nbytes(*s))) < 0) {
+    td__cli_msg(msg, len, err, "%s", td_view_last_error());
     goto fail;
+  }
   return 0;
 fail:
   td_storage_release(*s);
@@ -1200,40 +1202,42 @@ static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
   td__cli_printable(o->target, key, sizeof(key));
   int err = td_state_dict_parse(s, v, sd);
   if (err == TD_ENODEV)
-    return td__msg(msg, len, err, "key '%s' holds a state dict whose %s", key,
-                   td_last_error(NULL));
+    return td__cli_msg(msg, len, err, "key '%s' holds a state dict whose %s",
+                       key, td_last_error(NULL));
   if (err < 0)
-    return td__msg(msg, len, err,
-                   "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
-                   " shows its raw bytes)",
-                   key, td_last_error(NULL), td_storage_id(s));
+    return td__cli_msg(
+        msg, len, err,
+        "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
+        " shows its raw bytes)",
+        key, td_last_error(NULL), td_storage_id(s));
   *listed = o->index == NULL;
   if (*listed) {
     if (o->dtype != TD_DTYPE_INVALID)
-      return td__msg(msg, len, TD_EINVAL,
-                     "key '%s' holds a state dict: --dtype applies to one "
-                     "of its tensors (tensorctl show %s TENSOR --dtype %s)",
-                     key, key, td_dtype_name(o->dtype));
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "key '%s' holds a state dict: --dtype applies to one "
+                         "of its tensors (tensorctl show %s TENSOR --dtype %s)",
+                         key, key, td_dtype_name(o->dtype));
     return 0;
   }
   size_t n = td_state_dict_count(*sd);
   if (td_state_dict_find(*sd, o->index, &i) < 0)
-    return td__msg(msg, len, TD_ENOENT,
-                   "key '%s' holds a state dict with no tensor '%s' "
-                   "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
-                   "%" PRIu64 " [INDEX] shows its raw bytes)",
-                   key, td__cli_printable(o->index, name, sizeof(name)), key, n,
-                   n == 1 ? "" : "s", td_storage_id(s));
+    return td__cli_msg(
+        msg, len, TD_ENOENT,
+        "key '%s' holds a state dict with no tensor '%s' "
+        "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
+        "%" PRIu64 " [INDEX] shows its raw bytes)",
+        key, td__cli_printable(o->index, name, sizeof(name)), key, n,
+        n == 1 ? "" : "s", td_storage_id(s));
   td_state_dict_tensor(*sd, i, tensor);
   td_view t;
   if ((err = td_state_dict_view(*sd, i, &t)) < 0)
-    return td__msg(msg, len, err, "%s", td_last_error(NULL));
+    return td__cli_msg(msg, len, err, "%s", td_last_error(NULL));
   if (o->dtype != TD_DTYPE_INVALID &&
       (err = td_view_reinterpret(&t, o->dtype)) < 0)
-    return td__msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
-                   td_view_last_error());
+    return td__cli_msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
+                       td_view_last_error());
   if ((err = td_view_check(&t, td_storage_nbytes(s))) < 0)
-    return td__msg(msg, len, err, "%s", td_view_last_error());
+    return td__cli_msg(msg, len, err, "%s", td_view_last_error());
   *v = t;
   *index = o->third;
   return 0;
@@ -1257,7 +1261,7 @@ static void print_listing(const char *key, const td_storage *s,
   char hs[32], kb[TD_KEY_MAX + 1];
   td__cli_printable(key, kb, sizeof(kb));
   printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n", kb, td_storage_id(s),
-         td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
+         td__cli_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
   printf("view   ");
   text_view(src);
   size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
@@ -1307,7 +1311,7 @@ void td__show_sd_text(const td_state_dict *sd, const char *indent) {
     int pad = wn - width(name);
     printf("%s%s%*s  %-*s  %-*s  %s\n", indent, name, pad > 0 ? pad : 0, "", wd,
            t.dtype_name, ws_, shape_text(&t, sh, sizeof(sh)),
-           t.itemsize ? td__human_bytes(t.nbytes, size, sizeof(size)) : "?");
+           t.itemsize ? td__cli_bytes(t.nbytes, size, sizeof(size)) : "?");
   }
 }
 
@@ -1369,7 +1373,7 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
   td__cli_printable(key, kb, sizeof(kb));
   int err = td_model_open(c, key, TD_RDONLY | TD_LAZY, 0, &m);
   if (err < 0)
-    return td__msg(msg, len, err, "%s", td_last_error(c));
+    return td__cli_msg(msg, len, err, "%s", td_last_error(c));
   const char *text = td_model_manifest(m);
   if (json) {
     printf("{\"key\":");
@@ -1378,10 +1382,9 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
     td_model_close(m);
     return 0;
   }
+  /* td_model_open checked this text, within its bound on memory. */
   json_error_t e;
-  int over;
-  json_t *root = td__json_loadb_bounded(text, strlen(text), 0, (size_t)1 << 30,
-                                        &e, &over);
+  json_t *root = json_loads(text, 0, &e);
   json_t *src = json_object_get(root, "source");
   json_t *shards = json_object_get(root, "shards");
   json_t *meta = json_object_get(root, "metadata");
@@ -1398,8 +1401,8 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
   printf("loaded   %s\n", when);
   printf("source   %s (%s, %s)\n",
          td__cli_printable(jstr(src, "path"), b1, sizeof(b1)),
-         jstr(src, "kind"), td__human_bytes((uint64_t)jint(src, "size"), hs,
-                                            sizeof(hs)));
+         jstr(src, "kind"),
+         td__cli_bytes((uint64_t)jint(src, "size"), hs, sizeof(hs)));
   const char *mk;
   json_t *mv;
   printf("metadata");
@@ -1413,12 +1416,12 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
     free(dump);
   }
   printf("\nshards   %zu, %s\n", json_array_size(shards),
-         td__human_bytes(total, hs, sizeof(hs)));
+         td__cli_bytes(total, hs, sizeof(hs)));
   for (size_t i = 0; i < json_array_size(shards); i++) {
     json_t *sh = json_array_get(shards, i);
     printf("  %-3zu %s  %s\n", i,
            td__cli_printable(jstr(sh, "key"), b1, sizeof(b1)),
-           td__human_bytes((uint64_t)jint(sh, "nbytes"), hs, sizeof(hs)));
+           td__cli_bytes((uint64_t)jint(sh, "nbytes"), hs, sizeof(hs)));
   }
   int wn = 4;
   for (size_t i = 0; i < td_model_count(m); i++) {
@@ -1444,8 +1447,8 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
       snprintf(shape + used, sizeof(shape) - used, "]");
     printf("%-*s  %-8s  %-20s  %-10s  %" PRId64 "\n", wn,
            td__cli_printable(n, b1, sizeof(b1)), jstr(te, "dtype"), shape,
-           td__human_bytes((uint64_t)(jint(te, "end") - jint(te, "begin")), hs,
-                           sizeof(hs)),
+           td__cli_bytes((uint64_t)(jint(te, "end") - jint(te, "begin")), hs,
+                         sizeof(hs)),
            jint(te, "shard"));
   }
   json_decref(root);
@@ -1458,7 +1461,7 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
   int rc = parse_args(argc, argv, &o);
   if (rc != 0)
     return rc;
-  char msg[TD__ERRMSG_MAX];
+  char msg[TD__CLI_MSG_MAX];
   td_client *c = NULL;
   td_storage *s = NULL;
   td_state_dict *sd = NULL;
@@ -1505,8 +1508,8 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     return 2;
   } else if (!whole && o.dtype != TD_DTYPE_INVALID &&
              (err = td_view_reinterpret(&src, o.dtype)) < 0) {
-    td__msg(msg, sizeof(msg), err, "--dtype %s: %s", td_dtype_name(o.dtype),
-            td_view_last_error());
+    td__cli_msg(msg, sizeof(msg), err, "--dtype %s: %s", td_dtype_name(o.dtype),
+                td_view_last_error());
     goto fail;
   }
   v = src;
@@ -1514,14 +1517,14 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     goto fail;
   td__show_stats st;
   if ((err = td__show_stats_read(&v, base, o.sample, &st)) < 0) {
-    td__msg(msg, sizeof(msg), err, "%s", td_view_last_error());
+    td__cli_msg(msg, sizeof(msg), err, "%s", td_view_last_error());
     goto fail;
   }
   if (o.json) {
     print_json(key, tensor, s, whole, &src, index, &v, base, &st);
   } else {
     char hs[32], kb[TD_KEY_MAX + 1];
-    td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs));
+    td__cli_bytes(td_storage_nbytes(s), hs, sizeof(hs));
     if (whole)
       printf("storage %" PRIu64 " (%s, cpu): the whole storage as %s%s\n",
              td_storage_id(s), hs, td_dtype_name(src.dtype),

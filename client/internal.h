@@ -41,6 +41,11 @@ void td__client_keep_error(const td_client *c);
  * its NUL), each byte outside 0x20..0x7e as '?', as tensord shows names.
  * Returns the length written. */
 size_t td__client_name_clean(const char *in, char *out, size_t len);
+/* Copies s into buf (len bytes, cut short if too small) with each control
+ * character (below 0x20, and 0x7f) as '?', so that a name from untrusted
+ * bytes (a tensor's, a file's) cannot drive the terminal its message is
+ * printed on; other bytes (UTF-8) stay. Returns buf. */
+const char *td__printable(const char *s, char *buf, size_t len);
 /* The default name (tensord.h's rule) from what the process's environment
  * and /proc say: env ($TENSORD_CLIENT_NAME, NULL if unset), comm
  * (/proc/self/comm without its newline) and cmdline (cmdlen bytes of

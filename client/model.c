@@ -3,7 +3,6 @@
  * between versions, attached, saved and unloaded (docs/models.md). */
 #include "internal.h"
 
-#include "clitext.h"
 #include "jsonmem.h"
 #include "safetensors.h"
 #include "statedict.h"
@@ -266,7 +265,7 @@ static int mf_parse(const td_client *c, const char *name, const uint8_t *p,
                     size_t n, manifest *m) {
   memset(m, 0, sizeof(*m));
   char shown[TD_KEY_MAX + 1];
-  td__cli_printable(name, shown, sizeof(shown));
+  td__printable(name, shown, sizeof(shown));
   if (n < MF_HEADER || memcmp(p, MF_MAGIC, 8) != 0)
     return td__fail(c, TD_EINVAL,
                     "key '%s' holds no model manifest (%zu bytes that do not "
@@ -314,7 +313,7 @@ static int mf_get(td_client *c, const char *name, int timeout_ms, manifest *m,
   if (err < 0)
     return err;
   char shown[TD_KEY_MAX + 1];
-  td__cli_printable(name, shown, sizeof(shown));
+  td__printable(name, shown, sizeof(shown));
   if (td_storage_device(s) != TD_CPU || v.dtype != TD_UINT8 || v.ndim != 1 ||
       v.stride[0] != 1) {
     td_storage_release(s);
@@ -349,7 +348,7 @@ static int check_name(const td_client *c, const char *name) {
     return td__fail(c, TD_EINVAL, "model: the name is empty");
   size_t n = strnlen(name, TD_KEY_MAX + 1);
   char shown[TD_KEY_MAX + 1];
-  td__cli_printable(name, shown, sizeof(shown));
+  td__printable(name, shown, sizeof(shown));
   if (n + sizeof(LOCK_SUFFIX) - 1 > TD_KEY_MAX)
     return td__fail(c, TD_ENAMETOOLONG,
                     "model '%.64s...': a name of %zu bytes: its keys "
@@ -439,7 +438,7 @@ static int lock_take(td_client *c, const char *name, const char *path,
     if (wait_ms == 0 || (wait_ms > 0 && waited_ms >= wait_ms)) {
       long pid = holder_pid(c, key);
       char shown[TD_KEY_MAX + 1];
-      td__cli_printable(name, shown, sizeof(shown));
+      td__printable(name, shown, sizeof(shown));
       err = td__fail(c, wait_ms == 0 ? TD_EBUSY : TD_ETIMEDOUT,
                      "model '%s' is being loaded by pid %ld (lock %s%s)%s",
                      shown, pid, shown, LOCK_SUFFIX,
@@ -1199,7 +1198,7 @@ static int check_keys(const td_client *c, const char *name, uint64_t v,
           c, TD_ENAMETOOLONG,
           "model '%s': tensor '%s': its key %s/<tensor> would have "
           "%zu bytes, over %d: choose a shorter name",
-          name, td__cli_printable(ck->tensors[i].name, shown, sizeof(shown)),
+          name, td__printable(ck->tensors[i].name, shown, sizeof(shown)),
           name, k, TD_KEY_MAX);
   }
   char vs[24];
@@ -1211,7 +1210,7 @@ static int check_keys(const td_client *c, const char *name, uint64_t v,
           c, TD_ENAMETOOLONG,
           "model '%s': shard '%s': its key %s@%s/<file> would have "
           "%zu bytes, over %d: choose a shorter name",
-          name, td__cli_printable(ck->shards[i].file, shown, sizeof(shown)),
+          name, td__printable(ck->shards[i].file, shown, sizeof(shown)),
           name, vs, k, TD_KEY_MAX);
   }
   return 0;
@@ -1461,7 +1460,7 @@ int td_model_unload(td_client *c, const char *name) {
   if (err == 0 && none && swept == 0) {
     char shown[TD_KEY_MAX + 1];
     err = td__fail(c, TD_ENOENT, "unload: no model '%s'",
-                   td__cli_printable(name, shown, sizeof(shown)));
+                   td__printable(name, shown, sizeof(shown)));
   }
 out:
   lock_drop(c, &lk);
@@ -1511,7 +1510,7 @@ int td_model_find(const td_model *m, const char *name, td_storage **s,
     char shown[128];
     return td__fail(
         NULL, TD_ENOENT, "model: no tensor '%s' in version %" PRIu64,
-        name ? td__cli_printable(name, shown, sizeof(shown)) : "", m->version);
+        name ? td__printable(name, shown, sizeof(shown)) : "", m->version);
   }
   return td_model_tensor(m, (size_t)(t - m->mf.tensors), NULL, s, v);
 }
@@ -1543,7 +1542,7 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
                     "open model: flags 0x%x: only TD_RDONLY, TD_COW, TD_LAZY",
                     flags);
   char shown[TD_KEY_MAX + 1];
-  td__cli_printable(name, shown, sizeof(shown));
+  td__printable(name, shown, sizeof(shown));
   for (int attempt = 0; attempt < OPEN_TRIES; attempt++) {
     td_model *m = calloc(1, sizeof(*m));
     if (m == NULL)
@@ -1781,7 +1780,7 @@ static int save_statedict(td_client *c, const char *key, td_storage *s,
   }
   for (size_t i = 0; i < sd.ntensors; i++) {
     const td__sd_tensor *x = &sd.tensors[i];
-    td__cli_printable(x->name, shown, sizeof(shown));
+    td__printable(x->name, shown, sizeof(shown));
     td_view tv;
     if (x->dtype == TD_DTYPE_INVALID || td__st_dtype_name(x->dtype) == NULL) {
       err = td__fail(c, TD_EINVAL,
@@ -1880,7 +1879,7 @@ int td_model_save(td_client *c, const char *name, const char *out,
   if (err < 0)
     return err;
   char shown[TD_KEY_MAX + 1];
-  td__cli_printable(name, shown, sizeof(shown));
+  td__printable(name, shown, sizeof(shown));
   const uint8_t *p = td_storage_data(s);
   int cpu = td_storage_device(s) == TD_CPU;
   if (cpu && v.dtype == TD_UINT8 && v.ndim == 1 && v.stride[0] == 1 &&

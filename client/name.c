@@ -116,6 +116,16 @@ size_t td__client_name_clean(const char *in, char *out, size_t len) {
   return j;
 }
 
+const char *td__printable(const char *s, char *buf, size_t len) {
+  size_t j = 0;
+  if (len == 0)
+    return buf;
+  for (; *s && j + 1 < len; s++)
+    buf[j++] = ((unsigned char)*s < 0x20 || *s == 0x7f) ? '?' : *s;
+  buf[j] = '\0';
+  return buf;
+}
+
 void td__client_default_name(const char *env, const char *comm,
                              const char *cmdline, size_t cmdlen, char *buf,
                              size_t len) {

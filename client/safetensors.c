@@ -3,8 +3,7 @@
  * the tensor and the field), and the headers td_model_save writes. */
 #include "safetensors.h"
 
-#include "clitext.h"
-#include "common.h"
+#include "internal.h"
 #include "jsonmem.h"
 
 #include <dirent.h>
@@ -98,7 +97,7 @@ static int read_tensor(const char *file, const char *shown, json_t *e,
       return td__msg(msg, len, TD_EINVAL,
                      "%s: tensor '%s': unknown field '%s' (a tensor has "
                      "dtype, shape and data_offsets)",
-                     file, shown, td__cli_printable(field, f, sizeof(f)));
+                     file, shown, td__printable(field, f, sizeof(f)));
     }
   }
   static const char *const need[] = {"dtype", "shape", "data_offsets"};
@@ -119,7 +118,7 @@ static int read_tensor(const char *file, const char *shown, json_t *e,
                    "F32 F16 BF16 I64 I32 I16 I8 U8 BOOL U16 U32 U64 F8_E4M3 "
                    "F8_E5M2)",
                    file, shown,
-                   td__cli_printable(json_string_value(dt), d, sizeof(d)));
+                   td__printable(json_string_value(dt), d, sizeof(d)));
   }
   const char *dn = td__st_dtype_name(t->dtype);
   size_t item = td_dtype_size(t->dtype);
@@ -199,7 +198,7 @@ static int read_metadata(const char *file, json_t *m, char *msg, size_t len) {
       char f[96];
       return td__msg(msg, len, TD_EINVAL,
                      "%s: __metadata__: '%s': %s, not a string", file,
-                     td__cli_printable(k, f, sizeof(f)), kind(v));
+                     td__printable(k, f, sizeof(f)), kind(v));
     }
   }
   return 0;
@@ -229,9 +228,9 @@ static int check_overlaps(const char *file, td__st_tensor *t, size_t n,
       err = td__msg(msg, len, TD_EINVAL,
                     "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64
                     "] overlap tensor '%s''s [%" PRIu64 ", %" PRIu64 "]",
-                    file, td__cli_printable(o[i]->name, a, sizeof(a)),
+                    file, td__printable(o[i]->name, a, sizeof(a)),
                     o[i]->begin, o[i]->end,
-                    td__cli_printable(o[i - 1]->name, b, sizeof(b)),
+                    td__printable(o[i - 1]->name, b, sizeof(b)),
                     o[i - 1]->begin, o[i - 1]->end);
     }
   free(o);
@@ -267,7 +266,7 @@ static int read_header(const char *file, json_t *root, uint64_t data_start,
     if (strcmp(name, "__metadata__") == 0)
       continue;
     char shown[128];
-    td__cli_printable(name, shown, sizeof(shown));
+    td__printable(name, shown, sizeof(shown));
     td__st_tensor *t = &ck->tensors[ck->ntensors];
     memset(t, 0, sizeof(*t));
     if ((err = read_tensor(file, shown, e, t, data_len, msg, len)) < 0)
@@ -530,7 +529,7 @@ static int read_index(td__checkpoint *ck, json_t **wm, char *msg, size_t len) {
   json_t *v;
   json_object_foreach(w, tname, v) {
     char shown[128], f[128];
-    td__cli_printable(tname, shown, sizeof(shown));
+    td__printable(tname, shown, sizeof(shown));
     if (!json_is_string(v)) {
       err = td__msg(msg, len, TD_EINVAL,
                     "%s: weight_map: tensor '%s': %s, not a file name", file,
@@ -542,7 +541,7 @@ static int read_index(td__checkpoint *ck, json_t **wm, char *msg, size_t len) {
       err = td__msg(msg, len, TD_EINVAL,
                     "%s: weight_map: tensor '%s': shard '%s' is not a plain "
                     "file name in the index's directory",
-                    file, shown, td__cli_printable(sf, f, sizeof(f)));
+                    file, shown, td__printable(sf, f, sizeof(f)));
       break;
     }
     size_t i = 0;
@@ -620,11 +619,11 @@ static int match_index(td__checkpoint *ck, json_t *wm, char *msg, size_t len) {
       char shown[128], f[128], g[128];
       err = td__msg(
           msg, len, TD_EINVAL, "%s: tensor '%s' is in two shards, '%s' and '%s'",
-          file, td__cli_printable(ck->tensors[order[j]].name, shown,
+          file, td__printable(ck->tensors[order[j]].name, shown,
                                   sizeof(shown)),
-          td__cli_printable(ck->shards[ck->tensors[order[j - 1]].shard].file,
+          td__printable(ck->shards[ck->tensors[order[j - 1]].shard].file,
                             f, sizeof(f)),
-          td__cli_printable(ck->shards[ck->tensors[order[j]].shard].file, g,
+          td__printable(ck->shards[ck->tensors[order[j]].shard].file, g,
                             sizeof(g)));
       goto out;
     }
@@ -635,12 +634,12 @@ static int match_index(td__checkpoint *ck, json_t *wm, char *msg, size_t len) {
     const char *sf = json_string_value(v);
     size_t j = find_name(ck->tensors, order, n, tname);
     char shown[128], f[128];
-    td__cli_printable(tname, shown, sizeof(shown));
+    td__printable(tname, shown, sizeof(shown));
     if (j == n || strcmp(ck->shards[ck->tensors[j].shard].file, sf) != 0) {
       err = td__msg(msg, len, TD_EINVAL,
                     "%s: weight_map: tensor '%s': its shard '%s' has no "
                     "tensor of that name",
-                    file, shown, td__cli_printable(sf, f, sizeof(f)));
+                    file, shown, td__printable(sf, f, sizeof(f)));
       goto out;
     }
     used[j] = 1;
@@ -651,9 +650,9 @@ static int match_index(td__checkpoint *ck, json_t *wm, char *msg, size_t len) {
       char shown[128], f[128];
       err = td__msg(msg, len, TD_EINVAL,
                     "%s: tensor '%s' is not in %s's weight_map",
-                    td__cli_printable(ck->shards[ck->tensors[j].shard].file,
+                    td__printable(ck->shards[ck->tensors[j].shard].file,
                                       f, sizeof(f)),
-                    td__cli_printable(ck->tensors[j].name, shown,
+                    td__printable(ck->tensors[j].name, shown,
                                       sizeof(shown)),
                     file);
       goto out;

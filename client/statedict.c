@@ -1,10 +1,9 @@
 /* statedict.c: the packed state dicts of tensord.torch.publish_state_dict,
  * parsed defensively from a storage's bytes (the manifest with jansson) for
- * tensorctl info and show. */
+ * td_model_save and the public td_state_dict_* (tensorctl info and show). */
 #include "statedict.h"
 
-#include "clitext.h"
-#include "common.h"
+#include "internal.h"
 
 #include <inttypes.h>
 #include "jsonmem.h"
@@ -176,7 +175,7 @@ static int read_tensors(json_t *o, td__statedict *sd, char *msg, size_t len) {
       return td__msg(msg, len, TD_ENOMEM, "out of memory");
     sd->ntensors++; /* freed with sd from here */
     char shown[96], where[128];
-    td__cli_printable(name, shown, sizeof(shown));
+    td__printable(name, shown, sizeof(shown));
     snprintf(where, sizeof(where), "tensor '%s': ", shown);
     int err = read_entry(e, t, where, msg, len);
     if (err < 0)
@@ -238,7 +237,7 @@ static int check(td__statedict *sd, size_t n, char *msg, size_t len) {
   for (size_t i = 0; i < sd->ntensors; i++) {
     td__sd_tensor *t = &sd->tensors[i];
     char shown[96], why[TD__ERRMSG_MAX];
-    td__cli_printable(t->name, shown, sizeof(shown));
+    td__printable(t->name, shown, sizeof(shown));
     if (t->region >= sd->nregions)
       return td__msg(msg, len, TD_EINVAL,
                      "tensor '%s': region %u, of %zu regions", shown, t->region,
@@ -357,7 +356,7 @@ const td__sd_tensor *td__statedict_find(const td__statedict *sd,
 int td__statedict_view(const td__statedict *sd, const td__sd_tensor *t,
                        uint64_t blob_off, td_view *v, char *msg, size_t len) {
   char shown[96];
-  td__cli_printable(t->name, shown, sizeof(shown));
+  td__printable(t->name, shown, sizeof(shown));
   if (t->dtype == TD_DTYPE_INVALID)
     return td__msg(msg, len, TD_EINVAL,
                    "tensor '%s' is %s, a dtype tensord does not read", shown,
@@ -382,76 +381,119 @@ int td__statedict_view(const td__statedict *sd, const td__sd_tensor *t,
   return 0;
 }
 
-/* ---- listings ---- */
+/* ---- the public API (tensord.h): thin wrappers over the above ---- */
 
-/* "[16, 8]" into buf. */
-static char *shape_text(const td__sd_tensor *t, char *buf, size_t len) {
-  size_t used = (size_t)snprintf(buf, len, "[");
-  for (int32_t d = 0; d < t->ndim && used < len; d++)
-    used += (size_t)snprintf(buf + used, len - used, "%s%" PRId64,
-                             d ? ", " : "", t->shape[d]);
-  if (used < len)
-    snprintf(buf + used, len - used, "]");
-  return buf;
+struct td_state_dict {
+  td__statedict sd;
+  uint64_t blob_off; /* the blob's first byte in its storage */
+};
+
+int td_state_dict_is(const td_storage *s, const td_view *v) {
+  if (v == NULL || !td__statedict_blob_shaped(v))
+    return 0;
+  if (s == NULL)
+    return 1;
+  return td_storage_device(s) == TD_CPU &&
+         td__view_check_msg(v, td_storage_nbytes(s), NULL, 0) == 0 &&
+         td__statedict_is((const char *)td_storage_data(s) + v->offset,
+                          (size_t)v->shape[0]);
 }
 
-/* Characters (UTF-8 code points) of s: what a column of it takes, but for
- * the rare wide ones. */
-static int width(const char *s) {
-  int n = 0;
-  for (; *s; s++)
-    n += ((unsigned char)*s & 0xc0) != 0x80;
-  return n;
+int td_state_dict_parse(const td_storage *s, const td_view *v,
+                        td_state_dict **out) {
+  char msg[TD__ERRMSG_MAX], vb[512];
+  int err;
+  *out = NULL;
+  if (s == NULL || v == NULL)
+    return td__fail(NULL, TD_EINVAL, "state dict: storage or view is NULL");
+  if (td_storage_device(s) != TD_CPU)
+    return td__fail(NULL, TD_ENODEV,
+                    "state dict: storage %" PRIu64 " is a GPU's",
+                    td_storage_id(s));
+  if ((err = td__view_check_msg(v, td_storage_nbytes(s), msg, sizeof(msg))) < 0)
+    return td__fail(NULL, err, "state dict: %s", msg);
+  if (!td__statedict_blob_shaped(v))
+    return td__fail(NULL, TD_EINVAL,
+                    "state dict: view %s is not a blob (one dense uint8 dim "
+                    "of at least %d bytes)",
+                    td_view_format(v, vb, sizeof(vb)), TD__SD_HEADER);
+  td_state_dict *sd = calloc(1, sizeof(*sd));
+  if (sd == NULL)
+    return td__fail(NULL, TD_ENOMEM, "state dict: out of memory");
+  err = td__statedict_parse((const char *)td_storage_data(s) + v->offset,
+                            (size_t)v->shape[0], &sd->sd, msg, sizeof(msg));
+  if (err < 0) {
+    free(sd);
+    return td__fail(NULL, err, "%s", msg);
+  }
+  sd->blob_off = (uint64_t)v->offset;
+  *out = sd;
+  return 0;
 }
 
-void td__statedict_print_text(const td__statedict *sd, const char *indent) {
-  int wn = 4, wd = 5, ws_ = 5; /* NAME, DTYPE, SHAPE */
-  char sh[400], name[TD__SD_NAME_MAX + 1], size[32];
-  for (size_t i = 0; i < sd->ntensors; i++) {
-    const td__sd_tensor *t = &sd->tensors[i];
-    int n = width(t->name);
-    wn = n > wn ? (n < 48 ? n : 48) : wn;
-    n = (int)strlen(t->dtype_name);
-    wd = n > wd ? n : wd;
-    n = (int)strlen(shape_text(t, sh, sizeof(sh)));
-    ws_ = n > ws_ ? (n < 32 ? n : 32) : ws_;
-  }
-  printf("%s%-*s  %-*s  %-*s  %s\n", indent, wn, "NAME", wd, "DTYPE", ws_,
-         "SHAPE", "BYTES");
-  for (size_t i = 0; i < sd->ntensors; i++) {
-    const td__sd_tensor *t = &sd->tensors[i];
-    td__cli_printable(t->name, name, sizeof(name));
-    int pad = wn - width(name);
-    printf("%s%s%*s  %-*s  %-*s  %s\n", indent, name, pad > 0 ? pad : 0, "", wd,
-           t->dtype_name, ws_, shape_text(t, sh, sizeof(sh)),
-           t->itemsize ? td__human_bytes(t->nbytes, size, sizeof(size)) : "?");
-  }
+void td_state_dict_free(td_state_dict *sd) {
+  if (sd == NULL)
+    return;
+  td__statedict_free(&sd->sd);
+  free(sd);
 }
 
-void td__statedict_print_json(const td__statedict *sd) {
-  printf("{\"tensors\":[");
-  for (size_t i = 0; i < sd->ntensors; i++) {
-    const td__sd_tensor *t = &sd->tensors[i];
-    printf("%s{\"name\":", i ? "," : "");
-    td__cli_json_str(t->name);
-    printf(",\"dtype\":");
-    td__cli_json_str(t->dtype_name);
-    printf(",\"shape\":[");
-    for (int32_t d = 0; d < t->ndim; d++)
-      printf("%s%" PRId64, d ? "," : "", t->shape[d]);
-    printf("],\"stride\":[");
-    for (int32_t d = 0; d < t->ndim; d++)
-      printf("%s%" PRId64, d ? "," : "", t->stride[d]);
-    printf("],\"storage_offset\":%" PRId64 ",\"region\":%u,\"nbytes\":",
-           t->storage_offset, t->region);
-    if (t->itemsize)
-      printf("%" PRIu64 "}", t->nbytes);
-    else
-      printf("null}");
-  }
-  printf("],\"regions\":[");
-  for (size_t i = 0; i < sd->nregions; i++)
-    printf("%s{\"offset\":%" PRIu64 ",\"nbytes\":%" PRIu64 "}", i ? "," : "",
-           sd->regions[i].offset, sd->regions[i].nbytes);
-  printf("]}");
+size_t td_state_dict_count(const td_state_dict *sd) {
+  return sd->sd.ntensors;
+}
+
+size_t td_state_dict_nregions(const td_state_dict *sd) {
+  return sd->sd.nregions;
+}
+
+int td_state_dict_tensor(const td_state_dict *sd, size_t i,
+                         td_state_dict_entry *out) {
+  if (i >= sd->sd.ntensors)
+    return td__fail(NULL, TD_ERANGE, "state dict: tensor %zu of %zu", i,
+                    sd->sd.ntensors);
+  const td__sd_tensor *t = &sd->sd.tensors[i];
+  td_state_dict_entry e = {.name = t->name,
+                           .dtype_name = t->dtype_name,
+                           .dtype = t->dtype,
+                           .ndim = t->ndim,
+                           .storage_offset = t->storage_offset,
+                           .region = t->region,
+                           .itemsize = (uint32_t)t->itemsize,
+                           .nbytes = t->nbytes};
+  memcpy(e.shape, t->shape, sizeof(e.shape));
+  memcpy(e.stride, t->stride, sizeof(e.stride));
+  *out = e;
+  return 0;
+}
+
+int td_state_dict_find(const td_state_dict *sd, const char *name, size_t *i) {
+  char shown[96];
+  const td__sd_tensor *t = td__statedict_find(&sd->sd, name);
+  if (t == NULL)
+    return td__fail(NULL, TD_ENOENT, "state dict: no tensor '%s'",
+                    td__printable(name, shown, sizeof(shown)));
+  *i = (size_t)(t - sd->sd.tensors);
+  return 0;
+}
+
+int td_state_dict_region(const td_state_dict *sd, size_t i, uint64_t *offset,
+                         uint64_t *nbytes) {
+  if (i >= sd->sd.nregions)
+    return td__fail(NULL, TD_ERANGE, "state dict: region %zu of %zu", i,
+                    sd->sd.nregions);
+  if (offset != NULL)
+    *offset = sd->sd.regions[i].offset;
+  if (nbytes != NULL)
+    *nbytes = sd->sd.regions[i].nbytes;
+  return 0;
+}
+
+int td_state_dict_view(const td_state_dict *sd, size_t i, td_view *v) {
+  char msg[TD__ERRMSG_MAX];
+  if (i >= sd->sd.ntensors)
+    return td__fail(NULL, TD_ERANGE, "state dict: tensor %zu of %zu", i,
+                    sd->sd.ntensors);
+  int err = td__statedict_view(&sd->sd, &sd->sd.tensors[i], sd->blob_off, v,
+                               msg, sizeof(msg));
+  return err < 0 ? td__fail(NULL, err, "%s", msg) : 0;
 }

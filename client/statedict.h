@@ -1,7 +1,6 @@
 /* statedict.h: the packed state dicts of tensord.torch.publish_state_dict,
- * read from untrusted bytes for tensorctl info and show and for
- * td_model_save (docs/python.md gives the format). Private to libtensord,
- * tensorctl and their tests. */
+ * read from untrusted bytes for td_model_save and td_state_dict_parse
+ * (docs/python.md gives the format). Private to libtensord and its tests. */
 #ifndef TD_CLIENT_STATEDICT_H
 #define TD_CLIENT_STATEDICT_H
 
@@ -15,7 +14,7 @@
  * "storage_offset", "region"}}, "regions": [{"offset", "nbytes"}]}, offsets
  * and sizes in bytes from the start of the blob, shape, strides and
  * storage_offset in elements of the dtype from the start of the region. */
-#define TD__SD_MAGIC "TDSTATE1"
+#define TD__SD_MAGIC TD_STATE_DICT_MAGIC
 #define TD__SD_HEADER 16 /* the magic and the manifest's length */
 
 /* Bounds on what a manifest may hold, whatever the blob's size: reading a
@@ -23,7 +22,7 @@
 #define TD__SD_MANIFEST_MAX ((uint64_t)256 << 20) /* bytes of JSON */
 #define TD__SD_TENSORS_MAX (1u << 18) /* ~350 bytes each in memory */
 #define TD__SD_REGIONS_MAX (1u << 18)
-#define TD__SD_NAME_MAX 4096 /* bytes of a tensor's name (UTF-8) */
+#define TD__SD_NAME_MAX TD_STATE_DICT_NAME_MAX /* bytes of a name (UTF-8) */
 #define TD__SD_DTYPE_MAX 31  /* bytes of a dtype's name */
 /* Bytes the manifest's JSON tree (jansson's) may take while it is read: a
  * manifest within the bounds above takes at most ~700 MiB (2^18 tensors of
@@ -94,14 +93,5 @@ const td__sd_tensor *td__statedict_find(const td__statedict *sd,
  * past int64); *v is unchanged on failure. */
 int td__statedict_view(const td__statedict *sd, const td__sd_tensor *t,
                        uint64_t blob_off, td_view *v, char *msg, size_t len);
-
-/* Writes the tensors as a table to stdout, each line after indent: NAME,
- * DTYPE, SHAPE, BYTES (names with control characters shown as '?'). */
-void td__statedict_print_text(const td__statedict *sd, const char *indent);
-
-/* Writes {"tensors": [{"name", "dtype", "shape", "stride",
- * "storage_offset", "region", "nbytes"}], "regions": [{"offset", "nbytes"}]}
- * to stdout ("nbytes" null where the dtype is not known). */
-void td__statedict_print_json(const td__statedict *sd);
 
 #endif /* TD_CLIENT_STATEDICT_H */

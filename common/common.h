@@ -51,14 +51,4 @@ char *td__human_bytes(uint64_t n, char *buf, size_t len);
  * "B"); returns 0 or TD_EINVAL. */
 int td__parse_size(const char *s, uint64_t *out);
 
-/* The narrow floating-point dtypes as doubles (dtype.c), exactly: every
- * value of these formats is a double. float16 is IEEE binary16; bfloat16
- * the top half of a binary32; float8_e4m3fn has no infinities and one NaN
- * per sign (S.1111.111), its largest value 448; float8_e5m2 is binary16's
- * top byte, with infinities and NaNs. Bytes are little-endian. */
-double td__float16_to_double(uint16_t bits);
-double td__bfloat16_to_double(uint16_t bits);
-double td__float8_e4m3fn_to_double(uint8_t bits);
-double td__float8_e5m2_to_double(uint8_t bits);
-
 #endif /* TD_COMMON_H */

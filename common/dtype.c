@@ -184,21 +184,64 @@ static double small_float(uint32_t bits, int ebits, int mbits, int bias,
   return sign * (double)(m | (1u << mbits)) * pow2((int)e - bias - mbits);
 }
 
-double td__float16_to_double(uint16_t bits) {
-  return small_float(bits, 5, 10, 15, 1);
+/* The value of the element of a real dtype at p (td_elem_to_double). */
+static double decode(td_dtype dtype, const void *p) {
+  union {
+    uint8_t u8;
+    int8_t i8;
+    uint16_t u16;
+    int16_t i16;
+    uint32_t u32;
+    int32_t i32;
+    uint64_t u64;
+    int64_t i64;
+    float f32;
+    double f64;
+  } x;
+  memcpy(&x, p, td_dtype_size(dtype)); /* elements need not be aligned */
+  switch (dtype) {
+  case TD_BOOL:
+    return x.u8 != 0;
+  case TD_UINT8:
+    return x.u8;
+  case TD_INT8:
+    return x.i8;
+  case TD_UINT16:
+    return x.u16;
+  case TD_INT16:
+    return x.i16;
+  case TD_UINT32:
+    return x.u32;
+  case TD_INT32:
+    return x.i32;
+  case TD_UINT64:
+    return (double)x.u64;
+  case TD_INT64:
+    return (double)x.i64;
+  case TD_FLOAT16:
+    return small_float(x.u16, 5, 10, 15, 1);
+  case TD_BFLOAT16: /* the top half of a float32 */
+    x.u32 = (uint32_t)x.u16 << 16;
+    return x.f32;
+  case TD_FLOAT8_E4M3FN:
+    return small_float(x.u8, 4, 3, 7, 0);
+  case TD_FLOAT8_E5M2: /* float16's top byte */
+    return small_float(x.u8, 5, 2, 15, 1);
+  case TD_FLOAT32:
+    return x.f32;
+  default:
+    return x.f64;
+  }
 }
 
-double td__bfloat16_to_double(uint16_t bits) {
-  uint32_t u = (uint32_t)bits << 16;
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-double td__float8_e4m3fn_to_double(uint8_t bits) {
-  return small_float(bits, 4, 3, 7, 0);
-}
-
-double td__float8_e5m2_to_double(uint8_t bits) {
-  return small_float(bits, 5, 2, 15, 1);
+int td_elem_to_double(td_dtype dtype, const void *elem, double *out) {
+  if (td_dtype_size(dtype) == 0)
+    return td__fail(NULL, TD_EINVAL, "elem_to_double: unknown dtype %d",
+                    (int)dtype);
+  if (dtype == TD_COMPLEX64 || dtype == TD_COMPLEX128)
+    return td__fail(
+        NULL, TD_EINVAL, "elem_to_double: %s has two parts: decode each as %s",
+        td_dtype_name(dtype), dtype == TD_COMPLEX64 ? "float32" : "float64");
+  *out = decode(dtype, elem);
+  return 0;
 }

@@ -47,7 +47,8 @@ const char *td_version_string(void);
  * - the structs below that end in reserved[] keep their size and layout:
  *   td_create_opts, td_publish_opts, td_connect_opts, td_holder,
  *   td_storage_info, td_key_info, td_stat, td_device_stat, td_client_stat,
- *   td_metrics and td_event. A new field takes the place of reserved words.
+ *   td_metrics, td_event and td_state_dict_entry. A new field takes the
+ *   place of reserved words.
  *   In what you pass in (td_create_opts, td_publish_opts, td_connect_opts)
  *   zero keeps the old behaviour, so "zero-initialise, then set" keeps
  *   working, and a library that does not know a field refuses it non-zero
@@ -138,6 +139,15 @@ size_t td_dtype_size(td_dtype dtype);
 const char *td_dtype_name(td_dtype dtype);
 /* Parses a PyTorch or numpy spelling; returns TD_DTYPE_INVALID if unknown. */
 td_dtype td_dtype_from_name(const char *name);
+/* Sets *out to the value of the element of dtype at elem (native
+ * little-endian bytes, as a storage holds them; no alignment needed): exact
+ * for every float dtype (float16, bfloat16 and the float8s included, NaN
+ * and infinities as they are; float8_e4m3fn has no infinity, its largest
+ * value is 448) and for integers up to 2^53, larger ones rounded to the
+ * nearest double; bool is 0 or 1 (any byte but 0 is 1). Returns 0, or
+ * TD_EINVAL for an unknown dtype and for a complex one (decode each part
+ * as a float32 or float64); *out is unchanged on failure. */
+int td_elem_to_double(td_dtype dtype, const void *elem, double *out);
 
 /* Where a storage's bytes live. */
 typedef enum { TD_CPU = 0, TD_CUDA = 1 } td_device;
@@ -877,6 +887,82 @@ const char *td_model_manifest(const td_model *m);
 /* Releases m's storages and frees it. NULL ok. */
 void td_model_close(td_model *m);
 /* ---- end of models ---- */
+
+/* ---- state dicts (tensord.torch.publish_state_dict; docs/python.md) ---- */
+/* publish_state_dict publishes a PyTorch state dict under one key as a
+ * blob: a view uint8[n], one dense dim, whose bytes are TD_STATE_DICT_MAGIC,
+ * the manifest's length (little-endian u64), the manifest (JSON: each
+ * tensor's dtype, shape, strides, storage offset and region; each region's
+ * offset and size in bytes) and the regions' bytes. These read one in C,
+ * as tensorctl info and show do, checking every byte of it as untrusted
+ * (at most 2^18 tensors and regions, 256 MiB of manifest, 1 GiB for its
+ * JSON while it is read). A parsed td_state_dict is read-only: any number
+ * of threads may read it at once. */
+#define TD_STATE_DICT_MAGIC "TDSTATE1"
+#define TD_STATE_DICT_NAME_MAX 4096 /* longest tensor name, in bytes */
+
+typedef struct td_state_dict td_state_dict;
+
+/* Returns 1 if view v of storage s could hold a state dict: v is one dense
+ * uint8 dim of at least 16 bytes and, unless s is NULL, lies inside s, a
+ * CPU storage, where its bytes begin with TD_STATE_DICT_MAGIC; else 0.
+ * With s NULL it judges by v alone: whether s is worth mapping to look. */
+int td_state_dict_is(const td_storage *s, const td_view *v);
+/* Parses the blob that view v of storage s holds and checks all of it:
+ * every count, length, offset and size against the blob, every region
+ * inside it and every tensor of a dtype tensord has inside its region (as
+ * load_state_dict takes it); the manifest must be JSON (UTF-8) without
+ * duplicate keys, NUL in strings or integers past int64; unknown fields
+ * are skipped. Returns 0 with *out the caller's, to td_state_dict_free; or
+ * TD_EINVAL (v holds no state dict or a corrupt one), TD_ERANGE (v does
+ * not fit s), TD_ENODEV (s is a GPU's, or a region lies on a GPU, in a
+ * storage of its own: only Python's load_state_dict reads those) or
+ * TD_ENOMEM, with the reason for td_last_error(NULL) naming the tensor or
+ * region and the field; *out is NULL on failure. sd holds no reference to
+ * s: keep s while you read the tensors' bytes. */
+int td_state_dict_parse(const td_storage *s, const td_view *v,
+                        td_state_dict **out);
+/* Frees sd. NULL ok. */
+void td_state_dict_free(td_state_dict *sd);
+/* The number of tensors, and of regions. */
+size_t td_state_dict_count(const td_state_dict *sd);
+size_t td_state_dict_nregions(const td_state_dict *sd);
+
+/* One tensor, as the manifest describes it (td_state_dict_tensor). */
+typedef struct td_state_dict_entry {
+  const char *name;       /* UTF-8, no NUL; valid while sd is */
+  const char *dtype_name; /* PyTorch's, also of a dtype tensord has not
+                             ("qint8"); valid while sd is */
+  td_dtype dtype;         /* TD_DTYPE_INVALID for such a dtype */
+  int32_t ndim;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t stride[TD_MAX_DIMS]; /* in elements */
+  int64_t storage_offset;      /* in elements, from its region's start */
+  uint32_t region;             /* the index of its region */
+  uint32_t itemsize;    /* bytes of one element; 0 where they are not known */
+  uint64_t nbytes;      /* elements times itemsize */
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_state_dict_entry;
+
+/* Fills *out with tensor i (the manifest's order). Returns 0, or TD_ERANGE
+ * if i is past the count. */
+int td_state_dict_tensor(const td_state_dict *sd, size_t i,
+                         td_state_dict_entry *out);
+/* Sets *i to the index of the tensor called name. Returns 0, or TD_ENOENT
+ * if there is none. */
+int td_state_dict_find(const td_state_dict *sd, const char *name, size_t *i);
+/* Sets *offset and *nbytes (either may be NULL) to where region i lies, in
+ * bytes from the blob's start. Returns 0, or TD_ERANGE if i is past the
+ * count. */
+int td_state_dict_region(const td_state_dict *sd, size_t i, uint64_t *offset,
+                         uint64_t *nbytes);
+/* Sets *v to tensor i's view of the storage the blob was parsed from, as
+ * load_state_dict makes it (it passes td_view_check against that storage).
+ * Returns 0, or TD_ERANGE if i is past the count, or TD_EINVAL for a dtype
+ * tensord does not read or a region not aligned to its dtype, with the
+ * reason for td_last_error(NULL); *v is unchanged on failure. */
+int td_state_dict_view(const td_state_dict *sd, size_t i, td_view *v);
+/* ---- end of state dicts ---- */
 
 /* ---- events (tensorctl watch; docs/protocol.md) ---- */
 /* A watch is a connection of its own that receives what happens in the

@@ -1,6 +1,7 @@
 /* test_show.c: tensorctl show against a real tensord: every dtype, NaN and
  * Inf counts, exact int64 extremes, index sub-views, strided and empty
- * views, sampling, --json, bad input, and a storage freed while shown. */
+ * views, sampling, --json, bad input, a storage freed while shown, and the
+ * state dict reader it uses (td_state_dict_*). */
 #include "cli.h"
 #include "harness.h"
 
@@ -753,6 +754,85 @@ TDT_TEST(show, a_corrupt_state_dict_is_a_clear_error) {
   tdt_run_free(&r);
   cr_assert_eq(td_unpublish(c, "sd/plain"), 0);
   td_storage_release(plain);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, 5000));
+}
+
+/* The public reader that show and info use (td_state_dict_*), on its own:
+ * the same tensors, their views of the storage, and refusals that say
+ * why. */
+TDT_TEST(show, td_state_dict_reads_what_show_lists) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s = put_sd(c, "sd/api", SD_MANIFEST, 0, 64);
+  td_storage *l;
+  td_view v, t;
+  cr_assert_eq(td_lookup(c, "sd/api", TD_RDONLY, 0, &l, &v), 0);
+  cr_assert(td_state_dict_is(NULL, &v), "a blob by its shape");
+  cr_assert(td_state_dict_is(l, &v));
+  td_state_dict *sd;
+  cr_assert_eq(td_state_dict_parse(l, &v, &sd), 0, "%s", td_last_error(NULL));
+  cr_assert_eq(td_state_dict_count(sd), 5);
+  cr_assert_eq(td_state_dict_nregions(sd), 3);
+  size_t i;
+  td_state_dict_entry e;
+  cr_assert_eq(td_state_dict_find(sd, "enc.tied", &i), 0);
+  cr_assert_eq(i, 1, "the manifest's order");
+  cr_assert_eq(td_state_dict_tensor(sd, i, &e), 0);
+  cr_assert_str_eq(e.name, "enc.tied");
+  cr_assert_str_eq(e.dtype_name, "float32");
+  cr_assert_eq(e.dtype, TD_FLOAT32);
+  cr_assert_eq(e.ndim, 1);
+  cr_assert_eq(e.shape[0], 3);
+  cr_assert_eq(e.stride[0], 1);
+  cr_assert_eq(e.storage_offset, 3);
+  cr_assert_eq(e.region, 0);
+  cr_assert_eq(e.itemsize, 4);
+  cr_assert_eq(e.nbytes, 12);
+  cr_assert_eq(e.reserved[0] | e.reserved[3], 0);
+  /* Its view of the storage: the blob at byte 64, region 0 at 1024 of it. */
+  cr_assert_eq(td_state_dict_view(sd, i, &t), 0, "%s", td_last_error(NULL));
+  cr_assert_eq(t.offset, (64 + 1024) / 4 + 3);
+  cr_assert_eq(td_view_check(&t, td_storage_nbytes(l)), 0);
+  cr_assert_eq(((const float *)td_storage_data(l))[t.offset], 1.5f);
+  uint64_t off = 0, nb = 0;
+  cr_assert_eq(td_state_dict_region(sd, 2, &off, &nb), 0);
+  cr_assert_eq(off, 1152);
+  cr_assert_eq(nb, 4);
+  cr_assert_eq(td_state_dict_region(sd, 3, NULL, NULL), TD_ERANGE);
+  cr_assert_eq(td_state_dict_tensor(sd, 5, &e), TD_ERANGE);
+  cr_assert_eq(td_state_dict_view(sd, 5, &t), TD_ERANGE);
+  cr_assert_eq(td_state_dict_find(sd, "nope", &i), TD_ENOENT);
+  expect_has(td_last_error(NULL), "no tensor 'nope'");
+  td_state_dict_free(sd);
+  td_state_dict_free(NULL);
+
+  /* No blob: too short, outside the storage, other bytes, corrupt. */
+  td_view u = v;
+  u.shape[0] = 15;
+  cr_assert(!td_state_dict_is(NULL, &u), "shorter than the header");
+  cr_assert_eq(td_state_dict_parse(l, &u, &sd), TD_EINVAL);
+  cr_assert_null(sd);
+  expect_has(td_last_error(NULL), "is not a blob");
+  u = v;
+  u.offset = 65;
+  cr_assert(!td_state_dict_is(l, &u), "past the storage's end");
+  cr_assert_eq(td_state_dict_parse(l, &u, &sd), TD_ERANGE);
+  expect_has(td_last_error(NULL), "reaches byte 1281 of a storage of 1280");
+  u.offset = 0;
+  cr_assert(!td_state_dict_is(l, &u), "zeros, not the magic");
+  cr_assert_eq(td_state_dict_parse(l, &u, &sd), TD_EINVAL);
+  expect_has(td_last_error(NULL), "do not begin with 'TDSTATE1'");
+  td_storage *cut = put_sd(c, "sd/cut", "{\"tensors\":{\"w", 0, 0);
+  cr_assert(td_state_dict_is(cut, &v) == 0, "v reaches past cut's end");
+  u.shape[0] = SD_BYTES;
+  cr_assert(td_state_dict_is(cut, &u));
+  cr_assert_eq(td_state_dict_parse(cut, &u, &sd), TD_EINVAL);
+  expect_has(td_last_error(NULL), "manifest byte 14: premature end of input");
+  cr_assert_eq(td_unpublish(c, "sd/cut"), 0);
+  cr_assert_eq(td_unpublish(c, "sd/api"), 0);
+  td_storage_release(cut);
+  td_storage_release(l);
+  td_storage_release(s);
   td_close(c);
   cr_assert(tdt_until(tdt_no_segments, &d, 5000));
 }

@@ -2,10 +2,11 @@
 # check-layers.sh: the include graph follows the layers of docs/design.md.
 #   include/ (public API)  <- common/ <- proto/ <- client/, daemon/
 #                             common/ <- cuda/ (the driver loader) <- client/, daemon/
-# and the Python binding (python/tensord/) sees include/ only.
-# client/ and daemon/ never see each other, and the daemon's bookkeeping
-# (registry, storage backends) never sees libuv. Exits 1, naming each
-# include that crosses a layer, otherwise 0.
+# and the Python binding (python/tensord/) and tensorctl (client/tensorctl/)
+# see include/ only, besides their own headers; libtensord (client/) never
+# sees tensorctl's. client/ and daemon/ never see each other, and the
+# daemon's bookkeeping (registry, storage backends) never sees libuv.
+# Exits 1, naming each include that crosses a layer, otherwise 0.
 top=${1:-$(dirname "$0")/../..}
 cd "$top" || exit 2
 status=0
@@ -19,6 +20,7 @@ allowed() { # layer -> the layers its files may include from
   client) echo "include common proto cuda client" ;;
   daemon/engine) echo "include common proto cuda daemon/engine" ;;
   daemon/server) echo "include common proto cuda daemon/engine daemon/server" ;;
+  client/tensorctl) echo "include client/tensorctl" ;;
   python/tensord) echo "include" ;;
   esac
 }
@@ -27,13 +29,15 @@ owner() { # header name -> the layer that has it
   case "$1" in # generated from proto/*.proto in the build tree
   tensord.pb-c.h | handover.pb-c.h) echo proto; return ;;
   esac
-  for l in include common proto cuda client daemon/engine daemon/server; do
+  for l in include common proto cuda client client/tensorctl daemon/engine \
+           daemon/server; do
     [ -f "$l/$1" ] && { echo "$l"; return; }
   done
   echo unknown
 }
 
-for layer in include common proto cuda client daemon/engine daemon/server python/tensord; do
+for layer in include common proto cuda client client/tensorctl daemon/engine \
+             daemon/server python/tensord; do
   ok=$(allowed $layer)
   for f in "$layer"/*.[ch]; do
     [ -f "$f" ] || continue

@@ -25,8 +25,8 @@ typedef struct tdt_child {
 /* Starts argv (argv[0] a path) with stdout and stderr to pipes and
  * TENSORD_SOCKET unset, so that only --socket names the daemon. stall:
  * NULL, or two fds (the write end tensorctl signals on, the read end it
- * waits on) passed to it as TENSORCTL_TEST_STALL (client/show.c). Asserts
- * on failure. */
+ * waits on) passed to it as TENSORCTL_TEST_STALL (client/tensorctl/show.c).
+ * Asserts on failure. */
 tdt_child tdt_cli_spawn(const char *const *argv, const int *stall);
 /* Reads ch's stdout and stderr until both close, into *r, then waits for
  * it; kills it after 30 s without output. Closes ch's fds. */

@@ -166,6 +166,18 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_event, message, 64);
   FIELD(td_event, dropped, 72);
   FIELD(td_event, reserved, 80);
+
+  SIZE(td_state_dict_entry, 336, 8);
+  FIELD(td_state_dict_entry, dtype_name, 8);
+  FIELD(td_state_dict_entry, dtype, 16);
+  FIELD(td_state_dict_entry, ndim, 20);
+  FIELD(td_state_dict_entry, shape, 24);
+  FIELD(td_state_dict_entry, stride, 152);
+  FIELD(td_state_dict_entry, storage_offset, 280);
+  FIELD(td_state_dict_entry, region, 288);
+  FIELD(td_state_dict_entry, itemsize, 292);
+  FIELD(td_state_dict_entry, nbytes, 296);
+  FIELD(td_state_dict_entry, reserved, 304);
 }
 
 /* Enum values travel on the wire and in binaries: they never change. */

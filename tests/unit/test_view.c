@@ -1,11 +1,12 @@
 /* test_view.c: the view algebra against a reference that moves explicit
- * index maps instead of strides, PyTorch's view rules, dtype names, and bad
- * input. */
+ * index maps instead of strides, PyTorch's view rules, dtype names, elements
+ * decoded (td_elem_to_double), and bad input. */
 #include "tensord.h"
 #include "seed.h"
 
 #include <criterion/criterion.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1740,4 +1741,126 @@ Test(dtype, torch_names_mean_what_torch_means) {
   for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
     cr_expect_eq(td_dtype_from_name(t[i].name), t[i].want, "%s: %d, not %d",
                  t[i].name, (int)td_dtype_from_name(t[i].name), (int)t[i].want);
+}
+
+/* ---- td_elem_to_double ---- */
+
+/* The element of dt whose little-endian bytes are bits, decoded, at an odd
+ * address (elements in a storage need not be aligned). */
+static double elem(td_dtype dt, uint64_t bits) {
+  uint8_t b[1 + 8];
+  for (size_t i = 0; i < 8; i++)
+    b[1 + i] = (uint8_t)(bits >> (8 * i));
+  double x = -12345;
+  int err = td_elem_to_double(dt, b + 1, &x);
+  cr_assert_eq(err, 0, "%s 0x%" PRIx64 ": %s", td_dtype_name(dt), bits,
+               td_view_last_error());
+  return x;
+}
+
+Test(elem, float16_values_and_specials) {
+  cr_assert_eq(elem(TD_FLOAT16, 0x3c00), 1.0);
+  cr_assert_eq(elem(TD_FLOAT16, 0x7bff), 65504.0, "largest");
+  cr_assert_eq(elem(TD_FLOAT16, 0x0001), 0x1p-24, "smallest subnormal");
+  cr_assert_eq(elem(TD_FLOAT16, 0x03ff), 0x3ffp-24, "largest subnormal");
+  cr_assert_eq(elem(TD_FLOAT16, 0x0400), 0x1p-14, "smallest normal");
+  cr_assert_eq(elem(TD_FLOAT16, 0x3555), 0.333251953125);
+  cr_assert_eq(elem(TD_FLOAT16, 0xc000), -2.0);
+  cr_assert_eq(elem(TD_FLOAT16, 0x7c00), INFINITY);
+  cr_assert_eq(elem(TD_FLOAT16, 0xfc00), -INFINITY);
+  cr_assert(isnan(elem(TD_FLOAT16, 0x7e00)));
+  cr_assert(isnan(elem(TD_FLOAT16, 0x7c01)));
+  double z = elem(TD_FLOAT16, 0x8000);
+  cr_assert(z == 0 && signbit(z), "0x8000 is -0");
+}
+
+Test(elem, bfloat16_is_the_top_of_a_float32) {
+  cr_assert_eq(elem(TD_BFLOAT16, 0x3f80), 1.0);
+  cr_assert_eq(elem(TD_BFLOAT16, 0x4049), 3.140625);
+  cr_assert_eq(elem(TD_BFLOAT16, 0xc0a0), -5.0);
+  cr_assert_eq(elem(TD_BFLOAT16, 0x7f80), INFINITY);
+  cr_assert_eq(elem(TD_BFLOAT16, 0xff80), -INFINITY);
+  cr_assert_eq(elem(TD_BFLOAT16, 0x0001), 0x1p-133, "smallest subnormal");
+  cr_assert(isnan(elem(TD_BFLOAT16, 0x7fc0)));
+}
+
+Test(elem, float8_e4m3fn_has_no_inf_and_one_nan_per_sign) {
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0x38), 1.0);
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0x7e), 448.0, "largest");
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0xfe), -448.0);
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0x78), 256.0, "exp 15 is finite");
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0x01), 0x1p-9, "smallest subnormal");
+  cr_assert_eq(elem(TD_FLOAT8_E4M3FN, 0x08), 0x1p-6, "smallest normal");
+  cr_assert(isnan(elem(TD_FLOAT8_E4M3FN, 0x7f)));
+  cr_assert(isnan(elem(TD_FLOAT8_E4M3FN, 0xff)));
+  for (int b = 0; b < 256; b++)
+    if ((b & 0x7f) != 0x7f)
+      cr_assert(isfinite(elem(TD_FLOAT8_E4M3FN, (uint64_t)b)), "0x%02x finite",
+                b);
+}
+
+Test(elem, float8_e5m2_is_ieee_like) {
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0x3c), 1.0);
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0x7b), 57344.0, "largest");
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0x01), 0x1p-16, "smallest subnormal");
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0xc0), -2.0);
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0x7c), INFINITY);
+  cr_assert_eq(elem(TD_FLOAT8_E5M2, 0xfc), -INFINITY);
+  cr_assert(isnan(elem(TD_FLOAT8_E5M2, 0x7d)));
+  cr_assert(isnan(elem(TD_FLOAT8_E5M2, 0xff)));
+}
+
+Test(elem, wide_floats_ints_and_bool) {
+  cr_assert_eq(elem(TD_FLOAT32, 0x3fc00000), 1.5);
+  cr_assert_eq(elem(TD_FLOAT64, 0xc004000000000000), -2.5);
+  cr_assert_eq(elem(TD_INT8, 0xff), -1.0);
+  cr_assert_eq(elem(TD_UINT8, 0xff), 255.0);
+  cr_assert_eq(elem(TD_INT16, 0x8000), -32768.0);
+  cr_assert_eq(elem(TD_UINT16, 0xffff), 65535.0);
+  cr_assert_eq(elem(TD_INT32, 0x80000000), -2147483648.0);
+  cr_assert_eq(elem(TD_UINT32, 0xffffffff), 4294967295.0);
+  cr_assert_eq(elem(TD_INT64, 0x8000000000000000), -0x1p63);
+  cr_assert_eq(elem(TD_INT64, (1ull << 53) + 1), 0x1p53, "rounded");
+  cr_assert_eq(elem(TD_UINT64, 0xffffffffffffffff), 0x1p64, "rounded");
+  cr_assert_eq(elem(TD_BOOL, 0), 0.0);
+  cr_assert_eq(elem(TD_BOOL, 1), 1.0);
+  cr_assert_eq(elem(TD_BOOL, 0x80), 1.0, "any byte but 0 is true");
+}
+
+Test(elem, unknown_and_complex_dtypes_are_refused) {
+  const uint8_t b[16] = {0};
+  td_dtype bad[] = {TD_DTYPE_INVALID, TD_DTYPE_COUNT_, (td_dtype)-1};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    double x = 7;
+    cr_assert_eq(td_elem_to_double(bad[i], b, &x), TD_EINVAL, "dtype %d",
+                 (int)bad[i]);
+    cr_assert_eq(x, 7, "*out unchanged");
+    char want[64];
+    snprintf(want, sizeof(want), "unknown dtype %d", (int)bad[i]);
+    cr_assert(strstr(td_view_last_error(), want) != NULL, "'%s'",
+              td_view_last_error());
+  }
+  double x = 7;
+  cr_assert_eq(td_elem_to_double(TD_COMPLEX64, b, &x), TD_EINVAL);
+  cr_assert_eq(x, 7);
+  cr_assert(strstr(td_view_last_error(), "complex64") != NULL &&
+                strstr(td_view_last_error(), "float32") != NULL,
+            "'%s'", td_view_last_error());
+  cr_assert_eq(td_elem_to_double(TD_COMPLEX128, b, &x), TD_EINVAL);
+}
+
+/* ---- td_view_check's reason ---- */
+
+Test(view, check_names_the_view_and_the_bytes_it_reaches) {
+  td_view v;
+  cr_assert_eq(td_view_contiguous(TD_FLOAT32, 2, (int64_t[]){4, 3}, &v), 0);
+  v.offset = 2;
+  cr_assert_eq(td_view_check(&v, 48), TD_ERANGE);
+  cr_assert_str_eq(td_view_last_error(),
+                   "view float32[4, 3] stride (3, 1) offset 2 reaches byte 56 "
+                   "of a storage of 48 bytes");
+  cr_assert_eq(td_view_check(&v, 56), 0);
+  v.stride[1] = -1;
+  cr_assert_eq(td_view_check(&v, 56), TD_EINVAL);
+  cr_assert_str_eq(td_view_last_error(), "dim 1: negative stride -1");
 }

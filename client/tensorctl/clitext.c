@@ -1,10 +1,36 @@
-/* clitext.c: the text tensorctl's commands print: ages, JSON strings and
- * views, and the test for a storage id (sizes: td__human_bytes, common.h). */
+/* clitext.c: the text tensorctl's commands print: messages, sizes, ages,
+ * JSON strings and views, and the test for a storage id. */
 #include "clitext.h"
 
 #include <ctype.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
+
+int td__cli_msg(char *msg, size_t len, int err, const char *fmt, ...) {
+  if (msg != NULL && len > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, len, fmt, ap);
+    va_end(ap);
+  }
+  return err;
+}
+
+char *td__cli_bytes(uint64_t n, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)n;
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", n);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+  return buf;
+}
 
 char *td__cli_age(int64_t ms, char *buf, size_t len) {
   int64_t s = ms < 0 ? 0 : ms / 1000;

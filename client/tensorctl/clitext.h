@@ -1,6 +1,6 @@
-/* clitext.h: the text tensorctl's commands print: ages, JSON strings and
- * views, and the test for a storage id (sizes: td__human_bytes, common.h).
- * Private to tensorctl (and td_show). */
+/* clitext.h: the text tensorctl's commands print: messages, sizes, ages,
+ * JSON strings and views, and the test for a storage id. Private to
+ * tensorctl (and td_show). */
 #ifndef TD_CLIENT_CLITEXT_H
 #define TD_CLIENT_CLITEXT_H
 
@@ -8,6 +8,17 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* Longest message kept, with its NUL: as long as td_last_error's. */
+#define TD__CLI_MSG_MAX 1024
+
+/* Formats fmt into msg (if not NULL and len > 0) and returns err. */
+int td__cli_msg(char *msg, size_t len, int err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Formats n bytes as "512 B", "1.5 GiB" (binary units, one decimal, up to
+ * PiB) into buf, as tensord's own messages do; returns buf. */
+char *td__cli_bytes(uint64_t n, char *buf, size_t len);
 
 /* A duration of ms as "5s", "1m05s", "3h02m", "2d04h" (truncated; < 0 is
  * 0s) into buf. Returns buf. */

@@ -4,7 +4,6 @@
 #include "top.h"
 
 #include "clitext.h"
-#include "common.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -148,8 +147,8 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
        "tensord up %s  clients %" PRIu64 "  storages %" PRIu64
        "  used %s / %s  requests %s/s",
        uptime(cur->uptime_ms, u, sizeof(u)), cur->clients_total, cur->storages,
-       td__human_bytes(cur->bytes_used, a, sizeof(a)),
-       td__human_bytes(cur->capacity, b, sizeof(b)), rate);
+       td__cli_bytes(cur->bytes_used, a, sizeof(a)),
+       td__cli_bytes(cur->capacity, b, sizeof(b)), rate);
   line(&f, "%s", "");
   line(&f, "LARGEST STORAGES");
   line(&f, "%10s %10s %5s %5s %8s %8s  %s", "ID", "SIZE", "REFS", "KEYS",
@@ -167,7 +166,7 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
     const td_storage_info *s = &cur->largest[i];
     char key[256];
     line(&f, "%10" PRIu64 " %10s %5u %5zu %8u %8d  %s", s->id,
-         td__human_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
+         td__cli_bytes(s->nbytes, a, sizeof(a)), s->refs, s->nkeys_total,
          s->owner_uid, s->owner_pid,
          td__cli_printable(s->nkeys > 0 ? s->keys[0] : "", key, sizeof(key)));
   }
@@ -198,7 +197,7 @@ static void draw(const td_metrics *cur, const td_metrics *prev, int64_t dt_ms,
         snprintf(r, sizeof(r), "%.1f", rows[i].rate);
       char name[sizeof(c->name)];
       line(&f, "%8d %9s %6" PRIu64 " %10s  %s", c->pid, r, c->refs,
-           td__human_bytes(c->bytes_held, a, sizeof(a)),
+           td__cli_bytes(c->bytes_held, a, sizeof(a)),
            c->name[0] ? td__cli_printable(c->name, name, sizeof(name)) : "-");
     }
     free(rows);

@@ -3,13 +3,11 @@
 #include "show.h"
 
 #include "clitext.h"
-#include "common.h"
-#include "jsonmem.h"
-#include "statedict.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,32 +95,9 @@ static uint64_t load_uint(td_dtype dt, const uint8_t *p) {
 
 /* Decodes a float element (or a complex's component: pass part_dtype). */
 static double load_float(td_dtype dt, const uint8_t *p) {
-  switch (dt) {
-  case TD_FLOAT16: {
-    uint16_t b;
-    memcpy(&b, p, sizeof(b));
-    return td__float16_to_double(b);
-  }
-  case TD_BFLOAT16: {
-    uint16_t b;
-    memcpy(&b, p, sizeof(b));
-    return td__bfloat16_to_double(b);
-  }
-  case TD_FLOAT8_E4M3FN:
-    return td__float8_e4m3fn_to_double(p[0]);
-  case TD_FLOAT8_E5M2:
-    return td__float8_e5m2_to_double(p[0]);
-  case TD_FLOAT32: {
-    float f;
-    memcpy(&f, p, sizeof(f));
-    return f;
-  }
-  default: {
-    double d;
-    memcpy(&d, p, sizeof(d));
-    return d;
-  }
-  }
+  double x = NAN;
+  td_elem_to_double(dt, p, &x);
+  return x;
 }
 
 /* Returns the address of the element at flat (row-major) index flat. */
@@ -224,8 +199,8 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     n--;
   if (n > 0 && s[0] == '[') {
     if (s[n - 1] != ']')
-      return td__msg(msg, len, TD_EINVAL, "index '%s': no ']' to close the '['",
-                     expr);
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "index '%s': no ']' to close the '['", expr);
     s++;
     n -= 2;
   }
@@ -240,12 +215,13 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     if (blank && i == n && nitems > 0)
       break; /* "[0,]": Python's trailing comma */
     if (nitems == sizeof(items) / sizeof(items[0]))
-      return td__msg(msg, len, TD_EINVAL, "index '%s': too many items", expr);
+      return td__cli_msg(msg, len, TD_EINVAL, "index '%s': too many items",
+                         expr);
     if (blank || parse_item(s + start, k, &items[nitems]) < 0)
-      return td__msg(msg, len, TD_EINVAL,
-                     "index '%s': '%.*s' is not an int, a slice a:b:c, "
-                     "'...' or 'None'",
-                     expr, (int)k, s + start);
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "index '%s': '%.*s' is not an int, a slice a:b:c, "
+                         "'...' or 'None'",
+                         expr, (int)k, s + start);
     nitems++;
     start = i + 1;
   }
@@ -255,13 +231,13 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     ellipses += items[i].kind == IX_ELLIPSIS;
   }
   if (ellipses > 1)
-    return td__msg(msg, len, TD_EINVAL, "index '%s': more than one '...'",
-                   expr);
+    return td__cli_msg(msg, len, TD_EINVAL, "index '%s': more than one '...'",
+                       expr);
   if (consuming > v->ndim)
-    return td__msg(msg, len, TD_EINVAL,
-                   "index '%s': %d %s for a view of %d dim%s", expr, consuming,
-                   consuming == 1 ? "index" : "indices", (int)v->ndim,
-                   v->ndim == 1 ? "" : "s");
+    return td__cli_msg(msg, len, TD_EINVAL,
+                       "index '%s': %d %s for a view of %d dim%s", expr,
+                       consuming, consuming == 1 ? "index" : "indices",
+                       (int)v->ndim, v->ndim == 1 ? "" : "s");
   td_view w = *v;
   int32_t d = 0, orig = 0; /* dim in w; dim in v */
   for (size_t i = 0; i < nitems; i++) {
@@ -271,10 +247,10 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     case IX_INT: {
       int64_t size = w.shape[d];
       if (it->v[0] < -size || it->v[0] >= size)
-        return td__msg(msg, len, TD_ERANGE,
-                       "index '%s': dim %d: index %" PRId64
-                       " out of range for size %" PRId64,
-                       expr, (int)orig, it->v[0], size);
+        return td__cli_msg(msg, len, TD_ERANGE,
+                           "index '%s': dim %d: index %" PRId64
+                           " out of range for size %" PRId64,
+                           expr, (int)orig, it->v[0], size);
       err = td_view_select(&w, d, it->v[0]);
       orig++;
       break;
@@ -282,10 +258,10 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
     case IX_SLICE: {
       int64_t step = it->has[2] ? it->v[2] : 1;
       if (step < 1)
-        return td__msg(msg, len, TD_EINVAL,
-                       "index '%s': dim %d: step %" PRId64
-                       " (steps must be 1 or more)",
-                       expr, (int)orig, step);
+        return td__cli_msg(msg, len, TD_EINVAL,
+                           "index '%s': dim %d: step %" PRId64
+                           " (steps must be 1 or more)",
+                           expr, (int)orig, step);
       err = td_view_slice(&w, d, it->has[0] ? it->v[0] : 0,
                           it->has[1] ? it->v[1] : INT64_MAX, step);
       d++, orig++;
@@ -301,8 +277,8 @@ int td__show_index(td_view *v, const char *expr, char *msg, size_t len) {
       break;
     }
     if (err < 0)
-      return td__msg(msg, len, err, "index '%s': %s", expr,
-                     td_view_last_error());
+      return td__cli_msg(msg, len, err, "index '%s': %s", expr,
+                         td_view_last_error());
   }
   *v = w;
   return 0;
@@ -892,7 +868,7 @@ static void json_elem(const td_view *v, const uint8_t *p) {
   }
 }
 
-static void print_json(const char *key, const td__sd_tensor *tensor,
+static void print_json(const char *key, const td_state_dict_entry *tensor,
                        const td_storage *s, int whole, const td_view *src,
                        const char *index, const td_view *v, const void *base,
                        const td__show_stats *st) {
@@ -1176,34 +1152,36 @@ static int resolve(td_client *c, const show_opts *o, td_storage **s, td_view *v,
     } else if (err == TD_ENOENT) { /* maybe a key made of digits */
       err = td_lookup(c, o->target, flags, 0, s, v);
       if (err == TD_ENOENT)
-        return td__msg(msg, len, err,
-                       "storage %s: no such storage (and no key '%s')",
-                       o->target, o->target);
+        return td__cli_msg(msg, len, err,
+                           "storage %s: no such storage (and no key '%s')",
+                           o->target, o->target);
     }
   } else {
     err = td_lookup(c, o->target, flags, 0, s, v);
   }
   if (err < 0)
-    return td__msg(msg, len, err, "%s", td_last_error(c));
+    return td__cli_msg(msg, len, err, "%s", td_last_error(c));
   if (td_storage_device(*s) != TD_CPU) {
-    err = td__msg(msg, len, TD_ENODEV,
-                  "storage %" PRIu64 " is a GPU's: show reads CPU "
-                  "storages only",
-                  td_storage_id(*s));
+    err = td__cli_msg(msg, len, TD_ENODEV,
+                      "storage %" PRIu64 " is a GPU's: show reads CPU "
+                      "storages only",
+                      td_storage_id(*s));
     goto fail;
   }
   if (*whole) {
     td_dtype dt = o->dtype != TD_DTYPE_INVALID ? o->dtype : TD_UINT8;
     int64_t n = (int64_t)(td_storage_nbytes(*s) / td_dtype_size(dt));
     if ((err = td_view_contiguous(dt, 1, &n, v)) < 0) {
-      td__msg(msg, len, err, "%s", td_view_last_error());
+      td__cli_msg(msg, len, err, "%s", td_view_last_error());
       goto fail;
     }
   }
   /* A key's view is checked before its bytes are read (to see whether it
    * is a state dict), and --dtype applies after (resolve_key). */
-  if ((err = td__view_check_msg(v, td_storage_nbytes(*s), msg, len)) < 0)
+  if ((err = td_view_check(v, td_storage_nbytes(*s))) < 0) {
+    td__cli_msg(msg, len, err, "%s", td_view_last_error());
     goto fail;
+  }
   return 0;
 fail:
   td_storage_release(*s);
@@ -1211,69 +1189,62 @@ fail:
   return err;
 }
 
-/* Whether v (a key's, checked against its storage at base) is a blob of
- * tensord.torch.publish_state_dict. */
-static int is_state_dict(const td_view *v, const uint8_t *base) {
-  return td__statedict_blob_shaped(v) &&
-         td__statedict_is(base + v->offset, (size_t)v->shape[0]);
-}
-
 /* What show does with a key that holds a state dict: lists its tensors
  * (o->index NULL), or sets *v to tensor o->index's view (--dtype applied),
  * *index to the INDEX after it and *tensor to it, to be shown as any view.
- * sd is parsed here and the caller's to free. Returns 0 with *listed 1 when
+ * *sd is parsed here and the caller's to free. Returns 0 with *listed 1 when
  * it listed, 0 to show *v, or a TD_E* code with msg. */
 static int state_dict(const show_opts *o, const td_storage *s, td_view *v,
-                      td__statedict *sd, const td__sd_tensor **tensor,
+                      td_state_dict **sd, td_state_dict_entry *tensor,
                       const char **index, int *listed, char *msg, size_t len) {
-  const uint8_t *base = td_storage_data(s);
-  char why[TD__ERRMSG_MAX], key[TD_KEY_MAX + 1], name[128];
+  char key[TD_KEY_MAX + 1], name[128];
+  size_t i;
   td__cli_printable(o->target, key, sizeof(key));
-  int err = td__statedict_parse(base + v->offset, (size_t)v->shape[0], sd, why,
-                                sizeof(why));
+  int err = td_state_dict_parse(s, v, sd);
   if (err == TD_ENODEV)
-    return td__msg(msg, len, err, "key '%s' holds a state dict whose %s", key,
-                   why);
+    return td__cli_msg(msg, len, err, "key '%s' holds a state dict whose %s",
+                       key, td_last_error(NULL));
   if (err < 0)
-    return td__msg(msg, len, err,
-                   "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
-                   " shows its raw bytes)",
-                   key, why, td_storage_id(s));
+    return td__cli_msg(
+        msg, len, err,
+        "key '%s': a corrupt state dict: %s (tensorctl show %" PRIu64
+        " shows its raw bytes)",
+        key, td_last_error(NULL), td_storage_id(s));
   *listed = o->index == NULL;
   if (*listed) {
     if (o->dtype != TD_DTYPE_INVALID)
-      return td__msg(msg, len, TD_EINVAL,
-                     "key '%s' holds a state dict: --dtype applies to one "
-                     "of its tensors (tensorctl show %s TENSOR --dtype %s)",
-                     key, key, td_dtype_name(o->dtype));
+      return td__cli_msg(msg, len, TD_EINVAL,
+                         "key '%s' holds a state dict: --dtype applies to one "
+                         "of its tensors (tensorctl show %s TENSOR --dtype %s)",
+                         key, key, td_dtype_name(o->dtype));
     return 0;
   }
-  *tensor = td__statedict_find(sd, o->index);
-  if (*tensor == NULL)
-    return td__msg(msg, len, TD_ENOENT,
-                   "key '%s' holds a state dict with no tensor '%s' "
-                   "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
-                   "%" PRIu64 " [INDEX] shows its raw bytes)",
-                   key, td__cli_printable(o->index, name, sizeof(name)), key,
-                   sd->ntensors, sd->ntensors == 1 ? "" : "s",
-                   td_storage_id(s));
+  size_t n = td_state_dict_count(*sd);
+  if (td_state_dict_find(*sd, o->index, &i) < 0)
+    return td__cli_msg(
+        msg, len, TD_ENOENT,
+        "key '%s' holds a state dict with no tensor '%s' "
+        "(tensorctl show %s lists its %zu tensor%s; tensorctl show "
+        "%" PRIu64 " [INDEX] shows its raw bytes)",
+        key, td__cli_printable(o->index, name, sizeof(name)), key, n,
+        n == 1 ? "" : "s", td_storage_id(s));
+  td_state_dict_tensor(*sd, i, tensor);
   td_view t;
-  if ((err = td__statedict_view(sd, *tensor, (uint64_t)v->offset, &t, msg,
-                                len)) < 0)
-    return err;
+  if ((err = td_state_dict_view(*sd, i, &t)) < 0)
+    return td__cli_msg(msg, len, err, "%s", td_last_error(NULL));
   if (o->dtype != TD_DTYPE_INVALID &&
       (err = td_view_reinterpret(&t, o->dtype)) < 0)
-    return td__msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
-                   td_view_last_error());
-  if ((err = td__view_check_msg(&t, td_storage_nbytes(s), msg, len)) < 0)
-    return err;
+    return td__cli_msg(msg, len, err, "--dtype %s: %s", td_dtype_name(o->dtype),
+                       td_view_last_error());
+  if ((err = td_view_check(&t, td_storage_nbytes(s))) < 0)
+    return td__cli_msg(msg, len, err, "%s", td_view_last_error());
   *v = t;
   *index = o->third;
   return 0;
 }
 
 static void print_listing(const char *key, const td_storage *s,
-                          const td_view *src, const td__statedict *sd,
+                          const td_view *src, const td_state_dict *sd,
                           int json) {
   if (json) {
     printf("{\"key\":");
@@ -1283,21 +1254,96 @@ static void print_listing(const char *key, const td_storage *s,
            td_storage_id(s), td_storage_nbytes(s));
     td__cli_json_view(src);
     printf(",\"state_dict\":");
-    td__statedict_print_json(sd);
+    td__show_sd_json(sd);
     printf("}\n");
     return;
   }
   char hs[32], kb[TD_KEY_MAX + 1];
   td__cli_printable(key, kb, sizeof(kb));
   printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n", kb, td_storage_id(s),
-         td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
+         td__cli_bytes(td_storage_nbytes(s), hs, sizeof(hs)));
   printf("view   ");
   text_view(src);
+  size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
   printf("state dict: %zu tensor%s in %zu region%s (tensorctl show %s TENSOR "
          "[INDEX] shows one)\n",
-         sd->ntensors, sd->ntensors == 1 ? "" : "s", sd->nregions,
-         sd->nregions == 1 ? "" : "s", kb);
-  td__statedict_print_text(sd, "");
+         nt, nt == 1 ? "" : "s", nr, nr == 1 ? "" : "s", kb);
+  td__show_sd_text(sd, "");
+}
+
+/* "[16, 8]" into buf. */
+static char *shape_text(const td_state_dict_entry *t, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "[");
+  for (int32_t d = 0; d < t->ndim && used < len; d++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%" PRId64,
+                             d ? ", " : "", t->shape[d]);
+  if (used < len)
+    snprintf(buf + used, len - used, "]");
+  return buf;
+}
+
+/* Characters (UTF-8 code points) of s: what a column of it takes, but for
+ * the rare wide ones. */
+static int width(const char *s) {
+  int n = 0;
+  for (; *s; s++)
+    n += ((unsigned char)*s & 0xc0) != 0x80;
+  return n;
+}
+
+void td__show_sd_text(const td_state_dict *sd, const char *indent) {
+  int wn = 4, wd = 5, ws_ = 5; /* NAME, DTYPE, SHAPE */
+  char sh[400], name[TD_STATE_DICT_NAME_MAX + 1], size[32];
+  td_state_dict_entry t;
+  size_t nt = td_state_dict_count(sd);
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    int n = width(t.name);
+    wn = n > wn ? (n < 48 ? n : 48) : wn;
+    n = (int)strlen(t.dtype_name);
+    wd = n > wd ? n : wd;
+    n = (int)strlen(shape_text(&t, sh, sizeof(sh)));
+    ws_ = n > ws_ ? (n < 32 ? n : 32) : ws_;
+  }
+  printf("%s%-*s  %-*s  %-*s  %s\n", indent, wn, "NAME", wd, "DTYPE", ws_,
+         "SHAPE", "BYTES");
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    td__cli_printable(t.name, name, sizeof(name));
+    int pad = wn - width(name);
+    printf("%s%s%*s  %-*s  %-*s  %s\n", indent, name, pad > 0 ? pad : 0, "", wd,
+           t.dtype_name, ws_, shape_text(&t, sh, sizeof(sh)),
+           t.itemsize ? td__cli_bytes(t.nbytes, size, sizeof(size)) : "?");
+  }
+}
+
+void td__show_sd_json(const td_state_dict *sd) {
+  td_state_dict_entry t;
+  uint64_t off, nbytes;
+  size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
+  printf("{\"tensors\":[");
+  for (size_t i = 0; i < nt && td_state_dict_tensor(sd, i, &t) == 0; i++) {
+    printf("%s{\"name\":", i ? "," : "");
+    td__cli_json_str(t.name);
+    printf(",\"dtype\":");
+    td__cli_json_str(t.dtype_name);
+    printf(",\"shape\":[");
+    for (int32_t d = 0; d < t.ndim; d++)
+      printf("%s%" PRId64, d ? "," : "", t.shape[d]);
+    printf("],\"stride\":[");
+    for (int32_t d = 0; d < t.ndim; d++)
+      printf("%s%" PRId64, d ? "," : "", t.stride[d]);
+    printf("],\"storage_offset\":%" PRId64 ",\"region\":%u,\"nbytes\":",
+           t.storage_offset, t.region);
+    if (t.itemsize)
+      printf("%" PRIu64 "}", t.nbytes);
+    else
+      printf("null}");
+  }
+  printf("],\"regions\":[");
+  for (size_t i = 0; i < nr && td_state_dict_region(sd, i, &off, &nbytes) == 0;
+       i++)
+    printf("%s{\"offset\":%" PRIu64 ",\"nbytes\":%" PRIu64 "}", i ? "," : "",
+           off, nbytes);
+  printf("]}");
 }
 
 /* Whether v (a key's, checked against its storage at base) is a model's
@@ -1327,7 +1373,7 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
   td__cli_printable(key, kb, sizeof(kb));
   int err = td_model_open(c, key, TD_RDONLY | TD_LAZY, 0, &m);
   if (err < 0)
-    return td__msg(msg, len, err, "%s", td_last_error(c));
+    return td__cli_msg(msg, len, err, "%s", td_last_error(c));
   const char *text = td_model_manifest(m);
   if (json) {
     printf("{\"key\":");
@@ -1336,10 +1382,9 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
     td_model_close(m);
     return 0;
   }
+  /* td_model_open checked this text, within its bound on memory. */
   json_error_t e;
-  int over;
-  json_t *root = td__json_loadb_bounded(text, strlen(text), 0, (size_t)1 << 30,
-                                        &e, &over);
+  json_t *root = json_loads(text, 0, &e);
   json_t *src = json_object_get(root, "source");
   json_t *shards = json_object_get(root, "shards");
   json_t *meta = json_object_get(root, "metadata");
@@ -1356,8 +1401,8 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
   printf("loaded   %s\n", when);
   printf("source   %s (%s, %s)\n",
          td__cli_printable(jstr(src, "path"), b1, sizeof(b1)),
-         jstr(src, "kind"), td__human_bytes((uint64_t)jint(src, "size"), hs,
-                                            sizeof(hs)));
+         jstr(src, "kind"),
+         td__cli_bytes((uint64_t)jint(src, "size"), hs, sizeof(hs)));
   const char *mk;
   json_t *mv;
   printf("metadata");
@@ -1371,12 +1416,12 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
     free(dump);
   }
   printf("\nshards   %zu, %s\n", json_array_size(shards),
-         td__human_bytes(total, hs, sizeof(hs)));
+         td__cli_bytes(total, hs, sizeof(hs)));
   for (size_t i = 0; i < json_array_size(shards); i++) {
     json_t *sh = json_array_get(shards, i);
     printf("  %-3zu %s  %s\n", i,
            td__cli_printable(jstr(sh, "key"), b1, sizeof(b1)),
-           td__human_bytes((uint64_t)jint(sh, "nbytes"), hs, sizeof(hs)));
+           td__cli_bytes((uint64_t)jint(sh, "nbytes"), hs, sizeof(hs)));
   }
   int wn = 4;
   for (size_t i = 0; i < td_model_count(m); i++) {
@@ -1402,8 +1447,8 @@ static int show_model(td_client *c, const char *key, int json, char *msg,
       snprintf(shape + used, sizeof(shape) - used, "]");
     printf("%-*s  %-8s  %-20s  %-10s  %" PRId64 "\n", wn,
            td__cli_printable(n, b1, sizeof(b1)), jstr(te, "dtype"), shape,
-           td__human_bytes((uint64_t)(jint(te, "end") - jint(te, "begin")), hs,
-                           sizeof(hs)),
+           td__cli_bytes((uint64_t)(jint(te, "end") - jint(te, "begin")), hs,
+                         sizeof(hs)),
            jint(te, "shard"));
   }
   json_decref(root);
@@ -1416,11 +1461,12 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
   int rc = parse_args(argc, argv, &o);
   if (rc != 0)
     return rc;
-  char msg[TD__ERRMSG_MAX];
+  char msg[TD__CLI_MSG_MAX];
   td_client *c = NULL;
   td_storage *s = NULL;
-  td__statedict sd = {0};
-  const td__sd_tensor *tensor = NULL;
+  td_state_dict *sd = NULL;
+  td_state_dict_entry te;
+  const td_state_dict_entry *tensor = NULL;
   if (td_connect(o.socket, &c) < 0) {
     fprintf(stderr, "tensorctl: %s\n", td_last_error(NULL));
     return 1;
@@ -1441,17 +1487,18 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
       goto fail;
     goto done;
   }
-  if (!whole && is_state_dict(&src, base)) {
+  if (!whole && td_state_dict_is(s, &src)) {
     int listed = 0;
-    if ((err = state_dict(&o, s, &src, &sd, &tensor, &index, &listed, msg,
+    if ((err = state_dict(&o, s, &src, &sd, &te, &index, &listed, msg,
                           sizeof(msg))) < 0)
       goto fail;
     if (listed) {
-      print_listing(key, s, &src, &sd, o.json);
+      print_listing(key, s, &src, sd, o.json);
       goto done;
     }
+    tensor = &te;
   } else if (o.third != NULL) {
-    td__statedict_free(&sd);
+    td_state_dict_free(sd);
     td_storage_release(s);
     td_close(c);
     fprintf(stderr,
@@ -1461,8 +1508,8 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     return 2;
   } else if (!whole && o.dtype != TD_DTYPE_INVALID &&
              (err = td_view_reinterpret(&src, o.dtype)) < 0) {
-    td__msg(msg, sizeof(msg), err, "--dtype %s: %s", td_dtype_name(o.dtype),
-            td_view_last_error());
+    td__cli_msg(msg, sizeof(msg), err, "--dtype %s: %s", td_dtype_name(o.dtype),
+                td_view_last_error());
     goto fail;
   }
   v = src;
@@ -1470,14 +1517,14 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     goto fail;
   td__show_stats st;
   if ((err = td__show_stats_read(&v, base, o.sample, &st)) < 0) {
-    td__msg(msg, sizeof(msg), err, "%s", td_view_last_error());
+    td__cli_msg(msg, sizeof(msg), err, "%s", td_view_last_error());
     goto fail;
   }
   if (o.json) {
     print_json(key, tensor, s, whole, &src, index, &v, base, &st);
   } else {
     char hs[32], kb[TD_KEY_MAX + 1];
-    td__human_bytes(td_storage_nbytes(s), hs, sizeof(hs));
+    td__cli_bytes(td_storage_nbytes(s), hs, sizeof(hs));
     if (whole)
       printf("storage %" PRIu64 " (%s, cpu): the whole storage as %s%s\n",
              td_storage_id(s), hs, td_dtype_name(src.dtype),
@@ -1486,7 +1533,7 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
       printf("key '%s' -> storage %" PRIu64 " (%s, cpu)\n",
              td__cli_printable(key, kb, sizeof(kb)), td_storage_id(s), hs);
     if (tensor != NULL) {
-      char name[TD__SD_NAME_MAX + 1];
+      char name[TD_STATE_DICT_NAME_MAX + 1];
       printf("tensor '%s' of the state dict (region %u)\n",
              td__cli_printable(tensor->name, name, sizeof(name)),
              tensor->region);
@@ -1500,13 +1547,13 @@ int td__show_main(const char *socket, int json, int argc, char **argv) {
     print_text(&v, base, &st);
   }
 done:
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
   td_storage_release(s);
   td_close(c);
   return 0;
 fail:
   fprintf(stderr, "tensorctl show: %s\n", msg);
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
   td_storage_release(s);
   td_close(c);
   return 1;

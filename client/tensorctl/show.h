@@ -72,6 +72,15 @@ char *td__show_shortest(td_dtype dtype, double x, char *buf, size_t len);
  * "array(1.5, dtype=float16)". Returns buf. */
 char *td__show_repr(const td_view *v, const void *base, char *buf, size_t len);
 
+/* Writes the tensors of a state dict as a table to stdout, each line after
+ * indent: NAME, DTYPE, SHAPE, BYTES (names with control characters shown
+ * as '?'). */
+void td__show_sd_text(const td_state_dict *sd, const char *indent);
+/* Writes {"tensors": [{"name", "dtype", "shape", "stride",
+ * "storage_offset", "region", "nbytes"}], "regions": [{"offset", "nbytes"}]}
+ * to stdout ("nbytes" null where the dtype's size is not known). */
+void td__show_sd_json(const td_state_dict *sd);
+
 /* Writes show's usage (tensorctl show --help) to f. */
 void td__show_usage(FILE *f);
 

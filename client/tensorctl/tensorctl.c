@@ -1,10 +1,7 @@
 /* tensorctl.c: the operator's view of tensord: ls, stat, info, show, rm,
  * ping, metrics, top, watch; and models: load, save, unload. */
 #include "clitext.h"
-#include "common.h"
-#include "safetensors.h"
 #include "show.h"
-#include "statedict.h"
 #include "tensord.h"
 #include "top.h"
 
@@ -364,7 +361,7 @@ static int ls_row(const td_storage_info *s, void *arg) {
   char dl[32];
   printf("%-8" PRIu64 " %-7s %10s %5u %-24s %-24s %s\n", s->id,
          device_label(s, dl, sizeof(dl)),
-         td__human_bytes(s->nbytes, size, sizeof(size)), s->refs, holders, keys,
+         td__cli_bytes(s->nbytes, size, sizeof(size)), s->refs, holders, keys,
          td__cli_age(now_ms - s->created_unix_ms, ag, sizeof(ag)));
   return 0;
 }
@@ -444,11 +441,11 @@ static int cmd_stat(td_client *c) {
   }
   printf("storages  %" PRIu64 "\n", st.storages);
   printf("used      %s / %s (%.1f%%)\n",
-         td__human_bytes(st.bytes_used, a, sizeof(a)),
-         td__human_bytes(st.capacity, b, sizeof(b)),
+         td__cli_bytes(st.bytes_used, a, sizeof(a)),
+         td__cli_bytes(st.capacity, b, sizeof(b)),
          st.capacity ? 100.0 * (double)st.bytes_used / (double)st.capacity
                      : 0.0);
-  printf("shm free  %s\n", td__human_bytes(st.shm_free, d, sizeof(d)));
+  printf("shm free  %s\n", td__cli_bytes(st.shm_free, d, sizeof(d)));
   printf("clients   %" PRIu64 "\n", st.clients);
   printf("keys      %" PRIu64 "\n", st.keys);
   printf("waiters   %" PRIu64 "\n", st.waiters);
@@ -456,8 +453,8 @@ static int cmd_stat(td_client *c) {
   printf("version   %s (pid %d)\n", st.version, st.pid);
   if (st.daemon_rss_bytes)
     printf("memory    %s resident, %s heap (tensord itself)\n",
-           td__human_bytes(st.daemon_rss_bytes, a, sizeof(a)),
-           td__human_bytes(st.daemon_heap_bytes, b, sizeof(b)));
+           td__cli_bytes(st.daemon_rss_bytes, a, sizeof(a)),
+           td__cli_bytes(st.daemon_heap_bytes, b, sizeof(b)));
   printf("socket    %s\n", st.socket);
   printf("instance  %016" PRIx64 "\n", st.instance);
   /* Where its segments are: a clean-up by hand spares all of these. */
@@ -471,8 +468,8 @@ static int cmd_stat(td_client *c) {
     uint64_t tries = st.pool_hits + st.pool_misses;
     printf("pool      %" PRIu64 " segment(s), %s of %s; %" PRIu64
            " hit(s), %" PRIu64 " miss(es)",
-           st.pool_segments, td__human_bytes(st.pool_bytes, a, sizeof(a)),
-           td__human_bytes(st.pool_limit, b, sizeof(b)), st.pool_hits,
+           st.pool_segments, td__cli_bytes(st.pool_bytes, a, sizeof(a)),
+           td__cli_bytes(st.pool_limit, b, sizeof(b)), st.pool_hits,
            st.pool_misses);
     if (tries)
       printf(" (%.0f%% hits)", 100.0 * (double)st.pool_hits / (double)tries);
@@ -482,11 +479,11 @@ static int cmd_stat(td_client *c) {
   }
   for (size_t i = 0; i < ngpus; i++)
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
-           td__human_bytes(gpus[i].bytes_used, a, sizeof(a)),
-           td__human_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
+           td__cli_bytes(gpus[i].bytes_used, a, sizeof(a)),
+           td__cli_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
            uuid_str(gpus[i].uuid, u, sizeof(u)));
   if (st.quota)
-    printf("quota     %s per uid\n", td__human_bytes(st.quota, a, sizeof(a)));
+    printf("quota     %s per uid\n", td__cli_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)
     printf("clients   at most %u\n", st.max_clients);
   if (st.max_storages_per_client)
@@ -531,7 +528,7 @@ static int info_storage(const td_storage_info *s, void *arg) {
   else
     printf("device    %s\n", device_name(s->device));
   printf("size      %s (%" PRIu64 " bytes)\n",
-         td__human_bytes(s->nbytes, size, sizeof(size)), s->nbytes);
+         td__cli_bytes(s->nbytes, size, sizeof(size)), s->nbytes);
   printf("refs      %u\n", s->refs);
   printf("owner     pid %d, uid %u (%s)", s->owner_pid, s->owner_uid,
          user_name(s->owner_uid));
@@ -582,17 +579,11 @@ static int info_key(const td_key_info *k, void *arg) {
 /* Prints key r's view and, if its bytes (in s, NULL if unreadable) are a
  * state dict, its tensors. */
 static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
-  td__statedict sd = {0};
-  char why[TD__ERRMSG_MAX] = "";
-  int is_sd = 0, err = 0;
-  if (s != NULL && td__statedict_blob_shaped(&r->view) &&
-      td_view_check(&r->view, td_storage_nbytes(s)) == 0) {
-    const uint8_t *b = (const uint8_t *)td_storage_data(s) + r->view.offset;
-    is_sd = td__statedict_is(b, (size_t)r->view.shape[0]);
-    if (is_sd)
-      err = td__statedict_parse(b, (size_t)r->view.shape[0], &sd, why,
-                                sizeof(why));
-  }
+  td_state_dict *sd = NULL;
+  char why[TD__CLI_MSG_MAX] = "";
+  int is_sd = s != NULL && td_state_dict_is(s, &r->view), err = 0;
+  if (is_sd && (err = td_state_dict_parse(s, &r->view, &sd)) < 0)
+    snprintf(why, sizeof(why), "%s", td_last_error(NULL));
   char kb[TD_KEY_MAX + 1];
   if (json) {
     if (i)
@@ -608,7 +599,7 @@ static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
       putchar('}');
     } else if (is_sd) {
       printf(",\"state_dict\":");
-      td__statedict_print_json(&sd);
+      td__show_sd_json(sd);
     }
     putchar('}');
   } else {
@@ -620,14 +611,14 @@ static void print_info_key(const info_key_rec *r, size_t i, td_storage *s) {
              err == TD_ENODEV ? "on a GPU" : "corrupt",
              td__cli_printable(why, vb, sizeof(vb)));
     else if (is_sd) {
+      size_t nt = td_state_dict_count(sd), nr = td_state_dict_nregions(sd);
       printf("    state dict: %zu tensor%s in %zu region%s (tensorctl show %s "
              "TENSOR shows one)\n",
-             sd.ntensors, sd.ntensors == 1 ? "" : "s", sd.nregions,
-             sd.nregions == 1 ? "" : "s", kb);
-      td__statedict_print_text(&sd, "    ");
+             nt, nt == 1 ? "" : "s", nr, nr == 1 ? "" : "s", kb);
+      td__show_sd_text(sd, "    ");
     }
   }
-  td__statedict_free(&sd);
+  td_state_dict_free(sd);
 }
 
 static int cmd_info(td_client *c, const char *arg) {
@@ -646,7 +637,7 @@ static int cmd_info(td_client *c, const char *arg) {
      * a key's view could be a state dict; none if they cannot be had. */
     td_storage *s = NULL;
     for (size_t i = 0; i < st.nkeys && s == NULL; i++)
-      if (st.device == TD_CPU && td__statedict_blob_shaped(&st.keys[i].view) &&
+      if (st.device == TD_CPU && td_state_dict_is(NULL, &st.keys[i].view) &&
           td_storage_open(c, st.keys[i].id, TD_RDONLY | TD_LAZY, &s) < 0)
         break;
     for (size_t i = 0; i < st.nkeys; i++)
@@ -762,12 +753,12 @@ static int print_event(const td_event *ev) {
     printf("%s.%03d %s", when, (int)(ev->unix_ms % 1000), type);
     if (ev->type == TD_EVENT_REFUSED)
       printf(" %s", td_err_name(ev->code));
-    char text[TD__ERRMSG_MAX];
+    char text[TD__CLI_MSG_MAX];
     if (ev->key[0])
       printf(" key='%s'", td__cli_printable(ev->key, text, sizeof(text)));
     if (ev->id)
       printf(" storage=%" PRIu64 " %s%s", ev->id,
-             td__human_bytes(ev->nbytes, size, sizeof(size)),
+             td__cli_bytes(ev->nbytes, size, sizeof(size)),
              ev->device == TD_CUDA ? " cuda" : "");
     if (ev->pid) {
       printf(" %s pid %d", ev->type == TD_EVENT_FREE ? "for" : "by", ev->pid);
@@ -867,9 +858,9 @@ static void draw_bar(const td_load_progress *p, void *arg) {
   int w = (int)(frac * 30);
   fprintf(stderr, "\r[%.*s%*s] %s / %s  %.2f GB/s  ETA %s  shards %u/%u ", w,
           "##############################", 30 - w, "",
-          td__human_bytes(p->bytes_done, done, sizeof(done)),
-          td__human_bytes(p->bytes_total, total, sizeof(total)), rate / 1e9,
-          eta, p->shards_done, p->shards_total);
+          td__cli_bytes(p->bytes_done, done, sizeof(done)),
+          td__cli_bytes(p->bytes_total, total, sizeof(total)), rate / 1e9, eta,
+          p->shards_done, p->shards_total);
   b->drawn = 1;
 }
 
@@ -965,11 +956,10 @@ static int cmd_load(const char *socket, int argc, char **argv) {
                     "PATH [--as NAME] [options])\n");
     return 2;
   }
-  char derived[TD_KEY_MAX + 1], msg[TD__ERRMSG_MAX];
+  char derived[TD_KEY_MAX + 1];
   if (name == NULL) {
-    if (td__ckpt_default_name(path, derived, sizeof(derived), msg,
-                              sizeof(msg)) < 0) {
-      fprintf(stderr, "tensorctl load: %s\n", msg);
+    if (td_model_default_name(path, derived, sizeof(derived)) < 0) {
+      fprintf(stderr, "tensorctl load: %s\n", td_last_error(NULL));
       return 1;
     }
     name = derived;
@@ -1017,7 +1007,7 @@ static int cmd_load(const char *socket, int argc, char **argv) {
     printf("%s: version %" PRIu64 ", %" PRIu64 " tensors, %s in %u shard%s, "
            "%.2f s (%.2f GB/s)%s\n",
            td__cli_printable(name, nb, sizeof(nb)), r.version, r.tensors,
-           td__human_bytes(r.bytes, hs, sizeof(hs)), r.shards,
+           td__cli_bytes(r.bytes, hs, sizeof(hs)), r.shards,
            r.shards == 1 ? "" : "s", r.seconds, gbs,
            r.waited ? " (after waiting for another load)" : "");
   }

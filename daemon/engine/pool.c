@@ -2,6 +2,8 @@
  * oldest first, searched by owner uid and size. */
 #include "pool.h"
 
+#include "list.h"
+
 #include <stdio.h>
 #include <string.h>
 
@@ -19,14 +21,7 @@ int td__pool_wants(const td__pool *p, uint64_t nbytes) {
 }
 
 static void unlist(td__pool *p, td__pooled *e) {
-  if (e->prev)
-    e->prev->next = e->next;
-  else
-    p->oldest = e->next;
-  if (e->next)
-    e->next->prev = e->prev;
-  else
-    p->newest = e->prev;
+  TD__LIST_REMOVE_TAIL(&p->oldest, &p->newest, e, prev, next);
   e->prev = e->next = NULL;
   p->count--;
   p->bytes -= e->nbytes;
@@ -92,13 +87,7 @@ void td__pool_restore(td__pool *p, td__pooled *list) {
 }
 
 void td__pool_put(td__pool *p, td__pooled *e) {
-  e->next = NULL;
-  e->prev = p->newest;
-  if (p->newest)
-    p->newest->next = e;
-  else
-    p->oldest = e;
-  p->newest = e;
+  TD__LIST_APPEND(&p->oldest, &p->newest, e, prev, next);
   p->count++;
   p->bytes += e->nbytes;
 }

@@ -4,6 +4,7 @@
 
 #include "common.h"
 #include "events.h"
+#include "list.h"
 #include "log.h"
 #include "ops.h"
 #include "server.h"
@@ -448,10 +449,7 @@ static void conn_link(td__server *srv, td__conn *c) {
   uv_timer_init(srv->loop, &c->stall);
   c->nhandles = 2;
   c->progress_ms = uv_now(srv->loop);
-  c->next = srv->conns;
-  if (srv->conns)
-    srv->conns->prev = c;
-  srv->conns = c;
+  TD__LIST_PUSH(&srv->conns, c, prev, next);
   srv->nconns++;
 }
 
@@ -587,12 +585,7 @@ void td__conn_close(td__conn *c, const char *why) {
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
     c->nhandles++;
   td__wire_free(&c->wire);
-  if (c->prev)
-    c->prev->next = c->next;
-  else
-    srv->conns = c->next;
-  if (c->next)
-    c->next->prev = c->prev;
+  TD__LIST_REMOVE(&srv->conns, c, prev, next);
   srv->nconns--;
   c->poll.data = c->stall.data = c;
   uv_close((uv_handle_t *)&c->poll, on_closed);

@@ -2,6 +2,7 @@
  * matches, through a bounded share of its output (drops are counted). */
 #include "events.h"
 
+#include "list.h"
 #include "log.h"
 #include "tensord.pb-c.h"
 
@@ -75,11 +76,7 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
   c->watch_seq = seq;
   c->watch_dropped = 0;
   c->watching = 1;
-  c->wprev = NULL;
-  c->wnext = srv->watchers;
-  if (srv->watchers != NULL)
-    srv->watchers->wprev = c;
-  srv->watchers = c;
+  TD__LIST_PUSH(&srv->watchers, c, wprev, wnext);
   td__info("client %d%s%s watches events%s%.*s%s", (int)c->hold.peer.pid,
            c->name[0] ? " " : "", c->name, len ? " under '" : "", (int)len,
            len ? (const char *)prefix : "", len ? "'" : "");
@@ -89,13 +86,7 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
 void td__watch_stop(td__conn *c) {
   if (!c->watching)
     return;
-  td__server *srv = c->srv;
-  if (c->wprev != NULL)
-    c->wprev->wnext = c->wnext;
-  else
-    srv->watchers = c->wnext;
-  if (c->wnext != NULL)
-    c->wnext->wprev = c->wprev;
+  TD__LIST_REMOVE(&c->srv->watchers, c, wprev, wnext);
   c->watching = 0;
   c->wprev = c->wnext = NULL;
 }

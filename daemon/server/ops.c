@@ -5,6 +5,7 @@
 #include "common.h"
 #include "cudastore.h"
 #include "events.h"
+#include "list.h"
 #include "log.h"
 #include "metrics.h"
 #include "segment.h"
@@ -180,12 +181,7 @@ static int send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
 static void create_unlink_from_conn(td__create *cr) {
   if (cr->conn == NULL)
     return;
-  if (cr->prev)
-    cr->prev->next = cr->next;
-  else
-    cr->conn->creates = cr->next;
-  if (cr->next)
-    cr->next->prev = cr->prev;
+  TD__LIST_REMOVE(&cr->conn->creates, cr, prev, next);
   cr->conn->ncreates--;
   cr->conn = NULL;
 }
@@ -330,10 +326,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   cr->seq = seq;
   cr->start_ns = c->req_ns;
   c->req_timed = 1; /* create_finish, now or later */
-  cr->next = c->creates;
-  if (c->creates)
-    c->creates->prev = cr;
-  c->creates = cr;
+  TD__LIST_PUSH(&c->creates, cr, prev, next);
   c->ncreates++;
   cr->seg.pooled = pooled;
   cr->seg.victims = victims;
@@ -1054,10 +1047,7 @@ static int op_scope(td__conn *c, uint64_t seq, const Tensord__Scope *m) {
     return reject(c, seq, TD_ENOMEM, "scope: %s",
                   err == TD_EEXIST ? "no unused token drawn in 8 tries"
                                    : "out of memory");
-  sc->onext = c->scopes;
-  if (c->scopes != NULL)
-    c->scopes->oprev = sc;
-  c->scopes = sc;
+  TD__LIST_PUSH(&c->scopes, sc, oprev, onext);
   c->nscopes++;
   return send_scope(c, seq, token, 0);
 }
@@ -1231,12 +1221,7 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
 }
 
 static void scope_unlink_from_conn(td__conn *c, td__scope *sc) {
-  if (sc->oprev)
-    sc->oprev->onext = sc->onext;
-  else
-    c->scopes = sc->onext;
-  if (sc->onext)
-    sc->onext->oprev = sc->oprev;
+  TD__LIST_REMOVE(&c->scopes, sc, oprev, onext);
   c->nscopes--;
 }
 

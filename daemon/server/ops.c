@@ -14,7 +14,6 @@
 #include "tensord.pb-c.h"
 #include "upgrade.h"
 #include "viewmsg.h"
-#include "waitq.h"
 
 #include <malloc.h>
 #include <stdarg.h>
@@ -447,6 +446,85 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   td__state_reply(c->srv->state, c, &r, fd);
 }
 
+/* A waiting lookup and its timer. */
+typedef struct waiter {
+  td__wait w;
+  uv_timer_t timer;
+} waiter;
+
+static void waiter_closed(uv_handle_t *h) {
+  free(td__container_of((uv_timer_t *)h, waiter, timer));
+}
+
+/* Frees w, which the queues have let go of, once its timer has closed;
+ * first answers it from k, if its key was published. */
+static void waiter_done(td__wait *w, td__key *k, void *arg) {
+  waiter *wt = td__container_of(w, waiter, w);
+  td__conn *c = w->owner;
+  td__lookup_args a = w->args;
+  (void)arg;
+  c->nwaiters--;
+  uv_timer_stop(&wt->timer);
+  uv_close((uv_handle_t *)&wt->timer, waiter_closed);
+  if (k != NULL)
+    answer_lookup(c, &a, k);
+}
+
+static void on_wait_timeout(uv_timer_t *t) {
+  td__wait *w = &td__container_of(t, waiter, timer)->w;
+  td__conn *c = w->owner;
+  char key[TD_KEY_MAX + 1];
+  snprintf(key, sizeof(key), "%.*s", (int)w->len, w->key);
+  uint64_t seq = w->args.seq;
+  int32_t ms = w->wait_ms;
+  td__wait_remove(&c->srv->waits, w);
+  waiter_done(w, NULL, NULL);
+  td__conn_error(c, seq, TD_ETIMEDOUT, "key '%s': not published (waited %d ms)",
+                 key, (int)ms);
+}
+
+int td__wait_restore(td__conn *c, const char *key, size_t len,
+                     const td__lookup_args *a, int32_t wait_ms,
+                     int64_t deadline_ms) {
+  td__server *srv = c->srv;
+  waiter *wt = calloc(1, sizeof(*wt));
+  if (wt == NULL)
+    return TD_ENOMEM;
+  wt->w = (td__wait){.owner = c,
+                     .list = &c->waiters,
+                     .args = *a,
+                     .wait_ms = wait_ms,
+                     .deadline_ms = deadline_ms};
+  if (td__wait_add(&srv->waits, &wt->w, key, len) < 0) {
+    free(wt);
+    return TD_ENOMEM;
+  }
+  c->nwaiters++;
+  uv_timer_init(srv->loop, &wt->timer);
+  if (deadline_ms >= 0) {
+    int64_t now = (int64_t)uv_now(srv->loop);
+    uv_timer_start(&wt->timer, on_wait_timeout,
+                   deadline_ms > now ? (uint64_t)(deadline_ms - now) : 0, 0);
+  }
+  return 0;
+}
+
+typedef struct each_arg {
+  td__wait_each_fn fn;
+  void *arg;
+} each_arg;
+
+static int each_waiter(void *arg, const td__wait *w) {
+  const each_arg *x = arg;
+  return x->fn(x->arg, w->owner, w->key, w->len, &w->args, w->wait_ms,
+               w->deadline_ms);
+}
+
+int td__waits_each(td__waits *ws, td__wait_each_fn fn, void *arg) {
+  each_arg x = {fn, arg};
+  return td__waits_walk(ws, each_waiter, &x);
+}
+
 static int check_key(td__conn *c, uint64_t seq, const ProtobufCBinaryData *k) {
   char msg[128];
   int err = td__key_validate((const char *)k->data, k->len, msg, sizeof(msg));
@@ -478,8 +556,10 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
                   "key '%s': this client has %u lookups waiting, the most "
                   "--max-waiters-per-client allows",
                   key, c->nwaiters);
-  if (td__wait_add(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms) <
-      0)
+  int64_t deadline =
+      m->wait_ms > 0 ? (int64_t)uv_now(srv->loop) + m->wait_ms : (int64_t)-1;
+  if (td__wait_restore(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms,
+                       deadline) < 0)
     return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
   td__debug("client %d waits for key '%s' (%d ms)", (int)c->hold.peer.pid, key,
             (int)m->wait_ms);
@@ -592,7 +672,7 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                   .by = c};
   td__event_emit(c->srv, &ev);
   send_ok(c, seq);
-  td__wait_wake(c->srv, k, answer_lookup);
+  td__wait_wake(&c->srv->waits, &c->srv->reg, k, waiter_done, NULL);
   return 0;
 }
 
@@ -1226,7 +1306,7 @@ static void scope_unlink_from_conn(td__conn *c, td__scope *sc) {
 }
 
 void td__ops_conn_gone(td__conn *c) {
-  td__wait_conn_gone(c);
+  td__waits_drop(&c->srv->waits, &c->waiters, waiter_done, NULL);
   while (c->creates != NULL)
     create_unlink_from_conn(c->creates);
   /* Its scopes end with it: keys still in flight to a process that never

@@ -230,7 +230,7 @@ static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
             (unsigned long long)seq, td_err_name(code), msg);
   td__server *srv = c->srv;
   td__event ev = {
-      .type = TD__EV_REFUSED, .by = c, .code = code, .message = msg};
+      .type = TD__EV_REFUSED, .by = &c->hold, .code = code, .message = msg};
   if (srv->current == c) {
     ev.key = srv->current_key;
     ev.key_len = srv->current_key_len;
@@ -574,7 +574,7 @@ void td__conn_close(td__conn *c, const char *why) {
            (unsigned long long)c->hold.nrefs);
   td__watch_stop(c);
   if (c->hello) {
-    td__event ev = {.type = TD__EV_DISCONNECT, .by = c, .message = why};
+    td__event ev = {.type = TD__EV_DISCONNECT, .by = &c->hold, .message = why};
     td__event_emit(srv, &ev);
   }
   if (srv->current == c)

@@ -1,21 +1,11 @@
 /* events.c: the event stream: what happened, to each watcher whose prefix
  * matches, through a bounded share of its output (drops are counted). */
 #include "events.h"
-
 #include "list.h"
 #include "log.h"
-#include "tensord.pb-c.h"
+#include "server.h"
 
 #include <string.h>
-
-/* Whether ev passes w's prefix: a key that begins with it, or, with an
- * empty prefix, anything (events without a key too). */
-static int matches(const td__conn *w, const td__event *ev) {
-  if (w->watch_prefix_len == 0)
-    return 1;
-  return ev->key != NULL && ev->key_len >= w->watch_prefix_len &&
-         memcmp(ev->key, w->watch_prefix, w->watch_prefix_len) == 0;
-}
 
 void td__event_emit_slow(td__server *srv, const td__event *ev) {
   /* Events are only queued (td__conn_queue never closes a watcher), so
@@ -26,29 +16,12 @@ void td__event_emit_slow(td__server *srv, const td__event *ev) {
   srv->emitting = 1;
   Tensord__Event e = TENSORD__EVENT__INIT;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
-  e.type = (Tensord__Event__Type)ev->type;
-  e.unix_ms = td__now_ms();
-  if (ev->s != NULL) {
-    e.id = ev->s->id;
-    e.nbytes = ev->s->nbytes;
-    e.device = (Tensord__Device)ev->s->device;
-  }
-  if (ev->key != NULL) {
-    e.key.data = (uint8_t *)ev->key;
-    e.key.len = ev->key_len;
-  }
-  const td__peer *peer = ev->by != NULL ? &ev->by->hold.peer : ev->peer;
-  if (peer != NULL) {
-    e.pid = peer->pid;
-    e.uid = peer->uid;
-  }
-  e.name = ev->by != NULL ? (char *)ev->by->name : "";
-  e.code = ev->code;
-  e.message = ev->message != NULL ? (char *)ev->message : "";
+  td__event_message(ev, &e);
   r.body_case = TENSORD__RESPONSE__BODY_EVENT;
   r.event = &e;
   for (td__conn *w = srv->watchers; w != NULL; w = w->wnext) {
-    if (w->closing || !matches(w, ev))
+    if (w->closing ||
+        !td__event_matches(ev, w->watch_prefix, w->watch_prefix_len))
       continue;
     r.seq = w->watch_seq;
     e.dropped = w->watch_dropped;

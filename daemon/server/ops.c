@@ -223,7 +223,7 @@ static void create_finish(td__segment_req *req) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    td__event ev = {.type = TD__EV_CREATE, .s = s, .by = c};
+    td__event ev = {.type = TD__EV_CREATE, .s = s, .by = &c->hold};
     td__event_emit(srv, &ev);
     send_storage(c, cr->seq, s, 0,
                  (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
@@ -415,11 +415,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
-  td__event ev = {.type = take ? TD__EV_TAKE : TD__EV_LOOKUP,
-                  .s = s,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(take ? TD__EV_TAKE : TD__EV_LOOKUP, k, &c->hold);
   if (!take) {
     td__event_emit(c->srv, &ev);
     td__conn_send(c, &r, fd);
@@ -665,11 +661,7 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     memcpy(k->event, m->event_handle.data, 64);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
-  td__event ev = {.type = TD__EV_PUBLISH,
-                  .s = s,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(TD__EV_PUBLISH, k, &c->hold);
   td__event_emit(c->srv, &ev);
   send_ok(c, seq);
   td__wait_wake(&c->srv->waits, &c->srv->reg, k, waiter_done, NULL);
@@ -695,11 +687,7 @@ static int op_unpublish(td__conn *c, uint64_t seq,
     unrecorded(c, seq, "unpublish", k->name);
     return 0;
   }
-  td__event ev = {.type = TD__EV_UNPUBLISH,
-                  .s = k->storage,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(TD__EV_UNPUBLISH, k, &c->hold);
   td__event_emit(c->srv, &ev);
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
@@ -1173,7 +1161,7 @@ static int op_hello(td__conn *c, uint64_t seq, const Tensord__Hello *m) {
   r.body_case = TENSORD__RESPONSE__BODY_HELLO;
   r.hello = &h;
   td__debug("client %d says hello as '%s'", (int)c->hold.peer.pid, c->name);
-  td__event ev = {.type = TD__EV_CONNECT, .by = c};
+  td__event ev = {.type = TD__EV_CONNECT, .by = &c->hold};
   td__event_emit(srv, &ev);
   td__conn_send(c, &r, -1);
   return 0;

@@ -290,8 +290,10 @@ void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
   /* Caused by the request being handled, if any; else (a connection's
    * close, a scope's end) named after the owner. */
-  td__event ev = {
-      .type = TD__EV_FREE, .s = s, .by = srv->current, .peer = &s->owner};
+  td__event ev = {.type = TD__EV_FREE,
+                  .s = s,
+                  .by = srv->current ? &srv->current->hold : NULL,
+                  .peer = &s->owner};
   td__event_emit(srv, &ev);
   if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
     free(s);

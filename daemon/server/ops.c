@@ -282,7 +282,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     /* Fresh pages: the pool gives way first if they would not fit. */
     uint64_t shm_free = 0, shm_total = 0, freed = 0;
     int known = td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0;
-    victims = td__pool_make_room(srv, known ? n : 0, shm_free, &freed);
+    victims =
+        td__pool_make_room(&srv->pool, reg, known ? n : 0, shm_free, &freed);
     if (known && n > shm_free + freed) {
       td__credit(reg, uid, n);
       td__pool_restore(&srv->pool, victims);

@@ -301,9 +301,11 @@ void td__storage_gone(td__storage *s, void *arg) {
   }
   /* A key change not yet on disk may be what freed s, and the journal on
    * disk may still name it: the segment stays until the change is durable,
-   * so that a crash now finds every segment the journal names. */
+   * so that a crash now finds every segment the journal names. A foreign
+   * segment is never pooled. */
   if (td__state_hold_unlink(srv->state, s) == 0 &&
-      !td__segment_recycle(srv, s)) {
+      (s->foreign ||
+       !td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid))) {
     td__debug("storage %llu: last reference dropped; unlinking %s",
               (unsigned long long)s->id, s->name);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
@@ -313,9 +315,13 @@ void td__storage_gone(td__storage *s, void *arg) {
 
 /* ---- the recycling pool ---- */
 
-static void evict(td__server *srv, td__pooled *e) {
-  td__segment_unlink(srv, e->device, e->name, e->nbytes);
-  free(e);
+/* Unlinks the next-linked pooled segments list and frees their entries. */
+static void evict(td__server *srv, td__pooled *list) {
+  for (td__pooled *e = list, *next; e != NULL; e = next) {
+    next = e->next;
+    td__segment_unlink(srv, e->device, e->name, e->nbytes);
+    free(e);
+  }
 }
 
 /* Starts the ageing timer for the oldest pooled segment, if not running. */
@@ -329,22 +335,25 @@ static void pool_arm(td__server *srv) {
                  due < 10 ? 10 : (uint64_t)due, 0);
 }
 
+void td__server_pool_tick(uv_timer_t *t) {
+  td__server *srv = td__container_of(t, td__server, pool_timer);
+  int64_t now = td__now_ms();
+  td__pooled *idle = td__pool_idle(&srv->pool, now);
+  for (td__pooled *e = idle; e != NULL; e = e->next)
+    td__debug("pooled %s idle for %lld ms; unlinking it", e->name,
+              (long long)(now - e->since_ms));
+  evict(srv, idle);
+  pool_arm(srv);
+}
+
 int td__segment_pool(td__server *srv, td_device device, const char *name,
                      uint64_t nbytes, uid_t uid) {
   td__pool *p = &srv->pool;
-  const td__backend *b = td__backend_for(device);
-  if (srv->stopping || b == NULL || b->rename == NULL ||
-      !td__pool_wants(p, nbytes))
-    return 0;
-  /* Room first: the pool's bounds, and the capacity beside the storages
-   * (whose charge this segment's has already given back). */
-  while (p->count > 0 &&
-         (p->count >= TD__POOL_MAX_SEGMENTS || p->bytes + nbytes > p->limit ||
-          srv->reg.bytes_committed + p->bytes + nbytes > srv->reg.capacity))
-    evict(srv, td__pool_pop(p));
-  if (srv->reg.bytes_committed + nbytes > srv->reg.capacity)
-    return 0;
-  td__pooled *e = calloc(1, sizeof(*e));
+  td__pooled *gone = NULL;
+  int ok =
+      !srv->stopping && td__pool_admit(p, &srv->reg, device, nbytes, &gone);
+  evict(srv, gone);
+  td__pooled *e = ok ? calloc(1, sizeof(*e)) : NULL;
   if (e == NULL)
     return 0;
   /* A name someone else took (any local user may make files in /dev/shm)
@@ -362,7 +371,7 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
       free(e);
       return 0;
     }
-    err = b->rename(name, e->name);
+    err = td__backend_for(device)->rename(name, e->name);
   }
   if (err < 0) {
     td__warn("cannot pool %s as %s: %s; unlinking it", name, e->name,
@@ -381,41 +390,10 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
   return 1;
 }
 
-int td__segment_recycle(td__server *srv, td__storage *s) {
-  return !s->foreign &&
-         td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid);
-}
-
 void td__pool_drain(td__server *srv) {
   td__pooled *e;
   while ((e = td__pool_pop(&srv->pool)) != NULL)
     evict(srv, e);
-}
-
-int64_t td__pool_age(td__server *srv, int64_t now_ms) {
-  td__pool *p = &srv->pool;
-  while (p->oldest != NULL && now_ms - p->oldest->since_ms >= p->idle_ms) {
-    td__debug("pooled %s idle for %lld ms; unlinking it", p->oldest->name,
-              (long long)(now_ms - p->oldest->since_ms));
-    evict(srv, td__pool_pop(p));
-  }
-  return p->oldest ? p->oldest->since_ms + p->idle_ms - now_ms : -1;
-}
-
-td__pooled *td__pool_make_room(td__server *srv, uint64_t need, uint64_t free,
-                               uint64_t *freed) {
-  td__pool *p = &srv->pool;
-  td__pooled *victims = NULL, **tail = &victims;
-  *freed = 0;
-  while (p->count > 0 &&
-         (srv->reg.bytes_committed + p->bytes > srv->reg.capacity ||
-          free + *freed < need)) {
-    td__pooled *e = td__pool_pop(p);
-    *freed += e->nbytes;
-    *tail = e;
-    tail = &e->next;
-  }
-  return victims;
 }
 
 int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep,

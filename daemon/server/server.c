@@ -541,13 +541,6 @@ void td__server_listen(td__server *srv) {
   uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
 }
 
-void td__server_pool_tick(uv_timer_t *t) {
-  td__server *srv = td__container_of(t, td__server, pool_timer);
-  int64_t due = td__pool_age(srv, td__now_ms());
-  if (due >= 0 && !srv->stopping)
-    uv_timer_start(t, td__server_pool_tick, due < 10 ? 10 : (uint64_t)due, 0);
-}
-
 int td__server_start(td__server *srv, uv_loop_t *loop, const td__options *o) {
   char a[32];
   td__server_init(srv, loop, o);

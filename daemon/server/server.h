@@ -158,9 +158,6 @@ void td__server_finish(td__server *srv);
  * keys name keep their segments with --state-dir; every other segment is
  * unlinked. */
 void td__server_stop(td__server *srv);
-/* The pool's ageing timer: unlinks what was idle too long, and waits for
- * the next. */
-void td__server_pool_tick(uv_timer_t *t);
 /* Every thread-pool job's completion callback ends with this, after
  * whatever it queued in turn: it counts the job out of srv->pending_work
  * and finishes a stop that was waiting for it. */

@@ -20,6 +20,10 @@
 /* Unlinks the victims and the pooled segment req did not use, and frees
  * their entries. */
 static void unlink_pooled(td__segment_req *req) {
+  if (req->pooled != NULL) { /* out of the pool: its next is NULL */
+    req->pooled->next = req->victims;
+    req->victims = req->pooled;
+  }
   for (td__pooled *v = req->victims, *next; v != NULL; v = next) {
     next = v->next;
     const td__backend *b = td__backend_for(v->device);
@@ -27,14 +31,7 @@ static void unlink_pooled(td__segment_req *req) {
       b->unlink(v->name);
     free(v);
   }
-  req->victims = NULL;
-  if (req->pooled != NULL) {
-    const td__backend *b = td__backend_for(req->pooled->device);
-    if (b != NULL)
-      b->unlink(req->pooled->name);
-    free(req->pooled);
-    req->pooled = NULL;
-  }
+  req->victims = req->pooled = NULL;
 }
 
 /* req->s's name was taken (req->fd says how, req->msg by whom) on the
@@ -169,43 +166,25 @@ int td__segment_open(const td__storage *s, int readonly) {
   return b ? b->open(s->name, readonly) : TD_ENODEV;
 }
 
-typedef struct unlink_job {
-  uv_work_t work;
-  td__server *srv;
-  const td__backend *backend;
-  char name[TD__SEGMENT_NAME_MAX];
-} unlink_job;
-
-static void unlink_work(uv_work_t *w) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  j->backend->unlink(j->name);
-}
-
-static void unlink_after(uv_work_t *w, int status) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  td__server *srv = j->srv;
-  if (status < 0) /* cancelled: unlink here rather than leak */
-    j->backend->unlink(j->name);
-  free(j);
-  td__work_done(srv);
-}
-
-/* Small unlinks, gathered during a loop turn and run as one job. */
+/* Unlinks, gathered during a loop turn and run as one job; a large one (or
+ * a device's) is a job of its own, a batch of one. */
 #define UNLINK_BATCH 256
 
 struct td__unlink_batch {
   uv_work_t work;
   td__server *srv;
-  size_t n;
-  const td__backend *backend[UNLINK_BATCH];
-  char name[UNLINK_BATCH][TD__SEGMENT_NAME_MAX];
+  size_t n, max;
+  struct {
+    const td__backend *backend;
+    char name[TD__SEGMENT_NAME_MAX];
+  } seg[];
 };
 
 static void batch_work(uv_work_t *w) {
   struct td__unlink_batch *u =
       td__container_of(w, struct td__unlink_batch, work);
   for (size_t i = 0; i < u->n; i++)
-    u->backend[i]->unlink(u->name[i]);
+    u->seg[i].backend->unlink(u->seg[i].name);
 }
 
 static void batch_after(uv_work_t *w, int status) {
@@ -218,17 +197,40 @@ static void batch_after(uv_work_t *w, int status) {
   td__work_done(srv);
 }
 
-void td__segment_unlink_flush(td__server *srv) {
-  struct td__unlink_batch *u = srv->unlinks;
-  if (u == NULL)
-    return;
-  srv->unlinks = NULL;
+/* Returns an empty batch for max segments, or NULL (no memory). */
+static struct td__unlink_batch *batch_new(td__server *srv, size_t max) {
+  struct td__unlink_batch *u = malloc(sizeof(*u) + max * sizeof(u->seg[0]));
+  if (u != NULL) {
+    u->srv = srv;
+    u->n = 0;
+    u->max = max;
+  }
+  return u;
+}
+
+static void batch_put(struct td__unlink_batch *u, const td__backend *b,
+                      const char *name) {
+  u->seg[u->n].backend = b;
+  snprintf(u->seg[u->n].name, sizeof(u->seg[u->n].name), "%s", name);
+  u->n++;
+}
+
+/* Queues u on the thread pool, or runs it here if it cannot be, and frees
+ * it then. */
+static void batch_queue(td__server *srv, struct td__unlink_batch *u) {
   if (uv_queue_work(srv->loop, &u->work, batch_work, batch_after) == 0) {
     srv->pending_work++;
     return;
   }
   batch_work(&u->work);
   free(u);
+}
+
+void td__segment_unlink_flush(td__server *srv) {
+  struct td__unlink_batch *u = srv->unlinks;
+  srv->unlinks = NULL;
+  if (u != NULL)
+    batch_queue(srv, u);
 }
 
 static void on_unlink_check(uv_check_t *h) {
@@ -242,18 +244,13 @@ static void on_unlink_check(uv_check_t *h) {
 static int batch_add(td__server *srv, const td__backend *b, const char *name) {
   if (!srv->listening || srv->stopping)
     return -1;
-  struct td__unlink_batch *u = srv->unlinks;
-  if (u == NULL) {
-    if ((u = malloc(sizeof(*u))) == NULL)
+  if (srv->unlinks == NULL) {
+    if ((srv->unlinks = batch_new(srv, UNLINK_BATCH)) == NULL)
       return -1;
-    u->srv = srv;
-    u->n = 0;
-    srv->unlinks = u;
     uv_check_start(&srv->unlink_check, on_unlink_check);
   }
-  u->backend[u->n] = b;
-  snprintf(u->name[u->n], sizeof(u->name[u->n]), "%s", name);
-  if (++u->n == UNLINK_BATCH)
+  batch_put(srv->unlinks, b, name);
+  if (srv->unlinks->n == srv->unlinks->max)
     td__segment_unlink_flush(srv);
   return 0;
 }
@@ -272,18 +269,12 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
     return;
   /* Unlinking frees the pages when no client maps them any more: a cost that
    * grows with bytes, so large segments go to the thread pool. */
-  unlink_job *j = NULL;
-  if (job && (j = malloc(sizeof(*j))) != NULL) {
-    j->srv = srv;
-    j->backend = b;
-    snprintf(j->name, sizeof(j->name), "%s", name);
-    if (uv_queue_work(srv->loop, &j->work, unlink_work, unlink_after) == 0) {
-      srv->pending_work++;
-      return;
-    }
-    free(j);
-  }
-  b->unlink(name);
+  struct td__unlink_batch *u = job ? batch_new(srv, 1) : NULL;
+  if (u != NULL) {
+    batch_put(u, b, name);
+    batch_queue(srv, u);
+  } else
+    b->unlink(name);
 }
 
 void td__storage_gone(td__storage *s, void *arg) {

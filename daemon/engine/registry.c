@@ -169,26 +169,25 @@ void td__registry_drop_keys(td__registry *r) {
   }
 }
 
+/* Frees t and its every entry, each malloc'd with its node at offset off. */
+static void free_entries(td__htab *t, size_t off) {
+  for (size_t i = 0; i < t->nbuckets; i++) {
+    for (td__hnode *n = t->buckets[i], *next; n != NULL; n = next) {
+      next = n->next;
+      free((char *)n - off);
+    }
+  }
+  td__htab_free(t);
+}
+
 void td__registry_free(td__registry *r) {
   td__registry_drop_keys(r);
   /* Scopes their connections did not end (a stop): their keys are gone. */
-  for (size_t i = 0; i < r->scopes.nbuckets; i++) {
-    for (td__hnode *n = r->scopes.buckets[i], *next; n != NULL; n = next) {
-      next = n->next;
-      free(td__container_of(n, td__scope, node));
-    }
-  }
-  td__htab_free(&r->scopes);
+  free_entries(&r->scopes, offsetof(td__scope, node));
   td__htab_free(&r->storages);
   td__htab_free(&r->keys);
   /* Creates still in flight find no entry and credit only the total. */
-  for (size_t i = 0; i < r->usage.nbuckets; i++) {
-    for (td__hnode *n = r->usage.buckets[i], *next; n != NULL; n = next) {
-      next = n->next;
-      free(td__container_of(n, td__usage, node));
-    }
-  }
-  td__htab_free(&r->usage);
+  free_entries(&r->usage, offsetof(td__usage, node));
 }
 
 td__storage *td__storage_find(const td__registry *r, uint64_t id) {

@@ -16,7 +16,6 @@
 #include "viewmsg.h"
 
 #include <malloc.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,20 +40,9 @@ struct td__create {
   td__create *prev, *next; /* in conn->creates */
 };
 
-/* Answers seq with an argument error; the connection stays. Returns 0, so
- * handlers can `return reject(...)`. */
-static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
-  char msg[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof(msg), fmt, ap);
-  va_end(ap);
-  td__conn_error(c, seq, code, "%s", msg);
-  return 0;
-}
+/* Answers seq with an argument error (td__conn_error's arguments); the
+ * connection stays. It is 0, so handlers can `return reject(...)`. */
+#define reject(...) (td__conn_error(__VA_ARGS__), 0)
 
 /* ---- references and replies ---- */
 

@@ -1,6 +1,8 @@
-/* pool.c: the recycling pool's bookkeeping: a list of freed segments,
- * oldest first, searched by owner uid and size. */
+/* pool.c: the recycling pool's bookkeeping: freed segments, oldest first,
+ * searched by owner uid and size; and which must go, for room or for age. */
 #include "pool.h"
+
+#include "list.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -19,14 +21,7 @@ int td__pool_wants(const td__pool *p, uint64_t nbytes) {
 }
 
 static void unlist(td__pool *p, td__pooled *e) {
-  if (e->prev)
-    e->prev->next = e->next;
-  else
-    p->oldest = e->next;
-  if (e->next)
-    e->next->prev = e->prev;
-  else
-    p->newest = e->prev;
+  TD__LIST_REMOVE_TAIL(&p->oldest, &p->newest, e, prev, next);
   e->prev = e->next = NULL;
   p->count--;
   p->bytes -= e->nbytes;
@@ -92,13 +87,7 @@ void td__pool_restore(td__pool *p, td__pooled *list) {
 }
 
 void td__pool_put(td__pool *p, td__pooled *e) {
-  e->next = NULL;
-  e->prev = p->newest;
-  if (p->newest)
-    p->newest->next = e;
-  else
-    p->oldest = e;
-  p->newest = e;
+  TD__LIST_APPEND(&p->oldest, &p->newest, e, prev, next);
   p->count++;
   p->bytes += e->nbytes;
 }
@@ -113,4 +102,45 @@ td__pooled *td__pool_pop(td__pool *p) {
 int td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX], char *msg,
                   size_t len) {
   return td__segment_name(name, p->prefix, ++p->next_seq, msg, len);
+}
+
+/* Pops the oldest entry onto the next-linked list whose end is *tail. */
+static td__pooled **pop_to(td__pool *p, td__pooled **tail) {
+  td__pooled *e = td__pool_pop(p);
+  *tail = e;
+  return &e->next;
+}
+
+int td__pool_admit(td__pool *p, const td__registry *r, td_device device,
+                   uint64_t nbytes, td__pooled **evict) {
+  const td__backend *b = td__backend_for(device);
+  td__pooled **tail = evict;
+  *evict = NULL;
+  if (b == NULL || b->rename == NULL || !td__pool_wants(p, nbytes))
+    return 0;
+  /* The segment's charge is given back already: its bytes count here. */
+  while (p->count > 0 &&
+         (p->count >= TD__POOL_MAX_SEGMENTS || p->bytes + nbytes > p->limit ||
+          r->bytes_committed + p->bytes + nbytes > r->capacity))
+    tail = pop_to(p, tail);
+  return r->bytes_committed + nbytes <= r->capacity;
+}
+
+td__pooled *td__pool_make_room(td__pool *p, const td__registry *r,
+                               uint64_t need, uint64_t free, uint64_t *freed) {
+  td__pooled *victims = NULL, **tail = &victims;
+  *freed = 0;
+  while (p->count > 0 && (r->bytes_committed + p->bytes > r->capacity ||
+                          free + *freed < need)) {
+    *freed += p->oldest->nbytes;
+    tail = pop_to(p, tail);
+  }
+  return victims;
+}
+
+td__pooled *td__pool_idle(td__pool *p, int64_t now_ms) {
+  td__pooled *idle = NULL, **tail = &idle;
+  while (p->oldest != NULL && now_ms - p->oldest->since_ms >= p->idle_ms)
+    tail = pop_to(p, tail);
+  return idle;
 }

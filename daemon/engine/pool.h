@@ -1,11 +1,12 @@
 /* pool.h: the recycling pool's bookkeeping. Segments whose storage is gone
  * wait here, under a pool name, for the next create of their owner uid, so
- * that it is served from pages that already exist. No I/O: segment.c
- * renames, reuses and unlinks them. */
+ * that it is served from pages that already exist. No I/O: the pool says
+ * which must go, and segment.c renames, reuses and unlinks them. */
 #ifndef TD_DAEMON_POOL_H
 #define TD_DAEMON_POOL_H
 
 #include "backend.h"
+#include "registry.h"
 #include "tensord.h"
 
 #include <stdint.h>
@@ -60,6 +61,23 @@ void td__pool_restore(td__pool *p, td__pooled *list);
 void td__pool_put(td__pool *p, td__pooled *e);
 /* Removes the oldest entry and returns it (the caller owns it), or NULL. */
 td__pooled *td__pool_pop(td__pool *p);
+/* Whether a freed segment of nbytes on device may be pooled, given r's
+ * capacity: recycling is on, the size in range, its backend renames, and
+ * once the oldest entries made room (the pool's bounds, and the capacity
+ * beside what storages have committed) it fits. *evict gets those entries,
+ * next-linked and out of the pool, for the caller to unlink; NULL if it
+ * may not be pooled at all. Returns 1 if it may, else 0. */
+int td__pool_admit(td__pool *p, const td__registry *r, td_device device,
+                   uint64_t nbytes, td__pooled **evict);
+/* Takes entries off, oldest first, until the pool fits in r's capacity
+ * beside what storages have committed, and need more bytes fit in free plus
+ * theirs: a create that would otherwise fail for space drains the pool
+ * first. Returns them, next-linked, with their bytes in *freed. */
+td__pooled *td__pool_make_room(td__pool *p, const td__registry *r,
+                               uint64_t need, uint64_t free, uint64_t *freed);
+/* Takes off the entries idle for idle_ms or longer at now_ms and returns
+ * them, next-linked, oldest first. */
+td__pooled *td__pool_idle(td__pool *p, int64_t now_ms);
 /* Sets name to a fresh pool name, "<prefix><seq>-<random tail>"
  * (td__segment_name). Returns 0, or a negative code with msg filled. */
 int td__pool_name(td__pool *p, char name[TD__SEGMENT_NAME_MAX], char *msg,

@@ -4,6 +4,7 @@
 #include "registry.h"
 
 #include "common.h"
+#include "list.h"
 #include "log.h"
 
 #include <stdio.h>
@@ -168,26 +169,25 @@ void td__registry_drop_keys(td__registry *r) {
   }
 }
 
+/* Frees t and its every entry, each malloc'd with its node at offset off. */
+static void free_entries(td__htab *t, size_t off) {
+  for (size_t i = 0; i < t->nbuckets; i++) {
+    for (td__hnode *n = t->buckets[i], *next; n != NULL; n = next) {
+      next = n->next;
+      free((char *)n - off);
+    }
+  }
+  td__htab_free(t);
+}
+
 void td__registry_free(td__registry *r) {
   td__registry_drop_keys(r);
   /* Scopes their connections did not end (a stop): their keys are gone. */
-  for (size_t i = 0; i < r->scopes.nbuckets; i++) {
-    for (td__hnode *n = r->scopes.buckets[i], *next; n != NULL; n = next) {
-      next = n->next;
-      free(td__container_of(n, td__scope, node));
-    }
-  }
-  td__htab_free(&r->scopes);
+  free_entries(&r->scopes, offsetof(td__scope, node));
   td__htab_free(&r->storages);
   td__htab_free(&r->keys);
   /* Creates still in flight find no entry and credit only the total. */
-  for (size_t i = 0; i < r->usage.nbuckets; i++) {
-    for (td__hnode *n = r->usage.buckets[i], *next; n != NULL; n = next) {
-      next = n->next;
-      free(td__container_of(n, td__usage, node));
-    }
-  }
-  td__htab_free(&r->usage);
+  free_entries(&r->usage, offsetof(td__usage, node));
 }
 
 td__storage *td__storage_find(const td__registry *r, uint64_t id) {
@@ -208,27 +208,14 @@ int td__storage_insert(td__registry *r, td__storage *s, td__holdings *h) {
     return err;
   }
   /* Ids only grow, so appending keeps the list in id order. */
-  s->prev = r->last;
-  s->next = NULL;
-  if (r->last)
-    r->last->next = s;
-  else
-    r->first = s;
-  r->last = s;
+  TD__LIST_APPEND(&r->first, &r->last, s, prev, next);
   r->bytes_used += td__host_bytes(s);
   return 0;
 }
 
 void td__storage_remove(td__registry *r, td__storage *s) {
   td__htab_remove(&r->storages, &s->node);
-  if (s->prev)
-    s->prev->next = s->next;
-  else
-    r->first = s->next;
-  if (s->next)
-    s->next->prev = s->prev;
-  else
-    r->last = s->prev;
+  TD__LIST_REMOVE_TAIL(&r->first, &r->last, s, prev, next);
   r->bytes_used -= td__host_bytes(s);
 }
 
@@ -288,10 +275,7 @@ int td__ref_add(td__registry *r, td__holdings *h, td__storage *s, int ro,
     }
     if (h->nrefs == 0)
       r->nholdings++;
-    ref->snext = s->holders;
-    if (s->holders)
-      s->holders->sprev = ref;
-    s->holders = ref;
+    TD__LIST_PUSH(&s->holders, ref, sprev, snext);
   }
   uint32_t *count = ro ? &ref->ro : &ref->rw;
   if (had)
@@ -325,12 +309,7 @@ int td__ref_restore(td__registry *r, td__holdings *h, td__storage *s,
 static void ref_free(td__registry *r, td__holdings *h, td__ref *ref) {
   td__storage *s = ref->storage;
   td__htab_remove(&h->refs, &ref->node);
-  if (ref->sprev)
-    ref->sprev->snext = ref->snext;
-  else
-    s->holders = ref->snext;
-  if (ref->snext)
-    ref->snext->sprev = ref->sprev;
+  TD__LIST_REMOVE(&s->holders, ref, sprev, snext);
   free(ref);
   if (h->nrefs == 0)
     r->nholdings--;
@@ -406,45 +385,26 @@ td__key *td__key_find(const td__registry *r, const char *key, size_t len) {
 
 static void key_link(td__storage *s, td__key *k) {
   k->storage = s;
-  k->sprev = NULL;
-  k->snext = s->keys;
-  if (s->keys)
-    s->keys->sprev = k;
-  s->keys = k;
+  TD__LIST_PUSH(&s->keys, k, sprev, snext);
   s->refs++;
 }
 
 static void scope_link(td__scope *sc, td__key *k) {
   k->scope = sc;
-  k->cprev = NULL;
-  k->cnext = sc->keys;
-  if (sc->keys != NULL)
-    sc->keys->cprev = k;
-  sc->keys = k;
+  TD__LIST_PUSH(&sc->keys, k, cprev, cnext);
   sc->nkeys++;
 }
 
 static void scope_unlink(td__key *k) {
   td__scope *sc = k->scope;
-  if (k->cprev)
-    k->cprev->cnext = k->cnext;
-  else
-    sc->keys = k->cnext;
-  if (k->cnext)
-    k->cnext->cprev = k->cprev;
+  TD__LIST_REMOVE(&sc->keys, k, cprev, cnext);
   k->scope = NULL;
   k->cprev = k->cnext = NULL;
   sc->nkeys--;
 }
 
 static void key_unlink(td__key *k) {
-  td__storage *s = k->storage;
-  if (k->sprev)
-    k->sprev->snext = k->snext;
-  else
-    s->keys = k->snext;
-  if (k->snext)
-    k->snext->sprev = k->sprev;
+  TD__LIST_REMOVE(&k->storage->keys, k, sprev, snext);
 }
 
 int td__key_prepare(td__registry *r, const char *key, size_t len,

@@ -4,7 +4,9 @@
 
 #include "common.h"
 #include "events.h"
+#include "list.h"
 #include "log.h"
+#include "watch.h"
 #include "server.h"
 
 #include "tensord.pb-c.h"
@@ -226,7 +228,7 @@ static int send_error(td__conn *c, uint64_t seq, int code, const char *msg) {
             (unsigned long long)seq, td_err_name(code), msg);
   td__server *srv = c->srv;
   td__event ev = {
-      .type = TD__EV_REFUSED, .by = c, .code = code, .message = msg};
+      .type = TD__EV_REFUSED, .by = &c->hold, .code = code, .message = msg};
   if (srv->current == c) {
     ev.key = srv->current_key;
     ev.key_len = srv->current_key_len;
@@ -445,10 +447,7 @@ static void conn_link(td__server *srv, td__conn *c) {
   uv_timer_init(srv->loop, &c->stall);
   c->nhandles = 2;
   c->progress_ms = uv_now(srv->loop);
-  c->next = srv->conns;
-  if (srv->conns)
-    srv->conns->prev = c;
-  srv->conns = c;
+  TD__LIST_PUSH(&srv->conns, c, prev, next);
   srv->nconns++;
 }
 
@@ -573,7 +572,7 @@ void td__conn_close(td__conn *c, const char *why) {
            (unsigned long long)c->hold.nrefs);
   td__watch_stop(c);
   if (c->hello) {
-    td__event ev = {.type = TD__EV_DISCONNECT, .by = c, .message = why};
+    td__event ev = {.type = TD__EV_DISCONNECT, .by = &c->hold, .message = why};
     td__event_emit(srv, &ev);
   }
   if (srv->current == c)
@@ -582,12 +581,7 @@ void td__conn_close(td__conn *c, const char *why) {
   if (td__drain_start(srv, &c->drain, &c->hold, on_drained) > 0)
     c->nhandles++;
   td__wire_free(&c->wire);
-  if (c->prev)
-    c->prev->next = c->next;
-  else
-    srv->conns = c->next;
-  if (c->next)
-    c->next->prev = c->prev;
+  TD__LIST_REMOVE(&srv->conns, c, prev, next);
   srv->nconns--;
   c->poll.data = c->stall.data = c;
   uv_close((uv_handle_t *)&c->poll, on_closed);

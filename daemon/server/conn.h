@@ -12,7 +12,6 @@
 
 typedef struct td__server td__server;
 typedef struct td__conn td__conn;
-typedef struct td__waiter td__waiter; /* waitq.c */
 typedef struct td__create td__create; /* ops.c */
 struct Tensord__Response;
 
@@ -33,7 +32,7 @@ struct td__conn {
   int paused;   /* not reading: output over the high-water mark */
   int eof;      /* the client shut its side: send what is due, then close */
   int events;   /* what poll watches now */
-  td__waiter *waiters;
+  struct td__wait *waiters;
   uint32_t nwaiters; /* in waiters: at most --max-waiters-per-client */
   td__create *creates;
   uint32_t ncreates;  /* in creates: they count as storages held */

@@ -20,6 +20,16 @@ static size_t slice(td__server *srv, td__holdings *h) {
   return left;
 }
 
+/* Queues d last. */
+static void drain_queue(td__server *srv, td__drain *d) {
+  d->next = NULL;
+  if (srv->drains_tail)
+    srv->drains_tail->next = d;
+  else
+    srv->drains = d;
+  srv->drains_tail = d;
+}
+
 /* Drops one slice of the first queued drain, then moves it to the back so
  * that several drains share the turns. */
 static void drain_slice(td__server *srv) {
@@ -27,13 +37,8 @@ static void drain_slice(td__server *srv) {
   srv->drains = d->next;
   if (srv->drains == NULL)
     srv->drains_tail = NULL;
-  d->next = NULL;
   if (slice(srv, d->hold) > 0) {
-    if (srv->drains_tail)
-      srv->drains_tail->next = d;
-    else
-      srv->drains = d;
-    srv->drains_tail = d;
+    drain_queue(srv, d);
     return;
   }
   srv->ndrains--;
@@ -62,18 +67,13 @@ int td__drain_start(td__server *srv, td__drain *d, td__holdings *h,
     return 0;
   d->hold = h;
   d->done = done;
-  d->next = NULL;
   d->nstorages = n;
   d->start_ms = uv_now(srv->loop);
   if (!srv->drain_ready) {
     uv_idle_init(srv->loop, &srv->drain_idle);
     srv->drain_ready = 1;
   }
-  if (srv->drains_tail)
-    srv->drains_tail->next = d;
-  else
-    srv->drains = d;
-  srv->drains_tail = d;
+  drain_queue(srv, d);
   srv->ndrains++;
   td__debug("client %d: references to %zu storage(s) left to drop, a slice "
             "per loop turn",

@@ -5,7 +5,9 @@
 #include "common.h"
 #include "cudastore.h"
 #include "events.h"
+#include "list.h"
 #include "log.h"
+#include "watch.h"
 #include "metrics.h"
 #include "segment.h"
 #include "server.h"
@@ -13,10 +15,8 @@
 #include "tensord.pb-c.h"
 #include "upgrade.h"
 #include "viewmsg.h"
-#include "waitq.h"
 
 #include <malloc.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,20 +41,9 @@ struct td__create {
   td__create *prev, *next; /* in conn->creates */
 };
 
-/* Answers seq with an argument error; the connection stays. Returns 0, so
- * handlers can `return reject(...)`. */
-static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int reject(td__conn *c, uint64_t seq, int code, const char *fmt, ...) {
-  char msg[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof(msg), fmt, ap);
-  va_end(ap);
-  td__conn_error(c, seq, code, "%s", msg);
-  return 0;
-}
+/* Answers seq with an argument error (td__conn_error's arguments); the
+ * connection stays. It is 0, so handlers can `return reject(...)`. */
+#define reject(...) (td__conn_error(__VA_ARGS__), 0)
 
 /* ---- references and replies ---- */
 
@@ -180,12 +169,7 @@ static int send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
 static void create_unlink_from_conn(td__create *cr) {
   if (cr->conn == NULL)
     return;
-  if (cr->prev)
-    cr->prev->next = cr->next;
-  else
-    cr->conn->creates = cr->next;
-  if (cr->next)
-    cr->next->prev = cr->prev;
+  TD__LIST_REMOVE(&cr->conn->creates, cr, prev, next);
   cr->conn->ncreates--;
   cr->conn = NULL;
 }
@@ -228,7 +212,7 @@ static void create_finish(td__segment_req *req) {
     td__debug("client %d created storage %llu (%llu bytes)",
               (int)c->hold.peer.pid, (unsigned long long)s->id,
               (unsigned long long)s->nbytes);
-    td__event ev = {.type = TD__EV_CREATE, .s = s, .by = c};
+    td__event ev = {.type = TD__EV_CREATE, .s = s, .by = &c->hold};
     td__event_emit(srv, &ev);
     send_storage(c, cr->seq, s, 0,
                  (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
@@ -287,7 +271,8 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
     /* Fresh pages: the pool gives way first if they would not fit. */
     uint64_t shm_free = 0, shm_total = 0, freed = 0;
     int known = td__backend_for(TD_CPU)->space(&shm_free, &shm_total) == 0;
-    victims = td__pool_make_room(srv, known ? n : 0, shm_free, &freed);
+    victims =
+        td__pool_make_room(&srv->pool, reg, known ? n : 0, shm_free, &freed);
     if (known && n > shm_free + freed) {
       td__credit(reg, uid, n);
       td__pool_restore(&srv->pool, victims);
@@ -330,10 +315,7 @@ static int op_create(td__conn *c, uint64_t seq, const Tensord__Create *m) {
   cr->seq = seq;
   cr->start_ns = c->req_ns;
   c->req_timed = 1; /* create_finish, now or later */
-  cr->next = c->creates;
-  if (c->creates)
-    c->creates->prev = cr;
-  c->creates = cr;
+  TD__LIST_PUSH(&c->creates, cr, prev, next);
   c->ncreates++;
   cr->seg.pooled = pooled;
   cr->seg.victims = victims;
@@ -423,11 +405,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   r.seq = seq;
   r.body_case = TENSORD__RESPONSE__BODY_LOOKUP;
   r.lookup = &lm;
-  td__event ev = {.type = take ? TD__EV_TAKE : TD__EV_LOOKUP,
-                  .s = s,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(take ? TD__EV_TAKE : TD__EV_LOOKUP, k, &c->hold);
   if (!take) {
     td__event_emit(c->srv, &ev);
     td__conn_send(c, &r, fd);
@@ -452,6 +430,85 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   td__event_emit(c->srv, &ev);
   td__key_remove(&c->srv->reg, k);
   td__state_reply(c->srv->state, c, &r, fd);
+}
+
+/* A waiting lookup and its timer. */
+typedef struct waiter {
+  td__wait w;
+  uv_timer_t timer;
+} waiter;
+
+static void waiter_closed(uv_handle_t *h) {
+  free(td__container_of((uv_timer_t *)h, waiter, timer));
+}
+
+/* Frees w, which the queues have let go of, once its timer has closed;
+ * first answers it from k, if its key was published. */
+static void waiter_done(td__wait *w, td__key *k, void *arg) {
+  waiter *wt = td__container_of(w, waiter, w);
+  td__conn *c = w->owner;
+  td__lookup_args a = w->args;
+  (void)arg;
+  c->nwaiters--;
+  uv_timer_stop(&wt->timer);
+  uv_close((uv_handle_t *)&wt->timer, waiter_closed);
+  if (k != NULL)
+    answer_lookup(c, &a, k);
+}
+
+static void on_wait_timeout(uv_timer_t *t) {
+  td__wait *w = &td__container_of(t, waiter, timer)->w;
+  td__conn *c = w->owner;
+  char key[TD_KEY_MAX + 1];
+  snprintf(key, sizeof(key), "%.*s", (int)w->len, w->key);
+  uint64_t seq = w->args.seq;
+  int32_t ms = w->wait_ms;
+  td__wait_remove(&c->srv->waits, w);
+  waiter_done(w, NULL, NULL);
+  td__conn_error(c, seq, TD_ETIMEDOUT, "key '%s': not published (waited %d ms)",
+                 key, (int)ms);
+}
+
+int td__wait_restore(td__conn *c, const char *key, size_t len,
+                     const td__lookup_args *a, int32_t wait_ms,
+                     int64_t deadline_ms) {
+  td__server *srv = c->srv;
+  waiter *wt = calloc(1, sizeof(*wt));
+  if (wt == NULL)
+    return TD_ENOMEM;
+  wt->w = (td__wait){.owner = c,
+                     .list = &c->waiters,
+                     .args = *a,
+                     .wait_ms = wait_ms,
+                     .deadline_ms = deadline_ms};
+  if (td__wait_add(&srv->waits, &wt->w, key, len) < 0) {
+    free(wt);
+    return TD_ENOMEM;
+  }
+  c->nwaiters++;
+  uv_timer_init(srv->loop, &wt->timer);
+  if (deadline_ms >= 0) {
+    int64_t now = (int64_t)uv_now(srv->loop);
+    uv_timer_start(&wt->timer, on_wait_timeout,
+                   deadline_ms > now ? (uint64_t)(deadline_ms - now) : 0, 0);
+  }
+  return 0;
+}
+
+typedef struct each_arg {
+  td__wait_each_fn fn;
+  void *arg;
+} each_arg;
+
+static int each_waiter(void *arg, const td__wait *w) {
+  const each_arg *x = arg;
+  return x->fn(x->arg, w->owner, w->key, w->len, &w->args, w->wait_ms,
+               w->deadline_ms);
+}
+
+int td__waits_each(td__waits *ws, td__wait_each_fn fn, void *arg) {
+  each_arg x = {fn, arg};
+  return td__waits_walk(ws, each_waiter, &x);
 }
 
 static int check_key(td__conn *c, uint64_t seq, const ProtobufCBinaryData *k) {
@@ -485,8 +542,10 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
                   "key '%s': this client has %u lookups waiting, the most "
                   "--max-waiters-per-client allows",
                   key, c->nwaiters);
-  if (td__wait_add(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms) <
-      0)
+  int64_t deadline =
+      m->wait_ms > 0 ? (int64_t)uv_now(srv->loop) + m->wait_ms : (int64_t)-1;
+  if (td__wait_restore(c, (const char *)m->key.data, m->key.len, &a, m->wait_ms,
+                       deadline) < 0)
     return reject(c, seq, TD_ENOMEM, "lookup: out of memory");
   td__debug("client %d waits for key '%s' (%d ms)", (int)c->hold.peer.pid, key,
             (int)m->wait_ms);
@@ -592,14 +651,10 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     memcpy(k->event, m->event_handle.data, 64);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
-  td__event ev = {.type = TD__EV_PUBLISH,
-                  .s = s,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(TD__EV_PUBLISH, k, &c->hold);
   td__event_emit(c->srv, &ev);
   send_ok(c, seq);
-  td__wait_wake(c->srv, k, answer_lookup);
+  td__wait_wake(&c->srv->waits, &c->srv->reg, k, waiter_done, NULL);
   return 0;
 }
 
@@ -622,11 +677,7 @@ static int op_unpublish(td__conn *c, uint64_t seq,
     unrecorded(c, seq, "unpublish", k->name);
     return 0;
   }
-  td__event ev = {.type = TD__EV_UNPUBLISH,
-                  .s = k->storage,
-                  .key = k->name,
-                  .key_len = k->len,
-                  .by = c};
+  td__event ev = td__key_event(TD__EV_UNPUBLISH, k, &c->hold);
   td__event_emit(c->srv, &ev);
   td__key_remove(&c->srv->reg, k);
   return send_ok(c, seq);
@@ -1054,10 +1105,7 @@ static int op_scope(td__conn *c, uint64_t seq, const Tensord__Scope *m) {
     return reject(c, seq, TD_ENOMEM, "scope: %s",
                   err == TD_EEXIST ? "no unused token drawn in 8 tries"
                                    : "out of memory");
-  sc->onext = c->scopes;
-  if (c->scopes != NULL)
-    c->scopes->oprev = sc;
-  c->scopes = sc;
+  TD__LIST_PUSH(&c->scopes, sc, oprev, onext);
   c->nscopes++;
   return send_scope(c, seq, token, 0);
 }
@@ -1103,7 +1151,7 @@ static int op_hello(td__conn *c, uint64_t seq, const Tensord__Hello *m) {
   r.body_case = TENSORD__RESPONSE__BODY_HELLO;
   r.hello = &h;
   td__debug("client %d says hello as '%s'", (int)c->hold.peer.pid, c->name);
-  td__event ev = {.type = TD__EV_CONNECT, .by = c};
+  td__event ev = {.type = TD__EV_CONNECT, .by = &c->hold};
   td__event_emit(srv, &ev);
   td__conn_send(c, &r, -1);
   return 0;
@@ -1231,17 +1279,12 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
 }
 
 static void scope_unlink_from_conn(td__conn *c, td__scope *sc) {
-  if (sc->oprev)
-    sc->oprev->onext = sc->onext;
-  else
-    c->scopes = sc->onext;
-  if (sc->onext)
-    sc->onext->oprev = sc->oprev;
+  TD__LIST_REMOVE(&c->scopes, sc, oprev, onext);
   c->nscopes--;
 }
 
 void td__ops_conn_gone(td__conn *c) {
-  td__wait_conn_gone(c);
+  td__waits_drop(&c->srv->waits, &c->waiters, waiter_done, NULL);
   while (c->creates != NULL)
     create_unlink_from_conn(c->creates);
   /* Its scopes end with it: keys still in flight to a process that never

@@ -6,6 +6,7 @@
 #include "common.h"
 #include "events.h"
 #include "log.h"
+#include "watch.h"
 #include "server.h"
 #include "state.h"
 
@@ -20,6 +21,10 @@
 /* Unlinks the victims and the pooled segment req did not use, and frees
  * their entries. */
 static void unlink_pooled(td__segment_req *req) {
+  if (req->pooled != NULL) { /* out of the pool: its next is NULL */
+    req->pooled->next = req->victims;
+    req->victims = req->pooled;
+  }
   for (td__pooled *v = req->victims, *next; v != NULL; v = next) {
     next = v->next;
     const td__backend *b = td__backend_for(v->device);
@@ -27,14 +32,7 @@ static void unlink_pooled(td__segment_req *req) {
       b->unlink(v->name);
     free(v);
   }
-  req->victims = NULL;
-  if (req->pooled != NULL) {
-    const td__backend *b = td__backend_for(req->pooled->device);
-    if (b != NULL)
-      b->unlink(req->pooled->name);
-    free(req->pooled);
-    req->pooled = NULL;
-  }
+  req->victims = req->pooled = NULL;
 }
 
 /* req->s's name was taken (req->fd says how, req->msg by whom) on the
@@ -169,43 +167,25 @@ int td__segment_open(const td__storage *s, int readonly) {
   return b ? b->open(s->name, readonly) : TD_ENODEV;
 }
 
-typedef struct unlink_job {
-  uv_work_t work;
-  td__server *srv;
-  const td__backend *backend;
-  char name[TD__SEGMENT_NAME_MAX];
-} unlink_job;
-
-static void unlink_work(uv_work_t *w) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  j->backend->unlink(j->name);
-}
-
-static void unlink_after(uv_work_t *w, int status) {
-  unlink_job *j = td__container_of(w, unlink_job, work);
-  td__server *srv = j->srv;
-  if (status < 0) /* cancelled: unlink here rather than leak */
-    j->backend->unlink(j->name);
-  free(j);
-  td__work_done(srv);
-}
-
-/* Small unlinks, gathered during a loop turn and run as one job. */
+/* Unlinks, gathered during a loop turn and run as one job; a large one (or
+ * a device's) is a job of its own, a batch of one. */
 #define UNLINK_BATCH 256
 
 struct td__unlink_batch {
   uv_work_t work;
   td__server *srv;
-  size_t n;
-  const td__backend *backend[UNLINK_BATCH];
-  char name[UNLINK_BATCH][TD__SEGMENT_NAME_MAX];
+  size_t n, max;
+  struct {
+    const td__backend *backend;
+    char name[TD__SEGMENT_NAME_MAX];
+  } seg[];
 };
 
 static void batch_work(uv_work_t *w) {
   struct td__unlink_batch *u =
       td__container_of(w, struct td__unlink_batch, work);
   for (size_t i = 0; i < u->n; i++)
-    u->backend[i]->unlink(u->name[i]);
+    u->seg[i].backend->unlink(u->seg[i].name);
 }
 
 static void batch_after(uv_work_t *w, int status) {
@@ -218,17 +198,40 @@ static void batch_after(uv_work_t *w, int status) {
   td__work_done(srv);
 }
 
-void td__segment_unlink_flush(td__server *srv) {
-  struct td__unlink_batch *u = srv->unlinks;
-  if (u == NULL)
-    return;
-  srv->unlinks = NULL;
+/* Returns an empty batch for max segments, or NULL (no memory). */
+static struct td__unlink_batch *batch_new(td__server *srv, size_t max) {
+  struct td__unlink_batch *u = malloc(sizeof(*u) + max * sizeof(u->seg[0]));
+  if (u != NULL) {
+    u->srv = srv;
+    u->n = 0;
+    u->max = max;
+  }
+  return u;
+}
+
+static void batch_put(struct td__unlink_batch *u, const td__backend *b,
+                      const char *name) {
+  u->seg[u->n].backend = b;
+  snprintf(u->seg[u->n].name, sizeof(u->seg[u->n].name), "%s", name);
+  u->n++;
+}
+
+/* Queues u on the thread pool, or runs it here if it cannot be, and frees
+ * it then. */
+static void batch_queue(td__server *srv, struct td__unlink_batch *u) {
   if (uv_queue_work(srv->loop, &u->work, batch_work, batch_after) == 0) {
     srv->pending_work++;
     return;
   }
   batch_work(&u->work);
   free(u);
+}
+
+void td__segment_unlink_flush(td__server *srv) {
+  struct td__unlink_batch *u = srv->unlinks;
+  srv->unlinks = NULL;
+  if (u != NULL)
+    batch_queue(srv, u);
 }
 
 static void on_unlink_check(uv_check_t *h) {
@@ -242,18 +245,13 @@ static void on_unlink_check(uv_check_t *h) {
 static int batch_add(td__server *srv, const td__backend *b, const char *name) {
   if (!srv->listening || srv->stopping)
     return -1;
-  struct td__unlink_batch *u = srv->unlinks;
-  if (u == NULL) {
-    if ((u = malloc(sizeof(*u))) == NULL)
+  if (srv->unlinks == NULL) {
+    if ((srv->unlinks = batch_new(srv, UNLINK_BATCH)) == NULL)
       return -1;
-    u->srv = srv;
-    u->n = 0;
-    srv->unlinks = u;
     uv_check_start(&srv->unlink_check, on_unlink_check);
   }
-  u->backend[u->n] = b;
-  snprintf(u->name[u->n], sizeof(u->name[u->n]), "%s", name);
-  if (++u->n == UNLINK_BATCH)
+  batch_put(srv->unlinks, b, name);
+  if (srv->unlinks->n == srv->unlinks->max)
     td__segment_unlink_flush(srv);
   return 0;
 }
@@ -272,26 +270,22 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
     return;
   /* Unlinking frees the pages when no client maps them any more: a cost that
    * grows with bytes, so large segments go to the thread pool. */
-  unlink_job *j = NULL;
-  if (job && (j = malloc(sizeof(*j))) != NULL) {
-    j->srv = srv;
-    j->backend = b;
-    snprintf(j->name, sizeof(j->name), "%s", name);
-    if (uv_queue_work(srv->loop, &j->work, unlink_work, unlink_after) == 0) {
-      srv->pending_work++;
-      return;
-    }
-    free(j);
-  }
-  b->unlink(name);
+  struct td__unlink_batch *u = job ? batch_new(srv, 1) : NULL;
+  if (u != NULL) {
+    batch_put(u, b, name);
+    batch_queue(srv, u);
+  } else
+    b->unlink(name);
 }
 
 void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
   /* Caused by the request being handled, if any; else (a connection's
    * close, a scope's end) named after the owner. */
-  td__event ev = {
-      .type = TD__EV_FREE, .s = s, .by = srv->current, .peer = &s->owner};
+  td__event ev = {.type = TD__EV_FREE,
+                  .s = s,
+                  .by = srv->current ? &srv->current->hold : NULL,
+                  .peer = &s->owner};
   td__event_emit(srv, &ev);
   if (srv->keep_segments) { /* stopping with --state-dir: keys outlive us */
     free(s);
@@ -299,9 +293,11 @@ void td__storage_gone(td__storage *s, void *arg) {
   }
   /* A key change not yet on disk may be what freed s, and the journal on
    * disk may still name it: the segment stays until the change is durable,
-   * so that a crash now finds every segment the journal names. */
+   * so that a crash now finds every segment the journal names. A foreign
+   * segment is never pooled. */
   if (td__state_hold_unlink(srv->state, s) == 0 &&
-      !td__segment_recycle(srv, s)) {
+      (s->foreign ||
+       !td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid))) {
     td__debug("storage %llu: last reference dropped; unlinking %s",
               (unsigned long long)s->id, s->name);
     td__segment_unlink(srv, s->device, s->name, s->nbytes);
@@ -311,9 +307,13 @@ void td__storage_gone(td__storage *s, void *arg) {
 
 /* ---- the recycling pool ---- */
 
-static void evict(td__server *srv, td__pooled *e) {
-  td__segment_unlink(srv, e->device, e->name, e->nbytes);
-  free(e);
+/* Unlinks the next-linked pooled segments list and frees their entries. */
+static void evict(td__server *srv, td__pooled *list) {
+  for (td__pooled *e = list, *next; e != NULL; e = next) {
+    next = e->next;
+    td__segment_unlink(srv, e->device, e->name, e->nbytes);
+    free(e);
+  }
 }
 
 /* Starts the ageing timer for the oldest pooled segment, if not running. */
@@ -327,22 +327,25 @@ static void pool_arm(td__server *srv) {
                  due < 10 ? 10 : (uint64_t)due, 0);
 }
 
+void td__server_pool_tick(uv_timer_t *t) {
+  td__server *srv = td__container_of(t, td__server, pool_timer);
+  int64_t now = td__now_ms();
+  td__pooled *idle = td__pool_idle(&srv->pool, now);
+  for (td__pooled *e = idle; e != NULL; e = e->next)
+    td__debug("pooled %s idle for %lld ms; unlinking it", e->name,
+              (long long)(now - e->since_ms));
+  evict(srv, idle);
+  pool_arm(srv);
+}
+
 int td__segment_pool(td__server *srv, td_device device, const char *name,
                      uint64_t nbytes, uid_t uid) {
   td__pool *p = &srv->pool;
-  const td__backend *b = td__backend_for(device);
-  if (srv->stopping || b == NULL || b->rename == NULL ||
-      !td__pool_wants(p, nbytes))
-    return 0;
-  /* Room first: the pool's bounds, and the capacity beside the storages
-   * (whose charge this segment's has already given back). */
-  while (p->count > 0 &&
-         (p->count >= TD__POOL_MAX_SEGMENTS || p->bytes + nbytes > p->limit ||
-          srv->reg.bytes_committed + p->bytes + nbytes > srv->reg.capacity))
-    evict(srv, td__pool_pop(p));
-  if (srv->reg.bytes_committed + nbytes > srv->reg.capacity)
-    return 0;
-  td__pooled *e = calloc(1, sizeof(*e));
+  td__pooled *gone = NULL;
+  int ok =
+      !srv->stopping && td__pool_admit(p, &srv->reg, device, nbytes, &gone);
+  evict(srv, gone);
+  td__pooled *e = ok ? calloc(1, sizeof(*e)) : NULL;
   if (e == NULL)
     return 0;
   /* A name someone else took (any local user may make files in /dev/shm)
@@ -360,7 +363,7 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
       free(e);
       return 0;
     }
-    err = b->rename(name, e->name);
+    err = td__backend_for(device)->rename(name, e->name);
   }
   if (err < 0) {
     td__warn("cannot pool %s as %s: %s; unlinking it", name, e->name,
@@ -379,41 +382,10 @@ int td__segment_pool(td__server *srv, td_device device, const char *name,
   return 1;
 }
 
-int td__segment_recycle(td__server *srv, td__storage *s) {
-  return !s->foreign &&
-         td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid);
-}
-
 void td__pool_drain(td__server *srv) {
   td__pooled *e;
   while ((e = td__pool_pop(&srv->pool)) != NULL)
     evict(srv, e);
-}
-
-int64_t td__pool_age(td__server *srv, int64_t now_ms) {
-  td__pool *p = &srv->pool;
-  while (p->oldest != NULL && now_ms - p->oldest->since_ms >= p->idle_ms) {
-    td__debug("pooled %s idle for %lld ms; unlinking it", p->oldest->name,
-              (long long)(now_ms - p->oldest->since_ms));
-    evict(srv, td__pool_pop(p));
-  }
-  return p->oldest ? p->oldest->since_ms + p->idle_ms - now_ms : -1;
-}
-
-td__pooled *td__pool_make_room(td__server *srv, uint64_t need, uint64_t free,
-                               uint64_t *freed) {
-  td__pool *p = &srv->pool;
-  td__pooled *victims = NULL, **tail = &victims;
-  *freed = 0;
-  while (p->count > 0 &&
-         (srv->reg.bytes_committed + p->bytes > srv->reg.capacity ||
-          free + *freed < need)) {
-    td__pooled *e = td__pool_pop(p);
-    *freed += e->nbytes;
-    *tail = e;
-    tail = &e->next;
-  }
-  return victims;
 }
 
 int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep,
@@ -430,13 +402,4 @@ int td__segments_unlink_prefix(const char *prefix, td__keep_fn keep,
     total += n;
   }
   return total;
-}
-
-/* The pool's ageing timer: unlinks what was idle too long, and waits for
- * the next. */
-void td__server_pool_tick(uv_timer_t *t) {
-  td__server *srv = td__container_of(t, td__server, pool_timer);
-  int64_t due = td__pool_age(srv, td__now_ms());
-  if (due >= 0 && !srv->stopping)
-    uv_timer_start(t, td__server_pool_tick, due < 10 ? 10 : (uint64_t)due, 0);
 }

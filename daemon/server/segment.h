@@ -60,35 +60,18 @@ void td__segment_unlink_flush(td__server *srv);
  * freed; but when a stop with --state-dir frees the registry
  * (srv->keep_segments), the segment stays for the next start. */
 void td__storage_gone(td__storage *s, void *arg);
-/* Puts the segment of s, whose last reference is gone, in the recycling
- * pool, ageing out or evicting older ones to keep the pool in its bounds.
- * Returns 1 if it did, 0 if s is not to be recycled (the caller unlinks
- * it): recycling is off or stopping, the size is out of range, or an fd on
- * it ever went to a process of another uid (which may still map it). */
-int td__segment_recycle(td__server *srv, td__storage *s);
-/* td__segment_recycle for a segment known by its fields alone (a storage
- * gone already, whose unlink the journal held): puts segment name of
- * nbytes on device, whose owner is uid, in the pool. Returns 1 if it did,
- * 0 if the caller is to unlink it. The caller has checked that no other
- * uid ever had an fd on it. */
+/* Puts segment name of nbytes on device, whose storage is gone, in the
+ * recycling pool for uid, its owner, evicting older ones to keep the pool in
+ * its bounds (td__pool_admit). The caller has checked that no other uid ever
+ * had an fd on it (which may still map it). Returns 1 if it did, 0 if the
+ * caller is to unlink it: tensord is stopping, or the pool refuses it. */
 int td__segment_pool(td__server *srv, td_device device, const char *name,
                      uint64_t nbytes, uid_t uid);
-/* The pool's ageing timer (srv->pool_timer): unlinks what was idle too
- * long, and waits for the next. */
-void td__server_pool_tick(uv_timer_t *t);
 /* Unlinks every pooled segment (a stop). */
 void td__pool_drain(td__server *srv);
-/* Unlinks the pooled segments idle for longer than the pool's idle_ms, and
- * returns the ms until the next one would be (-1: the pool is empty). */
-int64_t td__pool_age(td__server *srv, int64_t now_ms);
-/* Takes pooled segments off, oldest first, until the pool fits in the
- * capacity beside what storages have committed, and need more bytes fit in
- * the backend's free bytes plus theirs: a create that would otherwise fail
- * for space drains the pool first. Returns them, next-linked, for the
- * create to unlink first (td__segment_req.victims), with their bytes in
- * *freed. */
-td__pooled *td__pool_make_room(td__server *srv, uint64_t need, uint64_t free,
-                               uint64_t *freed);
+/* The pool's ageing timer: unlinks what was idle too long, and waits for
+ * the next. */
+void td__server_pool_tick(uv_timer_t *t);
 
 /* Unlinks every segment of every backend under prefix (no leading '/'),
  * except those keep (if not NULL) keeps. Returns how many, or a negative

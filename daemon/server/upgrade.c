@@ -17,6 +17,8 @@
 #include "events.h"
 #include "handover.h"
 #include "log.h"
+#include "ops.h"
+#include "watch.h"
 #include "metrics.h"
 #include "registry.h"
 #include "scrape.h"

@@ -5,9 +5,12 @@
 # and the Python binding (python/tensord/) and tensorctl (client/tensorctl/)
 # see include/ only, besides their own headers; libtensord (client/) never
 # sees tensorctl's. client/ and daemon/ never see each other, and the
-# daemon's bookkeeping (registry, storage backends) never sees libuv.
-# Exits 1, naming each include that crosses a layer, otherwise 0.
-top=${1:-$(dirname "$0")/../..}
+# daemon's engine (daemon/engine/) never sees libuv or its server
+# (daemon/server/), and neither floor has a circle of more than 3 modules
+# (include_graph.py). Exits 1, naming each include that crosses a layer,
+# otherwise 0.
+here=$(cd "$(dirname "$0")" && pwd)
+top=${1:-$here/../..}
 cd "$top" || exit 2
 status=0
 
@@ -83,6 +86,12 @@ for f in daemon/engine/*.[ch]; do
     fi
   done
 done
+
+# The daemon's floors, module by module (X.c with X.h): no circle of
+# includes spans the two, none inside one has more than 3 modules, and no
+# header name is taken twice. Prints each folder's size and its circles.
+python3 "$here/include_graph.py" --max 3 daemon/engine daemon/server ||
+  status=1
 
 [ $status = 0 ] && echo "check-layers: every include stays within its layers"
 exit $status

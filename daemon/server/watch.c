@@ -1,20 +1,12 @@
-/* events.c: the event stream: what happened, to each watcher whose prefix
+/* watch.c: the event stream: what happened, to each watcher whose prefix
  * matches, through a bounded share of its output (drops are counted). */
-#include "events.h"
+#include "watch.h"
 
+#include "conn.h"
+#include "list.h"
 #include "log.h"
-#include "tensord.pb-c.h"
 
 #include <string.h>
-
-/* Whether ev passes w's prefix: a key that begins with it, or, with an
- * empty prefix, anything (events without a key too). */
-static int matches(const td__conn *w, const td__event *ev) {
-  if (w->watch_prefix_len == 0)
-    return 1;
-  return ev->key != NULL && ev->key_len >= w->watch_prefix_len &&
-         memcmp(ev->key, w->watch_prefix, w->watch_prefix_len) == 0;
-}
 
 void td__event_emit_slow(td__server *srv, const td__event *ev) {
   /* Events are only queued (td__conn_queue never closes a watcher), so
@@ -25,29 +17,12 @@ void td__event_emit_slow(td__server *srv, const td__event *ev) {
   srv->emitting = 1;
   Tensord__Event e = TENSORD__EVENT__INIT;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
-  e.type = (Tensord__Event__Type)ev->type;
-  e.unix_ms = td__now_ms();
-  if (ev->s != NULL) {
-    e.id = ev->s->id;
-    e.nbytes = ev->s->nbytes;
-    e.device = (Tensord__Device)ev->s->device;
-  }
-  if (ev->key != NULL) {
-    e.key.data = (uint8_t *)ev->key;
-    e.key.len = ev->key_len;
-  }
-  const td__peer *peer = ev->by != NULL ? &ev->by->hold.peer : ev->peer;
-  if (peer != NULL) {
-    e.pid = peer->pid;
-    e.uid = peer->uid;
-  }
-  e.name = ev->by != NULL ? (char *)ev->by->name : "";
-  e.code = ev->code;
-  e.message = ev->message != NULL ? (char *)ev->message : "";
+  td__event_message(ev, &e);
   r.body_case = TENSORD__RESPONSE__BODY_EVENT;
   r.event = &e;
   for (td__conn *w = srv->watchers; w != NULL; w = w->wnext) {
-    if (w->closing || !matches(w, ev))
+    if (w->closing ||
+        !td__event_matches(ev, w->watch_prefix, w->watch_prefix_len))
       continue;
     r.seq = w->watch_seq;
     e.dropped = w->watch_dropped;
@@ -75,11 +50,7 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
   c->watch_seq = seq;
   c->watch_dropped = 0;
   c->watching = 1;
-  c->wprev = NULL;
-  c->wnext = srv->watchers;
-  if (srv->watchers != NULL)
-    srv->watchers->wprev = c;
-  srv->watchers = c;
+  TD__LIST_PUSH(&srv->watchers, c, wprev, wnext);
   td__info("client %d%s%s watches events%s%.*s%s", (int)c->hold.peer.pid,
            c->name[0] ? " " : "", c->name, len ? " under '" : "", (int)len,
            len ? (const char *)prefix : "", len ? "'" : "");
@@ -89,13 +60,7 @@ int td__watch_start(td__conn *c, uint64_t seq, const uint8_t *prefix,
 void td__watch_stop(td__conn *c) {
   if (!c->watching)
     return;
-  td__server *srv = c->srv;
-  if (c->wprev != NULL)
-    c->wprev->wnext = c->wnext;
-  else
-    srv->watchers = c->wnext;
-  if (c->wnext != NULL)
-    c->wnext->wprev = c->wprev;
+  TD__LIST_REMOVE(&c->srv->watchers, c, wprev, wnext);
   c->watching = 0;
   c->wprev = c->wnext = NULL;
 }

@@ -1,5 +1,5 @@
-/* bytes.c: byte counts as text, for tensord's messages and tensorctl, and
- * sizes read from text (options, environment variables). */
+/* bytes.c: byte counts as text, for the daemon's and the library's
+ * messages, and sizes read from text (options, environment variables). */
 #include "common.h"
 
 #include <ctype.h>

@@ -3,7 +3,7 @@
 #ifndef TD_DAEMON_LOG_H
 #define TD_DAEMON_LOG_H
 
-#include "common.h" /* td__human_bytes, shared with tensorctl */
+#include "common.h" /* td__human_bytes */
 
 #include <stddef.h>
 #include <stdint.h>

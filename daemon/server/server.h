@@ -1,5 +1,6 @@
-/* server.h: the daemon as a whole: its loop, listening socket, registry,
- * connections, options, and how it starts and stops. */
+/* server.h: the daemon's data: its loop, listening socket, registry,
+ * connections and options, and the hooks through which connections and
+ * thread-pool jobs reach the files above them (start.c starts and stops). */
 #ifndef TD_DAEMON_SERVER_H
 #define TD_DAEMON_SERVER_H
 

@@ -253,7 +253,7 @@ class Daemon:
                 self._stop()
                 raise SystemExit("tensord did not start in 10 s")
             time.sleep(0.02)
-        # The daemon names its segment prefixes in <socket>.instance (daemon/server/server.c).
+        # The daemon names its segment prefixes in <socket>.instance (daemon/server/start.c).
         try:
             with open(self.socket + ".instance") as f:
                 self.prefixes = [ln.strip().lstrip("/") for ln in f if ln.strip()]

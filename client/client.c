@@ -402,27 +402,35 @@ unlock:
 
 /* call_held, with a reference on c for its duration: a td_close from
  * another thread wakes the call (with an error) but cannot free c under it.
- * In a forked child it touches nothing of c but its pid. */
-static int call(td_client *c, Tensord__Request *req, Tensord__Response **resp,
-                int *fd) {
+ * In a forked child it touches nothing of c but its pid. The reply must
+ * have the body `body`: on success it is *resp, the caller's to free, or
+ * freed here when resp is NULL. On failure nothing is left to free. */
+static int call(td_client *c, Tensord__Request *req, int body,
+                Tensord__Response **resp, int *fd) {
   if (forked(c))
     return fail_forked(c, body_name(req->body_case));
+  Tensord__Response *r;
+  int rfd = -1;
   atomic_fetch_add(&c->refs, 1);
-  int err = call_held(c, req, resp, fd);
+  int err = call_held(c, req, &r, fd != NULL ? &rfd : NULL);
   client_unref(c);
-  return err;
-}
-
-/* Checks that the reply has the expected body. Frees it if not. */
-static int expect(td_client *c, Tensord__Response *r, int body, int fd) {
-  if ((int)r->body_case == body)
-    return 0;
-  int got = r->body_case;
-  tensord__response__free_unpacked(r, NULL);
-  if (fd >= 0)
-    close(fd);
-  return fail(c, TD_EPROTO, "tensord answered with body %d where %d was due",
-              got, body);
+  if (err < 0)
+    return err;
+  if ((int)r->body_case != body) {
+    int got = r->body_case;
+    tensord__response__free_unpacked(r, NULL);
+    if (rfd >= 0)
+      close(rfd);
+    return fail(c, TD_EPROTO, "tensord answered with body %d where %d was due",
+                got, body);
+  }
+  if (fd != NULL)
+    *fd = rfd;
+  if (resp != NULL)
+    *resp = r;
+  else
+    tensord__response__free_unpacked(r, NULL);
+  return 0;
 }
 
 /* Parses $TENSORD_TRUST_UID (uids separated by commas) and says whether uid
@@ -592,9 +600,7 @@ int td_connect_ex(const char *socket_path, const td_connect_opts *o,
   req.body_case = TENSORD__REQUEST__BODY_HELLO;
   req.hello = &h;
   Tensord__Response *r;
-  err = call(c, &req, &r, NULL);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_HELLO, -1);
+  err = call(c, &req, TENSORD__RESPONSE__BODY_HELLO, &r, NULL);
   if (err < 0) {
     char why[TD__ERRMSG_MAX];
     snprintf(why, sizeof(why), "%s", td_last_error(c));
@@ -719,10 +725,7 @@ static int open_call(td_client *c, uint64_t id, int ro, int force_fd,
   m.force_fd = force_fd;
   req.body_case = TENSORD__REQUEST__BODY_OPEN;
   req.open = &m;
-  int err = call(c, &req, r, fd);
-  if (err == 0)
-    err = expect(c, *r, TENSORD__RESPONSE__BODY_STORAGE, *fd);
-  return err;
+  return call(c, &req, TENSORD__RESPONSE__BODY_STORAGE, r, fd);
 }
 
 /* Makes a handle for the reference the daemon just gave us (m, with fd or
@@ -867,9 +870,7 @@ int td_storage_create_ex(td_client *c, const td_create_opts *o,
   req.create = &m;
   Tensord__Response *r;
   int fd = -1;
-  int err = call(c, &req, &r, &fd);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_STORAGE, fd);
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_STORAGE, &r, &fd);
   if (err < 0)
     return err;
   int dirty = r->storage->dirty;
@@ -1086,14 +1087,7 @@ int td_publish_ex(td_client *c, const char *key, const td_storage *s,
   }
   req.body_case = TENSORD__REQUEST__BODY_PUBLISH;
   req.publish = &m;
-  Tensord__Response *r;
-  err = call(c, &req, &r, NULL);
-  if (err < 0)
-    return err;
-  err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1);
-  if (err == 0)
-    tensord__response__free_unpacked(r, NULL);
-  return err;
+  return call(c, &req, TENSORD__RESPONSE__BODY_OK, NULL, NULL);
 }
 
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
@@ -1121,9 +1115,7 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   req.lookup = &m;
   Tensord__Response *r;
   int fd = -1;
-  err = call(c, &req, &r, &fd);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_LOOKUP, fd);
+  err = call(c, &req, TENSORD__RESPONSE__BODY_LOOKUP, &r, &fd);
   if (err < 0)
     return err;
   Tensord__LookupReply *lr = r->lookup;
@@ -1160,11 +1152,7 @@ int td_unpublish(td_client *c, const char *key) {
   m.key.len = len;
   req.body_case = TENSORD__REQUEST__BODY_UNPUBLISH;
   req.unpublish = &m;
-  Tensord__Response *r;
-  err = call(c, &req, &r, NULL);
-  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1)) == 0)
-    tensord__response__free_unpacked(r, NULL);
-  return err;
+  return call(c, &req, TENSORD__RESPONSE__BODY_OK, NULL, NULL);
 }
 
 static int scope_call(td_client *c, int close, uint64_t token,
@@ -1175,10 +1163,7 @@ static int scope_call(td_client *c, int close, uint64_t token,
   m.token = token;
   req.body_case = TENSORD__REQUEST__BODY_SCOPE;
   req.scope = &m;
-  int err = call(c, &req, r, NULL);
-  if (err == 0)
-    err = expect(c, *r, TENSORD__RESPONSE__BODY_SCOPE, -1);
-  return err;
+  return call(c, &req, TENSORD__RESPONSE__BODY_SCOPE, r, NULL);
 }
 
 int td_scope_open(td_client *c, uint64_t *token) {
@@ -1210,12 +1195,9 @@ int td_ping(td_client *c, uint64_t *rtt_ns) {
   Tensord__Request req = TENSORD__REQUEST__INIT;
   req.body_case = TENSORD__REQUEST__BODY_PING;
   req.ping = &m;
-  Tensord__Response *r;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  int err = call(c, &req, &r, NULL);
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_PONG, NULL, NULL);
   clock_gettime(CLOCK_MONOTONIC, &t1);
-  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_PONG, -1)) == 0)
-    tensord__response__free_unpacked(r, NULL);
   if (err == 0 && rtt_ns != NULL)
     *rtt_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
               (uint64_t)(t1.tv_nsec - t0.tv_nsec);
@@ -1231,9 +1213,7 @@ int td_upgrade(td_client *c, const char *binary, td_upgrade_info *out) {
   req.upgrade = &m;
   Tensord__Response *r;
   int fd = -1;
-  int err = call(c, &req, &r, &fd);
-  if (err == 0 && (err = expect(c, r, TENSORD__RESPONSE__BODY_UPGRADE, fd)) < 0)
-    return err;
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_UPGRADE, &r, &fd);
   if (err < 0)
     return err;
   if (fd >= 0)
@@ -1319,9 +1299,7 @@ int td_list(td_client *c, td_list_cb cb, void *arg) {
     req.body_case = TENSORD__REQUEST__BODY_LIST;
     req.list = &m;
     Tensord__Response *r;
-    int err = call(c, &req, &r, NULL);
-    if (err == 0)
-      err = expect(c, r, TENSORD__RESPONSE__BODY_LIST, -1);
+    int err = call(c, &req, TENSORD__RESPONSE__BODY_LIST, &r, NULL);
     if (err < 0)
       return err;
     Tensord__ListReply *lr = r->list;
@@ -1350,10 +1328,7 @@ static int stat_call(td_client *c, Tensord__Response **r) {
   Tensord__Request req = TENSORD__REQUEST__INIT;
   req.body_case = TENSORD__REQUEST__BODY_STAT;
   req.stat = &m;
-  int err = call(c, &req, r, NULL);
-  if (err == 0)
-    err = expect(c, *r, TENSORD__RESPONSE__BODY_STAT, -1);
-  return err;
+  return call(c, &req, TENSORD__RESPONSE__BODY_STAT, r, NULL);
 }
 
 int td__client_watch(td_client *c, const char *prefix, size_t len,
@@ -1364,13 +1339,9 @@ int td__client_watch(td_client *c, const char *prefix, size_t len,
   m.prefix.len = len;
   req.body_case = TENSORD__REQUEST__BODY_WATCH;
   req.watch = &m;
-  Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_OK, NULL, NULL);
   if (err < 0)
     return err;
-  if ((err = expect(c, r, TENSORD__RESPONSE__BODY_OK, -1)) < 0)
-    return err;
-  tensord__response__free_unpacked(r, NULL);
   *wire = &c->wire;
   *seq = req.seq;
   return 0;
@@ -1483,9 +1454,7 @@ int td_metrics_get(td_client *c, unsigned largest, unsigned flags,
   req.body_case = TENSORD__REQUEST__BODY_METRICS;
   req.metrics = &m;
   Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_METRICS, -1);
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_METRICS, &r, NULL);
   if (err < 0)
     return err;
   const Tensord__MetricsReply *mr = r->metrics;
@@ -1558,9 +1527,7 @@ int td_info(td_client *c, uint64_t id, const char *key, td_list_cb scb,
   req.body_case = TENSORD__REQUEST__BODY_INFO;
   req.info = &m;
   Tensord__Response *r;
-  int err = call(c, &req, &r, NULL);
-  if (err == 0)
-    err = expect(c, r, TENSORD__RESPONSE__BODY_INFO, -1);
+  int err = call(c, &req, TENSORD__RESPONSE__BODY_INFO, &r, NULL);
   if (err < 0)
     return err;
   const Tensord__InfoReply *ir = r->info;

@@ -797,6 +797,19 @@ nomem:
   return reject(c, seq, TD_ENOMEM, "list: out of memory");
 }
 
+/* Fills ki (and v, which it points to) with key k of storage id. */
+static Tensord__KeyInfo *key_info(const td__key *k, uint64_t id,
+                                  Tensord__KeyInfo *ki, Tensord__View *v) {
+  tensord__key_info__init(ki);
+  ki->key.len = k->len;
+  ki->key.data = (uint8_t *)k->name;
+  ki->id = id;
+  td__view_to_msg(&k->view, v);
+  ki->view = v;
+  ki->published_unix_ms = k->published_ms;
+  return ki;
+}
+
 static int op_info(td__conn *c, uint64_t seq, const Tensord__Info *m) {
   td__registry *reg = &c->srv->reg;
   const td__storage *s = NULL;
@@ -831,28 +844,14 @@ static int op_info(td__conn *c, uint64_t seq, const Tensord__Info *m) {
   /* The key asked about comes first. */
   size_t i = 0;
   if (named != NULL) {
-    tensord__key_info__init(&ks[0]);
-    ks[0].key.len = named->len;
-    ks[0].key.data = (uint8_t *)named->name;
-    ks[0].id = s->id;
-    td__view_to_msg(&named->view, &vs[0]);
-    ks[0].view = &vs[0];
-    ks[0].published_unix_ms = named->published_ms;
-    kp[0] = &ks[0];
-    i = 1;
+    kp[i] = key_info(named, s->id, &ks[i], &vs[i]);
+    i++;
   }
   for (const td__key *k = s->keys; k && i < nk; k = k->snext) {
-    if (k == named)
-      continue;
-    tensord__key_info__init(&ks[i]);
-    ks[i].key.len = k->len;
-    ks[i].key.data = (uint8_t *)k->name;
-    ks[i].id = s->id;
-    td__view_to_msg(&k->view, &vs[i]);
-    ks[i].view = &vs[i];
-    ks[i].published_unix_ms = k->published_ms;
-    kp[i] = &ks[i];
-    i++;
+    if (k != named) {
+      kp[i] = key_info(k, s->id, &ks[i], &vs[i]);
+      i++;
+    }
   }
   ir.storage = &si;
   ir.n_keys = i;

@@ -2170,7 +2170,11 @@ static PyObject *Tensor_reduce(Tensor *self, PyObject *args) {
 
 /* ---- views ---- */
 
-static PyObject *derive(Tensor *self, const td_view *v) {
+/* Returns a new Tensor of v on self's storage, or raises for err (what the
+ * td_view_* call that made v returned). */
+static PyObject *derive(Tensor *self, const td_view *v, int err) {
+  if (err < 0)
+    return raise_view(err);
   return tensor_new(store_ref(self->st), v, NULL, self->client);
 }
 
@@ -2200,8 +2204,7 @@ static PyObject *Tensor_transpose(Tensor *self, PyObject *args) {
       tensor_live(self) < 0)
     return NULL;
   td_view v = self->v;
-  int err = td_view_transpose(&v, d0, d1);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, td_view_transpose(&v, d0, d1));
 }
 
 static PyObject *Tensor_permute(Tensor *self, PyObject *args) {
@@ -2225,18 +2228,27 @@ static PyObject *Tensor_permute(Tensor *self, PyObject *args) {
     dims[i] = (int32_t)d[i];
   }
   td_view v = self->v;
-  int err = td_view_permute(&v, dims);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, td_view_permute(&v, dims));
 }
 
-static PyObject *Tensor_view(Tensor *self, PyObject *args) {
+/* view(*shape) and expand(*shape): fn, td_view_reshape or td_view_expand,
+ * on a copy of self's view. */
+static PyObject *to_shape(Tensor *self, PyObject *args, const char *what,
+                          int (*fn)(td_view *, int32_t, const int64_t *)) {
   int64_t shape[TD_MAX_DIMS];
-  int n = parse_dims(args, shape, "view");
+  int n = parse_dims(args, shape, what);
   if (n < 0 || tensor_live(self) < 0)
     return NULL;
   td_view v = self->v;
-  int err = td_view_reshape(&v, n, shape);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, fn(&v, n, shape));
+}
+
+static PyObject *Tensor_view(Tensor *self, PyObject *args) {
+  return to_shape(self, args, "view", td_view_reshape);
+}
+
+static PyObject *Tensor_expand(Tensor *self, PyObject *args) {
+  return to_shape(self, args, "expand", td_view_expand);
 }
 
 static PyObject *Tensor_view_dtype(Tensor *self, PyObject *arg) {
@@ -2244,18 +2256,7 @@ static PyObject *Tensor_view_dtype(Tensor *self, PyObject *arg) {
   if (parse_dtype(arg, &d) < 0 || tensor_live(self) < 0)
     return NULL;
   td_view v = self->v;
-  int err = td_view_reinterpret(&v, d);
-  return err < 0 ? raise_view(err) : derive(self, &v);
-}
-
-static PyObject *Tensor_expand(Tensor *self, PyObject *args) {
-  int64_t shape[TD_MAX_DIMS];
-  int n = parse_dims(args, shape, "expand");
-  if (n < 0 || tensor_live(self) < 0)
-    return NULL;
-  td_view v = self->v;
-  int err = td_view_expand(&v, n, shape);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, td_view_reinterpret(&v, d));
 }
 
 static PyObject *Tensor_unsqueeze(Tensor *self, PyObject *args) {
@@ -2263,25 +2264,20 @@ static PyObject *Tensor_unsqueeze(Tensor *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "i:unsqueeze", &d) || tensor_live(self) < 0)
     return NULL;
   td_view v = self->v;
-  int err = td_view_unsqueeze(&v, d);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, td_view_unsqueeze(&v, d));
 }
 
 static PyObject *Tensor_squeeze(Tensor *self, PyObject *args) {
   PyObject *dobj = Py_None;
+  int32_t d;
   if (!PyArg_ParseTuple(args, "|O:squeeze", &dobj) || tensor_live(self) < 0)
     return NULL;
+  if (dobj != Py_None && as_dim(dobj, &d) < 0)
+    return NULL;
   td_view v = self->v;
-  int err;
-  if (dobj == Py_None) {
-    err = td_view_squeeze_all(&v);
-  } else {
-    int32_t d;
-    if (as_dim(dobj, &d) < 0)
-      return NULL;
-    err = td_view_squeeze(&v, d);
-  }
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v,
+                dobj == Py_None ? td_view_squeeze_all(&v)
+                                : td_view_squeeze(&v, d));
 }
 
 static PyObject *Tensor_narrow(Tensor *self, PyObject *args) {
@@ -2291,8 +2287,7 @@ static PyObject *Tensor_narrow(Tensor *self, PyObject *args) {
       tensor_live(self) < 0)
     return NULL;
   td_view v = self->v;
-  int err = td_view_narrow(&v, d, start, len);
-  return err < 0 ? raise_view(err) : derive(self, &v);
+  return derive(self, &v, td_view_narrow(&v, d, start, len));
 }
 
 /* copy_(src): td_copy of src's view into self's, in place; returns self.
@@ -2369,18 +2364,15 @@ static PyObject *Tensor_as_strided(Tensor *self, PyObject *args, PyObject *kw) {
   int err = td_view_as_strided(&v, n, shape, strides, offset);
   if (err == 0)
     err = td_view_check(&v, self->snbytes);
-  if (err < 0) {
-    if (err == TD_ERANGE) {
-      char buf[600];
-      PyErr_Format(PyExc_ValueError,
-                   "as_strided: %s reaches outside storage %llu of %zu bytes",
-                   td_view_format(&v, buf, sizeof(buf)),
-                   (unsigned long long)self->sid, self->snbytes);
-      return NULL;
-    }
-    return raise_view(err);
+  if (err == TD_ERANGE) {
+    char buf[600];
+    PyErr_Format(PyExc_ValueError,
+                 "as_strided: %s reaches outside storage %llu of %zu bytes",
+                 td_view_format(&v, buf, sizeof(buf)),
+                 (unsigned long long)self->sid, self->snbytes);
+    return NULL;
   }
-  return derive(self, &v);
+  return derive(self, &v, err);
 }
 
 /* t[idx]: ints, slices with positive steps, None, Ellipsis, tuples. */
@@ -2470,9 +2462,7 @@ static PyObject *Tensor_getitem(Tensor *self, PyObject *idx) {
     }
   }
   Py_DECREF(items);
-  if (err < 0)
-    return raise_view(err);
-  return derive(self, &v);
+  return derive(self, &v, err);
 }
 
 /* The buffer protocol, for memoryview() and np.asarray(). */
@@ -2599,9 +2589,6 @@ static PyObject *Tensor_get_nbytes(Tensor *s, void *u) {
   return PyLong_FromLongLong(td_view_numel(&s->v) *
                              (int64_t)td_dtype_size(s->v.dtype));
 }
-static PyObject *Tensor_get_storage_id(Tensor *s, void *u) {
-  return PyLong_FromUnsignedLongLong(s->sid);
-}
 static PyObject *Tensor_get_storage_nbytes(Tensor *s, void *u) {
   return PyLong_FromSize_t(s->snbytes);
 }
@@ -2615,16 +2602,6 @@ static PyObject *Tensor_get_readonly(Tensor *s, void *u) {
 }
 static PyObject *Tensor_get_released(Tensor *s, void *u) {
   return PyBool_FromLong(s->released);
-}
-static PyObject *Tensor_get_key(Tensor *s, void *u) {
-  PyObject *k = s->key ? s->key : Py_None;
-  Py_INCREF(k);
-  return k;
-}
-static PyObject *Tensor_get_client(Tensor *s, void *u) {
-  PyObject *c = s->client ? s->client : Py_None;
-  Py_INCREF(c);
-  return c;
 }
 static PyObject *Tensor_get_data_ptr(Tensor *s, void *u) {
   if (tensor_live(s) < 0)
@@ -2710,11 +2687,6 @@ static PyMethodDef Tensor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyObject *Tensor_get_instance(Tensor *t, void *u) {
-  (void)u;
-  return PyLong_FromUnsignedLongLong(t->instance);
-}
-
 static PyGetSetDef Tensor_getset[] = {
     {"shape", (getter)Tensor_get_shape, NULL, "sizes", NULL},
     {"strides", (getter)Tensor_get_strides, NULL, "strides in elements", NULL},
@@ -2724,18 +2696,11 @@ static PyGetSetDef Tensor_getset[] = {
     {"ndim", (getter)Tensor_get_ndim, NULL, NULL, NULL},
     {"numel", (getter)Tensor_get_numel, NULL, NULL, NULL},
     {"nbytes", (getter)Tensor_get_nbytes, NULL, "numel * itemsize", NULL},
-    {"storage_id", (getter)Tensor_get_storage_id, NULL, NULL, NULL},
-    {"instance", (getter)Tensor_get_instance, NULL,
-     "the instance of the daemon storage_id belongs to (Client.instance)",
-     NULL},
     {"storage_nbytes", (getter)Tensor_get_storage_nbytes, NULL, NULL, NULL},
     {"readonly", (getter)Tensor_get_readonly, NULL, NULL, NULL},
     {"device", (getter)Tensor_get_device, NULL,
      "'cpu', or 'cuda:K' with K this process's ordinal of the GPU", NULL},
     {"released", (getter)Tensor_get_released, NULL, NULL, NULL},
-    {"key", (getter)Tensor_get_key, NULL,
-     "the key it was looked up or published under, or None", NULL},
-    {"client", (getter)Tensor_get_client, NULL, NULL, NULL},
     {"data_ptr", (getter)Tensor_get_data_ptr, NULL,
      "address of the view's first element", NULL},
     {"__array_interface__", (getter)Tensor_get_iface, NULL,
@@ -2743,6 +2708,17 @@ static PyGetSetDef Tensor_getset[] = {
      "garbage collection",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
+};
+
+/* Fields read as they are (T_OBJECT reads NULL as None). */
+static PyMemberDef Tensor_members[] = {
+    {"storage_id", T_ULONGLONG, offsetof(Tensor, sid), READONLY, NULL},
+    {"instance", T_ULONGLONG, offsetof(Tensor, instance), READONLY,
+     "the instance of the daemon storage_id belongs to (Client.instance)"},
+    {"key", T_OBJECT, offsetof(Tensor, key), READONLY,
+     "the key it was looked up or published under, or None"},
+    {"client", T_OBJECT, offsetof(Tensor, client), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject TensorType = {
@@ -2760,6 +2736,7 @@ static PyTypeObject TensorType = {
     .tp_clear = (inquiry)Tensor_clear,
     .tp_weaklistoffset = offsetof(Tensor, weakrefs),
     .tp_methods = Tensor_methods,
+    .tp_members = Tensor_members,
     .tp_getset = Tensor_getset,
 };
 

@@ -41,7 +41,7 @@ struct td__conn {
   int req_timed;      /* its handler times it (a create: create_finish) */
   td__scope *scopes;  /* it opened and has not ended */
   uint32_t nscopes;
-  /* Watching (events.c): the connection takes no other request, its
+  /* Watching (watch.c): the connection takes no other request, its
    * events go with watch_seq, and those its output had no room for are
    * counted in watch_dropped until one is sent. Exempt from the io
    * timeout: its output is bounded (TD__WATCH_OUT_MAX) and it drops. */

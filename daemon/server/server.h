@@ -91,7 +91,7 @@ struct td__server {
   uint64_t io_timeout_ms; /* a half-sent request or unread replies, at most */
   td__metrics metrics;    /* counters: metrics.h */
   td__scrape scrape;      /* --metrics: scrape.h (scrape.open unset without) */
-  td__conn *watchers;     /* connections that watch events (events.c) */
+  td__conn *watchers;     /* connections that watch events (watch.c) */
   int emitting;           /* an event is being sent to them */
   /* The connection whose request is being handled (td__dispatch), to name
    * who caused what a request sets off, and the key it names (len bytes, or

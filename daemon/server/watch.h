@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 /* Unsent event bytes a watcher's output may hold; an event that would pass
- * it is dropped and counted for the watcher (events.c). */
+ * it is dropped and counted for the watcher (watch.c). */
 #define TD__WATCH_OUT_MAX (256u * 1024)
 
 void td__event_emit_slow(td__server *srv, const td__event *ev);

@@ -80,6 +80,10 @@ struct td_storage {
   /* From a lookup of a key published with an event: its IPC handle. */
   int has_event;
   uint8_t event[64];
+  /* A slot of a channel (chan.c): the channel holds the reference; the
+   * handle's release gives the slot back to the ring, and sends nothing. */
+  td_chan *chan;
+  uint32_t slot;
 };
 
 /* Handles this connection holds, per storage and mode. */
@@ -920,6 +924,17 @@ int td_storage_release(td_storage *s) {
     return 0;
   if (atomic_fetch_sub(&s->refs, 1) != 1)
     return 0;
+  if (s->chan != NULL) {
+    td_chan *ch = s->chan;
+    uint32_t slot = s->slot;
+    int child = forked(s->c);
+    td__map_release(s->map);
+    client_unref(s->c);
+    free(s);
+    /* A forked child's copy of a parent's slot is not its to give back. */
+    td__chan_slot_done(ch, slot, !child);
+    return 0;
+  }
   if (forked(s->c)) {
     /* A handle from before fork(): its reference is the parent's, and so
      * is the mapping cache it counts in. Free the handle; the inherited
@@ -990,6 +1005,85 @@ int td_storage_wait(td_storage *s, void *stream) {
 int td_storage_is_readonly(const td_storage *s) {
   return s->readonly;
 }
+/* ---- for chan.c ---- */
+
+int td__call(td_client *c, Tensord__Request *req, int body,
+             Tensord__Response **resp, int *fd) {
+  return call(c, req, body, resp, fd);
+}
+
+int td__send_oneway(td_client *c, Tensord__Request *req) {
+  if (forked(c))
+    return fail_forked(c, body_name(req->body_case));
+  pthread_mutex_lock(&c->mu);
+  int bad = c->broken || c->closed;
+  pthread_mutex_unlock(&c->mu);
+  if (bad)
+    return TD_ECONNRESET;
+  req->seq = 0;
+  return send_request(c, req, 1);
+}
+
+void td__client_ref(td_client *c) {
+  atomic_fetch_add(&c->refs, 1);
+}
+
+void td__client_unref(td_client *c) {
+  client_unref(c);
+}
+
+int td__client_forked(const td_client *c) {
+  return forked(c);
+}
+
+uint64_t td__client_instance(const td_client *c) {
+  return c->instance;
+}
+
+int td__storage_from_reply(td_client *c, const Tensord__StorageReply *m,
+                           int fd, td_storage **out) {
+  return make_handle(c, m, fd, 0, out);
+}
+
+int td__storage_slot(td_client *c, td_chan *ch, uint32_t slot, uint64_t id,
+                     size_t nbytes, int ro, td_storage **out) {
+  td_storage *s = calloc(1, sizeof(*s));
+  if (s == NULL)
+    return fail(c, TD_ENOMEM, "out of memory");
+  int err = td__map_acquire(c->instance, id, ro ? TD__MAP_RO : TD__MAP_RW,
+                            nbytes, -1, 0, &s->map);
+  if (err < 0) {
+    free(s);
+    return fail(c, err, "slot %u (storage %llu): not mapped by this end",
+                (unsigned)slot, (unsigned long long)id);
+  }
+  s->c = c;
+  atomic_init(&s->refs, 1);
+  s->id = id;
+  s->nbytes = nbytes;
+  s->device = TD_CPU;
+  s->readonly = ro;
+  s->chan = ch;
+  s->slot = slot;
+  atomic_fetch_add(&c->refs, 1);
+  *out = s;
+  return 0;
+}
+
+td_chan *td__storage_chan(const td_storage *s, uint32_t *slot, int *refs) {
+  if (slot != NULL)
+    *slot = s->slot;
+  if (refs != NULL)
+    *refs = atomic_load(&((td_storage *)s)->refs);
+  return s->chan;
+}
+
+void td__storage_forget(td_storage *s) {
+  td__map_release(s->map);
+  client_unref(s->c);
+  free(s);
+}
+
 td_client *td_storage_client(const td_storage *s) {
   return s->c;
 }

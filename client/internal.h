@@ -182,4 +182,34 @@ int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
 /* The mapping's CUDA side, or NULL for a CPU storage's. */
 td__cumap *td__map_cumap(const td__mapping *m);
 
+/* client.c, for chan.c. */
+struct Tensord__Request;
+struct Tensord__Response;
+struct Tensord__StorageReply;
+/* Sends req and waits for a reply with body `body` (client.c's call). */
+int td__call(td_client *c, struct Tensord__Request *req, int body,
+             struct Tensord__Response **resp, int *fd);
+/* Sends req (seq 0), which has no reply. Returns 0 or a negative code. */
+int td__send_oneway(td_client *c, struct Tensord__Request *req);
+int td__client_forked(const td_client *c);
+/* A reference on c's memory (not its connection), as a handle has. */
+void td__client_ref(td_client *c);
+void td__client_unref(td_client *c);
+uint64_t td__client_instance(const td_client *c);
+/* A handle for the reference the daemon just gave (m, with fd or -1); on
+ * failure the reference is released. */
+int td__storage_from_reply(td_client *c, const struct Tensord__StorageReply *m,
+                           int fd, td_storage **out);
+/* A handle on slot of ch (storage id, mapped by the end already, in mode
+ * ro): no reference of the connection, see td__chan_slot_done. */
+int td__storage_slot(td_client *c, td_chan *ch, uint32_t slot, uint64_t id,
+                     size_t nbytes, int ro, td_storage **out);
+/* The channel s is a slot of (NULL if none), its index and the handle's
+ * references. */
+td_chan *td__storage_chan(const td_storage *s, uint32_t *slot, int *refs);
+/* Frees a slot handle that was sent: no slot goes back. */
+void td__storage_forget(td_storage *s);
+/* chan.c: a slot handle of ch went; give_back: the slot is free again. */
+void td__chan_slot_done(td_chan *ch, uint32_t slot, int give_back);
+
 #endif /* TD_CLIENT_INTERNAL_H */

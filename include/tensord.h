@@ -1022,6 +1022,137 @@ void td_watch_close(td_watch *w);
  * know. Never NULL. */
 const char *td_event_type_name(int type);
 
+/* Channels (docs/channels.md): a named, bounded FIFO of storages, each with
+ * its view, from the processes that send to the processes that receive,
+ * carried by a ring in shared memory that every end maps, with futex
+ * wake-ups. A channel may own slots: storages of slot_bytes each, made at
+ * create, that every end maps once at open. A producer loans a free slot,
+ * writes it and sends it; a consumer receives it and, when it releases the
+ * handle (td_storage_release), the slot is free again. Sending a slot moves
+ * an index and a view through the ring: no socket, no fd, no daemon call.
+ * Any other storage may be sent too: its reference moves to the channel
+ * and on to the receiver through tensord (two round trips), still counted.
+ *
+ * A channel is a holder: the slots, and the storages sent and not yet
+ * received, are references of the channel, and tensorctl ls shows them as
+ * "chan:NAME". A channel lives while any end is open; the last close (or
+ * the last holder dying) frees it with its slots. A process that dies gives
+ * back every slot it had on loan or received, and drops what it held.
+ *
+ * Access is by mode, like a storage's: the write bit admits senders, the
+ * read bit receivers (0600 by default: the creator's uid only). Slots are
+ * mapped read-write by ends that send, read-only by ends that only
+ * receive. A td_chan may be used from several threads at once. */
+typedef struct td_chan td_chan;
+
+#define TD_CHAN_SEND 0x1u /* this end sends (loan, send) */
+#define TD_CHAN_RECV 0x2u /* this end receives */
+#define TD_CHAN_CAPACITY_MAX 65536u /* entries a ring holds, at most */
+#define TD_CHAN_SLOTS_MAX 1024u     /* slots a channel owns, at most */
+
+typedef struct td_chan_opts {
+  uint32_t capacity;   /* entries the ring holds (0: 64; rounded up to a
+                          power of two) */
+  uint32_t slots;      /* slots the channel owns (0: none) */
+  uint64_t slot_bytes; /* each slot's size (> 0 with slots) */
+  uint32_t mode;       /* rw bits for owner, group, other: 0 means 0600 */
+  uint32_t flags;      /* the creator's side: TD_CHAN_SEND, TD_CHAN_RECV, or
+                          both (0 means both) */
+  uint32_t spin_us;    /* this end spins this long before it sleeps */
+  uint32_t reserved32;
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_chan_opts;
+
+/* Creates the channel name (a key's rules: 1-255 bytes of UTF-8 without
+ * NUL; channels and keys are separate names) and opens its first end.
+ * TD_EEXIST if a channel of that name is open. The slots are storages of
+ * the creator, counted against its capacity and quota. */
+int td_chan_create(td_client *c, const char *name, const td_chan_opts *o,
+                   td_chan **out);
+/* Opens an end of the channel name on the side(s) flags asks
+ * (TD_CHAN_SEND and/or TD_CHAN_RECV; 0 means both), waiting up to
+ * timeout_ms (-1: forever, 0: not at all) for it to be created. TD_ENOENT
+ * (timeout 0) or TD_ETIMEDOUT if it is not; TD_EACCES if its mode does not
+ * admit this process on that side. */
+int td_chan_open(td_client *c, const char *name, unsigned flags, int timeout_ms,
+                 td_chan **out);
+/* Sets how long this end spins on the ring before sleeping on a futex, in
+ * microseconds (0: never spins). For consumers that must see a handoff
+ * within a microsecond and may burn a CPU for it. */
+void td_chan_set_spin(td_chan *ch, uint32_t spin_us);
+/* Loans a free slot, mapped read-write, waiting up to timeout_ms for one.
+ * Send it, or release it to give it back. TD_ENOENT if the channel has no
+ * slots, TD_EPERM if this end does not send, TD_ETIMEDOUT, TD_EPIPE once
+ * every receiver has left. */
+int td_chan_loan(td_chan *ch, int timeout_ms, td_storage **out);
+/* Sends view v of s, waiting up to timeout_ms while the ring is full. On
+ * success the caller's reference (s) is the channel's: do not release it.
+ * On failure the caller still owns s. A slot of this channel travels as an
+ * index; any other storage travels through tensord (the reference moves).
+ * v is checked against s (TD_ERANGE). TD_EPIPE once every receiver has
+ * left; TD_ETIMEDOUT; TD_EPROTO if the ring is corrupt (the channel is
+ * then closed for everyone, named in the message). */
+int td_chan_send(td_chan *ch, td_storage *s, const td_view *v, int timeout_ms);
+/* Receives the oldest entry, waiting up to timeout_ms: the caller gets a
+ * reference (*out, to release) and its view (*v). A slot comes mapped
+ * read-only unless this end also sends. TD_EPIPE once the ring is empty and
+ * every sender has left; TD_ETIMEDOUT; TD_EPROTO if the ring is corrupt. */
+int td_chan_recv(td_chan *ch, int timeout_ms, td_storage **out, td_view *v);
+/* Leaves the channel: the other side sees TD_EPIPE once all of this side
+ * have left. Handles the end loaned or received stay valid until released
+ * (the slots go back then). NULL ok. */
+void td_chan_close(td_chan *ch);
+
+/* An end of a channel, as tensord lists it. */
+typedef struct td_chan_end_info {
+  uint32_t end;
+  int32_t pid;
+  uint32_t uid;
+  const char *name; /* the client's name (td_connect_opts.name) */
+  uint32_t flags;   /* TD_CHAN_SEND | TD_CHAN_RECV */
+  int left;         /* it closed, and still has slots out */
+  uint32_t loaned;  /* slots it has on loan, and received */
+  uint32_t held;
+  uint64_t reserved[2]; /* zero (see ABI above) */
+} td_chan_end_info;
+
+/* A channel as one end sees it (td_chan_stat), or as tensord lists it
+ * (td_chan_list: with its ends, 64 at most, and its slots' storage ids). */
+typedef struct td_chan_info {
+  const char *name; /* valid as long as the td_chan / during the callback */
+  uint64_t id;
+  uint32_t capacity;   /* entries */
+  uint32_t depth;      /* entries in the ring now */
+  uint32_t slots;      /* slots in all */
+  uint32_t slots_free; /* ... free, on loan, in the ring, held by receivers */
+  uint32_t slots_loaned;
+  uint32_t slots_queued;
+  uint32_t slots_held;
+  uint32_t senders;   /* ends open on each side now */
+  uint32_t receivers;
+  uint32_t mode;
+  uint64_t slot_bytes;
+  uint32_t owner_uid;
+  int32_t owner_pid;
+  uint64_t in_flight; /* storages sent (not slots) that no one received yet */
+  int corrupt;        /* closed: its ring was found corrupt */
+  uint32_t reserved32;
+  uint64_t sent;      /* entries pushed and popped since it was created */
+  uint64_t received;
+  size_t nends; /* td_chan_list only */
+  const td_chan_end_info *ends;
+  size_t nslot_ids;
+  const uint64_t *slot_ids;
+  uint64_t reserved[4]; /* zero (see ABI above) */
+} td_chan_info;
+
+/* What ch's ring says now (read from shared memory, without tensord). */
+int td_chan_stat(td_chan *ch, td_chan_info *out);
+/* Calls cb once per channel tensord has (as tensorctl ls shows them); a
+ * non-zero return from cb stops the listing and is returned. */
+typedef int (*td_chan_cb)(const td_chan_info *info, void *arg);
+int td_chan_list(td_client *c, td_chan_cb cb, void *arg);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

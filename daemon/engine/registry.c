@@ -356,19 +356,24 @@ void td__holdings_clear(td__registry *r, td__holdings *h) {
   td__holdings_clear_some(r, h, SIZE_MAX);
 }
 
-int td__may(const td__storage *s, const td__holdings *h, int want) {
+int td__may_mode(uint32_t mode, const td__peer *owner, const td__holdings *h,
+                 int want) {
   if (h->peer.uid == 0)
     return 0;
   unsigned bits;
-  if (h->peer.uid == s->owner.uid) {
-    bits = (s->mode >> 6) & 7;
+  if (h->peer.uid == owner->uid) {
+    bits = (mode >> 6) & 7;
   } else {
-    int member = h->peer.gid == s->owner.gid;
+    int member = h->peer.gid == owner->gid;
     for (int i = 0; i < h->ngroups && !member; i++)
-      member = h->groups[i] == s->owner.gid;
-    bits = member ? (s->mode >> 3) & 7 : s->mode & 7;
+      member = h->groups[i] == owner->gid;
+    bits = member ? (mode >> 3) & 7 : mode & 7;
   }
   return (bits & (unsigned)want) == (unsigned)want ? 0 : TD_EACCES;
+}
+
+int td__may(const td__storage *s, const td__holdings *h, int want) {
+  return td__may_mode(s->mode, &s->owner, h, want);
 }
 
 char *td__describe_access(const td__storage *s, char *buf, size_t len) {

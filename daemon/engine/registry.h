@@ -212,6 +212,9 @@ int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
  * the owner, the group's if h is in the owning group, else the others'.
  * Returns TD_EACCES otherwise. */
 int td__may(const td__storage *s, const td__holdings *h, int want);
+/* td__may for anything owned by owner with mode (a channel). */
+int td__may_mode(uint32_t mode, const td__peer *owner, const td__holdings *h,
+                 int want);
 /* Formats who owns s and how ("mode 0640, owner uid 1000 gid 100"). */
 char *td__describe_access(const td__storage *s, char *buf, size_t len);
 

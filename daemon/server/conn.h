@@ -39,6 +39,8 @@ struct td__conn {
   uint64_t nrequests; /* requests it has sent */
   uint64_t req_ns;    /* uv_hrtime when the request in hand arrived */
   int req_timed;      /* its handler times it (a create: create_finish) */
+  struct td__chan_end *chan_ends; /* its ends of channels (chanops.c) */
+  uint32_t nchan_ends;
   td__scope *scopes;  /* it opened and has not ended */
   uint32_t nscopes;
   /* Watching (watch.c): the connection takes no other request, its

@@ -4,7 +4,9 @@
 
 #include "common.h"
 #include "cudastore.h"
+#include "chanops.h"
 #include "events.h"
+#include "grant.h"
 #include "list.h"
 #include "log.h"
 #include "watch.h"
@@ -47,97 +49,6 @@ struct td__create {
 
 /* ---- references and replies ---- */
 
-/* Checks that c may do what want asks of s; on refusal msg says who owns s
- * and who c is. */
-static int check_access(td__conn *c, const td__storage *s, int want,
-                        const char *what, char *msg, size_t len) {
-  if (td__may(s, &c->hold, want) == 0)
-    return 0;
-  char acc[96];
-  return td__msg(msg, len, TD_EACCES,
-                 "%s: permission denied (%s; this client is uid %u gid %u)",
-                 what, td__describe_access(s, acc, sizeof(acc)),
-                 (unsigned)c->hold.peer.uid, (unsigned)c->hold.peer.gid);
-}
-
-/* Gives c one more reference of mode ro to s and, unless c already has the
- * storage in that mode (so its process has it mapped), a fresh fd in *fd.
- * Checks c's permission (write too if take) and its storage limit first. On
- * failure nothing changed and msg says why. */
-static int grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
-                 int *fd, char *msg, size_t len) {
-  uint32_t had = 0;
-  *fd = -1;
-  int want = TD__MAY_READ | (ro && !take ? 0 : TD__MAY_WRITE);
-  int err = check_access(c, s, want,
-                         take ? "take"
-                         : ro ? "read-only access"
-                              : "read-write access",
-                         msg, len);
-  if (err < 0)
-    return err;
-  uint32_t max = c->srv->max_storages_per_client;
-  if (max && c->hold.refs.count + c->ncreates >= max &&
-      td__ref_find(&c->hold, s->id) == 0)
-    return td__msg(msg, len, TD_EMFILE,
-                   "this client holds %zu storages and is creating %u, the "
-                   "most --max-storages-per-client allows",
-                   c->hold.refs.count, c->ncreates);
-  err = td__ref_add(&c->srv->reg, &c->hold, s, ro, &had);
-  if (err == TD_EOVERFLOW)
-    return td__msg(msg, len, err,
-                   "it has %u references, the most tensord can count", s->refs);
-  if (err < 0)
-    return td__msg(msg, len, err, "out of memory");
-  /* A legacy CUDA IPC handle travels in the reply: there is no fd. */
-  if ((had == 0 || force_fd) && !s->legacy) {
-    *fd = td__segment_open(s, ro);
-    if (*fd < 0) {
-      err = *fd;
-      *fd = -1;
-      td__ref_drop(&c->srv->reg, &c->hold, s->id, ro, 1);
-      if (err == TD_EMFILE || err == TD_ENFILE)
-        td__error("client %d: cannot open %s: %s", (int)c->hold.peer.pid,
-                  s->name, td_strerror(err));
-      return td__msg(msg, len, err, "opening %s: %s", s->name,
-                     td_strerror(err));
-    }
-    /* That process may keep its mapping past its release: the pages must
-     * never serve another storage of the owner, which it might not be
-     * allowed to read. Root's processes count too: root reads everything,
-     * but a process may map as root and then drop to another uid
-     * (setresuid), keeping the mapping. Only the owner's own uid does not
-     * count (for a root owner, root's). SO_PEERCRED names the euid at
-     * connect: a process that can switch between the owner's uid and
-     * another (a saved set-user-ID) may look up as the owner at any time
-     * anyway. */
-    if (c->hold.peer.uid != s->owner.uid)
-      s->foreign = 1;
-  }
-  return 0;
-}
-
-static void storage_reply(const td__storage *s, int ro, int fd,
-                          Tensord__StorageReply *m) {
-  tensord__storage_reply__init(m);
-  m->id = s->id;
-  m->nbytes = s->nbytes;
-  m->device = (Tensord__Device)s->device;
-  m->readonly = ro;
-  m->fd = fd >= 0;
-  if (s->device == TD_CUDA) {
-    m->device_uuid.data = (uint8_t *)s->uuid;
-    m->device_uuid.len = 16;
-    m->alloc_size = s->alloc_size;
-    m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD;
-    if (s->legacy) {
-      m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_LEGACY_IPC;
-      m->ipc_handle.data = (uint8_t *)s->ipc_handle;
-      m->ipc_handle.len = sizeof(s->ipc_handle);
-    }
-  }
-}
-
 /* Acknowledges a key change, once it is durable (see state.c). */
 static int send_ok(td__conn *c, uint64_t seq) {
   Tensord__Ok ok = TENSORD__OK__INIT;
@@ -146,21 +57,6 @@ static int send_ok(td__conn *c, uint64_t seq) {
   r.body_case = TENSORD__RESPONSE__BODY_OK;
   r.ok = &ok;
   td__state_reply(c->srv->state, c, &r, -1);
-  return 0;
-}
-
-/* Answers seq with s (dirty: a create's recycled bytes, for the client to
- * zero) and fd, if >= 0. */
-static int send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
-                        int dirty, int fd) {
-  Tensord__StorageReply m;
-  Tensord__Response r = TENSORD__RESPONSE__INIT;
-  storage_reply(s, ro, fd, &m);
-  m.dirty = dirty;
-  r.seq = seq;
-  r.body_case = TENSORD__RESPONSE__BODY_STORAGE;
-  r.storage = &m;
-  td__conn_send(c, &r, fd);
   return 0;
 }
 
@@ -214,7 +110,7 @@ static void create_finish(td__segment_req *req) {
               (unsigned long long)s->nbytes);
     td__event ev = {.type = TD__EV_CREATE, .s = s, .by = &c->hold};
     td__event_emit(srv, &ev);
-    send_storage(c, cr->seq, s, 0,
+    td__send_storage(c, cr->seq, s, 0,
                  (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
   }
   if (c != NULL)
@@ -337,11 +233,11 @@ static int op_open(td__conn *c, uint64_t seq, const Tensord__Open *m) {
                   (unsigned long long)m->id);
   char msg[256];
   int fd;
-  int err = grant(c, s, m->readonly, 0, m->force_fd, &fd, msg, sizeof(msg));
+  int err = td__grant(c, s, m->readonly, 0, m->force_fd, &fd, msg, sizeof(msg));
   if (err < 0)
     return reject(c, seq, err, "storage %llu: %s", (unsigned long long)m->id,
                   msg);
-  return send_storage(c, seq, s, m->readonly, 0, fd);
+  return td__send_storage(c, seq, s, m->readonly, 0, fd);
 }
 
 static int op_release(td__conn *c, const Tensord__Release *m) {
@@ -380,7 +276,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   td__storage *s = k->storage;
   char msg[256];
   int fd;
-  int err = grant(c, s, ro, take, a->force_fd, &fd, msg, sizeof(msg));
+  int err = td__grant(c, s, ro, take, a->force_fd, &fd, msg, sizeof(msg));
   if (err < 0) {
     td__conn_error(c, seq, err, "key '%s' (storage %llu): %s", k->name,
                    (unsigned long long)s->id, msg);
@@ -394,7 +290,7 @@ static void answer_lookup(td__conn *c, const td__lookup_args *a, td__key *k) {
   Tensord__View vm;
   Tensord__LookupReply lm = TENSORD__LOOKUP_REPLY__INIT;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
-  storage_reply(s, ro, fd, &sm);
+  td__storage_reply(s, ro, fd, &sm);
   td__view_to_msg(&view, &vm);
   lm.storage = &sm;
   lm.view = &vm;
@@ -609,7 +505,7 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                     key, (unsigned long long)m->scope,
                     (unsigned long long)k->storage->id);
   }
-  if (k != NULL && check_access(c, k->storage, TD__MAY_WRITE, "replacing it",
+  if (k != NULL && td__check_access(c, k->storage, TD__MAY_WRITE, "replacing it",
                                 msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
@@ -669,7 +565,7 @@ static int op_unpublish(td__conn *c, uint64_t seq,
     return reject(c, seq, TD_ENOENT, "key '%s': not published",
                   key_str(&m->key, key, sizeof(key)));
   char msg[256];
-  if (check_access(c, k->storage, TD__MAY_WRITE, "unpublish", msg,
+  if (td__check_access(c, k->storage, TD__MAY_WRITE, "unpublish", msg,
                    sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
                   (unsigned long long)k->storage->id, msg);
@@ -1267,6 +1163,14 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
     return op_watch(c, seq, req->watch);
   case TENSORD__REQUEST__BODY_UPGRADE:
     return td__upgrade_request(c, seq, req->upgrade);
+  case TENSORD__REQUEST__BODY_CHAN_CREATE:
+  case TENSORD__REQUEST__BODY_CHAN_OPEN:
+  case TENSORD__REQUEST__BODY_CHAN_SLOT:
+  case TENSORD__REQUEST__BODY_CHAN_CLOSE:
+  case TENSORD__REQUEST__BODY_CHAN_PUT:
+  case TENSORD__REQUEST__BODY_CHAN_TAKE:
+  case TENSORD__REQUEST__BODY_CHAN_LIST:
+    return td__chan_request(c, req);
   default:
     /* A newer client's operation: say so and keep the connection. */
     td__conn_error(c, seq, TD_ENOSYS,

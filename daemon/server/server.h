@@ -5,6 +5,7 @@
 #define TD_DAEMON_SERVER_H
 
 #include "backend.h"
+#include "channel.h"
 #include "metrics.h"
 #include "pool.h"
 #include "registry.h"
@@ -76,6 +77,8 @@ struct td__server {
   int drain_ready;       /* drain_idle is initialised */
   td__waits waits;       /* lookups waiting for keys */
   td__pool pool;         /* freed segments kept for reuse (segment.c) */
+  td__chans chans;       /* channels (chanops.c) */
+  uv_timer_t chan_timer; /* their repairs and checks (chanops.c) */
   uv_timer_t pool_timer; /* ages the pool out */
   struct td__unlink_batch *unlinks; /* small unlinks not yet queued */
   uv_check_t unlink_check;          /* queues them at the end of a turn */

@@ -2,6 +2,7 @@
  * clients, readiness notification, and orderly shutdown. */
 #include "start.h"
 
+#include "chanops.h"
 #include "common.h"
 #include "conn.h"
 #include "drain.h"
@@ -366,6 +367,7 @@ static void record_instance(td__server *srv) {
 /* hooks.conn_gone. */
 static void conn_gone(td__conn *c) {
   td__ops_conn_gone(c);
+  td__chans_conn_gone(c);
   td__state_conn_gone(c->srv->state, c);
   td__upgrade_conn_gone(c);
 }
@@ -379,6 +381,7 @@ void td__server_init(td__server *srv, uv_loop_t *loop, const td__options *o) {
   srv->listen_fd = -1;
   srv->start_ms = td__now_ms();
   td__waits_init(&srv->waits);
+  td__chans_init(&srv->chans);
   if (getrandom(&srv->instance, sizeof(srv->instance), 0) !=
       sizeof(srv->instance))
     srv->instance = (uint64_t)getpid() << 32 ^ (uint64_t)srv->start_ms;
@@ -425,6 +428,7 @@ void td__server_listen(td__server *srv) {
   uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
   uv_timer_init(loop, &srv->accept_timer);
   uv_timer_init(loop, &srv->pool_timer);
+  td__chans_listen(srv);
   uv_check_init(loop, &srv->unlink_check);
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   uv_signal_init(loop, &srv->sigint);
@@ -517,6 +521,7 @@ static void stop_finish(td__server *srv) {
   } else {
     td__info("released %llu storage(s)", (unsigned long long)storages);
   }
+  td__chans_free(&srv->chans, &srv->reg);
   td__registry_free(&srv->reg);
   td__waits_free(&srv->waits);
   if (!srv->keep_segments && srv->run_path[0])
@@ -539,6 +544,7 @@ void td__server_stop(td__server *srv) {
     uv_close((uv_handle_t *)&srv->listen_poll, on_listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, NULL);
     uv_close((uv_handle_t *)&srv->pool_timer, NULL);
+    td__chans_close(srv);
     uv_close((uv_handle_t *)&srv->unlink_check, NULL);
     uv_close((uv_handle_t *)&srv->sigint, NULL);
     uv_close((uv_handle_t *)&srv->sigterm, NULL);

@@ -821,6 +821,11 @@ static int may_upgrade(td__conn *c, uint64_t seq) {
                           "that holds nothing",
                           (unsigned long long)c->hold.nrefs, c->nwaiters,
                           c->nscopes);
+  if (srv->chans.n > 0)
+    return td__conn_error(c, seq, TD_EBUSY,
+                          "upgrade: %llu channel(s) are open; a live upgrade "
+                          "does not carry channels: close them first",
+                          (unsigned long long)srv->chans.n);
   uint64_t cuda = cuda_storages(srv);
   if (cuda > 0)
     return td__conn_error(c, seq, TD_EBUSY,
@@ -1566,6 +1571,7 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
   srv->argv = o->argv;
   srv->binary = o->binary;
   td__waits_init(&srv->waits);
+  td__chans_init(&srv->chans);
   taking t = {0};
   t.srv = srv;
   t.dirfd = t.lockfd = t.metrics_fd = -1;

@@ -1,0 +1,387 @@
+/* channel.c: channels as the daemon keeps them (channel.h). */
+#include "channel.h"
+
+#include "common.h"
+#include "list.h"
+#include "log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct namespan {
+  const char *p;
+  size_t len;
+} namespan;
+
+static int name_eq(const td__hnode *n, const void *key) {
+  const td__chan *ch = td__container_of(n, td__chan, node);
+  const namespan *k = key;
+  return ch->len == k->len && memcmp(ch->name, k->p, k->len) == 0;
+}
+
+static int id_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__chan, inode)->id == *(const uint64_t *)key;
+}
+
+static int ticket_eq(const td__hnode *n, const void *key) {
+  return td__container_of(n, td__ticket, node)->ticket ==
+         *(const uint64_t *)key;
+}
+
+void td__chans_init(td__chans *cs) {
+  td__htab_init(&cs->by_name);
+  td__htab_init(&cs->by_id);
+  cs->next_id = 1;
+  cs->n = 0;
+}
+
+void td__chans_free(td__chans *cs, td__registry *reg) {
+  td__hnode *n;
+  while ((n = td__htab_any(&cs->by_id)) != NULL)
+    td__chan_free(cs, reg, td__container_of(n, td__chan, inode));
+  td__htab_free(&cs->by_name);
+  td__htab_free(&cs->by_id);
+}
+
+td__chan *td__chan_find(const td__chans *cs, const char *name, size_t len) {
+  namespan k = {name, len};
+  td__hnode *n =
+      td__htab_find(&cs->by_name, td__hash_bytes(name, len), name_eq, &k);
+  return n ? td__container_of(n, td__chan, node) : NULL;
+}
+
+td__chan *td__chan_by_id(const td__chans *cs, uint64_t id) {
+  td__hnode *n = td__htab_find(&cs->by_id, td__hash_u64(id), id_eq, &id);
+  return n ? td__container_of(n, td__chan, inode) : NULL;
+}
+
+/* The ring's memory: a memfd sealed at its size, so that no end can shrink
+ * it under the others (a SIGBUS in whoever touches it next), mapped here.
+ */
+static int ring_make(td__chan *ch, size_t size, char *msg, size_t len) {
+  int fd = memfd_create("tensord-chan", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return td__msg(msg, len, -errno, "memfd_create: %s", strerror(errno));
+  int err = 0;
+  if (ftruncate(fd, (off_t)size) < 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+    err = -errno;
+    close(fd);
+    return td__msg(msg, len, err, "sizing the ring's memfd to %zu bytes: %s",
+                   size, strerror(-err));
+  }
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    err = -errno;
+    close(fd);
+    return td__msg(msg, len, err, "mapping the ring (%zu bytes): %s", size,
+                   strerror(-err));
+  }
+  td__ring_attach(&ch->ring, p, size, ch->capacity, ch->nslots,
+                  ch->slot_bytes);
+  td__ring_format(&ch->ring);
+  ch->fd = fd;
+  return 0;
+}
+
+int td__chan_new(td__chans *cs, const char *name, size_t len,
+                 uint32_t capacity, uint32_t nslots, uint64_t slot_bytes,
+                 uint32_t mode, const td__peer *owner, int64_t now_ms,
+                 td__chan **out, char *msg, size_t msglen) {
+  if (td__chan_find(cs, name, len) != NULL)
+    return td__msg(msg, msglen, TD_EEXIST, "a channel of that name is open");
+  size_t size = td__ring_size(capacity, nslots);
+  if (size == 0 || (nslots > 0 && slot_bytes == 0))
+    return td__msg(msg, msglen, TD_EINVAL,
+                   "capacity %u, %u slots of %llu bytes: the capacity must be "
+                   "a power of two up to %u, the slots at most %u, of at "
+                   "least one byte",
+                   (unsigned)capacity, (unsigned)nslots,
+                   (unsigned long long)slot_bytes, TD_CHAN_CAPACITY_MAX,
+                   TD_CHAN_SLOTS_MAX);
+  td__chan *ch = calloc(1, sizeof(*ch) + len + 1);
+  uint64_t *ids = calloc(nslots + 1, sizeof(*ids));
+  if (ch == NULL || ids == NULL) {
+    free(ch);
+    free(ids);
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+  }
+  memcpy(ch->name, name, len);
+  ch->len = len;
+  ch->slot_ids = ids;
+  ch->capacity = capacity;
+  ch->nslots = nslots;
+  ch->slot_bytes = slot_bytes;
+  ch->mode = mode;
+  ch->owner = *owner;
+  ch->created_ms = now_ms;
+  ch->next_end = 1;
+  ch->next_ticket = 1;
+  td__htab_init(&ch->tickets);
+  td__peer hp = {0, owner->uid, owner->gid};
+  td__holdings_init(&ch->hold, &hp);
+  snprintf(ch->hold_name, sizeof(ch->hold_name), "chan:%s", ch->name);
+  ch->hold.name = ch->hold_name;
+  int err = ring_make(ch, size, msg, msglen);
+  if (err < 0) {
+    free(ids);
+    free(ch);
+    return err;
+  }
+  ch->id = cs->next_id;
+  if (td__htab_insert(&cs->by_name, &ch->node, td__hash_bytes(name, len)) <
+      0) {
+    munmap(ch->ring.hdr, ch->ring.size);
+    close(ch->fd);
+    free(ids);
+    free(ch);
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+  }
+  if (td__htab_insert(&cs->by_id, &ch->inode, td__hash_u64(ch->id)) < 0) {
+    td__htab_remove(&cs->by_name, &ch->node);
+    munmap(ch->ring.hdr, ch->ring.size);
+    close(ch->fd);
+    free(ids);
+    free(ch);
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+  }
+  cs->next_id++;
+  cs->n++;
+  *out = ch;
+  return 0;
+}
+
+int td__chan_add_slot(td__registry *reg, td__chan *ch, uint32_t index,
+                      td__storage *s) {
+  uint32_t had;
+  int err = td__ref_add(reg, &ch->hold, s, 0, &had);
+  if (err == 0)
+    ch->slot_ids[index] = s->id;
+  return err;
+}
+
+void td__chan_free(td__chans *cs, td__registry *reg, td__chan *ch) {
+  td__ring_set_state(&ch->ring, TD__RING_CLOSED, 0);
+  td__htab_remove(&cs->by_name, &ch->node);
+  td__htab_remove(&cs->by_id, &ch->inode);
+  cs->n--;
+  td__hnode *n;
+  while ((n = td__htab_any(&ch->tickets)) != NULL) {
+    td__htab_remove(&ch->tickets, n);
+    free(td__container_of(n, td__ticket, node));
+  }
+  td__htab_free(&ch->tickets);
+  td__holdings_clear(reg, &ch->hold);
+  for (td__chan_end *e = ch->ends, *next; e; e = next) {
+    next = e->next;
+    free(e);
+  }
+  munmap(ch->ring.hdr, ch->ring.size);
+  close(ch->fd);
+  free(ch->slot_ids);
+  free(ch);
+}
+
+int td__chan_may(const td__chan *ch, const td__holdings *h, unsigned flags) {
+  int want = (flags & TD_CHAN_SEND ? TD__MAY_WRITE : 0) |
+             (flags & TD_CHAN_RECV ? TD__MAY_READ : 0);
+  return td__may_mode(ch->mode, &ch->owner, h, want);
+}
+
+/* Tells the ring which sides have gone (came, and all left). */
+static void sides_changed(td__chan *ch) {
+  uint32_t set = 0, clear = 0;
+  if (ch->had_senders && ch->senders == 0)
+    set |= TD__RING_NO_SENDERS;
+  else
+    clear |= TD__RING_NO_SENDERS;
+  if (ch->had_receivers && ch->receivers == 0)
+    set |= TD__RING_NO_RECEIVERS;
+  else
+    clear |= TD__RING_NO_RECEIVERS;
+  atomic_store(&ch->ring.hdr->senders, ch->senders);
+  atomic_store(&ch->ring.hdr->receivers, ch->receivers);
+  td__ring_set_state(&ch->ring, set, clear);
+}
+
+int td__chan_end_add(td__chan *ch, void *conn, const td__holdings *h,
+                     unsigned flags, td__chan_end **out) {
+  if (ch->nends >= TD__CHAN_ENDS_MAX)
+    return TD_EMFILE;
+  td__chan_end *e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return TD_ENOMEM;
+  /* Ids never repeat within a channel (a dead end's may still be named in
+   * a slot word): past TD__END_MAX the channel takes no more ends. */
+  if (ch->next_end > TD__END_MAX) {
+    free(e);
+    return TD_EMFILE;
+  }
+  e->id = ch->next_end++;
+  e->flags = flags;
+  e->conn = conn;
+  e->hold = h;
+  e->chan = ch;
+  TD__LIST_PUSH(&ch->ends, e, prev, next);
+  ch->nends++;
+  if (flags & TD_CHAN_SEND) {
+    ch->senders++;
+    ch->had_senders = 1;
+  }
+  if (flags & TD_CHAN_RECV) {
+    ch->receivers++;
+    ch->had_receivers = 1;
+  }
+  sides_changed(ch);
+  *out = e;
+  return 0;
+}
+
+void td__chan_end_leave(td__chan_end *e) {
+  if (e->left)
+    return;
+  e->left = 1;
+  td__chan *ch = e->chan;
+  if (e->flags & TD_CHAN_SEND)
+    ch->senders--;
+  if (e->flags & TD_CHAN_RECV)
+    ch->receivers--;
+  sides_changed(ch);
+}
+
+int td__chan_end_remove(td__chan_end *e, int dead) {
+  td__chan *ch = e->chan;
+  td__chan_end_leave(e);
+  ch->nends--;
+  if (dead) {
+    e->dead = 1;
+    e->conn = NULL;
+    e->hold = NULL;
+    ch->repair_due = 1;
+  } else {
+    TD__LIST_REMOVE(&ch->ends, e, prev, next);
+    free(e);
+  }
+  return ch->nends == 0;
+}
+
+td__chan_end *td__chan_end_find(const td__chan *ch, uint32_t id) {
+  for (td__chan_end *e = ch->ends; e; e = e->next)
+    if (e->id == id && !e->dead)
+      return e;
+  return NULL;
+}
+
+static int end_dead(uint32_t id, void *arg) {
+  const td__chan *ch = arg;
+  for (td__chan_end *e = ch->ends; e; e = e->next)
+    if (e->id == id)
+      return e->dead;
+  /* An id no end has now: one that closed (its slots went back with its
+   * handles) or garbage. Either way no one will give it back. */
+  return id != 0 && id < ch->next_end;
+}
+
+void td__chan_set_corrupt(td__chan *ch, const char *why) {
+  if (!ch->corrupt) {
+    ch->corrupt = 1;
+    snprintf(ch->why, sizeof(ch->why), "%s", why);
+    td__warn("channel '%s': %s; closed for every end", ch->name, why);
+  }
+  td__ring_set_state(&ch->ring, TD__RING_CORRUPT, 0);
+}
+
+int td__chan_repair(td__chan *ch) {
+  if (!ch->repair_due)
+    return 0;
+  char msg[200];
+  int n = td__ring_repair(&ch->ring, end_dead, ch, msg, sizeof(msg));
+  if (n == TD_EBUSY)
+    return n;
+  if (n == TD_EPROTO)
+    td__chan_set_corrupt(ch, msg);
+  for (td__chan_end *e = ch->ends, *next; e; e = next) {
+    next = e->next;
+    if (e->dead) {
+      TD__LIST_REMOVE(&ch->ends, e, prev, next);
+      free(e);
+    }
+  }
+  ch->repair_due = 0;
+  if (n > 0)
+    td__debug("channel '%s': %d slot(s) of ends that died given back",
+              ch->name, n);
+  return n;
+}
+
+int td__chan_check(td__chan *ch) {
+  if (ch->corrupt)
+    return 0;
+  uint32_t state = atomic_load(&ch->ring.hdr->state);
+  if (state & TD__RING_CORRUPT) {
+    td__chan_set_corrupt(ch, "an end found its ring corrupt");
+    return 1;
+  }
+  uint32_t holder = td__ring_lock_holder(&ch->ring);
+  if (holder != 0 && holder != TD__END_DAEMON) {
+    int known = 0;
+    for (td__chan_end *e = ch->ends; e && !known; e = e->next)
+      known = e->id == holder;
+    if (!known) {
+      char why[96];
+      snprintf(why, sizeof(why), "its lock is held by end %u, which no one is",
+               (unsigned)holder);
+      td__chan_set_corrupt(ch, why);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+int td__chan_put(td__registry *reg, td__chan *ch, uint32_t end, td__storage *s,
+                 int ro, uint64_t *ticket) {
+  if (ch->ntickets >= (uint64_t)ch->capacity + TD__CHAN_ENDS_MAX)
+    return TD_EAGAIN;
+  td__ticket *t = calloc(1, sizeof(*t));
+  if (t == NULL)
+    return TD_ENOMEM;
+  t->ticket = ch->next_ticket;
+  t->id = s->id;
+  t->ro = ro;
+  t->end = end;
+  if (td__htab_insert(&ch->tickets, &t->node, td__hash_u64(t->ticket)) < 0) {
+    free(t);
+    return TD_ENOMEM;
+  }
+  uint32_t had;
+  int err = td__ref_add(reg, &ch->hold, s, ro, &had);
+  if (err < 0) {
+    td__htab_remove(&ch->tickets, &t->node);
+    free(t);
+    return err;
+  }
+  ch->next_ticket++;
+  ch->ntickets++;
+  *ticket = t->ticket;
+  return 0;
+}
+
+td__ticket *td__chan_ticket(const td__chan *ch, uint64_t ticket) {
+  td__hnode *n =
+      td__htab_find(&ch->tickets, td__hash_u64(ticket), ticket_eq, &ticket);
+  return n ? td__container_of(n, td__ticket, node) : NULL;
+}
+
+void td__chan_ticket_done(td__registry *reg, td__chan *ch, td__ticket *t) {
+  td__htab_remove(&ch->tickets, &t->node);
+  ch->ntickets--;
+  uint64_t id = t->id;
+  int ro = t->ro;
+  free(t);
+  td__ref_drop(reg, &ch->hold, id, ro, 1);
+}

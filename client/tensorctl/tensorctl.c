@@ -37,13 +37,19 @@ static const command commands[] = {
     {"ls", "ls [-l]",
      "every live storage: id, device, size, references,\n"
      "holders (pids and names), keys, age; -l adds mode,\n"
-     "owner, group",
+     "owner, group; then every channel: depth, slots, ends",
      "  -l   mode, owner and group in front of each row\n"
      "\n"
      "HOLDERS are PID (NAME), NAME the name each client connected with:\n"
      "td_connect_opts.name, tensord.connect(name=...), $TENSORD_CLIENT_NAME,\n"
      "else its program (a Python script's name; DataLoader workers are\n"
-     "PROGRAM worker N).\n"},
+     "PROGRAM worker N). A channel holds its slots and the storages sent\n"
+     "on it and not yet received: it shows as chan:NAME.\n"
+     "\n"
+     "Channels follow, one row each: DEPTH entries in its ring of its\n"
+     "capacity; SLOTS, how many, then free, on loan, in the ring and held\n"
+     "by receivers; IN FLIGHT, storages sent (not slots) and not received;\n"
+     "ENDS, each open end: PID (NAME), its side, and slots it has out.\n"},
     {"stat", "stat",
      "totals: storages, bytes used / capacity, clients,\n"
      "keys, uptime, version, instance and the prefixes\n"
@@ -287,8 +293,10 @@ static const char *group_name(uint32_t gid) {
 /* "4242 (loader)", or "4242" for a client that gave no name. */
 static const char *pid_at(const void *arg, size_t i, char *buf, size_t len) {
   const td_holder *h = &((const td_storage_info *)arg)->holders[i];
-  char name[TD_CLIENT_NAME_MAX + 1];
-  if (h->name != NULL && h->name[0] != '\0')
+  char name[TD_KEY_MAX + 8];
+  if (h->pid == 0 && h->name != NULL && strncmp(h->name, "chan:", 5) == 0)
+    snprintf(buf, len, "%s", td__cli_printable(h->name, name, sizeof(name)));
+  else if (h->name != NULL && h->name[0] != '\0')
     snprintf(buf, len, "%d (%s)", h->pid,
              td__cli_printable(h->name, name, sizeof(name)));
   else
@@ -366,21 +374,103 @@ static int ls_row(const td_storage_info *s, void *arg) {
   return 0;
 }
 
+/* "4242 (loader) send", with what it has out: "4242 (main) recv held 3". */
+static const char *end_at(const void *arg, size_t i, char *buf, size_t len) {
+  const td_chan_end_info *e = &((const td_chan_info *)arg)->ends[i];
+  char name[TD_CLIENT_NAME_MAX + 1];
+  int n = e->name[0] ? snprintf(buf, len, "%d (%s) ", e->pid,
+                                td__cli_printable(e->name, name, sizeof(name)))
+                     : snprintf(buf, len, "%d ", e->pid);
+  const char *side = e->flags == TD_CHAN_SEND   ? "send"
+                     : e->flags == TD_CHAN_RECV ? "recv"
+                                                : "send+recv";
+  n += snprintf(buf + n, len - (size_t)n, "%s%s", side, e->left ? " left" : "");
+  if (e->loaned)
+    n += snprintf(buf + n, len - (size_t)n, " loaned %u", e->loaned);
+  if (e->held)
+    snprintf(buf + n, len - (size_t)n, " held %u", e->held);
+  return buf;
+}
+
+static void json_chan(const td_chan_info *ch) {
+  printf("{\"name\":");
+  td__cli_json_str(ch->name);
+  printf(",\"id\":%" PRIu64 ",\"capacity\":%u,\"depth\":%u,\"slots\":%u,"
+         "\"slots_free\":%u,\"slots_loaned\":%u,\"slots_queued\":%u,"
+         "\"slots_held\":%u,\"slot_bytes\":%" PRIu64 ",\"senders\":%u,"
+         "\"receivers\":%u,\"mode\":%u,\"owner_uid\":%u,\"owner_pid\":%d,"
+         "\"in_flight\":%" PRIu64 ",\"corrupt\":%s,\"sent\":%" PRIu64
+         ",\"received\":%" PRIu64 ",\"ends\":[",
+         ch->id, ch->capacity, ch->depth, ch->slots, ch->slots_free,
+         ch->slots_loaned, ch->slots_queued, ch->slots_held, ch->slot_bytes,
+         ch->senders, ch->receivers, ch->mode, ch->owner_uid, ch->owner_pid,
+         ch->in_flight, ch->corrupt ? "true" : "false", ch->sent, ch->received);
+  for (size_t i = 0; i < ch->nends; i++) {
+    const td_chan_end_info *e = &ch->ends[i];
+    printf("%s{\"end\":%u,\"pid\":%d,\"uid\":%u,\"name\":", i ? "," : "",
+           e->end, e->pid, e->uid);
+    td__cli_json_str(e->name);
+    printf(",\"send\":%s,\"recv\":%s,\"left\":%s,\"loaned\":%u,"
+           "\"held\":%u}",
+           e->flags & TD_CHAN_SEND ? "true" : "false",
+           e->flags & TD_CHAN_RECV ? "true" : "false",
+           e->left ? "true" : "false", e->loaned, e->held);
+  }
+  printf("],\"slot_ids\":[");
+  for (size_t i = 0; i < ch->nslot_ids; i++)
+    printf("%s%" PRIu64, i ? "," : "", ch->slot_ids[i]);
+  printf("]}");
+}
+
+static int ls_chan(const td_chan_info *ch, void *arg) {
+  ls_state *st = arg;
+  if (json) {
+    if (st->n)
+      putchar(',');
+    json_chan(ch);
+    st->n++;
+    return 0;
+  }
+  if (st->n++ == 0)
+    printf("\n%-20s %9s %-24s %10s %9s %s\n", "CHANNEL", "DEPTH",
+           "SLOTS free/loan/ring/held", "SLOT SIZE", "IN FLIGHT", "ENDS");
+  char name[TD_KEY_MAX + 1], depth[32], slots[48], size[32], ends[512];
+  snprintf(depth, sizeof(depth), "%u/%u", ch->depth, ch->capacity);
+  if (ch->slots)
+    snprintf(slots, sizeof(slots), "%u: %u/%u/%u/%u", ch->slots,
+             ch->slots_free, ch->slots_loaned, ch->slots_queued,
+             ch->slots_held);
+  else
+    snprintf(slots, sizeof(slots), "-");
+  join_list(ends, sizeof(ends), ch->nends, ch->nends, end_at, ch);
+  printf("%-20s %9s %-24s %10s %9" PRIu64 " %s%s\n",
+         td__cli_printable(ch->name, name, sizeof(name)), depth, slots,
+         ch->slots ? td__cli_bytes(ch->slot_bytes, size, sizeof(size)) : "-",
+         ch->in_flight, ends, ch->corrupt ? " CORRUPT (closed)" : "");
+  return 0;
+}
+
 static int cmd_ls(td_client *c) {
-  ls_state st = {0};
+  ls_state st = {0}, cst = {0};
   if (json)
     printf("{\"storages\":[");
   int err = td_list(c, ls_row, &st);
+  if (json)
+    printf("],\"count\":%zu,\"channels\":[", st.n);
+  else if (err == 0 && st.n == 0)
+    printf("no storages\n");
+  /* Channels, each a holder of its slots and of what is in flight. */
+  if (err == 0)
+    err = td_chan_list(c, ls_chan, &cst);
   if (json) {
     /* Always a whole document, even when the listing was cut short. */
-    printf("],\"count\":%zu", st.n);
+    printf("]");
     if (err < 0) {
       printf(",\"error\":");
       td__cli_json_str(td_last_error(c));
     }
     printf("}\n");
-  } else if (err == 0 && st.n == 0)
-    printf("no storages\n");
+  }
   return err;
 }
 

@@ -1,6 +1,7 @@
 /* test_chan.c: channels (docs/channels.md) end to end: a real tensord,
  * forked producers and consumers, slots and plain storages through the
  * ring, EPIPE, and exact references when ends close. */
+#include "cli.h"
 #include "harness.h"
 
 #include <signal.h>
@@ -138,5 +139,57 @@ TDT_TEST(chan, dead_producer_gives_back_its_loan) {
   cr_assert_eq(info.slots_free, 2);
   cr_assert_eq(td_chan_recv(ch, 0, &s, &v), TD_EPIPE);
   td_chan_close(ch);
+  td_close(c);
+}
+
+/* tensorctl ls: the channel holds its slots (chan:NAME), and its own rows
+ * say depth, slot use and who has what. */
+TDT_TEST(chan, ls_shows_channels) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_chan_opts o = {.capacity = 4, .slots = 3, .slot_bytes = 8192};
+  td_chan *ch;
+  cr_assert_eq(td_chan_create(c, "lsq", &o, &ch), 0, "%s", td_last_error(c));
+  td_storage *a, *b, *got;
+  cr_assert_eq(td_chan_loan(ch, 1000, &a), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_chan_loan(ch, 1000, &b), 0, "%s", td_last_error(c));
+  td_view v = bytes_view(8192);
+  cr_assert_eq(td_chan_send(ch, b, &v, 1000), 0, "%s", td_last_error(c));
+  td_storage *plain;
+  cr_assert_eq(td_storage_create(c, 100, &plain), 0);
+  td_view pv = bytes_view(100);
+  cr_assert_eq(td_chan_send(ch, plain, &pv, 1000), 0, "%s", td_last_error(c));
+
+  tdt_run_result r;
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--socket", d.sock, "ls",
+                                    NULL},
+              &r);
+  tdt_expect_ok(&r, "tensorctl ls");
+  cr_assert(strstr(r.out, "chan:lsq") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "CHANNEL") != NULL, "%s", r.out);
+  /* 2 entries of 4; 3 slots: 1 free, 1 on loan, 1 in the ring, 0 held. */
+  cr_assert(strstr(r.out, "2/4") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "3: 1/1/1/0") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "send+recv loaned 1") != NULL, "%s", r.out);
+  tdt_run_free(&r);
+
+  tdt_cli_run((const char *const[]){TENSORCTL_BIN, "--json", "--socket",
+                                    d.sock, "ls", NULL},
+              &r);
+  tdt_expect_ok(&r, "tensorctl --json ls");
+  tdt_expect_json_object(r.out);
+  cr_assert(strstr(r.out, "\"channels\":[{\"name\":\"lsq\"") != NULL, "%s",
+            r.out);
+  cr_assert(strstr(r.out, "\"in_flight\":1") != NULL, "%s", r.out);
+  cr_assert(strstr(r.out, "\"name\":\"chan:lsq\"") != NULL, "%s", r.out);
+  tdt_run_free(&r);
+
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(td_chan_recv(ch, 1000, &got, &v), 0, "%s", td_last_error(c));
+    td_storage_release(got);
+  }
+  td_storage_release(a);
+  td_chan_close(ch);
+  cr_assert_eq(tdt_storages(&d), 0);
   td_close(c);
 }

@@ -232,12 +232,23 @@ static void check_reply(int who, const uint8_t *p, size_t len, int *fds,
               (unsigned long long)r->seq, fd ? fd->name : "?",
               nfds ? " (with an fd)" : "");
   }
-  want = sr != NULL && sr->fd;
+  /* A ChanReply carries its ring: a sealed memfd. */
+  want = (sr != NULL && sr->fd) || r->body_case == TENSORD__RESPONSE__BODY_CHAN;
   if (nfds != want)
     die("a Response (seq %llu, body %d) came with %u fd(s); it says %u",
         (unsigned long long)r->seq, (int)r->body_case, nfds, want);
-  if (want)
+  if (want && sr != NULL)
     check_storage_fd(sr, fds[0]);
+  if (want && sr == NULL) { /* the ring: sealed at the size the reply says */
+    struct stat st;
+    int seals = fcntl(fds[0], F_GET_SEALS);
+    if (fstat(fds[0], &st) < 0 || (uint64_t)st.st_size != r->chan->ring_size ||
+        seals < 0 || !(seals & F_SEAL_SHRINK) || !(seals & F_SEAL_GROW))
+      die("channel %llu: its ring's fd has %lld bytes (the reply says %llu) "
+          "and seals 0x%x",
+          (unsigned long long)r->chan->chan, (long long)st.st_size,
+          (unsigned long long)r->chan->ring_size, (unsigned)seals);
+  }
   oracle_reply(who, r, len);
   for (unsigned i = 0; i < nfds; i++)
     close(fds[i]);

@@ -265,6 +265,49 @@ static void ping(buf *o, uint64_t seq, const char *payload) {
 }
 
 /* A request with no body: an operation this daemon does not know. */
+static void chan_create(buf *o, uint64_t seq, const char *name, uint32_t cap,
+                        uint64_t *slots, size_t nslots, uint64_t slot_bytes) {
+  Tensord__ChanCreate m = TENSORD__CHAN_CREATE__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  m.name = key(name);
+  m.capacity = cap;
+  m.n_slots = nslots;
+  m.slots = slots;
+  m.slot_bytes = slot_bytes;
+  r.seq = seq;
+  r.body_case = TENSORD__REQUEST__BODY_CHAN_CREATE;
+  r.chan_create = &m;
+  add(o, &r);
+}
+
+/* ChanSlot, ChanPut, ChanTake and ChanClose of end 1 of channel 1. */
+static void chan_op(buf *o, uint64_t seq, int body, uint64_t arg) {
+  Tensord__ChanSlot sl = TENSORD__CHAN_SLOT__INIT;
+  Tensord__ChanPut pu = TENSORD__CHAN_PUT__INIT;
+  Tensord__ChanTake ta = TENSORD__CHAN_TAKE__INIT;
+  Tensord__ChanClose cl = TENSORD__CHAN_CLOSE__INIT;
+  Tensord__ChanList li = TENSORD__CHAN_LIST__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  r.seq = seq;
+  r.body_case = (Tensord__Request__BodyCase)body;
+  sl.chan = pu.chan = ta.chan = cl.chan = 1;
+  sl.end = pu.end = ta.end = cl.end = 1;
+  sl.index = (uint32_t)arg;
+  pu.id = arg;
+  ta.ticket = arg;
+  cl.final = 1;
+  r.chan_slot = &sl; /* one member of the oneof is read, by body */
+  if (body == TENSORD__REQUEST__BODY_CHAN_PUT)
+    r.chan_put = &pu;
+  else if (body == TENSORD__REQUEST__BODY_CHAN_TAKE)
+    r.chan_take = &ta;
+  else if (body == TENSORD__REQUEST__BODY_CHAN_CLOSE)
+    r.chan_close = &cl;
+  else if (body == TENSORD__REQUEST__BODY_CHAN_LIST)
+    r.chan_list = &li;
+  add(o, &r);
+}
+
 static void no_body(buf *o, uint64_t seq) {
   Tensord__Request r = TENSORD__REQUEST__INIT;
   r.seq = seq;
@@ -481,6 +524,25 @@ static void gen_single(void) {
   create(&in, 7, 1 << 20, 0);
   open_(&in, 8, 1, 1, 0);
   write_input("limits", &in);
+
+  /* A channel with two slots, a storage through it by ticket, a listing,
+   * and its last end closed (docs/channels.md). */
+  uint64_t slots[] = {1, 2};
+  single(0);
+  create(&in, 2, 4096, 0);
+  create(&in, 3, 4096, 0);
+  chan_create(&in, 4, "q", 4, slots, 2, 4096);
+  release(&in, 1, 0, 1);
+  release(&in, 2, 0, 1);
+  chan_op(&in, 5, TENSORD__REQUEST__BODY_CHAN_SLOT, 1);
+  create(&in, 6, 100, 0);
+  chan_op(&in, 7, TENSORD__REQUEST__BODY_CHAN_PUT, 3);
+  release(&in, 3, 0, 1);
+  chan_op(&in, 8, TENSORD__REQUEST__BODY_CHAN_TAKE, 1);
+  chan_op(&in, 9, TENSORD__REQUEST__BODY_CHAN_LIST, 0);
+  chan_op(&in, 0, TENSORD__REQUEST__BODY_CHAN_CLOSE, 0);
+  stat_(&in, 10);
+  write_input("channel", &in);
 }
 
 static void gen_bad(void) {

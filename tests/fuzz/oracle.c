@@ -1047,6 +1047,28 @@ static void do_scope(oend *e, item *it) {
   n->live = 1;
 }
 
+/* Channels (docs/channels.md): the model does not follow them. A refusal
+ * changes nothing; a ChanCreate without slots and a ChanList change no
+ * storage; anything else that succeeds moves references (slots, tickets),
+ * and the model stops predicting. */
+static void do_chan(oend *e, item *it) {
+  (void)e;
+  const Tensord__Request *q = it->req;
+  const Tensord__Response *rep = it->reply;
+  if (q->body_case == TENSORD__REQUEST__BODY_CHAN_CLOSE) {
+    it->expect = X_NONE;
+    return;
+  }
+  if (O.lost || it->ambiguous || rep == NULL || is_error(rep))
+    return;
+  if (q->body_case == TENSORD__REQUEST__BODY_CHAN_LIST ||
+      (q->body_case == TENSORD__REQUEST__BODY_CHAN_CREATE &&
+       q->chan_create->n_slots == 0) ||
+      q->body_case == TENSORD__REQUEST__BODY_CHAN_OPEN)
+    return;
+  lose("a channel request moved references the model does not follow");
+}
+
 /* Requests that change nothing: only their reply is checked. */
 static void do_query(oend *e, item *it) {
   const Tensord__Request *q = it->req;
@@ -1227,6 +1249,15 @@ static void handle(oend *e, item *it) {
     return;
   case TENSORD__REQUEST__BODY_SCOPE:
     do_scope(e, it);
+    return;
+  case TENSORD__REQUEST__BODY_CHAN_CREATE:
+  case TENSORD__REQUEST__BODY_CHAN_OPEN:
+  case TENSORD__REQUEST__BODY_CHAN_SLOT:
+  case TENSORD__REQUEST__BODY_CHAN_CLOSE:
+  case TENSORD__REQUEST__BODY_CHAN_PUT:
+  case TENSORD__REQUEST__BODY_CHAN_TAKE:
+  case TENSORD__REQUEST__BODY_CHAN_LIST:
+    do_chan(e, it);
     return;
   default:
     do_query(e, it);

@@ -273,20 +273,23 @@ int td_chan_create(td_client *c, const char *name, const td_chan_opts *o,
     req.chan_create = &m;
     err = td__call(c, &req, TENSORD__RESPONSE__BODY_CHAN, &r, &fd);
   }
-  for (uint32_t i = 0; i < o->slots; i++)
-    td_storage_release(ss[i]); /* the channel has its own reference */
-  free(ss);
   free(ids);
-  if (err < 0)
-    return err;
-  td_chan *ch = chan_new(c, name);
-  if (ch == NULL) {
+  td_chan *ch = NULL;
+  if (err == 0 && (ch = chan_new(c, name)) == NULL) {
     tensord__response__free_unpacked(r, NULL);
     close(fd);
-    return td__fail(c, TD_ENOMEM, "out of memory");
+    err = td__fail(c, TD_ENOMEM, "out of memory");
   }
-  atomic_store(&ch->spin_us, o->spin_us);
-  return finish(ch, r, fd, out);
+  if (err == 0) {
+    atomic_store(&ch->spin_us, o->spin_us);
+    err = finish(ch, r, fd, out);
+  }
+  /* The channel has its own reference to each slot; ours go now, after
+   * the end has mapped them (the mappings are shared). */
+  for (uint32_t i = 0; i < o->slots; i++)
+    td_storage_release(ss[i]);
+  free(ss);
+  return err;
 }
 
 static int open_once(td_client *c, const char *name, unsigned flags,

@@ -537,11 +537,12 @@ int td_chan_recv(td_chan *ch, int timeout_ms, td_storage **out, td_view *v) {
   if (td_view_check(&e.view, td_storage_nbytes(s)) < 0) {
     char why[256];
     snprintf(why, sizeof(why), "%s", td_view_last_error());
+    uint64_t id = td_storage_id(s); /* named after s is released */
     td_storage_release(s);
     return chan_fail(ch, TD_EPROTO,
                      "receive: the entry's view of storage %llu: %s (garbage "
                      "in the ring)",
-                     (unsigned long long)td_storage_id(s), why);
+                     (unsigned long long)id, why);
   }
   *out = s;
   *v = e.view;

@@ -144,8 +144,10 @@ static int lock(td__ring *r, uint32_t end, int64_t deadline, char *msg,
     if (gone(s))
       return gone_msg(s, msg, len);
     uint32_t v = atomic_load(l);
-    if (v == 0) {
-      /* Taken with the sleepers bit: others may still sleep on it. */
+    if ((v & ~TD__LOCK_SLEEPERS) == 0) {
+      /* Free: 0, or the sleepers bit alone (which no unlock leaves, but an
+       * end may write; it names no holder that tensord could free it of).
+       * Taken with the sleepers bit: others may still sleep on it. */
       if (atomic_compare_exchange_strong(l, &v, end | TD__LOCK_SLEEPERS))
         return 0;
       continue;

@@ -300,7 +300,12 @@ int td__chan_repair(td__chan *ch) {
   if (!ch->repair_due)
     return 0;
   char msg[200];
-  int n = td__ring_repair(&ch->ring, end_dead, ch, msg, sizeof(msg));
+  /* A corrupt ring is not put right (its slots go back with the channel):
+   * its lock may stay held by garbage for good, and a repair that waited
+   * for it would run the timer every millisecond until the channel goes. */
+  int n = ch->corrupt ? 0
+                      : td__ring_repair(&ch->ring, end_dead, ch, msg,
+                                        sizeof(msg));
   if (n == TD_EBUSY)
     return n;
   if (n == TD_EPROTO)
@@ -320,15 +325,26 @@ int td__chan_repair(td__chan *ch) {
 }
 
 int td__chan_check(td__chan *ch) {
-  if (ch->corrupt)
-    return 0;
   uint32_t state = atomic_load(&ch->ring.hdr->state);
+  if (ch->corrupt) {
+    /* Closed for good, whatever an end writes over the flag since. */
+    if (!(state & TD__RING_CORRUPT))
+      td__ring_set_state(&ch->ring, TD__RING_CORRUPT, 0);
+    return 0;
+  }
   if (state & TD__RING_CORRUPT) {
     td__chan_set_corrupt(ch, "an end found its ring corrupt");
     return 1;
   }
+  if (state & TD__RING_CLOSED) {
+    td__chan_set_corrupt(ch, "its ring says tensord closed it, which it did "
+                             "not");
+    return 1;
+  }
+  /* tensord holds the lock only inside td__ring_repair, on this thread:
+   * its id there now is garbage, as is an id no end has. */
   uint32_t holder = td__ring_lock_holder(&ch->ring);
-  if (holder != 0 && holder != TD__END_DAEMON) {
+  if (holder != 0) {
     int known = 0;
     for (td__chan_end *e = ch->ends; e && !known; e = e->next)
       known = e->id == holder;

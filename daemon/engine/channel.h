@@ -112,12 +112,16 @@ int td__chan_end_remove(td__chan_end *e, int dead);
 td__chan_end *td__chan_end_find(const td__chan *ch, uint32_t id);
 
 /* Puts the ring right after its dead ends (td__ring_repair), then forgets
- * them. Returns the slots given back, TD_EBUSY (a live end holds the lock:
- * call again soon), or TD_EPROTO (ch is now corrupt, why in ch->why). */
+ * them; a corrupt channel's ring is left as it is. Returns the slots given
+ * back, TD_EBUSY (a live end holds the lock: call again soon), or
+ * TD_EPROTO (ch is now corrupt, why in ch->why). */
 int td__chan_repair(td__chan *ch);
 /* Looks at the ring for signs of garbage that no call noticed: the corrupt
- * flag an end set, or a lock held by no end. Returns 1 if ch is found
- * corrupt now (ch->corrupt, ch->why set), else 0. */
+ * flag an end set, the closed flag (which tensord sets only as it frees
+ * ch), or a lock held by no end (tensord's own id included: it holds the
+ * lock only inside a repair). Returns 1 if ch is found corrupt now
+ * (ch->corrupt, ch->why set), else 0. On a channel already corrupt it sets
+ * the ring's flag again if an end cleared it. */
 int td__chan_check(td__chan *ch);
 /* Marks ch corrupt with why: the ring's flag set, everyone woken. */
 void td__chan_set_corrupt(td__chan *ch, const char *why);

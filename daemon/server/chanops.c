@@ -420,6 +420,18 @@ static int op_take(td__conn *c, uint64_t seq, const Tensord__ChanTake *m) {
     return reject(c, seq, TD_EPERM, "channel '%s': end %u does not receive",
                   ch->name, (unsigned)e->id);
   td__ticket *t = td__chan_ticket(ch, m->ticket);
+  if (t == NULL && !m->cancel) {
+    /* Each ticket is pushed once, by the end that was given it, and taken
+     * once: an entry under one that no storage waits under is garbage an
+     * end wrote into the ring (a ticket made up, or an entry copied). */
+    char why[160];
+    snprintf(why, sizeof(why),
+             "an entry of its ring names ticket %llu, under which no "
+             "storage waits (taken already, or never given)",
+             (unsigned long long)m->ticket);
+    td__chan_set_corrupt(ch, why);
+    return corrupt_reply(c, seq, ch);
+  }
   if (t == NULL || (m->cancel && t->end != e->id))
     return reject(c, seq, TD_ENOENT,
                   "channel '%s': entry with ticket %llu: no storage waits "

@@ -539,9 +539,12 @@ int td_chan_recv(td_chan *ch, int timeout_ms, td_storage **out, td_view *v) {
     snprintf(why, sizeof(why), "%s", td_view_last_error());
     uint64_t id = td_storage_id(s); /* named after s is released */
     td_storage_release(s);
+    /* As any garbage the ring itself shows: closed for everyone (tensord
+     * sees the flag at its next look). */
+    td__ring_set_state(&ch->ring, TD__RING_CORRUPT, 0);
     return chan_fail(ch, TD_EPROTO,
                      "receive: the entry's view of storage %llu: %s (garbage "
-                     "in the ring)",
+                     "in the ring); it is closed",
                      (unsigned long long)id, why);
   }
   *out = s;

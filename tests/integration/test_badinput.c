@@ -458,8 +458,9 @@ TDT_TEST(badinput, request_without_body_is_enosys_and_connection_stays) {
 
 TDT_TEST(badinput, request_from_a_newer_client_is_enosys_and_connection_stays) {
   raw *r = raw_open(1);
-  /* seq 7, then field 30 (an operation this daemon does not know), empty. */
-  static const uint8_t future[] = {0x08, 0x07, 0xf2, 0x01, 0x00};
+  /* seq 7, then field 90 (an operation this daemon does not know), empty:
+   * the tag (90 << 3 | 2) is the varint 0xd2 0x05. */
+  static const uint8_t future[] = {0x08, 0x07, 0xd2, 0x05, 0x00};
   raw_send_payload(r, future, sizeof(future));
   uint64_t seq = expect_error(r, TD_ENOSYS, "unknown operation");
   cr_assert_eq(seq, 7);

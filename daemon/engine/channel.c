@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef struct namespan {
@@ -89,27 +90,17 @@ static int ring_make(td__chan *ch, size_t size, char *msg, size_t len) {
   return 0;
 }
 
-int td__chan_new(td__chans *cs, const char *name, size_t len,
-                 uint32_t capacity, uint32_t nslots, uint64_t slot_bytes,
-                 uint32_t mode, const td__peer *owner, int64_t now_ms,
-                 td__chan **out, char *msg, size_t msglen) {
-  if (td__chan_find(cs, name, len) != NULL)
-    return td__msg(msg, msglen, TD_EEXIST, "a channel of that name is open");
-  size_t size = td__ring_size(capacity, nslots);
-  if (size == 0 || (nslots > 0 && slot_bytes == 0))
-    return td__msg(msg, msglen, TD_EINVAL,
-                   "capacity %u, %u slots of %llu bytes: the capacity must be "
-                   "a power of two up to %u, the slots at most %u, of at "
-                   "least one byte",
-                   (unsigned)capacity, (unsigned)nslots,
-                   (unsigned long long)slot_bytes, TD_CHAN_CAPACITY_MAX,
-                   TD_CHAN_SLOTS_MAX);
+/* A channel with no ring yet, not in cs: its name, geometry, owner and
+ * holdings ("chan:NAME"). Returns it, or NULL (no memory). */
+static td__chan *chan_alloc(const char *name, size_t len, uint32_t capacity,
+                            uint32_t nslots, uint64_t slot_bytes, uint32_t mode,
+                            const td__peer *owner, int64_t now_ms) {
   td__chan *ch = calloc(1, sizeof(*ch) + len + 1);
   uint64_t *ids = calloc(nslots + 1, sizeof(*ids));
   if (ch == NULL || ids == NULL) {
     free(ch);
     free(ids);
-    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+    return NULL;
   }
   memcpy(ch->name, name, len);
   ch->len = len;
@@ -122,36 +113,123 @@ int td__chan_new(td__chans *cs, const char *name, size_t len,
   ch->created_ms = now_ms;
   ch->next_end = 1;
   ch->next_ticket = 1;
+  ch->fd = -1;
   td__htab_init(&ch->tickets);
   td__peer hp = {0, owner->uid, owner->gid};
   td__holdings_init(&ch->hold, &hp);
   snprintf(ch->hold_name, sizeof(ch->hold_name), "chan:%s", ch->name);
   ch->hold.name = ch->hold_name;
+  return ch;
+}
+
+/* Frees ch as chan_alloc made it, with its ring if it has one (fd >= 0). */
+static void chan_unalloc(td__chan *ch) {
+  if (ch->fd >= 0) {
+    munmap(ch->ring.hdr, ch->ring.size);
+    close(ch->fd);
+  }
+  td__htab_free(&ch->tickets);
+  free(ch->slot_ids);
+  free(ch);
+}
+
+/* Puts ch in cs under its id. Returns 0, or TD_ENOMEM (cs unchanged). */
+static int chan_insert(td__chans *cs, td__chan *ch) {
+  if (td__htab_insert(&cs->by_name, &ch->node,
+                      td__hash_bytes(ch->name, ch->len)) < 0)
+    return TD_ENOMEM;
+  if (td__htab_insert(&cs->by_id, &ch->inode, td__hash_u64(ch->id)) < 0) {
+    td__htab_remove(&cs->by_name, &ch->node);
+    return TD_ENOMEM;
+  }
+  cs->n++;
+  return 0;
+}
+
+int td__chan_new(td__chans *cs, const char *name, size_t len, uint32_t capacity,
+                 uint32_t nslots, uint64_t slot_bytes, uint32_t mode,
+                 const td__peer *owner, int64_t now_ms, td__chan **out,
+                 char *msg, size_t msglen) {
+  if (td__chan_find(cs, name, len) != NULL)
+    return td__msg(msg, msglen, TD_EEXIST, "a channel of that name is open");
+  size_t size = td__ring_size(capacity, nslots);
+  if (size == 0 || (nslots > 0 && slot_bytes == 0))
+    return td__msg(msg, msglen, TD_EINVAL,
+                   "capacity %u, %u slots of %llu bytes: the capacity must be "
+                   "a power of two up to %u, the slots at most %u, of at "
+                   "least one byte",
+                   (unsigned)capacity, (unsigned)nslots,
+                   (unsigned long long)slot_bytes, TD_CHAN_CAPACITY_MAX,
+                   TD_CHAN_SLOTS_MAX);
+  td__chan *ch =
+      chan_alloc(name, len, capacity, nslots, slot_bytes, mode, owner, now_ms);
+  if (ch == NULL)
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
   int err = ring_make(ch, size, msg, msglen);
   if (err < 0) {
-    free(ids);
-    free(ch);
+    chan_unalloc(ch);
     return err;
   }
   ch->id = cs->next_id;
-  if (td__htab_insert(&cs->by_name, &ch->node, td__hash_bytes(name, len)) <
-      0) {
-    munmap(ch->ring.hdr, ch->ring.size);
-    close(ch->fd);
-    free(ids);
-    free(ch);
-    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
-  }
-  if (td__htab_insert(&cs->by_id, &ch->inode, td__hash_u64(ch->id)) < 0) {
-    td__htab_remove(&cs->by_name, &ch->node);
-    munmap(ch->ring.hdr, ch->ring.size);
-    close(ch->fd);
-    free(ids);
-    free(ch);
+  if (chan_insert(cs, ch) < 0) {
+    chan_unalloc(ch);
     return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
   }
   cs->next_id++;
-  cs->n++;
+  *out = ch;
+  return 0;
+}
+
+int td__chan_restore(td__chans *cs, const char *name, size_t len, uint64_t id,
+                     uint32_t capacity, uint32_t nslots, uint64_t slot_bytes,
+                     uint32_t mode, const td__peer *owner, int64_t created_ms,
+                     int fd, td__chan **out, char *msg, size_t msglen) {
+  size_t size = td__ring_size(capacity, nslots);
+  struct stat st;
+  int seals = fd >= 0 ? fcntl(fd, F_GET_SEALS) : -1;
+  const int need = F_SEAL_SHRINK | F_SEAL_GROW;
+  if (fd < 0 || id == 0 || size == 0 || (nslots > 0 && slot_bytes == 0) ||
+      fstat(fd, &st) < 0 || (uint64_t)st.st_size != size || seals < 0 ||
+      (seals & need) != need) {
+    if (fd >= 0)
+      close(fd);
+    return td__msg(msg, msglen, TD_EPROTO,
+                   "channel %llu: a ring of %u entries and %u slots of %llu "
+                   "bytes (%zu bytes due) in %s",
+                   (unsigned long long)id, (unsigned)capacity, (unsigned)nslots,
+                   (unsigned long long)slot_bytes, size,
+                   fd < 0 ? "no fd" : "an fd not of that size, or not sealed");
+  }
+  if (td__chan_find(cs, name, len) != NULL || td__chan_by_id(cs, id) != NULL) {
+    close(fd);
+    return td__msg(msg, msglen, TD_EEXIST,
+                   "channel %llu: its name or its id came twice",
+                   (unsigned long long)id);
+  }
+  td__chan *ch = chan_alloc(name, len, capacity, nslots, slot_bytes, mode,
+                            owner, created_ms);
+  if (ch == NULL) {
+    close(fd);
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+  }
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = -errno;
+    close(fd);
+    chan_unalloc(ch);
+    return td__msg(msg, msglen, err, "channel %llu: mapping its ring: %s",
+                   (unsigned long long)id, strerror(-err));
+  }
+  /* What the ends wrote stays as it is: they go on using it. */
+  td__ring_attach(&ch->ring, p, size, capacity, nslots, slot_bytes);
+  ch->fd = fd;
+  ch->id = id;
+  if (chan_insert(cs, ch) < 0) {
+    chan_unalloc(ch);
+    return td__msg(msg, msglen, TD_ENOMEM, "out of memory");
+  }
+  if (cs->next_id <= id)
+    cs->next_id = id + 1;
   *out = ch;
   return 0;
 }
@@ -175,16 +253,12 @@ void td__chan_free(td__chans *cs, td__registry *reg, td__chan *ch) {
     td__htab_remove(&ch->tickets, n);
     free(td__container_of(n, td__ticket, node));
   }
-  td__htab_free(&ch->tickets);
   td__holdings_clear(reg, &ch->hold);
   for (td__chan_end *e = ch->ends, *next; e; e = next) {
     next = e->next;
     free(e);
   }
-  munmap(ch->ring.hdr, ch->ring.size);
-  close(ch->fd);
-  free(ch->slot_ids);
-  free(ch);
+  chan_unalloc(ch);
 }
 
 int td__chan_may(const td__chan *ch, const td__holdings *h, unsigned flags) {
@@ -400,4 +474,114 @@ void td__chan_ticket_done(td__registry *reg, td__chan *ch, td__ticket *t) {
   int ro = t->ro;
   free(t);
   td__ref_drop(reg, &ch->hold, id, ro, 1);
+}
+
+int td__chan_end_restore(td__chan *ch, uint32_t id, unsigned flags, int left,
+                         int dead, void *conn, const td__holdings *h,
+                         td__chan_end **out) {
+  if (id == 0 || id >= ch->next_end || flags == 0 ||
+      (flags & ~(TD_CHAN_SEND | TD_CHAN_RECV)) != 0 ||
+      (!dead && (conn == NULL || h == NULL)))
+    return TD_EPROTO;
+  for (const td__chan_end *e = ch->ends; e; e = e->next)
+    if (e->id == id)
+      return TD_EEXIST;
+  if (!dead && ch->nends >= TD__CHAN_ENDS_MAX)
+    return TD_EMFILE;
+  td__chan_end *e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return TD_ENOMEM;
+  e->id = id;
+  e->flags = flags;
+  e->left = left || dead; /* a dead end left when it died */
+  e->dead = dead;
+  e->conn = dead ? NULL : conn;
+  e->hold = dead ? NULL : h;
+  e->chan = ch;
+  TD__LIST_PUSH(&ch->ends, e, prev, next);
+  if (!dead)
+    ch->nends++;
+  if (!e->left) {
+    ch->senders += (flags & TD_CHAN_SEND) != 0;
+    ch->receivers += (flags & TD_CHAN_RECV) != 0;
+  }
+  *out = e;
+  return 0;
+}
+
+int td__chan_ticket_restore(td__chan *ch, uint64_t ticket, uint64_t id, int ro,
+                            uint32_t end) {
+  if (ticket == 0 || ticket >= ch->next_ticket || end == 0 ||
+      end >= ch->next_end)
+    return TD_EPROTO;
+  if (td__chan_ticket(ch, ticket) != NULL)
+    return TD_EEXIST;
+  td__ticket *t = calloc(1, sizeof(*t));
+  if (t == NULL)
+    return TD_ENOMEM;
+  t->ticket = ticket;
+  t->id = id;
+  t->ro = ro;
+  t->end = end;
+  if (td__htab_insert(&ch->tickets, &t->node, td__hash_u64(ticket)) < 0) {
+    free(t);
+    return TD_ENOMEM;
+  }
+  ch->ntickets++;
+  return 0;
+}
+
+/* A reference the channel's state calls for: a slot's, or a ticket's. */
+typedef struct need {
+  uint64_t id;
+  int ro;
+} need;
+
+static int need_cmp(const void *a, const void *b) {
+  const need *x = a, *y = b;
+  return x->id < y->id ? -1 : x->id > y->id;
+}
+
+int td__chan_check_refs(const td__chan *ch, char *msg, size_t len) {
+  size_t n = ch->nslots + ch->ntickets, k = 0;
+  need *v = malloc((n + 1) * sizeof(*v));
+  if (v == NULL)
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < ch->nslots; i++)
+    v[k++] = (need){ch->slot_ids[i], 0};
+  for (size_t b = 0; b < ch->tickets.nbuckets; b++)
+    for (const td__hnode *hn = ch->tickets.buckets[b]; hn && k < n;
+         hn = hn->next) {
+      const td__ticket *t = td__container_of(hn, td__ticket, node);
+      v[k++] = (need){t->id, t->ro};
+    }
+  qsort(v, k, sizeof(*v), need_cmp);
+  size_t groups = 0;
+  int err = 0;
+  for (size_t i = 0, j; i < k && err == 0; i = j) {
+    uint64_t rw = 0, ro = 0;
+    for (j = i; j < k && v[j].id == v[i].id; j++) {
+      if (v[j].ro)
+        ro++;
+      else
+        rw++;
+    }
+    groups++;
+    const td__ref *r = td__ref_find(&ch->hold, v[i].id);
+    if (r == NULL || r->rw != rw || r->ro != ro)
+      err =
+          td__msg(msg, len, TD_EPROTO,
+                  "channel '%s': storage %llu: its slots and tickets call "
+                  "for %llu read-write and %llu read-only reference(s), it "
+                  "holds %u and %u",
+                  ch->name, (unsigned long long)v[i].id, (unsigned long long)rw,
+                  (unsigned long long)ro, r ? r->rw : 0, r ? r->ro : 0);
+  }
+  if (err == 0 && groups != ch->hold.refs.count)
+    err = td__msg(msg, len, TD_EPROTO,
+                  "channel '%s': holds %zu storage(s), of which its slots and "
+                  "tickets name %zu",
+                  ch->name, (size_t)ch->hold.refs.count, groups);
+  free(v);
+  return err;
 }

@@ -84,6 +84,18 @@ int td__chan_new(td__chans *cs, const char *name, size_t len,
                  uint32_t capacity, uint32_t nslots, uint64_t slot_bytes,
                  uint32_t mode, const td__peer *owner, int64_t now_ms,
                  td__chan **out, char *msg, size_t msglen);
+/* Rebuilds channel name with id, as a live upgrade hands it over, around
+ * fd, the memfd of its ring that the old daemon made: sealed, of
+ * td__ring_size of the geometry (checked). Maps it as the ends left it:
+ * nothing in it is written. Takes ownership of fd. The caller sets the
+ * rest (slot ids, counters, state), then restores its ends, tickets and
+ * references. Returns 0, or TD_EPROTO (no fd, another size, not sealed),
+ * TD_EEXIST (its name or id is taken), TD_ENOMEM, or mmap's error, with
+ * msg; nothing is left on failure (fd closed). */
+int td__chan_restore(td__chans *cs, const char *name, size_t len, uint64_t id,
+                     uint32_t capacity, uint32_t nslots, uint64_t slot_bytes,
+                     uint32_t mode, const td__peer *owner, int64_t created_ms,
+                     int fd, td__chan **out, char *msg, size_t msglen);
 /* Gives ch a read-write reference to s as slot index. Returns 0, or
  * td__ref_add's error. */
 int td__chan_add_slot(td__registry *reg, td__chan *ch, uint32_t index,
@@ -108,6 +120,15 @@ void td__chan_end_leave(td__chan_end *e);
  * dead, until a repair gives back what it had; otherwise it is freed.
  * Returns 1 if ch has no live end left (the caller frees ch). */
 int td__chan_end_remove(td__chan_end *e, int dead);
+/* Puts an end as a live upgrade hands it over first in ch->ends (not in
+ * its connection's list: the caller's): with dead, one kept for a repair,
+ * without a connection; else conn's, on the sides in flags. Returns 0 with
+ * the end in *out, or
+ * TD_EPROTO (an id ch never gave, bad flags, no connection), TD_EEXIST (the
+ * id is there), TD_EMFILE or TD_ENOMEM; ch is unchanged on failure. */
+int td__chan_end_restore(td__chan *ch, uint32_t id, unsigned flags, int left,
+                         int dead, void *conn, const td__holdings *h,
+                         td__chan_end **out);
 /* The end of ch with that id, or NULL. */
 td__chan_end *td__chan_end_find(const td__chan *ch, uint32_t id);
 
@@ -142,6 +163,15 @@ int td__chan_put(td__registry *reg, td__chan *ch, uint32_t end, td__storage *s,
                  int ro, uint64_t *ticket);
 /* The ticket, or NULL. */
 td__ticket *td__chan_ticket(const td__chan *ch, uint64_t ticket);
+/* Gives ch a ticket as a live upgrade hands it over, without its reference
+ * (that comes with the storage's holders). Returns 0, or TD_EPROTO (a ticket
+ * or end ch never gave), TD_EEXIST, TD_ENOMEM; ch is unchanged on failure. */
+int td__chan_ticket_restore(td__chan *ch, uint64_t ticket, uint64_t id, int ro,
+                            uint32_t end);
+/* Checks that ch holds exactly the references its slots (one read-write
+ * each) and tickets (one of the ticket's mode each) call for, and no other.
+ * Returns 0, or TD_EPROTO (or TD_ENOMEM) with msg. */
+int td__chan_check_refs(const td__chan *ch, char *msg, size_t len);
 /* Forgets t and drops ch's reference (the taker has added its own first).
  */
 void td__chan_ticket_done(td__registry *reg, td__chan *ch, td__ticket *t);

@@ -86,6 +86,13 @@ static void on_tick(uv_timer_t *t) {
 
 void td__chans_listen(td__server *srv) {
   uv_timer_init(srv->loop, &srv->chan_timer);
+  /* Channels a live upgrade handed over are checked from now on, and the
+   * ends that died before it are repaired after at once. */
+  int soon = 0;
+  for (size_t i = 0; i < srv->chans.by_id.nbuckets; i++)
+    for (td__hnode *n = srv->chans.by_id.buckets[i]; n; n = n->next)
+      soon |= td__container_of(n, td__chan, inode)->repair_due;
+  arm(srv, soon);
 }
 
 void td__chans_close(td__server *srv) {

@@ -360,6 +360,7 @@ static int send_options(td__upgrade *u, chan *ch) {
   o.n_prev_prefixes = srv->nprev;
   o.prev_prefixes = prev;
   o.next_id = srv->reg.next_id;
+  o.next_chan_id = srv->chans.next_id;
   o.start_ms = srv->start_ms;
   o.pool_next_seq = srv->pool.next_seq;
   o.pool_hits = srv->pool.hits;
@@ -640,9 +641,32 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   u->new_pid = p->accept->pid;
   snprintf(u->new_version, sizeof(u->new_version), "%s",
            p->accept->daemon_version);
+  uint32_t version = p->accept->version;
   tensord__handover__packet__free_unpacked(p, NULL);
-  td__info("upgrade: handing over to tensord %s (pid %d)", u->new_version,
-           u->new_pid);
+  if (version < TD__HANDOVER_MIN_VERSION || version > TD__HANDOVER_VERSION) {
+    snprintf(msg, msglen,
+             "the new tensord %s (pid %d) accepted handover version %u; this "
+             "tensord speaks %u..%u",
+             u->new_version, u->new_pid, (unsigned)version,
+             TD__HANDOVER_MIN_VERSION, TD__HANDOVER_VERSION);
+    err = TD_EPROTONOSUPPORT;
+    goto out;
+  }
+  /* A successor that predates channels would drop them, and their
+   * references with them: never hand them to it. */
+  if (version < TD__HANDOVER_CHANNELS && srv->chans.n > 0) {
+    snprintf(msg, msglen,
+             "the new tensord %s (pid %d) speaks handover version %u, which "
+             "does not carry channels, and %llu channel(s) are open: close "
+             "them first, or upgrade to a tensord that speaks version %u",
+             u->new_version, u->new_pid, (unsigned)version,
+             (unsigned long long)srv->chans.n, TD__HANDOVER_CHANNELS);
+    err = TD_EPROTONOSUPPORT;
+    goto out;
+  }
+  td__info("upgrade: handing over to tensord %s (pid %d, handover version "
+           "%u)",
+           u->new_version, u->new_pid, (unsigned)version);
 
   Tensord__Handover__End end = TENSORD__HANDOVER__END__INIT;
   err = send_options(u, &ch);
@@ -654,28 +678,45 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   for (td__conn *c = tail; c != NULL && err == 0; c = c->prev) {
     c->hindex = UINT32_MAX;
     if (handed(u, c)) {
-      hc[index] = (td__handover_conn){&c->hold, c, &c->scopes, &c->nscopes};
+      hc[index] = (td__handover_conn){
+          &c->hold, c, &c->scopes, &c->nscopes, &c->chan_ends, &c->nchan_ends};
       c->hindex = index++;
       err = send_conn(&ch, c);
     }
   }
   end.conns = index;
   td__handover h;
-  if (err == 0 && (err = td__handover_save(&srv->reg, &srv->pool, hc, index,
-                                           number_of, &h)) == 0) {
+  if (err == 0 && (err = td__handover_save(&srv->reg, &srv->pool, &srv->chans,
+                                           hc, index, number_of, &h)) == 0) {
+    /* Each channel with its ring (a copy of the fd: the ends keep using
+     * the ring throughout, and so does this daemon if it serves on). */
+    for (size_t i = 0; i < h.nchans && err == 0; i++) {
+      Packet cp = TENSORD__HANDOVER__PACKET__INIT;
+      cp.body_case = TENSORD__HANDOVER__PACKET__BODY_CHANNEL;
+      cp.channel = h.chans[i];
+      err = chan_send(&ch, &cp, &h.chan_fds[i], 1);
+    }
+    /* Ends after the connections and channels they name; tickets after
+     * the storages they name. */
     struct {
       int body;
       ProtobufCMessage *m;
-    } lists[] = {{TENSORD__HANDOVER__PACKET__BODY_STORAGES, &h.storages.base},
-                 {TENSORD__HANDOVER__PACKET__BODY_POOL, &h.pool.base},
-                 {TENSORD__HANDOVER__PACKET__BODY_SCOPES, &h.scopes.base},
-                 {TENSORD__HANDOVER__PACKET__BODY_KEYS, &h.keys.base}};
-    for (size_t i = 0; i < 4 && err == 0; i++)
+    } lists[] = {
+        {TENSORD__HANDOVER__PACKET__BODY_CHAN_ENDS, &h.ends.base},
+        {TENSORD__HANDOVER__PACKET__BODY_STORAGES, &h.storages.base},
+        {TENSORD__HANDOVER__PACKET__BODY_POOL, &h.pool.base},
+        {TENSORD__HANDOVER__PACKET__BODY_SCOPES, &h.scopes.base},
+        {TENSORD__HANDOVER__PACKET__BODY_KEYS, &h.keys.base},
+        {TENSORD__HANDOVER__PACKET__BODY_CHAN_TICKETS, &h.tickets.base}};
+    for (size_t i = 0; i < sizeof(lists) / sizeof(lists[0]) && err == 0; i++)
       err = send_batches(&ch, lists[i].body, lists[i].m);
     end.storages = h.storages.n_storages;
     end.pooled = h.pool.n_pooled;
     end.scopes = h.scopes.n_scopes;
     end.keys = h.keys.n_keys;
+    end.channels = h.nchans;
+    end.chan_ends = h.ends.n_ends;
+    end.chan_tickets = h.tickets.n_tickets;
     td__handover_free(&h);
   }
   if (err == 0) {
@@ -720,10 +761,11 @@ static int hand_over(td__upgrade *u, char *msg, size_t msglen) {
   }
   if (err == 0)
     td__info("upgrade: tensord %s (pid %d) serves now: %llu client(s), %llu "
-             "storage(s), %llu key(s), %llu waiter(s) handed over",
+             "storage(s), %llu key(s), %llu waiter(s), %llu channel(s) "
+             "handed over",
              u->new_version, u->new_pid, (unsigned long long)end.conns,
              (unsigned long long)end.storages, (unsigned long long)end.keys,
-             (unsigned long long)end.waiters);
+             (unsigned long long)end.waiters, (unsigned long long)end.channels);
 out:
   if (err < 0) { /* so that the new side knows we live: best effort */
     Tensord__Handover__Abort ab = TENSORD__HANDOVER__ABORT__INIT;
@@ -814,18 +856,14 @@ static int may_upgrade(td__conn *c, uint64_t seq) {
                           (unsigned)me);
   if (srv->stopping)
     return td__conn_error(c, seq, TD_ECANCELED, "upgrade: tensord is stopping");
-  if (c->hold.nrefs > 0 || c->nwaiters > 0 || c->nscopes > 0 || c->ncreates > 0)
+  if (c->hold.nrefs > 0 || c->nwaiters > 0 || c->nscopes > 0 ||
+      c->ncreates > 0 || c->nchan_ends > 0)
     return td__conn_error(c, seq, TD_EBUSY,
                           "upgrade: this connection holds %llu reference(s), "
-                          "%u waiting lookup(s) and %u scope(s); ask from one "
-                          "that holds nothing",
+                          "%u waiting lookup(s), %u scope(s) and %u channel "
+                          "end(s); ask from one that holds nothing",
                           (unsigned long long)c->hold.nrefs, c->nwaiters,
-                          c->nscopes);
-  if (srv->chans.n > 0)
-    return td__conn_error(c, seq, TD_EBUSY,
-                          "upgrade: %llu channel(s) are open; a live upgrade "
-                          "does not carry channels: close them first",
-                          (unsigned long long)srv->chans.n);
+                          c->nscopes, c->nchan_ends);
   uint64_t cuda = cuda_storages(srv);
   if (cuda > 0)
     return td__conn_error(c, seq, TD_EBUSY,
@@ -1018,6 +1056,7 @@ typedef struct taking {
   int metrics_tcp;
   char metrics_path[108], metrics_where[128];
   uint64_t metrics_timeout_ms;
+  uint64_t chan_ends, chan_tickets; /* received (End checks them) */
   char msg[512];
 } taking;
 
@@ -1078,6 +1117,8 @@ static int take_options(taking *t, const Tensord__Handover__Options *o) {
   td__registry_init(&srv->reg, o->capacity, td__storage_gone, srv);
   srv->reg.quota = o->quota;
   srv->reg.next_id = o->next_id;
+  if (o->next_chan_id > 0) /* 0: from a tensord that predates channels */
+    srv->chans.next_id = o->next_chan_id;
   srv->max_clients = o->max_clients;
   srv->max_storages_per_client = o->max_storages_per_client;
   srv->max_waiters_per_client = o->max_waiters_per_client;
@@ -1172,8 +1213,8 @@ static int take_conn(taking *t, const Tensord__Handover__Conn *m) {
     td__watch_start(c, m->watch_seq, m->watch_prefix.data, m->watch_prefix.len);
     c->watch_dropped = m->watch_dropped;
   }
-  t->conns[t->nconns] =
-      (td__handover_conn){&c->hold, c, &c->scopes, &c->nscopes};
+  t->conns[t->nconns] = (td__handover_conn){
+      &c->hold, c, &c->scopes, &c->nscopes, &c->chan_ends, &c->nchan_ends};
   t->left[t->nconns][0] = m->input_len;
   t->left[t->nconns][1] = m->output_len;
   t->nconns++;
@@ -1261,7 +1302,17 @@ static int take_end(taking *t, const Tensord__Handover__End *m) {
                 (unsigned long long)m->keys, (unsigned long long)m->waiters,
                 t->nconns, srv->reg.storages.count, srv->reg.keys.count,
                 (unsigned long long)srv->waits.count);
-  return 0;
+  if (m->channels != srv->chans.n || m->chan_ends != t->chan_ends ||
+      m->chan_tickets != t->chan_tickets)
+    return fail(
+        t, TD_EPROTO,
+        "sent %llu channels, %llu ends, %llu tickets; rebuilt %llu, "
+        "%llu, %llu",
+        (unsigned long long)m->channels, (unsigned long long)m->chan_ends,
+        (unsigned long long)m->chan_tickets, (unsigned long long)srv->chans.n,
+        (unsigned long long)t->chan_ends, (unsigned long long)t->chan_tickets);
+  int err = td__handover_check(&srv->chans, t->msg, sizeof(t->msg));
+  return err;
 }
 
 /* Receives and rebuilds everything up to End. Returns 0 or a negative code
@@ -1286,6 +1337,10 @@ static int take_all(taking *t) {
     case TENSORD__HANDOVER__PACKET__BODY_WAITERS:
       err = take_waiters(t, p->waiters);
       break;
+    case TENSORD__HANDOVER__PACKET__BODY_CHANNEL:
+      err = td__handover_take_chan(&t->srv->chans, p->channel, chan_fd(&t->ch),
+                                   t->msg, sizeof(t->msg));
+      break;
     case TENSORD__HANDOVER__PACKET__BODY_END:
       err = take_end(t, p->end);
       done = 1;
@@ -1294,8 +1349,12 @@ static int take_all(taking *t) {
       err = fail(t, TD_ECANCELED, "%s", p->abort->message);
       break;
     default: /* the engine's lists; it refuses any other packet */
-      err = td__handover_take(&t->srv->reg, &t->srv->pool, t->conns, t->nconns,
-                              p, t->msg, sizeof(t->msg));
+      if (p->body_case == TENSORD__HANDOVER__PACKET__BODY_CHAN_ENDS)
+        t->chan_ends += p->chan_ends->n_ends;
+      if (p->body_case == TENSORD__HANDOVER__PACKET__BODY_CHAN_TICKETS)
+        t->chan_tickets += p->chan_tickets->n_tickets;
+      err = td__handover_take(&t->srv->reg, &t->srv->pool, &t->srv->chans,
+                              t->conns, t->nconns, p, t->msg, sizeof(t->msg));
     }
     tensord__handover__packet__free_unpacked(p, NULL);
     if (err < 0 || done)
@@ -1664,14 +1723,15 @@ int td__upgrade_start(td__server *srv, uv_loop_t *loop, const td__options *o,
     td__scrape_adopt(&srv->scrape, srv, t.metrics_fd, t.metrics_tcp,
                      t.metrics_path, t.metrics_where, t.metrics_timeout_ms);
   td__info("tensord %s took over from tensord %s (pid %d) on %s: %llu "
-           "client(s), %llu storage(s), %llu key(s), %llu waiter(s); "
-           "instance %016llx, pid %d",
+           "client(s), %llu storage(s), %llu key(s), %llu waiter(s), %llu "
+           "channel(s); instance %016llx, pid %d",
            TD_VERSION_STRING, old_version, old_pid, srv->socket_path,
            (unsigned long long)srv->nconns,
            (unsigned long long)srv->reg.storages.count,
            (unsigned long long)srv->reg.keys.count,
            (unsigned long long)srv->waits.count,
-           (unsigned long long)srv->instance, (int)getpid());
+           (unsigned long long)srv->chans.n, (unsigned long long)srv->instance,
+           (int)getpid());
   td__server_notify("READY=1");
   return 0;
 }

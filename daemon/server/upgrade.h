@@ -1,6 +1,6 @@
 /* upgrade.h: live upgrade: a running tensord hands its listening socket,
- * clients, storages, keys and waiters to a new tensord, which serves on
- * without a client noticing (docs/operations.md, "Live upgrade"). */
+ * clients, storages, keys, waiters and channels to a new tensord, which serves
+ * on without a client noticing (docs/operations.md, "Live upgrade"). */
 #ifndef TD_DAEMON_UPGRADE_H
 #define TD_DAEMON_UPGRADE_H
 
@@ -10,9 +10,12 @@
 #include <stdint.h>
 #include <uv.h>
 
-/* The handover formats (proto/handover.proto) this tensord speaks. */
-#define TD__HANDOVER_VERSION 1
+/* The handover formats (proto/handover.proto) this tensord speaks: 1, and 2,
+ * which adds channels. A handover at 1 (to a successor that predates
+ * channels) goes through only while no channel is open. */
+#define TD__HANDOVER_VERSION 2
 #define TD__HANDOVER_MIN_VERSION 1
+#define TD__HANDOVER_CHANNELS 2 /* the first that carries channels */
 
 struct Tensord__Upgrade;
 

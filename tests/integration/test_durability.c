@@ -876,3 +876,89 @@ TDT_TEST(durability, a_compacted_snapshot_leaves_scoped_keys_out) {
   only_the_ordinary_key_is_back(inst);
   finish((const char *const[]){"scope/kept", "scope/failed"}, 2);
 }
+
+/* ---- channels: never journaled ---- */
+
+/* A restart closes every connection, so every end of every channel goes,
+ * and each channel with them; its slots are storages no key names, freed
+ * like any other. With crash, tensord is killed instead of stopped: the
+ * next start's sweep unlinks them. Either way the channel's name is free,
+ * the keys are back, and no slot's segment is left. */
+static void restart_with_a_channel(int crash) {
+  start(NULL);
+  uint64_t inst = d.instance;
+  td_client *c = tdt_connect(&d);
+  td_storage *k = scope_storage(c, 0x5a);
+  cr_assert_eq(td_publish(c, "chan/kept", k, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(k);
+  td_chan_opts o = {.capacity = 8, .slots = 3, .slot_bytes = 4096};
+  td_chan *ch;
+  cr_assert_eq(td_chan_create(c, "chan/pipe", &o, &ch), 0, "%s",
+               td_last_error(c));
+  /* A slot in the ring, one on loan, and a storage in flight. */
+  td_view v;
+  int64_t shape[1] = {4096};
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, shape, &v), 0);
+  td_storage *sent, *loaned, *plain;
+  cr_assert_eq(td_chan_loan(ch, 0, &sent), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_chan_send(ch, sent, &v, 0), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_chan_loan(ch, 0, &loaned), 0, "%s", td_last_error(c));
+  plain = scope_storage(c, 0x77);
+  cr_assert_eq(td_chan_send(ch, plain, &v, 0), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_segments(&d), 5, "the key's, 3 slots and one in flight");
+  cr_assert(state_has("chan/kept"));
+  cr_assert(!state_has("chan/pipe"), "a channel was journaled");
+
+  if (crash) {
+    kill9();
+  } else {
+    cr_assert_eq(kill(d.pid, SIGTERM), 0);
+    cr_assert_eq(tdt_wait(d.pid), 0, "see %s", d.log);
+    d.pid = 0;
+    /* The stop itself freed the channel's storages: only the key's is kept
+     * for the next start, and nothing is pooled. */
+    cr_assert_eq(tdt_segments_of(inst), 1,
+                 "%d segment(s) kept; only the key's should be",
+                 tdt_segments_of(inst));
+    cr_assert_eq(tdt_pooled_of(inst), 0);
+  }
+  td_storage_release(loaned);
+  td_chan_close(ch);
+  td_close(c);
+  restart();
+
+  c = tdt_connect(&d);
+  td_chan *again = NULL;
+  cr_assert_eq(td_chan_open(c, "chan/pipe", 0, 0, &again), TD_ENOENT,
+               "the channel came back: %s", td_last_error(c));
+  cr_assert_null(again);
+  td_storage *s;
+  cr_assert_eq(td_lookup(c, "chan/kept", TD_RDONLY, 0, &s, NULL), 0,
+               "the key was lost: %s", td_last_error(c));
+  cr_assert_eq(((const uint8_t *)td_storage_data(s))[4095], 0x5a);
+  td_storage_release(s);
+  td_stat st;
+  cr_assert_eq(td_stat_get(c, &st), 0);
+  cr_assert_eq(st.storages, 1, "%llu storage(s) after the restart",
+               (unsigned long long)st.storages);
+  /* The name is free for a channel of this instance. */
+  td_chan_opts o2 = {.capacity = 4};
+  cr_assert_eq(td_chan_create(c, "chan/pipe", &o2, &again), 0, "%s",
+               td_last_error(c));
+  td_chan_close(again);
+  td_close(c);
+  cr_assert_eq(tdt_segments_of(inst), 1,
+               "%d segment(s) of the first instance left; the slots' should "
+               "be gone",
+               tdt_segments_of(inst));
+  cr_assert_eq(tdt_pooled_of(inst), 0);
+  finish((const char *const[]){"chan/kept"}, 1);
+}
+
+TDT_TEST(durability, a_restart_closes_channels_and_frees_their_slots) {
+  restart_with_a_channel(0);
+}
+
+TDT_TEST(durability, a_crash_loses_channels_and_the_start_sweeps_their_slots) {
+  restart_with_a_channel(1);
+}

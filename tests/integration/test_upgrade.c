@@ -1,6 +1,7 @@
 /* test_upgrade.c: live upgrade: tensord --upgrade and tensorctl upgrade hand
- * every client, reference, key, scope and waiter to a new tensord without a
- * client noticing; an incompatible handover version changes nothing; a
+ * every client, reference, key, scope, waiter and channel to a new tensord
+ * without a client noticing; an incompatible handover version changes
+ * nothing, nor does a successor that cannot carry the channels open; a
  * SIGKILL at any phase leaves exactly one daemon (or the --state-dir
  * recovery path); systemd learns the new MAINPID. */
 #include "cli.h"
@@ -822,7 +823,7 @@ TDT_TEST(upgrade, refuses_an_incompatible_handover_version) {
   pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
   unsetenv("TENSORD_HANDOVER_VERSION");
   cr_assert_neq(tdt_wait(pid), 0, "an incompatible tensord took over");
-  cr_assert(tdt_log_has(&d, "handover version 1 offered, this tensord speaks "
+  cr_assert(tdt_log_has(&d, "handover version 2 offered, this tensord speaks "
                             "999..999"));
   cr_assert(alive(d.pid));
   cr_assert_eq(serving_pid(), d.pid);
@@ -1706,4 +1707,437 @@ TDT_TEST(upgrade, tells_systemd_the_new_mainpid) {
   cr_assert_eq(ready, 1);
   cr_assert_eq(from_old, 1);
   cr_assert(serves_as(pid, patience(HANG_MS)));
+}
+
+/* ---- channels ---- */
+
+typedef struct flow {
+  atomic_int stop;       /* the producer stops and leaves */
+  atomic_int slots_only; /* the producer sends no storage of its own ... */
+  atomic_int slots_ack;  /* ... from now on */
+  atomic_int held; /* the holder has its loans */
+  atomic_int die;  /* the holder exits, its loans with it */
+  atomic_long sent_slots, sent_plain, got_slots, got_plain;
+} flow;
+
+static flow *fl;
+
+static td_view flow_view(void) {
+  td_view v;
+  int64_t shape[1] = {4096};
+  td_view_contiguous(TD_UINT8, 1, shape, &v);
+  return v;
+}
+
+/* Sends 1, 2, 3, ... on "flow": in slots, and every fourth in a storage of
+ * its own (through the daemon) unless told to send slots only, until told to
+ * stop. */
+static int flow_producer(void *arg) {
+  (void)arg;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_chan *ch;
+  CHECK_ERR(c, td_chan_open(c, "flow", TD_CHAN_SEND, 5000, &ch), 0);
+  td_view v = flow_view();
+  for (uint64_t n = 1; !atomic_load(&fl->stop); n++) {
+    td_storage *s;
+    int only = atomic_load(&fl->slots_only);
+    atomic_store(&fl->slots_ack, only);
+    int plain = n % 4 == 0 && !only;
+    if (plain)
+      CHECK_ERR(c, td_storage_create(c, 4096, &s), 0);
+    else
+      CHECK_ERR(c, td_chan_loan(ch, patience(HANG_MS), &s), 0);
+    uint64_t *p = td_storage_data(s);
+    p[0] = n;
+    p[1] = (uint64_t)plain;
+    CHECK_ERR(c, td_chan_send(ch, s, &v, patience(HANG_MS)), 0);
+    atomic_fetch_add(plain ? &fl->sent_plain : &fl->sent_slots, 1);
+  }
+  td_chan_close(ch);
+  td_close(c);
+  return 0;
+}
+
+/* Receives from "flow", each number the next, until every sender left. */
+static int flow_consumer(void *arg) {
+  (void)arg;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_chan *ch;
+  CHECK_ERR(c, td_chan_open(c, "flow", TD_CHAN_RECV, 5000, &ch), 0);
+  uint64_t last = 0;
+  for (;;) {
+    td_storage *s;
+    td_view v;
+    int err = td_chan_recv(ch, patience(HANG_MS), &s, &v);
+    if (err == TD_EPIPE)
+      break;
+    CHECK_ERR(c, err, 0);
+    const uint64_t *p = td_storage_data(s);
+    if (p[0] != last + 1)
+      fprintf(stderr, "flow: got %llu after %llu\n", (unsigned long long)p[0],
+              (unsigned long long)last);
+    CHECK(p[0] == last + 1);
+    last = p[0];
+    atomic_fetch_add(p[1] ? &fl->got_plain : &fl->got_slots, 1);
+    CHECK_ERR(c, td_storage_release(s), 0);
+  }
+  td_chan_close(ch);
+  td_close(c);
+  return 0;
+}
+
+/* Loans two slots of "flow" and keeps them until told to die, which it
+ * does without giving them back. */
+static int flow_holder(void *arg) {
+  (void)arg;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_chan *ch;
+  CHECK_ERR(c, td_chan_open(c, "flow", TD_CHAN_SEND, 5000, &ch), 0);
+  td_storage *s[2];
+  for (int i = 0; i < 2; i++) {
+    CHECK_ERR(c, td_chan_loan(ch, 5000, &s[i]), 0);
+    memset(td_storage_data(s[i]), 0x33, 4096);
+  }
+  atomic_store(&fl->held, 1);
+  while (!atomic_load(&fl->die))
+    tdt_sleep_ms(5);
+  _exit(0);
+}
+
+/* A channel as td_chan_list shows it, with its ends. */
+typedef struct chan_seen {
+  int found;
+  td_chan_info info;
+  td_chan_end_info ends[16];
+  uint64_t slot_ids[16];
+  char names[16][64];
+} chan_seen;
+
+static int see_chan(const td_chan_info *info, void *arg) {
+  chan_seen *cs = arg;
+  if (strcmp(info->name, "flow") != 0 && strcmp(info->name, "still") != 0 &&
+      strcmp(info->name, "kept") != 0)
+    return 0;
+  cs->found++;
+  cs->info = *info;
+  cs->info.name = NULL;
+  cs->info.ends = NULL;
+  cs->info.slot_ids = NULL;
+  for (size_t i = 0; i < info->nends && i < 16; i++) {
+    cs->ends[i] = info->ends[i];
+    snprintf(cs->names[i], sizeof(cs->names[i]), "%s", info->ends[i].name);
+    cs->ends[i].name = NULL;
+  }
+  for (size_t i = 0; i < info->nslot_ids && i < 16; i++)
+    cs->slot_ids[i] = info->slot_ids[i];
+  return 0;
+}
+
+static chan_seen list_chan(td_client *c) {
+  chan_seen cs;
+  memset(&cs, 0, sizeof(cs));
+  cr_assert_eq(td_chan_list(c, see_chan, &cs), 0, "%s", td_last_error(c));
+  cr_assert_eq(cs.found, 1, "%d channel(s) listed", cs.found);
+  return cs;
+}
+
+static int count_chan(const td_chan_info *info, void *arg) {
+  (void)info;
+  (*(size_t *)arg)++;
+  return 0;
+}
+
+/* The channels tensord has. */
+static size_t chan_count(td_client *c) {
+  size_t n = 0;
+  cr_assert_eq(td_chan_list(c, count_chan, &n), 0, "%s", td_last_error(c));
+  return n;
+}
+
+/* Waits until tensord has chans channels and storages storages: a close on
+ * another connection (or a process's exit) lands in its own time. */
+static void wait_counts(td_client *c, size_t chans, uint64_t storages) {
+  for (int t = 0; t < patience(HANG_MS); t += 5) {
+    if (chan_count(c) == chans && tdt_storages(&d) == storages)
+      return;
+    tdt_sleep_ms(5);
+  }
+  cr_assert_eq(chan_count(c), chans, "%zu channel(s)", chan_count(c));
+  cr_assert_eq(tdt_storages(&d), storages, "%llu storage(s)",
+               (unsigned long long)tdt_storages(&d));
+}
+
+/* What must not change about a channel that flows: what it is, its slots,
+ * and its ends (ids, processes, sides). */
+static void same_chan(const chan_seen *a, const chan_seen *b) {
+  cr_assert_eq(b->info.id, a->info.id, "the channel's id changed");
+  cr_assert_eq(b->info.capacity, a->info.capacity);
+  cr_assert_eq(b->info.slots, a->info.slots);
+  cr_assert_eq(b->info.slot_bytes, a->info.slot_bytes);
+  cr_assert_eq(b->info.mode, a->info.mode);
+  cr_assert_eq(b->info.owner_uid, a->info.owner_uid);
+  cr_assert_eq(b->info.owner_pid, a->info.owner_pid);
+  cr_assert_eq(b->info.senders, a->info.senders);
+  cr_assert_eq(b->info.receivers, a->info.receivers);
+  cr_assert_eq(b->info.corrupt, a->info.corrupt);
+  cr_assert_eq(b->info.nslot_ids, a->info.nslot_ids);
+  for (size_t i = 0; i < a->info.nslot_ids && i < 16; i++)
+    cr_assert_eq(b->slot_ids[i], a->slot_ids[i], "slot %zu", i);
+  cr_assert_eq(b->info.nends, a->info.nends, "%zu ends, then %zu",
+               a->info.nends, b->info.nends);
+  for (size_t i = 0; i < a->info.nends && i < 16; i++) {
+    cr_assert_eq(b->ends[i].end, a->ends[i].end, "end %zu", i);
+    cr_assert_eq(b->ends[i].pid, a->ends[i].pid);
+    cr_assert_eq(b->ends[i].uid, a->ends[i].uid);
+    cr_assert_eq(b->ends[i].flags, a->ends[i].flags);
+    cr_assert_eq(b->ends[i].left, a->ends[i].left);
+    cr_assert_str_eq(b->names[i], a->names[i]);
+  }
+}
+
+static void wait_flow(long slots, long plain) {
+  for (int t = 0;
+       t < patience(HANG_MS) && (atomic_load(&fl->got_slots) < slots ||
+                                 atomic_load(&fl->got_plain) < plain);
+       t += 5)
+    tdt_sleep_ms(5);
+  cr_assert_geq(atomic_load(&fl->got_slots), slots, "slots stopped flowing");
+  cr_assert_geq(atomic_load(&fl->got_plain), plain,
+                "storages stopped flowing through the daemon");
+}
+
+/* A producer and a consumer hand slots over (and storages through the
+ * daemon) throughout an upgrade: slot handoffs go on while the old daemon
+ * stands still in the middle of it, a storage sent then waits for the new
+ * one; nothing is lost or doubled, the new daemon lists the same channel
+ * with the same ends, takes a new end, gives back the slots of a process
+ * that dies after it, and frees every slot with the channel's last end. */
+TDT_TEST(upgrade, channels_flow_on_across_it, .timeout = 90) {
+  setenv("TENSORD_UPGRADE_STALL", "quiesced", 1);
+  tdt_start(&d, NULL);
+  unsetenv("TENSORD_UPGRADE_STALL");
+  remember(d.instance);
+  fl = mmap(NULL, sizeof(*fl), PROT_READ | PROT_WRITE,
+            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  cr_assert(fl != MAP_FAILED);
+  memset(fl, 0, sizeof(*fl));
+  td_client *c = tdt_connect(&d);
+  td_chan_opts o = {.capacity = 16, .slots = 6, .slot_bytes = 4096,
+                    .flags = TD_CHAN_RECV};
+  td_chan *mine;
+  cr_assert_eq(td_chan_create(c, "flow", &o, &mine), 0, "%s",
+               td_last_error(c));
+  pid_t holder = tdt_fork(flow_holder, NULL);
+  for (int t = 0; t < patience(HANG_MS) && !atomic_load(&fl->held); t += 5)
+    tdt_sleep_ms(5);
+  cr_assert(atomic_load(&fl->held), "the holder has no loans");
+  pid_t cons = tdt_fork(flow_consumer, NULL);
+  pid_t prod = tdt_fork(flow_producer, NULL);
+  wait_flow(20, 5);
+  chan_seen before = list_chan(c);
+  cr_assert_eq(before.info.nends, 4);
+
+  /* Slots only, every storage sent so far received: nothing in the ring
+   * needs the daemon. */
+  atomic_store(&fl->slots_only, 1);
+  for (int t = 0; t < patience(HANG_MS) &&
+                  (!atomic_load(&fl->slots_ack) ||
+                   atomic_load(&fl->got_plain) < atomic_load(&fl->sent_plain));
+       t += 5)
+    tdt_sleep_ms(5);
+  cr_assert(atomic_load(&fl->slots_ack), "the producer sends storages still");
+  pid_t old = d.pid;
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  wait_stopped(old); /* quiesced: it serves no request */
+  long slots = atomic_load(&fl->got_slots);
+  wait_flow(slots + 100, 0);
+  /* A storage sent now waits for whichever daemon serves next. */
+  long plain = atomic_load(&fl->got_plain);
+  atomic_store(&fl->slots_only, 0);
+  tdt_sleep_ms(50);
+  cr_assert_eq(atomic_load(&fl->got_plain), plain);
+  kill(old, SIGCONT);
+  cr_assert_eq(tdt_wait(old), 0, "the old tensord did not exit 0");
+  d.pid = pid;
+  cr_assert(serves_as(pid, patience(HANG_MS)),
+            "the new tensord %d does not serve", (int)pid);
+  slots = atomic_load(&fl->got_slots);
+  wait_flow(slots + 40, plain + 10);
+  chan_seen after = list_chan(c);
+  same_chan(&before, &after);
+  cr_assert(tdt_log_has(&d, "1 channel(s) handed over"));
+
+  /* A new end opens it on the new daemon, with the next id. */
+  td_client *c2 = tdt_connect(&d);
+  td_chan *late;
+  cr_assert_eq(td_chan_open(c2, "flow", TD_CHAN_RECV, 0, &late), 0, "%s",
+               td_last_error(c2));
+  chan_seen with = list_chan(c);
+  cr_assert_eq(with.info.nends, 5);
+  uint32_t top = 0;
+  for (size_t i = 0; i < 4; i++)
+    top = before.ends[i].end > top ? before.ends[i].end : top;
+  int newest = 0;
+  for (size_t i = 0; i < with.info.nends; i++)
+    newest |= with.ends[i].end == top + 1;
+  cr_assert(newest, "the new end's id is not %u", top + 1);
+  td_chan_close(late);
+  td_close(c2);
+
+  /* The producer leaves; the holder's two loans are all that is out. */
+  atomic_store(&fl->stop, 1);
+  cr_assert_eq(tdt_wait(prod), 0, "the producer had errors");
+  td_chan_info info;
+  for (int t = 0; t < patience(HANG_MS); t += 5) {
+    td_chan_stat(mine, &info);
+    if (info.depth == 0 && info.slots_free == 4)
+      break;
+    tdt_sleep_ms(5);
+  }
+  cr_assert_eq(info.slots_loaned, 2, "%u slot(s) on loan", info.slots_loaned);
+  cr_assert_eq(info.slots_free, 4);
+  /* It dies (its connection the old daemon's): the new one gives them
+   * back, and the consumer, its last sender gone, sees EPIPE. */
+  atomic_store(&fl->die, 1);
+  cr_assert_eq(tdt_wait(holder), 0);
+  for (int t = 0; t < patience(HANG_MS); t += 5) {
+    td_chan_stat(mine, &info);
+    if (info.slots_free == 6)
+      break;
+    tdt_sleep_ms(5);
+  }
+  cr_assert_eq(info.slots_free, 6, "the dead holder's slots did not come back");
+  cr_assert_eq(tdt_wait(cons), 0, "the consumer had errors");
+  cr_assert_eq(atomic_load(&fl->got_slots), atomic_load(&fl->sent_slots));
+  cr_assert_eq(atomic_load(&fl->got_plain), atomic_load(&fl->sent_plain));
+
+  /* The channel goes with its last end, and its slots with it. */
+  wait_counts(c, 1, 6);
+  td_chan_close(mine);
+  wait_counts(c, 0, 0);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(HANG_MS)),
+            "%d segment(s) left", tdt_segments(&d));
+  munmap(fl, sizeof(*fl));
+}
+
+/* A channel at rest goes over exactly: depth, storages in flight (one of
+ * each mode), a slot held by an end that left, counts, and the listing of
+ * every storage with the channel among its holders. */
+TDT_TEST(upgrade, a_channel_at_rest_goes_over_exactly) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d), *c2 = tdt_connect(&d);
+  td_chan_opts o = {.capacity = 8, .slots = 3, .slot_bytes = 4096};
+  td_chan *ch, *other;
+  cr_assert_eq(td_chan_create(c, "still", &o, &ch), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_chan_open(c2, "still", 0, 0, &other), 0, "%s",
+               td_last_error(c2));
+  td_storage *kept;
+  cr_assert_eq(td_chan_loan(other, 0, &kept), 0, "%s", td_last_error(c2));
+  memset(td_storage_data(kept), 'K', 4096);
+  td_chan_close(other); /* left, with a slot out */
+  td_view v = flow_view();
+  td_storage *s, *rw, *pub, *ro;
+  cr_assert_eq(td_chan_loan(ch, 0, &s), 0, "%s", td_last_error(c));
+  memset(td_storage_data(s), 'A', 4096);
+  cr_assert_eq(td_chan_send(ch, s, &v, 0), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &rw), 0);
+  memset(td_storage_data(rw), 'B', 4096);
+  cr_assert_eq(td_chan_send(ch, rw, &v, 0), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c2, 4096, &pub), 0);
+  memset(td_storage_data(pub), 'C', 4096);
+  cr_assert_eq(td_publish(c2, "still/c", pub, NULL), 0);
+  cr_assert_eq(td_lookup(c, "still/c", TD_RDONLY, 0, &ro, NULL), 0);
+  cr_assert_eq(td_chan_send(ch, ro, &v, 0), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_unpublish(c2, "still/c"), 0);
+  td_storage_release(pub);
+
+  chan_seen before = list_chan(c);
+  cr_assert_eq(before.info.depth, 3);
+  cr_assert_eq(before.info.in_flight, 2);
+  static char ls0[16384], ls1[16384];
+  ls_json(ls0, sizeof(ls0));
+  upgrade_cli(NULL);
+  chan_seen after = list_chan(c);
+  ls_json(ls1, sizeof(ls1));
+  cr_assert_str_eq(ls1, ls0, "ls before:\n%s\nafter:\n%s", ls0, ls1);
+  same_chan(&before, &after);
+  cr_assert_eq(memcmp(&after.info, &before.info, sizeof(before.info)), 0,
+               "the listing differs: depth %u/%u, in flight %llu/%llu, "
+               "free %u/%u",
+               before.info.depth, after.info.depth,
+               (unsigned long long)before.info.in_flight,
+               (unsigned long long)after.info.in_flight, before.info.slots_free,
+               after.info.slots_free);
+  for (size_t i = 0; i < before.info.nends; i++) {
+    cr_assert_eq(after.ends[i].loaned, before.ends[i].loaned);
+    cr_assert_eq(after.ends[i].held, before.ends[i].held);
+  }
+
+  /* What was in the ring comes out in order, from the new daemon. */
+  const char want[3] = {'A', 'B', 'C'};
+  for (int i = 0; i < 3; i++) {
+    td_storage *g;
+    td_view gv;
+    cr_assert_eq(td_chan_recv(ch, 0, &g, &gv), 0, "%s", td_last_error(c));
+    cr_assert_eq(((const char *)td_storage_data(g))[4095], want[i]);
+    cr_assert_eq(td_storage_is_readonly(g), i == 2, "entry %d", i);
+    td_storage_release(g);
+  }
+  cr_assert_eq(((const char *)td_storage_data(kept))[0], 'K');
+  td_storage_release(kept); /* the left end's last handle: it goes */
+  td_chan_close(ch);
+  wait_counts(c, 0, 0);
+  td_close(c2);
+  td_close(c);
+  cr_assert(tdt_until(tdt_no_segments, &d, patience(HANG_MS)));
+}
+
+/* A successor that speaks only handover version 1 (one from before
+ * channels) would lose them: with one open, the upgrade fails and nothing
+ * changes; with none, it goes through as before. */
+TDT_TEST(upgrade, a_successor_without_channels_is_refused_while_one_is_open) {
+  tdt_start(&d, NULL);
+  remember(d.instance);
+  td_client *c = tdt_connect(&d);
+  td_chan_opts o = {.capacity = 4, .slots = 2, .slot_bytes = 4096};
+  td_chan *ch;
+  cr_assert_eq(td_chan_create(c, "kept", &o, &ch), 0, "%s", td_last_error(c));
+  td_storage *s;
+  td_view v = flow_view();
+  cr_assert_eq(td_chan_loan(ch, 0, &s), 0);
+  memset(td_storage_data(s), 'k', 4096);
+  cr_assert_eq(td_chan_send(ch, s, &v, 0), 0);
+  static char before[8192], after[8192];
+  ls_json(before, sizeof(before));
+  chan_seen b = list_chan(c);
+  setenv("TENSORD_HANDOVER_VERSION", "1", 1);
+  pid_t pid = tdt_spawn(&d, (const char *const[]){"--upgrade", NULL});
+  unsetenv("TENSORD_HANDOVER_VERSION");
+  cr_assert_eq(tdt_wait(pid), 1, "a successor without channels took over");
+  cr_assert(tdt_log_has(&d, "speaks handover version 1, which does not "
+                            "carry channels, and 1 channel(s) are open"));
+  cr_assert(alive(d.pid));
+  cr_assert_eq(serving_pid(), d.pid);
+  ls_json(after, sizeof(after));
+  cr_assert_str_eq(after, before);
+  chan_seen a = list_chan(c);
+  same_chan(&b, &a);
+  cr_assert_eq(a.info.depth, 1);
+  td_storage *g;
+  cr_assert_eq(td_chan_recv(ch, 0, &g, &v), 0, "%s", td_last_error(c));
+  cr_assert_eq(((const char *)td_storage_data(g))[9], 'k');
+  td_storage_release(g);
+  td_chan_close(ch);
+  wait_counts(c, 0, 0);
+  /* No channel open: that successor takes over. */
+  setenv("TENSORD_HANDOVER_VERSION", "1", 1);
+  upgrade_cli(NULL);
+  unsetenv("TENSORD_HANDOVER_VERSION");
+  cr_assert_eq(chan_count(c), 0);
+  td_close(c);
 }

@@ -1,22 +1,29 @@
 /* test_handover.c: daemon/engine/handover.c without a server: an engine's
  * state goes into the messages of a live upgrade, through protobuf-c's
- * packing, and back into a fresh registry and pool, unchanged. Segment
- * names are made up: no segment is ever opened. */
+ * packing, and back into a fresh registry, pool and set of channels,
+ * unchanged. Segment names are made up: no segment is ever opened; the
+ * channels' rings are real memfds, which both sides map. */
 #include "handover.h"
 #include "viewmsg.h"
 
 #include <criterion/criterion.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define NCONNS 3
 
-/* What a server's connection is to the engine: holdings and its scopes. */
+/* What a server's connection is to the engine: holdings, its scopes and
+ * its channel ends. */
 typedef struct conn {
   td__holdings hold;
   td__scope *scopes;
   uint32_t nscopes;
+  td__chan_end *chan_ends;
+  uint32_t nchan_ends;
   uint32_t index;
 } conn;
 
@@ -24,6 +31,7 @@ typedef struct conn {
 typedef struct side {
   td__registry reg;
   td__pool pool;
+  td__chans chans;
   conn conns[NCONNS];
   td__handover_conn hc[NCONNS];
 } side;
@@ -46,15 +54,18 @@ static void side_init(side *d) {
   memset(d, 0, sizeof(*d));
   td__registry_init(&d->reg, 1ull << 40, free_storage, NULL);
   td__pool_init(&d->pool, 1ull << 30, 60000, 0x1234);
+  td__chans_init(&d->chans);
   for (uint32_t i = 0; i < NCONNS; i++) {
     conn *c = &d->conns[i];
     td__holdings_init(&c->hold, &peers[i]);
     c->index = i;
-    d->hc[i] = (td__handover_conn){&c->hold, c, &c->scopes, &c->nscopes};
+    d->hc[i] = (td__handover_conn){
+        &c->hold, c, &c->scopes, &c->nscopes, &c->chan_ends, &c->nchan_ends};
   }
 }
 
 static void side_free(side *d) {
+  td__chans_free(&d->chans, &d->reg);
   for (int i = 0; i < NCONNS; i++)
     td__holdings_clear(&d->reg, &d->conns[i].hold);
   td__registry_free(&d->reg);
@@ -189,6 +200,15 @@ static Tensord__Handover__Packet *through_wire(int body, void *m) {
   case TENSORD__HANDOVER__PACKET__BODY_KEYS:
     p.keys = m;
     break;
+  case TENSORD__HANDOVER__PACKET__BODY_CHANNEL:
+    p.channel = m;
+    break;
+  case TENSORD__HANDOVER__PACKET__BODY_CHAN_ENDS:
+    p.chan_ends = m;
+    break;
+  case TENSORD__HANDOVER__PACKET__BODY_CHAN_TICKETS:
+    p.chan_tickets = m;
+    break;
   default:
     p.end = m;
   }
@@ -208,21 +228,44 @@ static Tensord__Handover__Packet *through_wire(int body, void *m) {
 static int take(int body, void *m, char *msg, size_t len) {
   Tensord__Handover__Packet *q = through_wire(body, m);
   msg[0] = '\0';
-  int err = td__handover_take(&new.reg, &new.pool, new.hc, NCONNS, q, msg, len);
+  int err = td__handover_take(&new.reg, &new.pool, &new.chans, new.hc, NCONNS,
+                              q, msg, len);
   tensord__handover__packet__free_unpacked(q, NULL);
   return err;
 }
 
-/* Hands everything from old over to new. */
+/* Sends channel m with a copy of fd (as SCM_RIGHTS would) to the new side.
+ * Returns what td__handover_take_chan does, with its message in msg. */
+static int take_chan(Tensord__Handover__Channel *m, int fd, char *msg,
+                     size_t len) {
+  Tensord__Handover__Packet *q =
+      through_wire(TENSORD__HANDOVER__PACKET__BODY_CHANNEL, m);
+  msg[0] = '\0';
+  int err = td__handover_take_chan(&new.chans, q->channel,
+                                   fd >= 0 ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1,
+                                   msg, len);
+  tensord__handover__packet__free_unpacked(q, NULL);
+  return err;
+}
+
+/* Hands everything from old over to new, in the server's order. */
 static void hand_over(void) {
   td__handover h;
-  cr_assert_eq(
-      td__handover_save(&old.reg, &old.pool, old.hc, NCONNS, number, &h), 0);
+  cr_assert_eq(td__handover_save(&old.reg, &old.pool, &old.chans, old.hc,
+                                 NCONNS, number, &h),
+               0);
   cr_assert_eq(h.storages.n_storages, old.reg.storages.count);
   cr_assert_eq(h.pool.n_pooled, old.pool.count);
   cr_assert_eq(h.scopes.n_scopes, old.reg.scopes.count);
   cr_assert_eq(h.keys.n_keys, old.reg.keys.count);
+  cr_assert_eq(h.nchans, old.chans.n);
   char msg[512];
+  for (size_t i = 0; i < h.nchans; i++)
+    cr_assert_eq(take_chan(h.chans[i], h.chan_fds[i], msg, sizeof(msg)), 0,
+                 "%s", msg);
+  cr_assert_eq(take(TENSORD__HANDOVER__PACKET__BODY_CHAN_ENDS, &h.ends, msg,
+                    sizeof(msg)),
+               0, "%s", msg);
   cr_assert_eq(take(TENSORD__HANDOVER__PACKET__BODY_STORAGES, &h.storages, msg,
                     sizeof(msg)),
                0, "%s", msg);
@@ -235,6 +278,10 @@ static void hand_over(void) {
   cr_assert_eq(
       take(TENSORD__HANDOVER__PACKET__BODY_KEYS, &h.keys, msg, sizeof(msg)), 0,
       "%s", msg);
+  cr_assert_eq(take(TENSORD__HANDOVER__PACKET__BODY_CHAN_TICKETS, &h.tickets,
+                    msg, sizeof(msg)),
+               0, "%s", msg);
+  cr_assert_eq(td__handover_check(&new.chans, msg, sizeof(msg)), 0, "%s", msg);
   td__handover_free(&h);
 }
 
@@ -246,6 +293,17 @@ static void check_view(const td_view *a, const td_view *b, const char *key) {
     cr_assert_eq(a->shape[i], b->shape[i], "%s: shape[%d]", key, i);
     cr_assert_eq(a->stride[i], b->stride[i], "%s: stride[%d]", key, i);
   }
+}
+
+/* Who h are on side d: a connection's number, or a channel's id + 1000. */
+static uint64_t holder(const side *d, const td__holdings *h) {
+  for (size_t i = 0; i < d->chans.by_id.nbuckets; i++)
+    for (td__hnode *n = d->chans.by_id.buckets[i]; n; n = n->next) {
+      const td__chan *ch = td__container_of(n, td__chan, inode);
+      if (h == &ch->hold)
+        return 1000 + ch->id;
+    }
+  return number(h);
 }
 
 static void check_storage(const td__storage *a, const td__storage *b) {
@@ -267,7 +325,8 @@ static void check_storage(const td__storage *a, const td__storage *b) {
   /* Holders in the same order, each of the same connection and counts. */
   const td__ref *x = a->holders, *y = b->holders;
   for (; x != NULL && y != NULL; x = x->snext, y = y->snext) {
-    cr_assert_eq(number(td__ref_holdings(x)), number(td__ref_holdings(y)),
+    cr_assert_eq(holder(&old, td__ref_holdings(x)),
+                 holder(&new, td__ref_holdings(y)),
                  "storage %llu: holders out of order", id);
     cr_assert_eq(x->rw, y->rw, "storage %llu: rw", id);
     cr_assert_eq(x->ro, y->ro, "storage %llu: ro", id);
@@ -450,4 +509,295 @@ Test(handover, refuses_a_packet_that_is_not_the_engines) {
   cr_assert_eq(take(TENSORD__HANDOVER__PACKET__BODY_END, &e, msg, sizeof(msg)),
                TD_EPROTO);
   cr_assert_str_eq(msg, "unexpected packet type 12");
+}
+
+/* ---- channels ---- */
+
+/* An end of ch for connection c of d, linked as chanops.c links one. */
+static td__chan_end *open_end(side *d, td__chan *ch, int c, unsigned flags) {
+  conn *o = &d->conns[c];
+  td__chan_end *e = NULL;
+  cr_assert_eq(td__chan_end_add(ch, o, &o->hold, flags, &e), 0);
+  e->cprev = NULL;
+  e->cnext = o->chan_ends;
+  if (o->chan_ends != NULL)
+    o->chan_ends->cprev = e;
+  o->chan_ends = e;
+  o->nchan_ends++;
+  return e;
+}
+
+/* Its connection went, as td__chans_conn_gone sees it, before a repair. */
+static void end_dies(side *d, td__chan_end *e) {
+  conn *o = e->conn;
+  if (e->cprev != NULL)
+    e->cprev->cnext = e->cnext;
+  else
+    o->chan_ends = e->cnext;
+  if (e->cnext != NULL)
+    e->cnext->cprev = e->cprev;
+  o->nchan_ends--;
+  cr_assert_eq(td__chan_end_remove(e, 1), 0);
+  (void)d;
+}
+
+static td__chan *new_chan(side *d, const char *name, uint32_t capacity,
+                          uint32_t nslots, uint64_t slot_bytes) {
+  td__chan *ch = NULL;
+  char msg[256];
+  cr_assert_eq(td__chan_new(&d->chans, name, strlen(name), capacity, nslots,
+                            slot_bytes, 0640, &peers[0], 1700000003000, &ch,
+                            msg, sizeof(msg)),
+               0, "%s", msg);
+  ch->owner.pid = peers[0].pid;
+  return ch;
+}
+
+static td__chan *chan_of_id(side *d, uint64_t id) {
+  td__chan *ch = td__chan_by_id(&d->chans, id);
+  cr_assert_not_null(ch, "channel %llu", (unsigned long long)id);
+  return ch;
+}
+
+/* The old daemon's channels: one that came and went (ids go on after it);
+ * "work" with 3 slots (one also held by its creator), a receiver, a sender
+ * that put two storages, one of each mode, not yet taken, an end that left,
+ * and a dead end with a slot on loan, awaiting its repair; "broken", slotless
+ * and found corrupt. The ring holds a slot sent and not received. */
+static void build_chans(void) {
+  td__chan *gone = new_chan(&old, "gone", 4, 0, 0);
+  td__chan_free(&old.chans, &old.reg, gone);
+
+  td__chan *w = new_chan(&old, "work", 8, 3, 4096);
+  td__storage *slot[3];
+  for (uint32_t i = 0; i < 3; i++) {
+    slot[i] = make(&old, &old.conns[0], &peers[0], TD_CPU, 4096);
+    cr_assert_eq(td__chan_add_slot(&old.reg, w, i, slot[i]), 0);
+  }
+  cr_assert_eq(td__ref_drop(&old.reg, &old.conns[0].hold, slot[0]->id, 0, 1),
+               0);
+  cr_assert_eq(td__ref_drop(&old.reg, &old.conns[0].hold, slot[2]->id, 0, 1),
+               0);
+  td__chan_end *recv = open_end(&old, w, 0, TD_CHAN_RECV);
+  td__chan_end *send = open_end(&old, w, 1, TD_CHAN_SEND);
+  td__chan_end *left = open_end(&old, w, 2, TD_CHAN_SEND | TD_CHAN_RECV);
+  td__chan_end *dead = open_end(&old, w, 2, TD_CHAN_SEND);
+  td__chan_end_leave(left);
+  (void)recv;
+
+  td__storage *a = make(&old, &old.conns[1], &peers[1], TD_CPU, 8192);
+  td__storage *b = make(&old, &old.conns[1], &peers[1], TD_CPU, 16384);
+  uint64_t t;
+  cr_assert_eq(td__chan_put(&old.reg, w, send->id, a, 0, &t), 0);
+  cr_assert_eq(td__chan_put(&old.reg, w, send->id, b, 1, &t), 0);
+  cr_assert_eq(td__chan_put(&old.reg, w, send->id, b, 1, &t), 0);
+  td__chan_ticket_done(&old.reg, w, td__chan_ticket(w, t)); /* taken */
+
+  char msg[256];
+  uint32_t s1, s2;
+  cr_assert_eq(td__ring_loan(&w->ring, send->id, -1, 0, &s1, msg, sizeof(msg)),
+               0, "%s", msg);
+  td__ring_entry e = {.kind = TD__CELL_SLOT, .slot = s1};
+  int64_t shape[1] = {4096};
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, shape, &e.view), 0);
+  cr_assert_eq(td__ring_push(&w->ring, send->id, &e, -1, 0, msg, sizeof(msg)),
+               0, "%s", msg);
+  cr_assert_eq(td__ring_loan(&w->ring, dead->id, -1, 0, &s2, msg, sizeof(msg)),
+               0, "%s", msg);
+  end_dies(&old, dead);
+
+  td__chan *x = new_chan(&old, "broken", 4, 0, 0);
+  open_end(&old, x, 2, TD_CHAN_RECV);
+  td__chan_set_corrupt(x, "test: garbage in its ring");
+}
+
+static void check_chan(const td__chan *a) {
+  td__chan *b = chan_of_id(&new, a->id);
+  cr_assert_eq(td__chan_find(&new.chans, a->name, a->len), b);
+  cr_assert_str_eq(b->name, a->name);
+  cr_assert_str_eq(b->hold.name, a->hold.name);
+  cr_assert_eq(b->capacity, a->capacity, "%s: capacity", a->name);
+  cr_assert_eq(b->nslots, a->nslots);
+  cr_assert_eq(b->slot_bytes, a->slot_bytes);
+  for (uint32_t i = 0; i < a->nslots; i++)
+    cr_assert_eq(b->slot_ids[i], a->slot_ids[i], "%s: slot %u", a->name, i);
+  cr_assert_eq(b->mode, a->mode);
+  cr_assert(b->owner.pid == a->owner.pid && b->owner.uid == a->owner.uid &&
+            b->owner.gid == a->owner.gid);
+  cr_assert_eq(b->created_ms, a->created_ms);
+  cr_assert_eq(b->next_end, a->next_end, "%s: next end", a->name);
+  cr_assert_eq(b->next_ticket, a->next_ticket);
+  cr_assert_eq(b->had_senders, a->had_senders);
+  cr_assert_eq(b->had_receivers, a->had_receivers);
+  cr_assert_eq(b->senders, a->senders, "%s: senders", a->name);
+  cr_assert_eq(b->receivers, a->receivers);
+  cr_assert_eq(b->nends, a->nends);
+  cr_assert_eq(b->corrupt, a->corrupt);
+  cr_assert_str_eq(b->why, a->why);
+  cr_assert_eq(b->repair_due, a->repair_due);
+  /* Ends in the same order, each of the same connection (on the new side). */
+  const td__chan_end *x = a->ends, *y = b->ends;
+  for (; x != NULL && y != NULL; x = x->next, y = y->next) {
+    cr_assert_eq(x->id, y->id, "%s: ends out of order", a->name);
+    cr_assert_eq(x->flags, y->flags);
+    cr_assert_eq(x->left, y->left, "%s: end %u: left", a->name, x->id);
+    cr_assert_eq(x->dead, y->dead);
+    cr_assert_eq(y->chan, b);
+    if (x->dead) {
+      cr_assert_null(y->conn);
+      continue;
+    }
+    uint32_t i = ((const conn *)x->conn)->index;
+    cr_assert_eq(y->conn, &new.conns[i], "%s: end %u", a->name, x->id);
+    cr_assert_eq(y->hold, &new.conns[i].hold);
+    int linked = 0;
+    for (const td__chan_end *z = new.conns[i].chan_ends; z; z = z->cnext)
+      linked += z == y;
+    cr_assert_eq(linked, 1, "%s: end %u not in its connection's list", a->name,
+                 x->id);
+  }
+  cr_assert(x == NULL && y == NULL, "%s: ends differ", a->name);
+  /* Tickets, and the references they and the slots are. */
+  cr_assert_eq(b->ntickets, a->ntickets);
+  for (size_t i = 0; i < a->tickets.nbuckets; i++)
+    for (td__hnode *n = a->tickets.buckets[i]; n; n = n->next) {
+      const td__ticket *t = td__container_of(n, td__ticket, node);
+      const td__ticket *u = td__chan_ticket(b, t->ticket);
+      cr_assert_not_null(u, "%s: ticket %llu", a->name,
+                         (unsigned long long)t->ticket);
+      cr_assert(u->id == t->id && u->ro == t->ro && u->end == t->end);
+    }
+  cr_assert_eq(b->hold.nrefs, a->hold.nrefs, "%s: references", a->name);
+  cr_assert_eq(b->hold.refs.count, a->hold.refs.count);
+  /* The same ring: the same counts, and what one side writes the other
+   * reads. */
+  cr_assert_eq(b->ring.size, a->ring.size);
+  td__ring_counts ca, cb;
+  td__ring_count(&a->ring, &ca);
+  td__ring_count(&b->ring, &cb);
+  cr_assert_eq(memcmp(&ca, &cb, sizeof(ca)), 0, "%s: ring counts", a->name);
+  atomic_fetch_add(&a->ring.hdr->hint, 7);
+  cr_assert_eq(atomic_load(&b->ring.hdr->hint),
+               atomic_load(&a->ring.hdr->hint));
+}
+
+Test(handover, rebuilds_channels_with_their_ends_tickets_and_ring) {
+  build_old();
+  build_chans();
+  new.reg.next_id = old.reg.next_id;
+  hand_over();
+  cr_assert_eq(new.chans.n, old.chans.n);
+  cr_assert_eq(new.chans.next_id, old.chans.next_id,
+               "a new channel would take an id already given");
+  for (size_t i = 0; i < old.chans.by_id.nbuckets; i++)
+    for (td__hnode *n = old.chans.by_id.buckets[i]; n; n = n->next)
+      check_chan(td__container_of(n, td__chan, inode));
+  for (int i = 0; i < NCONNS; i++)
+    cr_assert_eq(new.conns[i].nchan_ends, old.conns[i].nchan_ends,
+                 "connection %d: channel ends", i);
+  /* Storages, with the channels among their holders, in order. */
+  const td__storage *s = old.reg.first, *t = new.reg.first;
+  for (; s != NULL; s = s->next, t = t->next)
+    check_storage(s, t);
+  cr_assert_null(t);
+  cr_assert_eq(new.reg.nholdings, old.reg.nholdings);
+  check_usage(1000);
+  check_usage(1001);
+
+  /* The dead end's repair runs on the new side: its loan comes back. */
+  td__chan *w = td__chan_find(&new.chans, "work", 4);
+  td__ring_counts rc;
+  td__ring_count(&w->ring, &rc);
+  cr_assert_eq(rc.loaned, 1);
+  cr_assert_eq(td__chan_repair(w), 1);
+  td__ring_count(&w->ring, &rc);
+  cr_assert_eq(rc.loaned, 0);
+  cr_assert_eq(rc.queued, 1);
+  for (const td__chan_end *x = w->ends; x != NULL; x = x->next)
+    cr_assert(!x->dead, "end %u is still kept after the repair", x->id);
+  /* The new side's ids go on from the old side's. */
+  td__chan *c = new_chan(&new, "next", 4, 0, 0);
+  cr_assert_eq(c->id, old.chans.next_id);
+  td__chan_end *e = NULL;
+  cr_assert_eq(td__chan_end_add(w, NULL, &new.conns[0].hold, TD_CHAN_RECV, &e),
+               0);
+  cr_assert_eq(e->id, td__chan_find(&old.chans, "work", 4)->next_end);
+  cr_assert_eq(td__chan_end_remove(e, 0), 0);
+}
+
+/* A ring that is not what the channel says (another size, not sealed) is
+ * refused, and no channel is left behind. */
+Test(handover, refuses_a_ring_that_does_not_fit_its_channel) {
+  build_chans();
+  td__handover h;
+  cr_assert_eq(td__handover_save(&old.reg, &old.pool, &old.chans, old.hc,
+                                 NCONNS, number, &h),
+               0);
+  int fd = memfd_create("not-a-ring", MFD_CLOEXEC);
+  cr_assert_geq(fd, 0);
+  cr_assert_eq(ftruncate(fd, 4096), 0);
+  char msg[512];
+  cr_assert_eq(take_chan(h.chans[0], fd, msg, sizeof(msg)), TD_EPROTO);
+  cr_assert_not_null(strstr(msg, "not of that size, or not sealed"), "%s", msg);
+  cr_assert_eq(take_chan(h.chans[0], -1, msg, sizeof(msg)), TD_EPROTO);
+  cr_assert_not_null(strstr(msg, "in no fd"), "%s", msg);
+  cr_assert_eq(new.chans.n, 0);
+  close(fd);
+  /* The right ring, twice: the second is refused. */
+  cr_assert_eq(take_chan(h.chans[0], h.chan_fds[0], msg, sizeof(msg)), 0, "%s",
+               msg);
+  cr_assert_eq(take_chan(h.chans[0], h.chan_fds[0], msg, sizeof(msg)),
+               TD_EEXIST);
+  cr_assert_eq(new.chans.n, 1);
+  /* Alone, without its ends and references, it does not pass the check. */
+  cr_assert_eq(td__handover_check(&new.chans, msg, sizeof(msg)), TD_EPROTO);
+  cr_assert_not_null(strstr(msg, "came with no open end"), "%s", msg);
+  td__handover_free(&h);
+}
+
+Test(handover, refuses_a_holder_of_an_unknown_channel) {
+  Tensord__Handover__Holder hd = TENSORD__HANDOVER__HOLDER__INIT;
+  Tensord__Handover__Holder *hp = &hd;
+  hd.chan = 9;
+  hd.rw = 1;
+  Tensord__Handover__Storage s = TENSORD__HANDOVER__STORAGE__INIT;
+  Tensord__Handover__Storage *sp = &s;
+  s.id = 5;
+  s.nbytes = 4096;
+  s.name = "/tensord.test.5-fake";
+  s.n_holders = 1;
+  s.holders = &hp;
+  Tensord__Handover__Storages b = TENSORD__HANDOVER__STORAGES__INIT;
+  b.n_storages = 1;
+  b.storages = &sp;
+  char msg[512];
+  cr_assert_eq(
+      take(TENSORD__HANDOVER__PACKET__BODY_STORAGES, &b, msg, sizeof(msg)),
+      TD_EPROTO);
+  cr_assert_str_eq(msg, "storage 5: held by channel 9, which was not sent");
+  td__storage *t = td__storage_find(&new.reg, 5);
+  cr_assert_not_null(t);
+  td__storage_remove(&new.reg, t);
+  td__credit(&new.reg, t->owner.uid, td__host_bytes(t));
+  free(t);
+}
+
+/* A channel holding a reference that neither a slot nor a ticket is fails
+ * the check, naming the storage: it would never be dropped. */
+Test(handover, check_finds_a_reference_no_slot_or_ticket_calls_for) {
+  build_chans();
+  hand_over();
+  td__chan *w = td__chan_find(&new.chans, "work", 4);
+  uint64_t id = w->slot_ids[1];
+  td__storage *s = td__storage_find(&new.reg, id);
+  cr_assert_eq(td__ref_add(&new.reg, &w->hold, s, 1, NULL), 0);
+  char msg[512], want[128];
+  cr_assert_eq(td__handover_check(&new.chans, msg, sizeof(msg)), TD_EPROTO);
+  snprintf(want, sizeof(want),
+           "storage %llu: its slots and tickets call for 1 read-write and 0 "
+           "read-only reference(s), it holds 1 and 1",
+           (unsigned long long)id);
+  cr_assert_not_null(strstr(msg, want), "%s", msg);
+  cr_assert_eq(td__ref_drop(&new.reg, &w->hold, id, 1, 1), 0);
+  cr_assert_eq(td__handover_check(&new.chans, msg, sizeof(msg)), 0, "%s", msg);
 }

@@ -46,13 +46,21 @@ static atomic_uint g_forkgen;
  * DLPack exports made from it, each of which counts in refs. Pure C: it may
  * be dropped without the GIL (a DLPack deleter). */
 typedef struct store {
-  td_storage *s;
+  td_storage *s; /* NULL once sent through a channel (a slot's hand-over) */
   atomic_long refs;
   char *base;
   size_t len;
   uint64_t instance; /* the daemon's (td_client_instance): ids are per daemon */
   int cuda;          /* a GPU's storage: base is a device pointer */
   int device_index;  /* and the GPU's ordinal in this process */
+  /* A slot of a channel (Channel.loan, or a slot Channel.recv got): sending
+   * it hands over s itself, which must then be the only reference. */
+  int slot;
+  /* Under the GIL: calls that use s without the GIL (publish, copy_,
+   * share, wait) in progress, and a Channel.send handing s over. */
+  int busy;
+  int handing;
+  int listed;                /* in g_stores, under g_reg_mu */
   struct store *prev, *next; /* g_stores, under g_reg_mu */
 } store;
 
@@ -82,6 +90,7 @@ static store *store_new(td_storage *s) {
   p->cuda = td_storage_device(s) == TD_CUDA;
   p->device_index = td_storage_device_index(s);
   pthread_mutex_lock(&g_reg_mu);
+  p->listed = 1;
   p->next = g_stores;
   if (g_stores != NULL)
     g_stores->prev = p;
@@ -108,22 +117,32 @@ static store *store_revive(store *p) {
   return NULL;
 }
 
-/* Drops one reference; the last releases the td_storage (without the GIL
- * if the caller holds it: a release may send a message). The count reaches
- * zero before the store leaves g_stores, so find() revives a store only with
- * store_revive, never with store_ref. */
-static void store_unref(store *p) {
-  if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
+/* Takes p out of g_stores, so that find() no longer sees it. Needs
+ * g_reg_mu. */
+static void store_unlist(store *p) {
+  if (!p->listed)
     return;
-  pthread_mutex_lock(&g_reg_mu);
+  p->listed = 0;
   if (p->prev != NULL)
     p->prev->next = p->next;
   else
     g_stores = p->next;
   if (p->next != NULL)
     p->next->prev = p->prev;
+}
+
+/* Drops one reference; the last releases the td_storage (without the GIL
+ * if the caller holds it: a release may send a message), unless a channel
+ * took it. The count reaches zero before the store leaves g_stores, so
+ * find() revives a store only with store_revive, never with store_ref. */
+static void store_unref(store *p) {
+  if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
+    return;
+  pthread_mutex_lock(&g_reg_mu);
+  store_unlist(p);
   pthread_mutex_unlock(&g_reg_mu);
-  if (Py_IsInitialized() && PyGILState_Check()) {
+  if (p->s == NULL) {
+  } else if (Py_IsInitialized() && PyGILState_Check()) {
     Py_BEGIN_ALLOW_THREADS
       td_storage_release(p->s);
     Py_END_ALLOW_THREADS
@@ -131,6 +150,18 @@ static void store_unref(store *p) {
     td_storage_release(p->s);
   }
   free(p);
+}
+
+/* With the GIL: a reference for a call that uses p->s without the GIL, which
+ * a Channel.send of the same storage meanwhile refuses (store_done ends it). */
+static store *store_use(store *p) {
+  p->busy++;
+  return store_ref(p);
+}
+
+static void store_done(store *p) {
+  p->busy--;
+  store_unref(p);
 }
 
 /* ---- errors ---- */
@@ -567,11 +598,25 @@ static PyObject *tensor_of_handle(td_storage *s, const td_view *v,
   return tensor_new(p, v, key, client);
 }
 
+/* A Tensor whose storage a Channel.send handed over (or is handing over):
+ * its bytes belong to the channel's receivers now. */
+static int store_gone(const store *p) {
+  return p->s == NULL || p->handing;
+}
+
 static int tensor_live(Tensor *t) {
   if (t->released || t->st == NULL) {
     PyErr_SetString(PyExc_ValueError,
                     "tensord.Tensor: released (release() or the end of its "
                     "'with' block); its bytes are no longer reachable");
+    return -1;
+  }
+  if (store_gone(t->st)) {
+    PyErr_Format(PyExc_ValueError,
+                 "tensord.Tensor: storage %llu was sent through a channel "
+                 "(Channel.send hands it over): neither this Tensor nor any "
+                 "view of it may be used any more",
+                 (unsigned long long)t->sid);
     return -1;
   }
   return 0;
@@ -895,7 +940,7 @@ static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
   td_create_opts o = {.nbytes = nbytes ? nbytes : 1, .flags = TD_UNINIT};
   td_storage *s = NULL;
   call x;
-  store *sp = store_ref(src->st);
+  store *sp = store_use(src->st);
   td_view sv = src->v;
   Py_BEGIN_ALLOW_THREADS
     err = cl_enter(self, &x);
@@ -914,7 +959,7 @@ static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
       cl_leave(self);
     }
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
@@ -1167,7 +1212,7 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
              key, (unsigned long long)t->sid);
     return raise_err(TD_EACCES, m);
   }
-  store *sp = store_ref(t->st);
+  store *sp = store_use(t->st);
   td_view v = t->v;
   call x;
   int err;
@@ -1203,7 +1248,7 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
       cl_leave(self);
     }
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   Py_INCREF(keyobj);
@@ -1995,17 +2040,19 @@ static PyObject *Tensor_get_iface(Tensor *self, void *unused) {
   return d;
 }
 
-/* DLPack: our own DLManagedTensor around td_to_dlpack's, so that the export
- * also holds a store reference (find() sees its bytes). */
+/* DLPack: exported from the store's mapping, as td_to_dlpack does, but
+ * holding a store reference rather than a td_storage one: find() sees the
+ * bytes, and the store's handle stays its only reference, which a slot
+ * needs to be sent (Channel.send). */
 typedef struct dlwrap {
   DLManagedTensor m;
-  DLManagedTensor *inner;
   store *st;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t strides[TD_MAX_DIMS];
 } dlwrap;
 
 static void dlwrap_deleter(DLManagedTensor *m) {
   dlwrap *w = m->manager_ctx;
-  w->inner->deleter(w->inner);
   store_unref(w->st);
   free(w);
 }
@@ -2018,23 +2065,78 @@ static void capsule_destructor(PyObject *cap) {
   }
 }
 
-/* A new "dltensor" capsule of view v of t's storage. */
+/* The DLPack 0.6 type of d: bool travels as uint8, as PyTorch did before
+ * DLPack had a bool. Returns 0, or -1 where DLPack 0.6 has none (float8). */
+static int dl_dtype(td_dtype d, DLDataType *out) {
+  switch (d) {
+  case TD_BOOL:
+  case TD_UINT8:
+  case TD_UINT16:
+  case TD_UINT32:
+  case TD_UINT64:
+    out->code = kDLUInt;
+    break;
+  case TD_INT8:
+  case TD_INT16:
+  case TD_INT32:
+  case TD_INT64:
+    out->code = kDLInt;
+    break;
+  case TD_FLOAT16:
+  case TD_FLOAT32:
+  case TD_FLOAT64:
+    out->code = kDLFloat;
+    break;
+  case TD_BFLOAT16:
+    out->code = kDLBfloat;
+    break;
+  case TD_COMPLEX64:
+  case TD_COMPLEX128:
+    out->code = kDLComplex;
+    break;
+  default:
+    return -1;
+  }
+  out->bits = (uint8_t)(td_dtype_size(d) * 8);
+  out->lanes = 1;
+  return 0;
+}
+
+/* A new "dltensor" capsule of view v of t's storage (live: the caller
+ * checked). TypeError for a dtype DLPack 0.6 lacks or a malformed view,
+ * ValueError for a view outside the storage. */
 static PyObject *make_capsule(Tensor *t, const td_view *v) {
-  DLManagedTensor *inner = NULL;
-  int err = td_to_dlpack(t->st->s, v, &inner);
+  store *p = t->st;
+  int err = td_view_check(v, p->len);
   if (err < 0) {
-    PyErr_SetString(err == TD_EINVAL ? PyExc_TypeError : PyExc_ValueError,
-                    td_view_last_error());
+    PyErr_Format(err == TD_EINVAL ? PyExc_TypeError : PyExc_ValueError,
+                 "to_dlpack: storage %llu: %s", (unsigned long long)t->sid,
+                 td_view_last_error());
     return NULL;
   }
+  DLDataType dt;
+  if (dl_dtype(v->dtype, &dt) < 0)
+    return PyErr_Format(PyExc_TypeError,
+                        "to_dlpack: DLPack 0.6 has no type for %s; "
+                        "reinterpret the view as uint8 first",
+                        td_dtype_name(v->dtype));
   dlwrap *w = calloc(1, sizeof(*w));
-  if (w == NULL) {
-    inner->deleter(inner);
+  if (w == NULL)
     return PyErr_NoMemory();
-  }
-  w->inner = inner;
-  w->st = store_ref(t->st);
-  w->m.dl_tensor = inner->dl_tensor;
+  memcpy(w->shape, v->shape, (size_t)v->ndim * sizeof(int64_t));
+  memcpy(w->strides, v->stride, (size_t)v->ndim * sizeof(int64_t));
+  w->st = store_ref(p);
+  DLTensor *d = &w->m.dl_tensor;
+  /* data at the first element, byte_offset 0: PyTorch 1.13 ignores
+   * byte_offset on import. The view passed td_view_check: it fits. */
+  d->data = p->base + (size_t)v->offset * td_dtype_size(v->dtype);
+  d->device.device_type = p->cuda ? kDLCUDA : kDLCPU;
+  d->device.device_id = p->cuda ? p->device_index : 0;
+  d->ndim = v->ndim;
+  d->dtype = dt;
+  d->shape = w->shape;
+  d->strides = w->strides;
+  d->byte_offset = 0;
   w->m.manager_ctx = w;
   w->m.deleter = dlwrap_deleter;
   PyObject *cap = PyCapsule_New(&w->m, "dltensor", capsule_destructor);
@@ -2131,7 +2233,7 @@ static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
   if (tensor_live(self) < 0 ||
       cuda_handle(streamobj, "cuda_stream", "wait: stream", &stream) < 0)
     return NULL;
-  store *sp = store_ref(self->st);
+  store *sp = store_use(self->st);
   char msg[1024];
   int err;
   Py_BEGIN_ALLOW_THREADS
@@ -2139,7 +2241,7 @@ static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
     if (err < 0)
       snprintf(msg, sizeof(msg), "%s", td_last_error(td_storage_client(sp->s)));
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, msg);
   Py_RETURN_NONE;
@@ -2306,14 +2408,14 @@ static PyObject *Tensor_copy_(Tensor *self, PyObject *srcobj) {
   Tensor *src = (Tensor *)srcobj;
   if (tensor_live(src) < 0)
     return NULL;
-  store *dp = store_ref(self->st), *sp = store_ref(src->st);
+  store *dp = store_use(self->st), *sp = store_use(src->st);
   td_view dv = self->v, sv = src->v;
   int err;
   Py_BEGIN_ALLOW_THREADS
     err = td_copy(dp->s, &dv, sp->s, &sv);
   Py_END_ALLOW_THREADS
-  store_unref(dp);
-  store_unref(sp);
+  store_done(dp);
+  store_done(sp);
   if (err == TD_EINVAL || err == TD_ERANGE || err == TD_EACCES)
     return raise_view(err == TD_EACCES ? TD_EINVAL : err);
   if (err < 0)
@@ -2483,6 +2585,11 @@ static int f_contiguous(const td_view *v) {
 static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
   if (self->released || self->st == NULL) {
     PyErr_SetString(PyExc_BufferError, "tensord.Tensor: released");
+    return -1;
+  }
+  if (store_gone(self->st)) {
+    PyErr_SetString(PyExc_BufferError,
+                    "tensord.Tensor: sent through a channel");
     return -1;
   }
   if (self->st->cuda) {
@@ -3188,7 +3295,7 @@ static PyObject *mod_find(PyObject *m, PyObject *arg) {
   char *p = ptr;
   pthread_mutex_lock(&g_reg_mu);
   for (store *s = g_stores; s != NULL; s = s->next)
-    if (!s->cuda && p >= s->base && p < s->base + s->len &&
+    if (!s->cuda && !store_gone(s) && p >= s->base && p < s->base + s->len &&
         (hit = store_revive(s)) != NULL)
       break;
   pthread_mutex_unlock(&g_reg_mu);

@@ -115,6 +115,9 @@ def main() -> int:
             if tdt is not None:
                 loaders["tensord"] = tdt.DataLoader(
                     ds, batch_size=BATCH, num_workers=WORKERS, shuffle=False)
+                loaders["td-queue"] = tdt.DataLoader(
+                    ds, batch_size=BATCH, num_workers=WORKERS, shuffle=False,
+                    channel=False)
             names = list(loaders)
             for name in names:
                 results[(work, name)] = []
@@ -132,7 +135,7 @@ def main() -> int:
         ratios: dict[str, float] = {}
         for work in ("trivial", "heavy"):
             base = None
-            for i, name in enumerate(("torch", "tensord")):
+            for i, name in enumerate(("torch", "tensord", "td-queue")):
                 r = results.get((work, name))
                 if not r:
                     continue
@@ -140,8 +143,11 @@ def main() -> int:
                 med = benchlib.median(steady)
                 if name == "torch":
                     base = med
-                else:
+                elif name == "tensord":
                     ratios[work] = med / base
+                    chan = med
+                else:
+                    ratios[work + " queue"] = chan / med
                 rows.append([work if i == 0 else "", name, str(len(r)), f"{med:.1f}",
                              f"{min(steady):.1f}",
                              f"{benchlib.median([x[1] for x in r]):.0f}",

@@ -10,7 +10,8 @@ Four pieces, all pure Python over the ``tensord._tensord`` extension:
 
 ``DataLoader``
     A drop-in ``torch.utils.data.DataLoader`` whose workers collate straight
-    into tensord storages and hand the main process only references.
+    into the slots of a tensord channel, which the main process receives
+    without a copy, a pipe or a daemon call.
 
 ``publish_state_dict`` / ``load_state_dict``
     A state dict as one packed storage under one key: many processes map the
@@ -93,10 +94,15 @@ batches in the same order. What differs:
   reducer, as torch copies them into its shared memory.
 - With workers, the iterator opens a scope before starting them and passes
   it to them (a wrapper around ``worker_init_fn`` installs the reducers in
-  each worker with that scope). Batches travel as keys in that scope. When
-  the iterator shuts its workers down (end of epoch, deletion, a worker's
-  death raising in the main process, exactly as torch raises it) the main
-  process closes the scope: every batch still in flight is freed. A batch the
+  each worker with that scope). By default (``channel=True``) their results
+  come through channels instead of torch's result queue (see "DataLoader
+  batches through a channel" below): a batch is collated into a slot, and
+  only what does not fit a slot, or comes before the slots exist, travels
+  as keys in that scope. With ``channel=False`` every batch travels as keys
+  through torch's queue. When the iterator shuts its workers down (end of
+  epoch, deletion, a worker's death raising in the main process, exactly as
+  torch raises it) the main process closes the scope and drains the
+  channels: every batch still in flight is freed. A batch the
   training loop drops releases its storage (the torch tensor's DLPack
   deleter), and the daemon recycles it for the next uninitialised create.
 - With ``num_workers=0`` the same collate runs in the main process: batches
@@ -731,7 +737,6 @@ class _MultiProcessingIter(_dataloader._MultiProcessingDataLoaderIter):
 # per-storage way.
 
 _CHAN_SLACK = 64 << 10  # a slot holds the first batch, an eighth and this
-_CHAN_POLL_S = 0.02  # how often a worker asks whether the slots came
 _chan_counter = itertools.count()
 
 
@@ -917,11 +922,11 @@ class _ChanWorker:
         self.dname = dname
         self.d = None  # the slots' channel, once found
         self.b = None  # the bootstrap channel, until then
-        self.looked = 0.0  # when we last asked whether d exists
 
     def _find_d(self):
-        if self.d is None and time.monotonic() - self.looked >= _CHAN_POLL_S:
-            self.looked = time.monotonic()
+        """The slots' channel, if the main process has made it (a round
+        trip to ask, until it has)."""
+        if self.d is None:
             try:
                 self.d = client_for(self.path).channel(
                     self.dname, side="send", timeout=0
@@ -1019,27 +1024,40 @@ class _ChanWorker:
         return msg
 
     def _send(self, msg) -> None:
-        for _ in range(2):
-            ch = self._find_d() or self._bootstrap()
-            if ch is None:
-                break
-            try:
-                ch.send(msg)
-                return
-            except tensord.BrokenPipe:
-                if ch is self.d:
-                    break  # the main process has gone: no one wants it
-                self.b = None  # it moved to the slots; they exist by now
-                self.looked = 0.0
-        msg.release()
+        """Sends msg on the slots' channel, else the bootstrap one. The main
+        process leaves the bootstrap channel only once the slots' exists
+        and every worker that sent there has moved: a worker that finds it
+        gone finds the slots'. Raises if neither takes msg; drops it if the
+        main process has gone."""
+        try:
+            for _ in range(3):
+                ch = self._find_d() or self._bootstrap()
+                if ch is None:
+                    continue
+                try:
+                    ch.send(msg)
+                    return
+                except tensord.BrokenPipe:
+                    if ch is self.d:
+                        return  # the main process has gone: no one wants it
+                    self.b = None  # left: the slots' channel exists now
+            raise tensord.NotFound(
+                "DataLoader worker %d: neither channel %r nor %r takes its "
+                "results" % (os.getpid(), self.dname, self.bname)
+            )
+        finally:
+            msg.release()  # a no-op once sent (the send released it)
 
     def _bootstrap(self):
+        """The bootstrap channel, made before the workers started; None
+        once the main process has left it (or never made it: the loader's
+        slots existed then)."""
         if self.b is None:
             try:
                 self.b = client_for(self.path).channel(
-                    self.bname, side="send", timeout=5
+                    self.bname, side="send", timeout=0
                 )
-            except tensord.Error:
+            except tensord.NotFound:
                 return None
         return self.b
 
@@ -1106,11 +1124,16 @@ class _ChanQueue:
         self._slots = slots
         self._nslots = nslots
         self._capacity = capacity
-        self._b = client.channel(bname, capacity=capacity, side="recv",
-                                 create=True)
         self._d = slots.d
+        # Workers find the slots of an earlier iterator at once: no
+        # bootstrap then.
+        self._b = None
+        if self._d is None:
+            self._b = client.channel(bname, capacity=capacity, side="recv",
+                                     create=True)
         self._pending = collections.deque()  # received, in order
         self._local = collections.deque()  # put() in this process
+        self._closed = False
 
     def __reduce__(self):
         return (_chan_worker, (self.path, self.bname, self.dname))
@@ -1136,6 +1159,9 @@ class _ChanQueue:
         if os.getpid() != self._pid:
             _chan_worker(self.path, self.bname, self.dname).close()
             return
+        if self._closed:
+            return  # the slots may be another iterator's by now
+        self._closed = True
         self._pending.clear()
         for ch in (self._b, self._d):
             if ch is None:

@@ -447,3 +447,24 @@ def test_channel_batch_that_cannot_be_sent_raises(clean):
     with pytest.raises(Exception, match="sending a batch"):
         next(iter(loader))
     del loader
+
+
+def test_worker_side_finds_the_slots_once_the_bootstrap_is_gone(clean, daemon):
+    """A worker whose first result comes after the main process has left the
+    bootstrap channel (every other worker having moved to the slots) sends it
+    on the slots' channel: nothing is dropped."""
+    c = clean
+    d = c.channel("t/d", capacity=4, slots=2, slot_bytes=1 << 16, create=True)
+    w = tdt._ChanWorker(daemon, "t/b", "t/d")  # "t/b" is gone (never made)
+    try:
+        w.put((7, {"x": torch.arange(4), "s": "seven"}))
+        w.put((8, None))
+        got = [tdt._decode(d.recv(timeout=5))[0] for _ in range(2)]
+    finally:
+        w.close()
+    assert got[0][0] == 7 and got[0][1]["s"] == "seven"
+    assert got[0][1]["x"].tolist() == [0, 1, 2, 3]
+    assert in_tensord(got[0][1]["x"])  # copied into a slot by the pickler
+    assert got[1] == (8, None)
+    del got
+    d.close()

@@ -744,9 +744,8 @@ class _Arena:
     """A bump allocator over one storage (a slot, or a storage of a slot's
     size): a batch's tensors one after another, its header after them."""
 
-    def __init__(self, t, slot: bool) -> None:
+    def __init__(self, t) -> None:
         self.t = t  # the handle, a tensord.Tensor of the whole storage
-        self.slot = slot
         self.base = t.torch()  # uint8, the whole storage
         self.ptr = self.base.data_ptr()
         self.size = self.base.numel()
@@ -945,7 +944,7 @@ class _ChanWorker:
         if d is None:
             return None
         try:
-            return _Arena(d.loan(timeout=0), True)
+            return _Arena(d.loan(timeout=0))
         except tensord.Timeout:
             pass  # the training loop holds them all
         except tensord.Error:
@@ -953,7 +952,7 @@ class _ChanWorker:
         if not batch_sized:
             return None
         t = client_for(self.path).empty((d.slot_bytes,), "uint8", uninit=True)
-        return _Arena(t, False)
+        return _Arena(t)
 
     def put(self, obj) -> None:
         idx, data = obj
@@ -1004,7 +1003,7 @@ class _ChanWorker:
             used = arena.used
             t = client_for(self.path).empty((_align(used) + n,), "uint8",
                                             uninit=True)
-            bigger = _Arena(t, False)
+            bigger = _Arena(t)
             bigger.base[:used].copy_(arena.base[:used])
             bigger.used = used
             arena.drop()
@@ -1013,9 +1012,7 @@ class _ChanWorker:
         if off is None:
             if arena is not None:
                 arena.drop()
-            arena = _Arena(
-                client_for(self.path).empty((n,), "uint8", uninit=True), False
-            )
+            arena = _Arena(client_for(self.path).empty((n,), "uint8", uninit=True))
             off = arena.alloc(n)
         arena.base[off : off + n].copy_(torch.frombuffer(hdr, dtype=torch.uint8))
         msg = arena.t[off : off + n]

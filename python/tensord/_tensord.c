@@ -3380,9 +3380,8 @@ static int chan_wait(Channel *self, int op, int forever, double timeout,
     if (!forever) {
       int64_t left = deadline - mono_ms();
       if (left <= 0 && !first) {
-        snprintf(msg, len, "channel '%s': %s: %s (waited %lld ms)",
-                 self->cname, op_names[op], op_waits[op],
-                 (long long)(mono_ms() - start));
+        snprintf(msg, len, "channel '%s': %s: %s (waited %lld ms)", self->cname,
+                 op_names[op], op_waits[op], (long long)(mono_ms() - start));
         return TD_ETIMEDOUT;
       }
       slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
@@ -3440,8 +3439,8 @@ static PyObject *Channel_loan(Channel *self, PyObject *args, PyObject *kw) {
     return NULL;
   td_storage *s = NULL;
   char msg[1024];
-  int err = chan_wait(self, OP_LOAN, forever, timeout, &s, NULL, msg,
-                      sizeof(msg));
+  int err =
+      chan_wait(self, OP_LOAN, forever, timeout, &s, NULL, msg, sizeof(msg));
   if (err == CHAN_PYERR)
     return NULL;
   if (err < 0)
@@ -3457,8 +3456,8 @@ static PyObject *Channel_recv(Channel *self, PyObject *args, PyObject *kw) {
   td_storage *s = NULL;
   td_view v;
   char msg[1024];
-  int err = chan_wait(self, OP_RECV, forever, timeout, &s, &v, msg,
-                      sizeof(msg));
+  int err =
+      chan_wait(self, OP_RECV, forever, timeout, &s, &v, msg, sizeof(msg));
   if (err == CHAN_PYERR)
     return NULL;
   if (err < 0)
@@ -3501,12 +3500,13 @@ static int torch_layout(PyObject *obj, char **ptr, int *ndim, int64_t *shape,
     Py_XDECREF(r);
     if (set < 0)
       PyErr_Clear(); /* an older torch without the bit */
-    else if (set)
-      return PyErr_Format(PyExc_TypeError,
-                          "send: the tensor has its %s bit set: "
-                          "resolve_conj() / resolve_neg() it first",
-                          bits[i] + 3),
-             -1;
+    else if (set) {
+      PyErr_Format(PyExc_TypeError,
+                   "send: the tensor has its %s bit set: resolve_conj() / "
+                   "resolve_neg() it first",
+                   bits[i] + 3);
+      return -1;
+    }
   }
   PyObject *shp = PyObject_GetAttrString(obj, "shape");
   PyObject *str = PyObject_CallMethod(obj, "stride", NULL);
@@ -3519,10 +3519,10 @@ static int torch_layout(PyObject *obj, char **ptr, int *ndim, int64_t *shape,
   Py_XDECREF(dp);
   if (m < 0 || PyErr_Occurred())
     return -1;
-  if (m != n)
-    return PyErr_Format(PyExc_ValueError, "send: %d sizes but %d strides", n,
-                        m),
-           -1;
+  if (m != n) {
+    PyErr_Format(PyExc_ValueError, "send: %d sizes but %d strides", n, m);
+    return -1;
+  }
   for (int i = 0; i < n; i++)
     bstrides[i] *= (int64_t)td_dtype_size(*dt);
   *ndim = n;
@@ -3647,8 +3647,8 @@ static PyObject *Channel_send(Channel *self, PyObject *args, PyObject *kw) {
   store_ref(p);
   td_view v = t->v;
   char msg[1024];
-  int err = chan_wait(self, OP_SEND, forever, timeout, &s, &v, msg,
-                      sizeof(msg));
+  int err =
+      chan_wait(self, OP_SEND, forever, timeout, &s, &v, msg, sizeof(msg));
   if (err == 0) {
     if (p->slot) {
       pthread_mutex_lock(&g_reg_mu);
@@ -3689,11 +3689,11 @@ static PyObject *chan_dict(const td_chan_info *i, int listed) {
       "name", str_or_empty(i->name), "id", (unsigned long long)i->id,
       "capacity", i->capacity, "depth", i->depth, "slots", i->slots,
       "slots_free", i->slots_free, "slots_loaned", i->slots_loaned,
-      "slots_queued", i->slots_queued, "slots_held", i->slots_held,
-      "senders", i->senders, "receivers", i->receivers, "mode", mode,
-      "slot_bytes", (unsigned long long)i->slot_bytes, "owner_uid",
-      i->owner_uid, "corrupt", PyBool_FromLong(i->corrupt), "sent",
-      (unsigned long long)i->sent, "received", (unsigned long long)i->received);
+      "slots_queued", i->slots_queued, "slots_held", i->slots_held, "senders",
+      i->senders, "receivers", i->receivers, "mode", mode, "slot_bytes",
+      (unsigned long long)i->slot_bytes, "owner_uid", i->owner_uid, "corrupt",
+      PyBool_FromLong(i->corrupt), "sent", (unsigned long long)i->sent,
+      "received", (unsigned long long)i->received);
   if (d == NULL || !listed)
     return d;
   PyObject *ends = PyList_New((Py_ssize_t)i->nends);
@@ -3717,8 +3717,7 @@ static PyObject *chan_dict(const td_chan_info *i, int listed) {
       PyList_SET_ITEM(ids, (Py_ssize_t)k, x);
   }
   if (!ok || set_item(d, "owner_pid", PyLong_FromLong(i->owner_pid)) < 0 ||
-      set_item(d, "in_flight", PyLong_FromUnsignedLongLong(i->in_flight)) <
-          0 ||
+      set_item(d, "in_flight", PyLong_FromUnsignedLongLong(i->in_flight)) < 0 ||
       PyDict_SetItemString(d, "ends", ends) < 0 ||
       PyDict_SetItemString(d, "slot_ids", ids) < 0) {
     Py_XDECREF(ends);
@@ -3901,19 +3900,16 @@ static int slot_ids_cb(const td_chan_info *info, void *arg) {
 }
 
 static PyObject *Client_channel(Client *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"name",    "capacity", "slots",
-                           "slot_bytes", "mode",  "side",
-                           "spin_us", "timeout",  "create",
-                           NULL};
+  static char *kwlist[] = {"name", "capacity", "slots",   "slot_bytes", "mode",
+                           "side", "spin_us",  "timeout", "create",     NULL};
   PyObject *nameobj, *capobj = Py_None, *timeoutobj = Py_None,
                      *createobj = Py_None;
   unsigned int slots = 0, mode = 0600, spin = 0;
   unsigned long long slot_bytes = 0;
   const char *side = "both";
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OIKIsIOO:channel", kwlist,
-                                   &nameobj, &capobj, &slots, &slot_bytes,
-                                   &mode, &side, &spin, &timeoutobj,
-                                   &createobj))
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kw, "O|OIKIsIOO:channel", kwlist, &nameobj, &capobj, &slots,
+          &slot_bytes, &mode, &side, &spin, &timeoutobj, &createobj))
     return NULL;
   const char *name = key_utf8(nameobj);
   if (name == NULL)
@@ -3992,8 +3988,8 @@ static PyObject *Client_channel(Client *self, PyObject *args, PyObject *kw) {
     CALL(self, x, err, td_chan_list(x.c, slot_ids_cb, &acc));
     if (err == 0 && acc.n != info.slots) {
       snprintf(x.msg, sizeof(x.msg),
-               "channel '%s': tensord lists %u slot ids for its %u slots",
-               name, (unsigned)acc.n, (unsigned)info.slots);
+               "channel '%s': tensord lists %u slot ids for its %u slots", name,
+               (unsigned)acc.n, (unsigned)info.slots);
       err = TD_EPROTO;
     }
     if (err < 0) {

@@ -98,6 +98,7 @@ int td__ring_attach(td__ring *r, void *base, size_t size, uint32_t capacity,
   r->nslots = nslots;
   r->slot_bytes = slot_bytes;
   r->size = size;
+  atomic_init(&r->hint, 0);
   return 0;
 }
 
@@ -251,14 +252,14 @@ int td__ring_loan(td__ring *r, uint32_t end, int64_t deadline, int64_t spin_ns,
     if (s & TD__RING_NO_RECEIVERS)
       return td__msg(msg, len, TD_EPIPE, "every receiver has left");
     uint32_t seq = atomic_load(&h->freed);
-    uint32_t start = ld(&h->hint) % r->nslots;
+    uint32_t start = ld(&r->hint) % r->nslots;
     for (uint32_t i = 0; i < r->nslots; i++) {
       uint32_t j = (start + i) % r->nslots;
       uint64_t w = 0;
       if (ld(&r->slots[j]) == 0 &&
           atomic_compare_exchange_strong(&r->slots[j], &w,
                                          TD__SLOT_WORD(TD__SLOT_LOANED, end))) {
-        st(&h->hint, j + 1);
+        st(&r->hint, j);
         *slot = j;
         return 0;
       }

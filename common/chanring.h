@@ -84,7 +84,7 @@ typedef struct td__ring_hdr {
   _Atomic uint32_t space_sleepers;
   _Alignas(64) _Atomic uint32_t freed; /* bumped per slot freed: loaners */
   _Atomic uint32_t freed_sleepers;
-  _Alignas(64) _Atomic uint32_t hint; /* where the next loan looks first */
+  _Alignas(64) _Atomic uint32_t hint; /* unused: see td__ring.hint */
 } td__ring_hdr;
 
 /* A mapped ring, with the geometry the daemon gave (never the ring's). */
@@ -96,6 +96,10 @@ typedef struct td__ring {
   uint32_t nslots;
   uint64_t slot_bytes;
   size_t size; /* bytes mapped */
+  /* This end's: where its next loan looks first, the slot it loaned last
+   * (whose pages its mapping has warm, in the TLB and the page tables;
+   * the first write through a mapping costs more than the next). */
+  _Atomic uint32_t hint;
 } td__ring;
 
 /* The bytes a ring of capacity cells and nslots slots needs (page

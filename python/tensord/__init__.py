@@ -8,6 +8,13 @@
         u = c.lookup("weights", timeout=1.0, readonly=True)
         u.torch()                         # torch over the same bytes
 
+    # Channels: a FIFO of storages between processes (docs/channels.md).
+    with c.channel("frames", slots=4, slot_bytes=1 << 20) as ch:
+        s = ch.loan()                     # a free slot, uint8[slot_bytes]
+        s.numpy()[:3] = 1
+        ch.send(s)                        # hands the slot over
+    # elsewhere: c.channel("frames", side="recv").recv(timeout=1.0)
+
 Everything is documented in docs/python.md. The core (Client, Tensor, the
 errors) is the C extension tensord._tensord over libtensord; this module adds
 alookup() and the dtype helpers. tensord.torch has the PyTorch integration.
@@ -25,6 +32,8 @@ from typing import Optional
 from . import _tensord
 from ._tensord import (
     KEY_MAX,
+    BrokenPipe,
+    Channel,
     Closed,
     Error,
     Exists,
@@ -45,6 +54,8 @@ from ._tensord import (
 
 __all__ = [
     "KEY_MAX",
+    "BrokenPipe",
+    "Channel",
     "Client",
     "Closed",
     "Error",

@@ -26,7 +26,7 @@
 /* ---- module state ---- */
 
 static PyObject *Error, *NotFound, *Timeout, *PermissionDenied, *OutOfMemory,
-    *QuotaExceeded, *Closed, *Exists;
+    *QuotaExceeded, *Closed, *Exists, *BrokenPipe;
 /* Imported at first use: the extension needs neither numpy nor torch. */
 static PyObject *np_asarray, *np_dtype, *torch_from_dlpack, *torch_bool;
 
@@ -46,13 +46,21 @@ static atomic_uint g_forkgen;
  * DLPack exports made from it, each of which counts in refs. Pure C: it may
  * be dropped without the GIL (a DLPack deleter). */
 typedef struct store {
-  td_storage *s;
+  td_storage *s; /* NULL once sent through a channel (a slot's hand-over) */
   atomic_long refs;
   char *base;
   size_t len;
   uint64_t instance; /* the daemon's (td_client_instance): ids are per daemon */
   int cuda;          /* a GPU's storage: base is a device pointer */
   int device_index;  /* and the GPU's ordinal in this process */
+  /* A slot of a channel (Channel.loan, or a slot Channel.recv got): sending
+   * it hands over s itself, which must then be the only reference. */
+  int slot;
+  /* Under the GIL: calls that use s without the GIL (publish, copy_,
+   * share, wait) in progress, and a Channel.send handing s over. */
+  int busy;
+  int handing;
+  int listed;                /* in g_stores, under g_reg_mu */
   struct store *prev, *next; /* g_stores, under g_reg_mu */
 } store;
 
@@ -82,6 +90,7 @@ static store *store_new(td_storage *s) {
   p->cuda = td_storage_device(s) == TD_CUDA;
   p->device_index = td_storage_device_index(s);
   pthread_mutex_lock(&g_reg_mu);
+  p->listed = 1;
   p->next = g_stores;
   if (g_stores != NULL)
     g_stores->prev = p;
@@ -108,22 +117,32 @@ static store *store_revive(store *p) {
   return NULL;
 }
 
-/* Drops one reference; the last releases the td_storage (without the GIL
- * if the caller holds it: a release may send a message). The count reaches
- * zero before the store leaves g_stores, so find() revives a store only with
- * store_revive, never with store_ref. */
-static void store_unref(store *p) {
-  if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
+/* Takes p out of g_stores, so that find() no longer sees it. Needs
+ * g_reg_mu. */
+static void store_unlist(store *p) {
+  if (!p->listed)
     return;
-  pthread_mutex_lock(&g_reg_mu);
+  p->listed = 0;
   if (p->prev != NULL)
     p->prev->next = p->next;
   else
     g_stores = p->next;
   if (p->next != NULL)
     p->next->prev = p->prev;
+}
+
+/* Drops one reference; the last releases the td_storage (without the GIL
+ * if the caller holds it: a release may send a message), unless a channel
+ * took it. The count reaches zero before the store leaves g_stores, so
+ * find() revives a store only with store_revive, never with store_ref. */
+static void store_unref(store *p) {
+  if (p == NULL || atomic_fetch_sub(&p->refs, 1) != 1)
+    return;
+  pthread_mutex_lock(&g_reg_mu);
+  store_unlist(p);
   pthread_mutex_unlock(&g_reg_mu);
-  if (Py_IsInitialized() && PyGILState_Check()) {
+  if (p->s == NULL) {
+  } else if (Py_IsInitialized() && PyGILState_Check()) {
     Py_BEGIN_ALLOW_THREADS
       td_storage_release(p->s);
     Py_END_ALLOW_THREADS
@@ -131,6 +150,18 @@ static void store_unref(store *p) {
     td_storage_release(p->s);
   }
   free(p);
+}
+
+/* With the GIL: a reference for a call that uses p->s without the GIL, which
+ * a Channel.send of the same storage meanwhile refuses (store_done ends it). */
+static store *store_use(store *p) {
+  p->busy++;
+  return store_ref(p);
+}
+
+static void store_done(store *p) {
+  p->busy--;
+  store_unref(p);
 }
 
 /* ---- errors ---- */
@@ -151,8 +182,9 @@ static PyObject *error_class(int err) {
     return QuotaExceeded;
   case TD_ENOTCONN:
   case TD_ECONNRESET:
-  case TD_EPIPE:
     return Closed;
+  case TD_EPIPE:
+    return BrokenPipe;
   case TD_EEXIST:
     return Exists;
   default:
@@ -567,11 +599,25 @@ static PyObject *tensor_of_handle(td_storage *s, const td_view *v,
   return tensor_new(p, v, key, client);
 }
 
+/* A Tensor whose storage a Channel.send handed over (or is handing over):
+ * its bytes belong to the channel's receivers now. */
+static int store_gone(const store *p) {
+  return p->s == NULL || p->handing;
+}
+
 static int tensor_live(Tensor *t) {
   if (t->released || t->st == NULL) {
     PyErr_SetString(PyExc_ValueError,
                     "tensord.Tensor: released (release() or the end of its "
                     "'with' block); its bytes are no longer reachable");
+    return -1;
+  }
+  if (store_gone(t->st)) {
+    PyErr_Format(PyExc_ValueError,
+                 "tensord.Tensor: storage %llu was sent through a channel "
+                 "(Channel.send hands it over): neither this Tensor nor any "
+                 "view of it may be used any more",
+                 (unsigned long long)t->sid);
     return -1;
   }
   return 0;
@@ -895,7 +941,7 @@ static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
   td_create_opts o = {.nbytes = nbytes ? nbytes : 1, .flags = TD_UNINIT};
   td_storage *s = NULL;
   call x;
-  store *sp = store_ref(src->st);
+  store *sp = store_use(src->st);
   td_view sv = src->v;
   Py_BEGIN_ALLOW_THREADS
     err = cl_enter(self, &x);
@@ -914,7 +960,7 @@ static PyObject *share_tensor(Client *self, Tensor *src, const char *key,
       cl_leave(self);
     }
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
@@ -1167,7 +1213,7 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
              key, (unsigned long long)t->sid);
     return raise_err(TD_EACCES, m);
   }
-  store *sp = store_ref(t->st);
+  store *sp = store_use(t->st);
   td_view v = t->v;
   call x;
   int err;
@@ -1203,7 +1249,7 @@ static PyObject *Client_publish(Client *self, PyObject *args, PyObject *kw) {
       cl_leave(self);
     }
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, x.msg);
   Py_INCREF(keyobj);
@@ -1747,6 +1793,9 @@ static PyObject *Client_unload_model(Client *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Client_channel(Client *self, PyObject *args, PyObject *kw);
+static PyObject *Client_channels(Client *self, PyObject *unused);
+
 static PyMethodDef Client_methods[] = {
     {"close", (PyCFunction)Client_close, METH_NOARGS,
      "close(): ends the connection; the daemon drops every reference it "
@@ -1825,6 +1874,22 @@ static PyMethodDef Client_methods[] = {
     {"stat", (PyCFunction)Client_stat, METH_NOARGS,
      "stat() -> dict: the daemon's counters, as `tensorctl stat --json`, "
      "and its instance."},
+    {"channel", (PyCFunction)(void (*)(void))Client_channel,
+     METH_VARARGS | METH_KEYWORDS,
+     "channel(name, capacity=None, slots=0, slot_bytes=0, mode=0o600, "
+     "side='both', spin_us=0, timeout=None, create=None) -> Channel: an end "
+     "of channel name (docs/channels.md). Creates it (Exists if a channel "
+     "of that name is open) when create is True, or when create is None "
+     "and capacity or slots is given: a ring of capacity entries (None: "
+     "64; rounded up to a power of two) and slots storages of slot_bytes "
+     "each, counted against this client's capacity and quota, that mode "
+     "admits (the write bit senders, the read bit receivers). Otherwise "
+     "opens it, waiting up to timeout seconds (None: forever; 0: not at "
+     "all) for it to be created. side: 'send', 'recv' or 'both'. spin_us: "
+     "how long this end spins before it sleeps on a futex."},
+    {"channels", (PyCFunction)Client_channels, METH_NOARGS,
+     "channels() -> list[dict]: every channel tensord has, with its ends "
+     "and slot ids, as `tensorctl ls` shows them (td_chan_list)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1995,17 +2060,19 @@ static PyObject *Tensor_get_iface(Tensor *self, void *unused) {
   return d;
 }
 
-/* DLPack: our own DLManagedTensor around td_to_dlpack's, so that the export
- * also holds a store reference (find() sees its bytes). */
+/* DLPack: exported from the store's mapping, as td_to_dlpack does, but
+ * holding a store reference rather than a td_storage one: find() sees the
+ * bytes, and the store's handle stays its only reference, which a slot
+ * needs to be sent (Channel.send). */
 typedef struct dlwrap {
   DLManagedTensor m;
-  DLManagedTensor *inner;
   store *st;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t strides[TD_MAX_DIMS];
 } dlwrap;
 
 static void dlwrap_deleter(DLManagedTensor *m) {
   dlwrap *w = m->manager_ctx;
-  w->inner->deleter(w->inner);
   store_unref(w->st);
   free(w);
 }
@@ -2018,23 +2085,78 @@ static void capsule_destructor(PyObject *cap) {
   }
 }
 
-/* A new "dltensor" capsule of view v of t's storage. */
+/* The DLPack 0.6 type of d: bool travels as uint8, as PyTorch did before
+ * DLPack had a bool. Returns 0, or -1 where DLPack 0.6 has none (float8). */
+static int dl_dtype(td_dtype d, DLDataType *out) {
+  switch (d) {
+  case TD_BOOL:
+  case TD_UINT8:
+  case TD_UINT16:
+  case TD_UINT32:
+  case TD_UINT64:
+    out->code = kDLUInt;
+    break;
+  case TD_INT8:
+  case TD_INT16:
+  case TD_INT32:
+  case TD_INT64:
+    out->code = kDLInt;
+    break;
+  case TD_FLOAT16:
+  case TD_FLOAT32:
+  case TD_FLOAT64:
+    out->code = kDLFloat;
+    break;
+  case TD_BFLOAT16:
+    out->code = kDLBfloat;
+    break;
+  case TD_COMPLEX64:
+  case TD_COMPLEX128:
+    out->code = kDLComplex;
+    break;
+  default:
+    return -1;
+  }
+  out->bits = (uint8_t)(td_dtype_size(d) * 8);
+  out->lanes = 1;
+  return 0;
+}
+
+/* A new "dltensor" capsule of view v of t's storage (live: the caller
+ * checked). TypeError for a dtype DLPack 0.6 lacks or a malformed view,
+ * ValueError for a view outside the storage. */
 static PyObject *make_capsule(Tensor *t, const td_view *v) {
-  DLManagedTensor *inner = NULL;
-  int err = td_to_dlpack(t->st->s, v, &inner);
+  store *p = t->st;
+  int err = td_view_check(v, p->len);
   if (err < 0) {
-    PyErr_SetString(err == TD_EINVAL ? PyExc_TypeError : PyExc_ValueError,
-                    td_view_last_error());
+    PyErr_Format(err == TD_EINVAL ? PyExc_TypeError : PyExc_ValueError,
+                 "to_dlpack: storage %llu: %s", (unsigned long long)t->sid,
+                 td_view_last_error());
     return NULL;
   }
+  DLDataType dt;
+  if (dl_dtype(v->dtype, &dt) < 0)
+    return PyErr_Format(PyExc_TypeError,
+                        "to_dlpack: DLPack 0.6 has no type for %s; "
+                        "reinterpret the view as uint8 first",
+                        td_dtype_name(v->dtype));
   dlwrap *w = calloc(1, sizeof(*w));
-  if (w == NULL) {
-    inner->deleter(inner);
+  if (w == NULL)
     return PyErr_NoMemory();
-  }
-  w->inner = inner;
-  w->st = store_ref(t->st);
-  w->m.dl_tensor = inner->dl_tensor;
+  memcpy(w->shape, v->shape, (size_t)v->ndim * sizeof(int64_t));
+  memcpy(w->strides, v->stride, (size_t)v->ndim * sizeof(int64_t));
+  w->st = store_ref(p);
+  DLTensor *d = &w->m.dl_tensor;
+  /* data at the first element, byte_offset 0: PyTorch 1.13 ignores
+   * byte_offset on import. The view passed td_view_check: it fits. */
+  d->data = p->base + (size_t)v->offset * td_dtype_size(v->dtype);
+  d->device.device_type = p->cuda ? kDLCUDA : kDLCPU;
+  d->device.device_id = p->cuda ? p->device_index : 0;
+  d->ndim = v->ndim;
+  d->dtype = dt;
+  d->shape = w->shape;
+  d->strides = w->strides;
+  d->byte_offset = 0;
   w->m.manager_ctx = w;
   w->m.deleter = dlwrap_deleter;
   PyObject *cap = PyCapsule_New(&w->m, "dltensor", capsule_destructor);
@@ -2131,7 +2253,7 @@ static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
   if (tensor_live(self) < 0 ||
       cuda_handle(streamobj, "cuda_stream", "wait: stream", &stream) < 0)
     return NULL;
-  store *sp = store_ref(self->st);
+  store *sp = store_use(self->st);
   char msg[1024];
   int err;
   Py_BEGIN_ALLOW_THREADS
@@ -2139,7 +2261,7 @@ static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
     if (err < 0)
       snprintf(msg, sizeof(msg), "%s", td_last_error(td_storage_client(sp->s)));
   Py_END_ALLOW_THREADS
-  store_unref(sp);
+  store_done(sp);
   if (err < 0)
     return raise_err(err, msg);
   Py_RETURN_NONE;
@@ -2306,14 +2428,14 @@ static PyObject *Tensor_copy_(Tensor *self, PyObject *srcobj) {
   Tensor *src = (Tensor *)srcobj;
   if (tensor_live(src) < 0)
     return NULL;
-  store *dp = store_ref(self->st), *sp = store_ref(src->st);
+  store *dp = store_use(self->st), *sp = store_use(src->st);
   td_view dv = self->v, sv = src->v;
   int err;
   Py_BEGIN_ALLOW_THREADS
     err = td_copy(dp->s, &dv, sp->s, &sv);
   Py_END_ALLOW_THREADS
-  store_unref(dp);
-  store_unref(sp);
+  store_done(dp);
+  store_done(sp);
   if (err == TD_EINVAL || err == TD_ERANGE || err == TD_EACCES)
     return raise_view(err == TD_EACCES ? TD_EINVAL : err);
   if (err < 0)
@@ -2483,6 +2605,11 @@ static int f_contiguous(const td_view *v) {
 static int Tensor_getbuffer(Tensor *self, Py_buffer *b, int flags) {
   if (self->released || self->st == NULL) {
     PyErr_SetString(PyExc_BufferError, "tensord.Tensor: released");
+    return -1;
+  }
+  if (store_gone(self->st)) {
+    PyErr_SetString(PyExc_BufferError,
+                    "tensord.Tensor: sent through a channel");
     return -1;
   }
   if (self->st->cuda) {
@@ -3170,6 +3297,818 @@ static PyTypeObject WatchType = {
     .tp_weaklistoffset = offsetof(Watch, weakrefs),
 };
 
+/* ---- Channel: a named FIFO of storages (docs/channels.md) ---- */
+
+/* An end of a channel (a td_chan). closed and inflight are under g_mu, as
+ * a Client's: close() waits for the calls in flight, which wait in slices of
+ * SLICE_MS so that it, and Ctrl-C, are seen within that long. */
+typedef struct Channel {
+  PyObject_HEAD td_chan *ch; /* NULL once closed */
+  PyObject *client;          /* the Client it was made through */
+  PyObject *name;            /* str */
+  char cname[TD_KEY_MAX + 1];
+  unsigned flags; /* TD_CHAN_SEND | TD_CHAN_RECV */
+  uint64_t id;
+  uint32_t capacity;
+  uint32_t nslots;
+  uint64_t slot_bytes;
+  uint64_t *slot_ids; /* nslots: tells a slot received from a storage */
+  unsigned gen;       /* g_forkgen at open: a forked child's is stale */
+  int closed;
+  long inflight;
+  PyObject *weakrefs;
+} Channel;
+
+/* Called WITHOUT the GIL. Counts a call in flight on self and sets *ch, or
+ * returns TD_ENOTCONN with msg if self is closed. */
+static int ch_enter(Channel *self, td_chan **ch, char *msg, size_t len) {
+  int err = 0;
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    snprintf(msg, len, "channel '%s': this end is closed", self->cname);
+    err = TD_ENOTCONN;
+  } else {
+    self->inflight++;
+    *ch = self->ch;
+  }
+  pthread_mutex_unlock(&g_mu);
+  return err;
+}
+
+/* Called WITHOUT the GIL: the call ch_enter counted is over. */
+static void ch_leave(Channel *self) {
+  pthread_mutex_lock(&g_mu);
+  if (--self->inflight == 0 && self->closed)
+    pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* Called WITHOUT the GIL. Marks self closed, waits for the calls in flight
+ * (within SLICE_MS) and leaves the channel. Storages loaned or received
+ * stay valid until released. */
+static void ch_close(Channel *self) {
+  pthread_mutex_lock(&g_mu);
+  if (self->closed) {
+    pthread_mutex_unlock(&g_mu);
+    return;
+  }
+  self->closed = 1;
+  while (self->inflight > 0 && self->gen == atomic_load(&g_forkgen))
+    pthread_cond_wait(&g_cv, &g_mu);
+  td_chan *ch = self->ch;
+  self->ch = NULL;
+  pthread_mutex_unlock(&g_mu);
+  td_chan_close(ch); /* in a forked child: frees the child's copy only */
+}
+
+enum { OP_LOAN, OP_RECV, OP_SEND };
+static const char *const op_names[] = {"loan", "receive", "send"};
+static const char *const op_waits[] = {"no slot came free", "nothing came",
+                                       "its ring stayed full"};
+#define CHAN_PYERR 1 /* chan_wait: a signal handler raised */
+
+/* Runs op on self without the GIL, waiting up to timeout seconds (forever:
+ * no limit; 0: not at all) in slices of SLICE_MS between which signals are
+ * handled. Returns 0, a negative TD_E* code with msg, or CHAN_PYERR with
+ * the exception a signal handler raised. OP_SEND sends *s (view *v). */
+static int chan_wait(Channel *self, int op, int forever, double timeout,
+                     td_storage **s, td_view *v, char *msg, size_t len) {
+  int64_t start = mono_ms();
+  int64_t deadline = deadline_of(start, timeout);
+  for (int first = 1;; first = 0) {
+    int slice = SLICE_MS;
+    if (!forever) {
+      int64_t left = deadline - mono_ms();
+      if (left <= 0 && !first) {
+        snprintf(msg, len, "channel '%s': %s: %s (waited %lld ms)", self->cname,
+                 op_names[op], op_waits[op], (long long)(mono_ms() - start));
+        return TD_ETIMEDOUT;
+      }
+      slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+      td_chan *ch;
+      err = ch_enter(self, &ch, msg, len);
+      if (err == 0) {
+        err = op == OP_LOAN   ? td_chan_loan(ch, slice, s)
+              : op == OP_RECV ? td_chan_recv(ch, slice, s, v)
+                              : td_chan_send(ch, *s, v, slice);
+        if (err < 0)
+          snprintf(msg, len, "%s", td_last_error(NULL));
+        ch_leave(self);
+      }
+    Py_END_ALLOW_THREADS
+    if (err != TD_ETIMEDOUT || (!forever && timeout == 0))
+      return err;
+    if (PyErr_CheckSignals() < 0)
+      return CHAN_PYERR;
+  }
+}
+
+/* A new Tensor over handle s (its reference taken over): view v, or the
+ * whole storage as uint8 for v NULL; slot says it is one of self's. */
+static PyObject *chan_tensor(Channel *self, td_storage *s, const td_view *v,
+                             int slot) {
+  td_view whole;
+  if (v == NULL) {
+    int64_t n = (int64_t)td_storage_nbytes(s);
+    td_view_contiguous(TD_UINT8, 1, &n, &whole);
+    v = &whole;
+  }
+  store *p = store_new(s);
+  if (p == NULL)
+    return PyErr_NoMemory();
+  p->slot = slot;
+  return tensor_new(p, v, NULL, self->client);
+}
+
+static int chan_timeout(Channel *self, PyObject *args, PyObject *kw,
+                        const char *fmt, int *forever, double *timeout) {
+  static char *kwlist[] = {"timeout", NULL};
+  PyObject *timeoutobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &timeoutobj))
+    return 0;
+  return parse_wait(timeoutobj, "channel", self->cname, forever, timeout);
+}
+
+static PyObject *Channel_loan(Channel *self, PyObject *args, PyObject *kw) {
+  int forever;
+  double timeout;
+  if (!chan_timeout(self, args, kw, "|O:loan", &forever, &timeout))
+    return NULL;
+  td_storage *s = NULL;
+  char msg[1024];
+  int err =
+      chan_wait(self, OP_LOAN, forever, timeout, &s, NULL, msg, sizeof(msg));
+  if (err == CHAN_PYERR)
+    return NULL;
+  if (err < 0)
+    return raise_err(err, msg);
+  return chan_tensor(self, s, NULL, 1);
+}
+
+static PyObject *Channel_recv(Channel *self, PyObject *args, PyObject *kw) {
+  int forever;
+  double timeout;
+  if (!chan_timeout(self, args, kw, "|O:recv", &forever, &timeout))
+    return NULL;
+  td_storage *s = NULL;
+  td_view v;
+  char msg[1024];
+  int err =
+      chan_wait(self, OP_RECV, forever, timeout, &s, &v, msg, sizeof(msg));
+  if (err == CHAN_PYERR)
+    return NULL;
+  if (err < 0)
+    return raise_err(err, msg);
+  uint64_t id = td_storage_id(s);
+  int slot = 0;
+  for (uint32_t i = 0; i < self->nslots && !slot; i++)
+    slot = self->slot_ids[i] == id;
+  return chan_tensor(self, s, &v, slot);
+}
+
+/* Reads where a CPU torch tensor begins, its shape, its strides in bytes
+ * (stride() counts elements) and its dtype. Returns 0, or -1 with an
+ * exception. */
+static int torch_layout(PyObject *obj, char **ptr, int *ndim, int64_t *shape,
+                        int64_t *bstrides, td_dtype *dt) {
+  PyObject *dev = PyObject_GetAttrString(obj, "device");
+  PyObject *type = dev ? PyObject_GetAttrString(dev, "type") : NULL;
+  Py_XDECREF(dev);
+  if (type == NULL)
+    return -1;
+  int cpu = PyUnicode_Check(type) &&
+            PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+  Py_DECREF(type);
+  if (!cpu) {
+    PyErr_SetString(PyExc_TypeError,
+                    "send: the tensor is not on the CPU (send a tensord.Tensor "
+                    "of the GPU storage instead)");
+    return -1;
+  }
+  PyObject *dto = PyObject_GetAttrString(obj, "dtype");
+  int bad = dto == NULL || parse_dtype(dto, dt) < 0;
+  Py_XDECREF(dto);
+  if (bad)
+    return -1;
+  const char *bits[] = {"is_conj", "is_neg"};
+  for (int i = 0; i < 2; i++) {
+    PyObject *r = PyObject_CallMethod(obj, bits[i], NULL);
+    int set = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    if (set < 0)
+      PyErr_Clear(); /* an older torch without the bit */
+    else if (set) {
+      PyErr_Format(PyExc_TypeError,
+                   "send: the tensor has its %s bit set: resolve_conj() / "
+                   "resolve_neg() it first",
+                   bits[i] + 3);
+      return -1;
+    }
+  }
+  PyObject *shp = PyObject_GetAttrString(obj, "shape");
+  PyObject *str = PyObject_CallMethod(obj, "stride", NULL);
+  PyObject *dp = PyObject_CallMethod(obj, "data_ptr", NULL);
+  int n = shp ? parse_shape(shp, shape, "send") : -1;
+  int m = n >= 0 && str ? parse_shape(str, bstrides, "send") : -1;
+  *ptr = m >= 0 && dp ? PyLong_AsVoidPtr(dp) : NULL;
+  Py_XDECREF(shp);
+  Py_XDECREF(str);
+  Py_XDECREF(dp);
+  if (m < 0 || PyErr_Occurred())
+    return -1;
+  if (m != n) {
+    PyErr_Format(PyExc_ValueError, "send: %d sizes but %d strides", n, m);
+    return -1;
+  }
+  for (int i = 0; i < n; i++)
+    bstrides[i] *= (int64_t)td_dtype_size(*dt);
+  *ndim = n;
+  return 0;
+}
+
+/* Returns a new Tensor of exactly the view that obj (a numpy array or
+ * anything with the buffer protocol, or a CPU torch tensor) has of the
+ * tensord storage its bytes lie in: no copy. TypeError when they lie in no
+ * storage this process holds. */
+static PyObject *tensor_of_array(PyObject *obj) {
+  char *ptr = NULL;
+  int ndim = 0;
+  int64_t shape[TD_MAX_DIMS], bstrides[TD_MAX_DIMS];
+  td_dtype dt = TD_DTYPE_INVALID;
+  if (PyObject_CheckBuffer(obj)) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) < 0)
+      return NULL;
+    dt = dtype_of_format(b.format, b.itemsize);
+    ndim = b.ndim;
+    ptr = b.buf;
+    int64_t stride = b.itemsize;
+    for (int i = ndim - 1; i >= 0 && i < TD_MAX_DIMS; i--) {
+      shape[i] = b.shape[i];
+      bstrides[i] = b.strides ? b.strides[i] : stride;
+      stride *= b.shape[i];
+    }
+    PyBuffer_Release(&b);
+    if (dt == TD_DTYPE_INVALID || ndim > TD_MAX_DIMS)
+      return PyErr_Format(PyExc_TypeError,
+                          "send: a %.100s of no tensord dtype, or of more "
+                          "than %d dims",
+                          Py_TYPE(obj)->tp_name, TD_MAX_DIMS);
+  } else if (PyObject_HasAttrString(obj, "data_ptr")) {
+    if (torch_layout(obj, &ptr, &ndim, shape, bstrides, &dt) < 0)
+      return NULL;
+  } else {
+    return PyErr_Format(PyExc_TypeError,
+                        "send: a %.100s is neither a tensord.Tensor, a numpy "
+                        "array nor a torch tensor",
+                        Py_TYPE(obj)->tp_name);
+  }
+  store *hit = NULL;
+  pthread_mutex_lock(&g_reg_mu);
+  for (store *s = g_stores; s != NULL; s = s->next)
+    if (!s->cuda && !store_gone(s) && ptr >= s->base &&
+        ptr < s->base + s->len && (hit = store_revive(s)) != NULL)
+      break;
+  pthread_mutex_unlock(&g_reg_mu);
+  if (hit == NULL)
+    return PyErr_Format(PyExc_TypeError,
+                        "send: the %.100s's bytes lie in no tensord storage "
+                        "of this process: write it into a slot "
+                        "(Channel.loan) or copy it into a storage "
+                        "(Client.share) first",
+                        Py_TYPE(obj)->tp_name);
+  int64_t es = (int64_t)td_dtype_size(dt), off = ptr - hit->base;
+  int64_t estrides[TD_MAX_DIMS];
+  int whole = off % es == 0;
+  for (int i = 0; i < ndim; i++) {
+    whole = whole && bstrides[i] % es == 0;
+    estrides[i] = bstrides[i] / es;
+  }
+  td_view v;
+  int err = whole ? td_view_contiguous(dt, 0, NULL, &v) : TD_EINVAL;
+  if (err == 0)
+    err = td_view_as_strided(&v, ndim, shape, estrides, off / es);
+  if (err == 0)
+    err = td_view_check(&v, hit->len);
+  if (err < 0) {
+    store_unref(hit);
+    return PyErr_Format(PyExc_ValueError,
+                        "send: the %.100s's view of its storage (%zu bytes) "
+                        "is no tensord view: %s",
+                        Py_TYPE(obj)->tp_name, hit->len,
+                        whole ? td_view_last_error()
+                              : "offset or strides not whole elements");
+  }
+  return tensor_new(hit, &v, NULL, NULL);
+}
+
+static PyObject *Channel_send(Channel *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"obj", "timeout", NULL};
+  PyObject *obj, *timeoutobj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:send", kwlist, &obj,
+                                   &timeoutobj))
+    return NULL;
+  int forever;
+  double timeout;
+  if (!parse_wait(timeoutobj, "channel", self->cname, &forever, &timeout))
+    return NULL;
+  PyObject *own = NULL;
+  if (!PyObject_TypeCheck(obj, &TensorType) &&
+      (obj = own = tensor_of_array(obj)) == NULL)
+    return NULL;
+  Tensor *t = (Tensor *)obj;
+  if (tensor_live(t) < 0) {
+    Py_XDECREF(own);
+    return NULL;
+  }
+  store *p = t->st;
+  if (p->busy > 0) {
+    char m[512];
+    snprintf(m, sizeof(m),
+             "channel '%s': send: storage %llu is in use by another thread "
+             "(publish, copy_, share or wait): send it once that is over",
+             self->cname, (unsigned long long)t->sid);
+    Py_XDECREF(own);
+    return raise_err(TD_EBUSY, m);
+  }
+  /* A slot moves as the handle itself: no other Tensor of this process may
+   * reach the storage from now on (store_gone). Any other storage moves as
+   * a reference of its own, and the views that remain stay valid. */
+  td_storage *s;
+  if (p->slot) {
+    p->handing = 1;
+    s = p->s;
+  } else {
+    s = td_storage_retain(p->s);
+  }
+  store_ref(p);
+  td_view v = t->v;
+  char msg[1024];
+  int err =
+      chan_wait(self, OP_SEND, forever, timeout, &s, &v, msg, sizeof(msg));
+  if (err == 0) {
+    if (p->slot) {
+      pthread_mutex_lock(&g_reg_mu);
+      store_unlist(p);
+      p->s = NULL; /* the channel's now, freed by td_chan_send */
+      pthread_mutex_unlock(&g_reg_mu);
+    }
+    t->released = 1;
+    tensor_maybe_drop(t);
+  } else if (!p->slot) {
+    td_storage_release(s); /* not the last: the store holds one */
+  }
+  p->handing = 0;
+  store_unref(p);
+  Py_XDECREF(own);
+  if (err == CHAN_PYERR)
+    return NULL;
+  if (err < 0)
+    return raise_err(err, msg);
+  Py_RETURN_NONE;
+}
+
+static PyObject *side_name(unsigned flags) {
+  flags &= TD_CHAN_SEND | TD_CHAN_RECV;
+  return PyUnicode_FromString(flags == TD_CHAN_SEND   ? "send"
+                              : flags == TD_CHAN_RECV ? "recv"
+                                                      : "both");
+}
+
+/* What td_chan_stat and td_chan_list say of a channel, as a dict; with
+ * listed, also what only tensord knows (its ends, slot ids, owner pid). */
+static PyObject *chan_dict(const td_chan_info *i, int listed) {
+  char mode[8];
+  snprintf(mode, sizeof(mode), "%04o", i->mode);
+  PyObject *d = Py_BuildValue(
+      "{s:N,s:K,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:s,s:K,s:I,s:N,s:K,"
+      "s:K}",
+      "name", str_or_empty(i->name), "id", (unsigned long long)i->id,
+      "capacity", i->capacity, "depth", i->depth, "slots", i->slots,
+      "slots_free", i->slots_free, "slots_loaned", i->slots_loaned,
+      "slots_queued", i->slots_queued, "slots_held", i->slots_held, "senders",
+      i->senders, "receivers", i->receivers, "mode", mode, "slot_bytes",
+      (unsigned long long)i->slot_bytes, "owner_uid", i->owner_uid, "corrupt",
+      PyBool_FromLong(i->corrupt), "sent", (unsigned long long)i->sent,
+      "received", (unsigned long long)i->received);
+  if (d == NULL || !listed)
+    return d;
+  PyObject *ends = PyList_New((Py_ssize_t)i->nends);
+  PyObject *ids = PyList_New((Py_ssize_t)i->nslot_ids);
+  int ok = ends != NULL && ids != NULL;
+  for (size_t k = 0; ok && k < i->nends; k++) {
+    const td_chan_end_info *e = &i->ends[k];
+    PyObject *x = Py_BuildValue(
+        "{s:I,s:i,s:I,s:N,s:N,s:N,s:I,s:I}", "end", e->end, "pid", e->pid,
+        "uid", e->uid, "name", str_or_empty(e->name), "side",
+        side_name(e->flags), "left", PyBool_FromLong(e->left), "loaned",
+        e->loaned, "held", e->held);
+    ok = x != NULL;
+    if (ok)
+      PyList_SET_ITEM(ends, (Py_ssize_t)k, x);
+  }
+  for (size_t k = 0; ok && k < i->nslot_ids; k++) {
+    PyObject *x = PyLong_FromUnsignedLongLong(i->slot_ids[k]);
+    ok = x != NULL;
+    if (ok)
+      PyList_SET_ITEM(ids, (Py_ssize_t)k, x);
+  }
+  if (!ok || set_item(d, "owner_pid", PyLong_FromLong(i->owner_pid)) < 0 ||
+      set_item(d, "in_flight", PyLong_FromUnsignedLongLong(i->in_flight)) < 0 ||
+      PyDict_SetItemString(d, "ends", ends) < 0 ||
+      PyDict_SetItemString(d, "slot_ids", ids) < 0) {
+    Py_XDECREF(ends);
+    Py_XDECREF(ids);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(ends);
+  Py_DECREF(ids);
+  return d;
+}
+
+static PyObject *Channel_stat(Channel *self, PyObject *unused) {
+  td_chan_info info;
+  char msg[512];
+  int err;
+  Py_BEGIN_ALLOW_THREADS
+    td_chan *ch;
+    err = ch_enter(self, &ch, msg, sizeof(msg));
+    if (err == 0) {
+      err = td_chan_stat(ch, &info);
+      if (err < 0)
+        snprintf(msg, sizeof(msg), "%s", td_last_error(NULL));
+      ch_leave(self);
+    }
+  Py_END_ALLOW_THREADS
+  if (err < 0)
+    return raise_err(err, msg);
+  info.name = self->cname; /* valid as long as the td_chan, which we leave */
+  return chan_dict(&info, 0);
+}
+
+static PyObject *Channel_close(Channel *self, PyObject *unused) {
+  Py_BEGIN_ALLOW_THREADS
+    ch_close(self);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *Channel_enter(Channel *self, PyObject *unused) {
+  return Py_NewRef(self);
+}
+
+static PyObject *Channel_exit(Channel *self, PyObject *args) {
+  return Channel_close(self, NULL);
+}
+
+static PyObject *Channel_reduce(Channel *self, PyObject *args) {
+  PyErr_SetString(PyExc_TypeError,
+                  "tensord.Channel cannot be pickled: open the channel by "
+                  "its name in the other process (Client.channel(name))");
+  return NULL;
+}
+
+static void Channel_dealloc(Channel *self) {
+  if (self->weakrefs != NULL)
+    PyObject_ClearWeakRefs((PyObject *)self);
+  Py_BEGIN_ALLOW_THREADS
+    ch_close(self);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(self->client);
+  Py_XDECREF(self->name);
+  free(self->slot_ids);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Channel_repr(Channel *self) {
+  PyObject *side = side_name(self->flags);
+  if (side == NULL)
+    return NULL;
+  PyObject *r = PyUnicode_FromFormat(
+      "<tensord.Channel %R (%U; %u slots of %llu bytes)%s>", self->name, side,
+      self->nslots, (unsigned long long)self->slot_bytes,
+      self->closed ? " (closed)" : "");
+  Py_DECREF(side);
+  return r;
+}
+
+static PyObject *Channel_get_closed(Channel *self, void *unused) {
+  return PyBool_FromLong(self->closed);
+}
+
+static PyObject *Channel_get_side(Channel *self, void *unused) {
+  return side_name(self->flags);
+}
+
+static PyMethodDef Channel_methods[] = {
+    {"loan", (PyCFunction)(void (*)(void))Channel_loan,
+     METH_VARARGS | METH_KEYWORDS,
+     "loan(timeout=None) -> Tensor: a free slot, uint8[slot_bytes] mapped "
+     "read-write, waiting up to timeout seconds (None: forever; 0: not at "
+     "all) for one. Write it and send() it, or release it to give it back. "
+     "NotFound if the channel has no slots, PermissionDenied on an end "
+     "that does not send, BrokenPipe once every receiver has left."},
+    {"send", (PyCFunction)(void (*)(void))Channel_send,
+     METH_VARARGS | METH_KEYWORDS,
+     "send(obj, timeout=None): sends obj, a tensord.Tensor (a storage and "
+     "its view, as publish() takes it), or a numpy array or CPU torch "
+     "tensor whose bytes lie in a tensord storage (a loaned slot, a "
+     "received one, any Tensor's), with its exact view; waits up to timeout "
+     "seconds while the ring is full. Sending hands the reference over: the "
+     "Tensor is released, and obj and every view of the same slot must not "
+     "be used afterwards (the receiver writes or reuses those bytes); a "
+     "storage that is not a slot travels as a reference of its own through "
+     "tensord, and the views that remain keep it mapped. On failure "
+     "nothing changed. BrokenPipe once every receiver has left."},
+    {"recv", (PyCFunction)(void (*)(void))Channel_recv,
+     METH_VARARGS | METH_KEYWORDS,
+     "recv(timeout=None) -> Tensor: the oldest entry, the storage and view "
+     "as sent, as lookup() returns a key's, waiting up to timeout seconds. "
+     "A slot comes read-only unless this end also sends, and goes back to "
+     "the channel when the Tensor and every numpy/torch view of it are "
+     "gone (or released). BrokenPipe once the ring is empty and every "
+     "sender has left; Timeout."},
+    {"stat", (PyCFunction)Channel_stat, METH_NOARGS,
+     "stat() -> dict: what the ring says now (depth, slots free, on loan, "
+     "queued, held; senders, receivers; sent and received), read from "
+     "shared memory without tensord."},
+    {"close", (PyCFunction)Channel_close, METH_NOARGS,
+     "close(): leaves the channel (idempotent); the other side sees "
+     "BrokenPipe once all of this side have left. Calls waiting in other "
+     "threads raise tensord.Closed. Tensors loaned or received stay valid "
+     "until released."},
+    {"__enter__", (PyCFunction)Channel_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Channel_exit, METH_VARARGS, NULL},
+    {"__reduce__", (PyCFunction)Channel_reduce, METH_NOARGS, NULL},
+    {"__reduce_ex__", (PyCFunction)Channel_reduce, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Channel_members[] = {
+    {"name", T_OBJECT_EX, offsetof(Channel, name), READONLY, NULL},
+    {"client", T_OBJECT_EX, offsetof(Channel, client), READONLY, NULL},
+    {"id", T_ULONGLONG, offsetof(Channel, id), READONLY, NULL},
+    {"capacity", T_UINT, offsetof(Channel, capacity), READONLY,
+     "entries the ring holds"},
+    {"slots", T_UINT, offsetof(Channel, nslots), READONLY, NULL},
+    {"slot_bytes", T_ULONGLONG, offsetof(Channel, slot_bytes), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Channel_getset[] = {
+    {"closed", (getter)Channel_get_closed, NULL, "close() was called", NULL},
+    {"side", (getter)Channel_get_side, NULL, "'send', 'recv' or 'both'", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ChannelType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensord.Channel",
+    .tp_basicsize = sizeof(Channel),
+    .tp_dealloc = (destructor)Channel_dealloc,
+    .tp_repr = (reprfunc)Channel_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An end of a channel (Client.channel): a named, bounded FIFO "
+              "of storages with their views, from the processes that send "
+              "to those that receive. Safe to share between threads.",
+    .tp_weaklistoffset = offsetof(Channel, weakrefs),
+    .tp_methods = Channel_methods,
+    .tp_members = Channel_members,
+    .tp_getset = Channel_getset,
+};
+
+/* Collects the slot ids of channel id from td_chan_list (without the GIL). */
+typedef struct slot_ids_acc {
+  uint64_t id;
+  uint64_t *ids;
+  uint32_t n;
+} slot_ids_acc;
+
+static int slot_ids_cb(const td_chan_info *info, void *arg) {
+  slot_ids_acc *a = arg;
+  if (info->id != a->id)
+    return 0;
+  a->ids = calloc(info->nslot_ids + 1, sizeof(uint64_t));
+  if (a->ids == NULL)
+    return TD_ENOMEM;
+  memcpy(a->ids, info->slot_ids, info->nslot_ids * sizeof(uint64_t));
+  a->n = (uint32_t)info->nslot_ids;
+  return 1;
+}
+
+static PyObject *Client_channel(Client *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"name", "capacity", "slots",   "slot_bytes", "mode",
+                           "side", "spin_us",  "timeout", "create",     NULL};
+  PyObject *nameobj, *capobj = Py_None, *timeoutobj = Py_None,
+                     *createobj = Py_None;
+  unsigned int slots = 0, mode = 0600, spin = 0;
+  unsigned long long slot_bytes = 0;
+  const char *side = "both";
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kw, "O|OIKIsIOO:channel", kwlist, &nameobj, &capobj, &slots,
+          &slot_bytes, &mode, &side, &spin, &timeoutobj, &createobj))
+    return NULL;
+  const char *name = key_utf8(nameobj);
+  if (name == NULL)
+    return NULL;
+  unsigned flags;
+  if (strcmp(side, "both") == 0)
+    flags = TD_CHAN_SEND | TD_CHAN_RECV;
+  else if (strcmp(side, "send") == 0)
+    flags = TD_CHAN_SEND;
+  else if (strcmp(side, "recv") == 0)
+    flags = TD_CHAN_RECV;
+  else
+    return PyErr_Format(PyExc_ValueError,
+                        "channel '%s': side '%s' (give 'both', 'send' or "
+                        "'recv')",
+                        name, side);
+  unsigned long capacity = 0;
+  if (capobj != Py_None) {
+    capacity = PyLong_AsUnsignedLong(capobj);
+    if (capacity == (unsigned long)-1 && PyErr_Occurred())
+      return NULL;
+    if (capacity > UINT32_MAX)
+      capacity = UINT32_MAX; /* td_chan_create names the limit */
+  }
+  int create = createobj == Py_None ? capobj != Py_None || slots > 0
+                                    : PyObject_IsTrue(createobj);
+  if (create < 0)
+    return NULL;
+  int forever;
+  double timeout;
+  if (!parse_wait(timeoutobj, "channel", name, &forever, &timeout))
+    return NULL;
+  td_chan *ch = NULL;
+  call x;
+  int err;
+  if (create) {
+    td_chan_opts o = {.capacity = (uint32_t)capacity,
+                      .slots = slots,
+                      .slot_bytes = slot_bytes,
+                      .mode = mode,
+                      .flags = flags,
+                      .spin_us = spin};
+    CALL(self, x, err, td_chan_create(x.c, name, &o, &ch));
+    if (err < 0)
+      return raise_err(err, x.msg);
+  } else {
+    int64_t start = mono_ms();
+    int64_t deadline = deadline_of(start, timeout);
+    for (int first = 1;; first = 0) {
+      int slice = SLICE_MS;
+      if (!forever) {
+        int64_t left = deadline - mono_ms();
+        if (left <= 0 && !first) {
+          char m[512];
+          snprintf(m, sizeof(m), "channel '%s': not created (waited %lld ms)",
+                   name, (long long)(mono_ms() - start));
+          return raise_err(TD_ETIMEDOUT, m);
+        }
+        slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
+      }
+      CALL(self, x, err, td_chan_open(x.c, name, flags, slice, &ch));
+      if (err == 0)
+        break;
+      if (err != TD_ETIMEDOUT || (!forever && timeout == 0))
+        return raise_err(err, x.msg);
+      if (PyErr_CheckSignals() < 0)
+        return NULL;
+    }
+    if (spin > 0)
+      td_chan_set_spin(ch, spin);
+  }
+  td_chan_info info;
+  td_chan_stat(ch, &info);
+  slot_ids_acc acc = {.id = info.id};
+  if (info.slots > 0) {
+    CALL(self, x, err, td_chan_list(x.c, slot_ids_cb, &acc));
+    if (err == 0 && acc.n != info.slots) {
+      snprintf(x.msg, sizeof(x.msg),
+               "channel '%s': tensord lists %u slot ids for its %u slots", name,
+               (unsigned)acc.n, (unsigned)info.slots);
+      err = TD_EPROTO;
+    }
+    if (err < 0) {
+      free(acc.ids);
+      Py_BEGIN_ALLOW_THREADS
+        td_chan_close(ch);
+      Py_END_ALLOW_THREADS
+      return raise_err(err, x.msg);
+    }
+  }
+  Channel *c = PyObject_New(Channel, &ChannelType);
+  if (c == NULL) {
+    free(acc.ids);
+    Py_BEGIN_ALLOW_THREADS
+      td_chan_close(ch);
+    Py_END_ALLOW_THREADS
+    return NULL;
+  }
+  c->ch = ch;
+  c->client = Py_NewRef(self);
+  c->name = Py_NewRef(nameobj);
+  snprintf(c->cname, sizeof(c->cname), "%s", name);
+  c->flags = flags;
+  c->id = info.id;
+  c->capacity = info.capacity;
+  c->nslots = info.slots;
+  c->slot_bytes = info.slot_bytes;
+  c->slot_ids = acc.ids;
+  c->gen = atomic_load(&g_forkgen);
+  c->closed = 0;
+  c->inflight = 0;
+  c->weakrefs = NULL;
+  return (PyObject *)c;
+}
+
+/* channels(): the listing is copied out of the callback (which runs without
+ * the GIL) and turned into dicts afterwards. */
+typedef struct chl_item {
+  td_chan_info info; /* its pointers point into the fields below */
+  char *name;
+  td_chan_end_info *ends;
+  char **end_names;
+  uint64_t *slot_ids;
+} chl_item;
+
+typedef struct chl_acc {
+  chl_item *items;
+  size_t n, cap;
+} chl_acc;
+
+static void chl_free(chl_acc *a) {
+  for (size_t i = 0; i < a->n; i++) {
+    chl_item *it = &a->items[i];
+    for (size_t e = 0; it->end_names && e < it->info.nends; e++)
+      free(it->end_names[e]);
+    free(it->end_names);
+    free(it->ends);
+    free(it->slot_ids);
+    free(it->name);
+  }
+  free(a->items);
+}
+
+static int chl_cb(const td_chan_info *info, void *arg) {
+  chl_acc *a = arg;
+  if (a->n == a->cap) {
+    size_t cap = a->cap ? 2 * a->cap : 16;
+    chl_item *n = realloc(a->items, cap * sizeof(*n));
+    if (n == NULL)
+      return TD_ENOMEM;
+    a->items = n;
+    a->cap = cap;
+  }
+  chl_item *it = &a->items[a->n++];
+  memset(it, 0, sizeof(*it));
+  it->info = *info;
+  it->name = strdup(info->name);
+  it->ends = calloc(info->nends + 1, sizeof(*it->ends));
+  it->end_names = calloc(info->nends + 1, sizeof(char *));
+  it->slot_ids = calloc(info->nslot_ids + 1, sizeof(uint64_t));
+  it->info.nends = 0;
+  if (it->name == NULL || it->ends == NULL || it->end_names == NULL ||
+      it->slot_ids == NULL)
+    return TD_ENOMEM;
+  it->info.name = it->name;
+  it->info.ends = it->ends;
+  it->info.slot_ids = it->slot_ids;
+  memcpy(it->slot_ids, info->slot_ids, info->nslot_ids * sizeof(uint64_t));
+  for (size_t e = 0; e < info->nends; e++) {
+    it->ends[e] = info->ends[e];
+    if ((it->end_names[e] = strdup(info->ends[e].name)) == NULL)
+      return TD_ENOMEM;
+    it->ends[e].name = it->end_names[e];
+    it->info.nends = e + 1;
+  }
+  return 0;
+}
+
+static PyObject *Client_channels(Client *self, PyObject *unused) {
+  chl_acc a = {0};
+  call x;
+  int err;
+  CALL(self, x, err, td_chan_list(x.c, chl_cb, &a));
+  if (err < 0) {
+    chl_free(&a);
+    return raise_err(err, x.msg);
+  }
+  PyObject *list = PyList_New((Py_ssize_t)a.n);
+  for (size_t i = 0; list != NULL && i < a.n; i++) {
+    PyObject *d = chan_dict(&a.items[i].info, 1);
+    if (d == NULL)
+      Py_CLEAR(list);
+    else
+      PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+  }
+  chl_free(&a);
+  return list;
+}
+
 /* ---- module functions ---- */
 
 static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
@@ -3188,7 +4127,7 @@ static PyObject *mod_find(PyObject *m, PyObject *arg) {
   char *p = ptr;
   pthread_mutex_lock(&g_reg_mu);
   for (store *s = g_stores; s != NULL; s = s->next)
-    if (!s->cuda && p >= s->base && p < s->base + s->len &&
+    if (!s->cuda && !store_gone(s) && p >= s->base && p < s->base + s->len &&
         (hit = store_revive(s)) != NULL)
       break;
   pthread_mutex_unlock(&g_reg_mu);
@@ -3276,9 +4215,23 @@ static PyObject *add_error(PyObject *m, const char *name, PyObject *base,
   return cls;
 }
 
+/* BrokenPipe (TD_EPIPE: the other side of a channel has all left) is a
+ * Closed, as EPIPE always was here, and a builtin BrokenPipeError. */
+static PyObject *add_broken_pipe(PyObject *m) {
+  PyObject *bases = PyTuple_Pack(2, Closed, PyExc_BrokenPipeError);
+  if (bases == NULL)
+    return NULL;
+  PyObject *cls = add_error(m, "BrokenPipe", bases,
+                            "TD_EPIPE: every end on the other side of a "
+                            "channel has left (Closed, BrokenPipeError)");
+  Py_DECREF(bases);
+  return cls;
+}
+
 PyMODINIT_FUNC PyInit__tensord(void) {
   if (PyType_Ready(&ClientType) < 0 || PyType_Ready(&TensorType) < 0 ||
-      PyType_Ready(&ExporterType) < 0 || PyType_Ready(&WatchType) < 0)
+      PyType_Ready(&ExporterType) < 0 || PyType_Ready(&WatchType) < 0 ||
+      PyType_Ready(&ChannelType) < 0)
     return NULL;
   if (WatchEventType == NULL &&
       (WatchEventType = PyStructSequence_NewType(&event_desc)) == NULL)
@@ -3298,13 +4251,15 @@ PyMODINIT_FUNC PyInit__tensord(void) {
       !(QuotaExceeded = add_error(m, "QuotaExceeded", Error, "TD_EDQUOT")) ||
       !(Closed = add_error(m, "Closed", Error,
                            "TD_ENOTCONN, TD_ECONNRESET, TD_EPIPE")) ||
-      !(Exists = add_error(m, "Exists", Error, "TD_EEXIST"))) {
+      !(Exists = add_error(m, "Exists", Error, "TD_EEXIST")) ||
+      !(BrokenPipe = add_broken_pipe(m))) {
     Py_DECREF(m);
     return NULL;
   }
   if (PyModule_AddObjectRef(m, "Client", (PyObject *)&ClientType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Watch", (PyObject *)&WatchType) < 0 ||
+      PyModule_AddObjectRef(m, "Channel", (PyObject *)&ChannelType) < 0 ||
       PyModule_AddObjectRef(m, "WatchEvent", (PyObject *)WatchEventType) < 0 ||
       PyModule_AddStringConstant(m, "libtensord_version", td_version_string()) <
           0 ||

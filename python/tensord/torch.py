@@ -10,7 +10,8 @@ Four pieces, all pure Python over the ``tensord._tensord`` extension:
 
 ``DataLoader``
     A drop-in ``torch.utils.data.DataLoader`` whose workers collate straight
-    into tensord storages and hand the main process only references.
+    into the slots of a tensord channel, which the main process receives
+    without a copy, a pipe or a daemon call.
 
 ``publish_state_dict`` / ``load_state_dict``
     A state dict as one packed storage under one key: many processes map the
@@ -93,10 +94,15 @@ batches in the same order. What differs:
   reducer, as torch copies them into its shared memory.
 - With workers, the iterator opens a scope before starting them and passes
   it to them (a wrapper around ``worker_init_fn`` installs the reducers in
-  each worker with that scope). Batches travel as keys in that scope. When
-  the iterator shuts its workers down (end of epoch, deletion, a worker's
-  death raising in the main process, exactly as torch raises it) the main
-  process closes the scope: every batch still in flight is freed. A batch the
+  each worker with that scope). By default (``channel=True``) their results
+  come through channels instead of torch's result queue (see "DataLoader
+  batches through a channel" below): a batch is collated into a slot, and
+  only what does not fit a slot, or comes before the slots exist, travels
+  as keys in that scope. With ``channel=False`` every batch travels as keys
+  through torch's queue. When the iterator shuts its workers down (end of
+  epoch, deletion, a worker's death raising in the main process, exactly as
+  torch raises it) the main process closes the scope and drains the
+  channels: every batch still in flight is freed. A batch the
   training loop drops releases its storage (the torch tensor's DLPack
   deleter), and the daemon recycles it for the next uninitialised create.
 - With ``num_workers=0`` the same collate runs in the main process: batches
@@ -143,13 +149,17 @@ callback, whose value requests take from ``Follower.current``.
 from __future__ import annotations
 
 import collections.abc
+import io
 import itertools
 import json
 import re
 import logging
 import os
+import pickle
+import queue
 import tempfile
 import threading
+import time
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -546,20 +556,32 @@ def _rebuild_td_tensor(path: str, key: str):
 # Collate into tensord storages.
 
 
-def _into_tensord(client, t: torch.Tensor) -> torch.Tensor:
-    """Returns t copied into a new tensord storage (t if tensord lacks it)."""
+def _empty_fn(client) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+    """empty(shape, dtype): a torch tensor over a new storage of client's
+    (uninitialised: recycled by the daemon), holding it alone."""
+
+    def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        out = client.empty(shape, dtype, uninit=True)
+        try:
+            return out.torch()
+        finally:
+            out.release()
+
+    return empty
+
+
+def _into_tensord(empty, t: torch.Tensor) -> torch.Tensor:
+    """Returns t copied into empty(...) (t if tensord lacks its dtype)."""
     if not _eligible(t) or t.requires_grad:
         return t
-    out = client.empty(tuple(t.shape), t.dtype, uninit=True)
-    try:
-        o = out.torch()
-    finally:
-        out.release()
-    return o.copy_(t)
+    return empty(tuple(t.shape), t.dtype).copy_(t)
 
 
-def _collate_fn_map(client) -> dict:
-    """torch's default_collate_fn_map, with tensors made in tensord."""
+def _collate_fn_map(client, empty=None) -> dict:
+    """torch's default_collate_fn_map, with tensors made in tensord: by
+    empty(shape, dtype) (None: each in a storage of its own)."""
+    if empty is None:
+        empty = _empty_fn(client)
 
     def tensor_fn(batch, *, collate_fn_map=None):
         elem = batch[0]
@@ -569,21 +591,17 @@ def _collate_fn_map(client) -> dict:
             or any(x.requires_grad for x in batch)
         ):
             return _collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        out = client.empty((len(batch),) + tuple(elem.shape), elem.dtype, uninit=True)
-        try:
-            o = out.torch()
-        finally:
-            out.release()
+        o = empty((len(batch),) + tuple(elem.shape), elem.dtype)
         return torch.stack(batch, 0, out=o)
 
     def numpy_scalar_fn(batch, *, collate_fn_map=None):
-        return _into_tensord(client, _collate.collate_numpy_scalar_fn(batch))
+        return _into_tensord(empty, _collate.collate_numpy_scalar_fn(batch))
 
     def float_fn(batch, *, collate_fn_map=None):
-        return _into_tensord(client, _collate.collate_float_fn(batch))
+        return _into_tensord(empty, _collate.collate_float_fn(batch))
 
     def int_fn(batch, *, collate_fn_map=None):
-        return _into_tensord(client, _collate.collate_int_fn(batch))
+        return _into_tensord(empty, _collate.collate_int_fn(batch))
 
     m = dict(_collate.default_collate_fn_map)
     replace = {
@@ -659,14 +677,16 @@ class _LoaderOverride:
 class _MultiProcessingIter(_dataloader._MultiProcessingDataLoaderIter):
     """torch's multi-process iterator, with a tensord scope for its batches."""
 
-    def __init__(self, loader, client) -> None:
+    def __init__(self, loader, client, **overrides) -> None:
         self._td_client = client
         self._td_scope = client.scope_open()
         init = _WorkerInit(
             loader.worker_init_fn, client.path, self._td_scope, client.name
         )
         try:
-            super().__init__(_LoaderOverride(loader, worker_init_fn=init))
+            super().__init__(
+                _LoaderOverride(loader, worker_init_fn=init, **overrides)
+            )
         except BaseException:
             self._td_close_scope()
             raise
@@ -698,18 +718,636 @@ class _MultiProcessingIter(_dataloader._MultiProcessingDataLoaderIter):
                 self._td_close_scope()
 
 
+# --------------------------------------------------------------------------
+# DataLoader batches through a channel.
+#
+# The iterator's workers send their results (idx, batch) through a channel
+# instead of torch's result queue (a pipe): a batch is collated straight into
+# a slot, its tensors one after another, and the rest of it (the structure,
+# the numbers, the strings, the index) pickled after them, as the header the
+# entry's view points at. The main process receives the slot, unpickles the
+# header and makes each tensor a view of the slot: no copy, no socket, no
+# daemon call. Slots are made from the first batch's size, which no one
+# knows before a worker has collated one: until then the workers send on a
+# bootstrap channel without slots (each tensor in a storage of its own,
+# travelling by a key of the scope, as the old path did; the header in a
+# storage), and the main process makes the slots' channel when the first
+# batch tells it the size. What does not fit in a slot (a bigger batch, no
+# slot free because the training loop holds many batches) goes the same
+# per-storage way.
+
+_CHAN_SLACK = 64 << 10  # a slot holds the first batch, an eighth and this
+_chan_counter = itertools.count()
+
+
+class _Arena:
+    """A bump allocator over one storage (a slot, or a storage of a slot's
+    size): a batch's tensors one after another, its header after them."""
+
+    def __init__(self, t) -> None:
+        self.t = t  # the handle, a tensord.Tensor of the whole storage
+        self.base = t.torch()  # uint8, the whole storage
+        self.ptr = self.base.data_ptr()
+        self.size = self.base.numel()
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        off = _align(self.used)
+        if off + nbytes > self.size:
+            return None
+        self.used = off + nbytes
+        return off
+
+    def empty(self, shape: tuple, dtype: torch.dtype, nbytes: int):
+        off = self.alloc(nbytes)
+        if off is None:
+            return None
+        return self.base[off : off + nbytes].view(dtype).view(shape)
+
+    def drop(self) -> None:
+        """Gives the storage back (a slot to its channel) unsent."""
+        self.base = None
+        self.t.release()
+
+
+class _Sink:
+    """empty(shape, dtype) for a channel worker's collate: in the arena
+    while it has room, else in a storage of its own; counts the bytes the
+    batch needs, which sizes the slots."""
+
+    def __init__(self, client, arena: Optional[_Arena]) -> None:
+        self.arena = arena
+        self.need = 0
+        self._empty = _empty_fn(client)
+
+    def __call__(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = _itemsize(dtype)
+        for d in shape:
+            n *= d
+        self.need = _align(self.need) + n
+        if self.arena is not None:
+            x = self.arena.empty(shape, dtype, n)
+            if x is not None:
+                return x
+        return self._empty(shape, dtype)
+
+
+class _Packed:
+    """What a channel worker's collate returns to torch's worker loop, which
+    hands it to _ChanQueue.put: the batch and the arena it lies in."""
+
+    __slots__ = ("batch", "arena", "need")
+
+    def __init__(self, batch, arena: Optional[_Arena], need: int) -> None:
+        self.batch = batch
+        self.arena = arena
+        self.need = need
+
+
+class _ChanCollate:
+    """default_collate in a worker of a channel iterator: into a slot of
+    its channel (a storage of a slot's size when none is free; a storage per
+    tensor before the slots exist). Picklable for spawn."""
+
+    def __init__(self, path: Optional[str], bname: str, dname: str) -> None:
+        self.path = path
+        self.bname = bname
+        self.dname = dname
+
+    def __call__(self, batch):
+        w = _chan_worker(self.path, self.bname, self.dname)
+        arena = w.arena(batch_sized=True)
+        sink = _Sink(client_for(self.path), arena)
+        try:
+            out = _collate.collate(
+                batch, collate_fn_map=_collate_fn_map(None, empty=sink)
+            )
+        except BaseException:
+            if arena is not None:
+                arena.drop()
+            raise
+        return _Packed(out, arena, sink.need)
+
+
+class _HeaderPickler(ForkingPickler):
+    """Pickles a result for the channel: a tensor in the arena becomes its
+    place there (a persistent id); a tensor outside tensord is copied into
+    the arena if it fits; anything else goes as ForkingPickler sends it (a
+    tensor of a tensord storage by a key of the scope, with no copy)."""
+
+    def __init__(self, file, arena: Optional[_Arena]) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.arena = arena
+        self.need = 0
+
+    def persistent_id(self, obj):
+        if (
+            type(obj) is not torch.Tensor
+            or not _eligible(obj)
+            or obj.requires_grad
+            or obj.numel() == 0
+            or obj.is_conj()
+            or obj.is_neg()
+        ):
+            return None
+        a = self.arena
+        isz = obj.element_size()
+        if a is not None:
+            off = obj.data_ptr() - a.ptr
+            extent = sum((n - 1) * s for n, s in zip(obj.shape, obj.stride()))
+            if 0 <= off and off + (extent + 1) * isz <= a.used and off % isz == 0:
+                return (off // isz, _dtype_name(obj.dtype), tuple(obj.shape),
+                        obj.stride())
+        hit = _tensord.find(obj.data_ptr())
+        if hit is not None:
+            hit[0].release()
+            return None  # in a storage already: by key, no copy
+        nbytes = obj.numel() * isz
+        self.need = _align(self.need) + nbytes
+        x = a.empty(tuple(obj.shape), obj.dtype, nbytes) if a is not None else None
+        if x is None:
+            return None  # copied into a storage of its own by the reducer
+        x.copy_(obj)
+        return ((x.data_ptr() - a.ptr) // isz, _dtype_name(obj.dtype),
+                tuple(obj.shape), x.stride())
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Unpickles a header the main process received: a persistent id is a
+    tensor over the received storage t."""
+
+    def __init__(self, file, t) -> None:
+        super().__init__(file)
+        self.t = t
+        self.typed: Dict[torch.dtype, torch.Tensor] = {}
+
+    def persistent_load(self, pid):
+        offset, dtype_name, shape, stride = pid
+        dt = _TORCH_DTYPES[dtype_name]
+        base = self.typed.get(dt)
+        if base is None:
+            if not self.typed:
+                t = self.t
+                whole = t.as_strided((t.storage_nbytes,), (1,), offset=0)
+                self.typed[torch.uint8] = whole.torch()
+                whole.release()
+            u8 = self.typed[torch.uint8]
+            n = u8.numel() // _itemsize(dt) * _itemsize(dt)
+            base = self.typed[dt] = u8[:n].view(dt)
+        return torch.as_strided(base, shape, stride, offset)
+
+
+def _decode(t):
+    """(idx, data) and the batch's bytes from a received entry, whose view is
+    the header; t is released (its tensors hold the storage)."""
+    try:
+        u = _HeaderUnpickler(io.BytesIO(memoryview(t)), t)
+        obj = u.load()
+        need = u.load()
+    finally:
+        t.release()
+    return obj, need
+
+
+class _ChanWorker:
+    """A worker's side of an iterator's channels (one per process and
+    iterator): the bootstrap channel until the slots' one exists. It is the
+    result queue a spawned worker unpickles (put, cancel_join_thread,
+    close)."""
+
+    def __init__(self, path: Optional[str], bname: str, dname: str) -> None:
+        self.path = path
+        self.bname = bname
+        self.dname = dname
+        self.d = None  # the slots' channel, once found
+        self.b = None  # the bootstrap channel, until then
+
+    def _find_d(self):
+        """The slots' channel, if the main process has made it (a round
+        trip to ask, until it has)."""
+        if self.d is None:
+            try:
+                self.d = client_for(self.path).channel(
+                    self.dname, side="send", timeout=0
+                )
+            except tensord.NotFound:
+                return None
+            if self.b is not None:
+                self.b.close()  # the main process learns we have moved
+                self.b = None
+        return self.d
+
+    def arena(self, batch_sized: bool) -> Optional[_Arena]:
+        """A free slot; else, for a batch, a storage of a slot's size; None
+        while there are no slots."""
+        d = self._find_d()
+        if d is None:
+            return None
+        try:
+            return _Arena(d.loan(timeout=0))
+        except tensord.Timeout:
+            pass  # the training loop holds them all
+        except tensord.Error:
+            return None  # the main process has gone
+        if not batch_sized:
+            return None
+        t = client_for(self.path).empty((d.slot_bytes,), "uint8", uninit=True)
+        return _Arena(t)
+
+    def put(self, obj) -> None:
+        idx, data = obj
+        if isinstance(data, _Packed):
+            arena, need, payload = data.arena, data.need, data.batch
+            data.batch = data.arena = None
+        else:
+            arena, need, payload = self.arena(batch_sized=False), 0, data
+        del obj, data
+        try:
+            buf = io.BytesIO()
+            p = _HeaderPickler(buf, arena)
+            try:
+                p.dump((idx, payload))
+            except Exception:
+                # As torch's queue would not: the main process raises it.
+                from torch._utils import ExceptionWrapper
+
+                w = ExceptionWrapper(
+                    where="in DataLoader worker process %d, sending a batch"
+                    % os.getpid()
+                )
+                buf = io.BytesIO()
+                p = _HeaderPickler(buf, None)
+                p.dump((idx, w))
+                need = 0
+            tensors = _align(need) + _align(p.need)
+            del p, payload  # the arena's torch views go with them
+            # The bytes the batch needs, which size the slots (0: none).
+            need = tensors + buf.tell() if tensors else 0
+            pickle.dump(need, buf)
+            msg = self._place(arena, buf.getbuffer())
+        except BaseException:
+            if arena is not None:
+                arena.drop()
+            raise
+        self._send(msg)
+
+    def _place(self, arena: Optional[_Arena], hdr) -> "tensord.Tensor":
+        """The header written after the arena's tensors (or into a storage
+        of its own without one): the entry to send, its view the header."""
+        n = len(hdr)
+        off = arena.alloc(n) if arena is not None else None
+        if off is None and arena is not None and arena.used > 0:
+            # The tensors filled the arena: they move, with the header, to
+            # a storage of their own, where they keep their offsets (rare:
+            # the slots have slack).
+            used = arena.used
+            t = client_for(self.path).empty((_align(used) + n,), "uint8",
+                                            uninit=True)
+            bigger = _Arena(t)
+            bigger.base[:used].copy_(arena.base[:used])
+            bigger.used = used
+            arena.drop()
+            arena = bigger
+            off = arena.alloc(n)
+        if off is None:
+            if arena is not None:
+                arena.drop()
+            arena = _Arena(client_for(self.path).empty((n,), "uint8", uninit=True))
+            off = arena.alloc(n)
+        arena.base[off : off + n].copy_(torch.frombuffer(hdr, dtype=torch.uint8))
+        msg = arena.t[off : off + n]
+        arena.base = None
+        arena.t.release()
+        return msg
+
+    def _send(self, msg) -> None:
+        """Sends msg on the slots' channel, else the bootstrap one. The main
+        process leaves the bootstrap channel only once the slots' exists
+        and every worker that sent there has moved: a worker that finds it
+        gone finds the slots'. Raises if neither takes msg; drops it if the
+        main process has gone."""
+        try:
+            for _ in range(3):
+                ch = self._find_d() or self._bootstrap()
+                if ch is None:
+                    continue
+                try:
+                    ch.send(msg)
+                    return
+                except tensord.BrokenPipe:
+                    if ch is self.d:
+                        return  # the main process has gone: no one wants it
+                    self.b = None  # left: the slots' channel exists now
+            raise tensord.NotFound(
+                "DataLoader worker %d: neither channel %r nor %r takes its "
+                "results" % (os.getpid(), self.dname, self.bname)
+            )
+        finally:
+            msg.release()  # a no-op once sent (the send released it)
+
+    def _bootstrap(self):
+        """The bootstrap channel, made before the workers started; None
+        once the main process has left it (or never made it: the loader's
+        slots existed then)."""
+        if self.b is None:
+            try:
+                self.b = client_for(self.path).channel(
+                    self.bname, side="send", timeout=0
+                )
+            except tensord.NotFound:
+                return None
+        return self.b
+
+    def cancel_join_thread(self) -> None:
+        pass  # nothing to flush: put() has sent when it returns
+
+    def close(self) -> None:
+        for ch in (self.b, self.d):
+            if ch is not None:
+                ch.close()
+        self.b = self.d = None
+
+
+_chan_workers: Dict[tuple, _ChanWorker] = {}
+
+
+def _chan_worker(path: Optional[str], bname: str, dname: str) -> _ChanWorker:
+    """This process's side of the channel iterator whose bootstrap channel
+    is bname (one: a slot must be sent on the end that loaned it)."""
+    key = (os.getpid(), bname)
+    w = _chan_workers.get(key)
+    if w is None:
+        w = _chan_workers[key] = _ChanWorker(path, bname, dname)
+    return w
+
+
+class _ChanSlots:
+    """A DataLoader's slots' channel, kept from one iterator to the next:
+    sized once (from the first batch) and mapped once by the main process,
+    the workers of a later epoch send into it from their first batch. One
+    iterator uses it at a time (busy); a copy of the loader starts afresh."""
+
+    def __init__(self) -> None:
+        self.name = "tensord.dl/%d.%d.%s/d" % (
+            os.getpid(), next(_chan_counter), os.urandom(4).hex()
+        )
+        self.d = None  # the main process's end, once made
+        self.failed = False  # it could not be made: batches go by storage
+        self.busy = False
+
+    def __reduce__(self):
+        return (_ChanSlots, ())
+
+    def close(self) -> None:
+        if self.d is not None:
+            self.d.close()
+            self.d = None
+
+
+class _ChanQueue:
+    """torch's worker result queue, over channels. In the main process,
+    get() receives from the iterator's bootstrap channel and, once it
+    exists, from the slots' channel, which it makes when the first batch
+    says its size (kept in slots, a _ChanSlots). In a worker (forked: the
+    same object; spawned: unpickled) put() sends."""
+
+    def __init__(self, client, bname: str, slots: _ChanSlots, nslots: int,
+                 capacity: int) -> None:
+        self.path = client.path
+        self.bname = bname
+        self.dname = slots.name
+        self._pid = os.getpid()
+        self._client = client
+        self._slots = slots
+        self._nslots = nslots
+        self._capacity = capacity
+        self._d = slots.d
+        # Workers find the slots of an earlier iterator at once: no
+        # bootstrap then.
+        self._b = None
+        if self._d is None:
+            self._b = client.channel(bname, capacity=capacity, side="recv",
+                                     create=True)
+        self._pending = collections.deque()  # received, in order
+        self._local = collections.deque()  # put() in this process
+        self._closed = False
+
+    def __reduce__(self):
+        return (_chan_worker, (self.path, self.bname, self.dname))
+
+    # -- a worker's --
+
+    def put(self, obj) -> None:
+        if os.getpid() != self._pid:
+            _chan_worker(self.path, self.bname, self.dname).put(obj)
+        else:
+            self._local.append(obj)  # (None, None): the pin thread, to end
+
+    def cancel_join_thread(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """In the main process, once the workers are gone: frees what is
+        still in flight (the slots go back, the storages go), leaves the
+        bootstrap channel and hands the slots' one back to its loader."""
+        if os.getpid() != self._pid:
+            _chan_worker(self.path, self.bname, self.dname).close()
+            return
+        if self._closed:
+            return  # the slots may be another iterator's by now
+        self._closed = True
+        self._pending.clear()
+        for ch in (self._b, self._d):
+            if ch is None:
+                continue
+            try:
+                while True:
+                    ch.recv(timeout=0).release()
+            except tensord.Error:
+                pass  # empty, or every sender has left
+        if self._b is not None:
+            self._b.close()
+        self._b = self._d = None
+        self._slots.busy = False
+
+    # -- the main process's --
+
+    def _make_d(self, need: int) -> None:
+        size = _align(need + need // 8 + _CHAN_SLACK)
+        size = (size + _CHAN_SLACK - 1) // _CHAN_SLACK * _CHAN_SLACK
+        try:
+            self._d = self._slots.d = self._client.channel(
+                self.dname,
+                capacity=self._capacity,
+                slots=self._nslots,
+                slot_bytes=size,
+                side="both",  # slots mapped read-write: batches are writable
+                create=True,
+            )
+        except tensord.Error as e:
+            self._slots.failed = True  # batches go on through storages
+            logging.getLogger(__name__).warning(
+                "tensord DataLoader: no slots (%s); batches go through "
+                "storages of their own", e
+            )
+
+    def _take(self, ch, timeout: float):
+        """One entry of ch, decoded, or None if none came in timeout."""
+        try:
+            t = ch.recv(timeout=timeout)
+        except tensord.Timeout:
+            return None
+        obj, need = _decode(t)
+        if need and self._d is None and not self._slots.failed:
+            self._make_d(need)
+        return obj
+
+    def _drain_b(self) -> None:
+        """Moves what waits on the bootstrap channel to pending. A worker
+        sends there before it moves to the slots' channel: what it sent
+        there comes first."""
+        while self._b is not None:
+            try:
+                obj = self._take(self._b, 0)
+            except tensord.BrokenPipe:
+                if self._d is None:
+                    return  # none has sent there yet, or the workers died
+                self._b.close()  # every worker has moved
+                self._b = None
+                return
+            if obj is None:
+                return
+            self._pending.append(obj)
+
+    def get(self, timeout: Optional[float] = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._local:
+                return self._local.popleft()
+            self._drain_b()
+            if self._pending:
+                return self._pending.popleft()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise queue.Empty
+            # Watch both while workers may still send on the bootstrap
+            # channel; see put((None, None)) within a slice.
+            wait = 0.005 if self._d is not None and self._b is not None else 0.05
+            wait = wait if left is None else min(wait, left)
+            ch = self._d if self._d is not None else self._b
+            if ch is None:
+                raise tensord.Closed("the DataLoader's channels are closed")
+            try:
+                obj = self._take(ch, wait)
+            except tensord.BrokenPipe:
+                time.sleep(wait)  # the bootstrap's senders all left
+                continue
+            if obj is None:
+                continue
+            if ch is self._d and self._b is not None:
+                self._drain_b()
+                self._pending.append(obj)
+                return self._pending.popleft()
+            return obj
+
+
+class _QueueContext:
+    """A multiprocessing context whose first Queue() is the channel queue:
+    the one torch's iterator makes for its workers' results."""
+
+    def __init__(self, ctx, q: _ChanQueue) -> None:
+        self._ctx = ctx
+        self._q = q
+
+    def Queue(self, *args, **kwargs):
+        q, self._q = self._q, None
+        return q if q is not None else self._ctx.Queue(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ctx, name)
+
+
+class _ChanIter(_MultiProcessingIter):
+    """The multi-process iterator whose workers send through channels: a
+    bootstrap channel of its own, and its loader's slots' channel (a
+    private one while another iterator of the loader uses that)."""
+
+    def __init__(self, loader, client) -> None:
+        workers = loader.num_workers
+        prefetch = loader.prefetch_factor or 2
+        # Each outstanding task holds at most one slot (on loan, in the
+        # ring, or received and not yet yielded); two more for the batches
+        # a training loop holds (the one it uses, the one it just got).
+        nslots = min(prefetch * workers + 2, 1024)
+        capacity = 64
+        while capacity < 2 * (prefetch * workers + workers) + 8:
+            capacity *= 2
+        slots = loader._td_slots
+        if slots.d is not None and slots.d.client.closed:
+            slots.close()  # made through a client closed since: anew
+            slots.failed = False
+        if slots.busy:
+            slots = self._td_own_slots = _ChanSlots()
+        slots.busy = True
+        bname = "tensord.dl/%d.%d.%s/b" % (
+            os.getpid(), next(_chan_counter), os.urandom(4).hex()
+        )
+        try:
+            q = _ChanQueue(client, bname, slots, nslots, capacity)
+        except BaseException:
+            slots.busy = False
+            raise
+        ctx = loader.multiprocessing_context or torch.multiprocessing
+        overrides = {"multiprocessing_context": _QueueContext(ctx, q)}
+        if isinstance(loader.collate_fn, _Collate):
+            # The queue's path: its worker side and the collate's must be
+            # one (a slot is sent on the end that loaned it).
+            overrides["collate_fn"] = _ChanCollate(client.path, bname, slots.name)
+        self._td_queue = q
+        try:
+            super().__init__(loader, client, **overrides)
+        except BaseException:
+            q.close()
+            raise
+        if self._worker_result_queue is not q:
+            self._shutdown_workers()
+            raise RuntimeError(
+                "tensord.torch.DataLoader: this torch made its result queue "
+                "otherwise; use DataLoader(..., channel=False)"
+            )
+
+    def _shutdown_workers(self) -> None:
+        try:
+            super()._shutdown_workers()
+        finally:
+            q = getattr(self, "_td_queue", None)
+            if q is not None:
+                q.close()
+            own = getattr(self, "_td_own_slots", None)
+            if own is not None:
+                own.close()
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """torch.utils.data.DataLoader whose batches live in tensord storages.
 
     Takes torch's arguments (positional and keyword) plus ``client``: the
-    tensord Client (None: the shared client of the default socket path).
+    tensord Client (None: the shared client of the default socket path),
+    and ``channel``: with workers, their batches come through a channel,
+    collated straight into its slots (True, the default), or as keys
+    through torch's result queue (False, the path before channels).
     Samplers, seeds, ordering, workers and errors are torch's; see the
     module's documentation for what changes.
     """
 
-    def __init__(self, dataset, *args, client=None, **kwargs) -> None:
+    def __init__(self, dataset, *args, client=None, channel=True, **kwargs) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._td_client = client
+        self._td_channel = bool(channel)
+        self._td_slots = _ChanSlots()
         if self.collate_fn is _collate.default_collate:
             self.collate_fn = _Collate(client.path if client is not None else None)
 
@@ -723,6 +1361,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
+        if self._td_channel:
+            return _ChanIter(self, self._tensord_client())
         return _MultiProcessingIter(self, self._tensord_client())
 
 

@@ -94,6 +94,12 @@ def in_tensord(x):
     return True
 
 
+def storage_of(x):
+    t, _ = _tensord.find(x.data_ptr())
+    t.release()
+    return t.storage_id
+
+
 
 
 @pytest.fixture
@@ -113,10 +119,11 @@ def epoch(loader):
     return list(loader)
 
 
-def loaders(client, dataset, **kw):
+def loaders(client, dataset, channel=True, **kw):
     """torch's DataLoader and tensord's, with equal seeds."""
     mine = tdt.DataLoader(
-        dataset, client=client, generator=torch.Generator().manual_seed(7), **kw
+        dataset, client=client, generator=torch.Generator().manual_seed(7),
+        channel=channel, **kw
     )
     theirs = torch.utils.data.DataLoader(
         dataset, generator=torch.Generator().manual_seed(7), **kw
@@ -124,11 +131,15 @@ def loaders(client, dataset, **kw):
     return mine, theirs
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_same_batches_as_torch_and_nothing_left(clean, num_workers):
+@pytest.mark.parametrize(
+    "num_workers,channel", [(0, True), (2, True), (2, False)],
+    ids=["main", "channel", "queue"],
+)
+def test_same_batches_as_torch_and_nothing_left(clean, num_workers, channel):
     c = clean
     mine, theirs = loaders(
-        c, Nested(30), batch_size=4, shuffle=True, num_workers=num_workers
+        c, Nested(30), channel=channel, batch_size=4, shuffle=True,
+        num_workers=num_workers,
     )
     want = epoch(theirs)
     got = epoch(mine)
@@ -136,8 +147,17 @@ def test_same_batches_as_torch_and_nothing_left(clean, num_workers):
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, "batch %d" % i)
         assert all(in_tensord(x) for x in tensors_in(g))
-    # Each tensor of each batch has a storage of its own, alive while held.
-    assert len(c.ls()) == sum(len(list(tensors_in(b))) for b in got) > 8
+    ntensors = sum(len(list(tensors_in(b))) for b in got)
+    if num_workers and channel:
+        # Batches collated into a slot (or a storage of a slot's size) hold
+        # one storage each; the first ones, sent before the slots existed,
+        # one per tensor.
+        whole = [len({storage_of(x) for x in tensors_in(b)}) == 1 for b in got]
+        assert whole[-1] and sum(whole) >= 3, whole
+        assert len(c.ls()) < ntensors
+    else:
+        # Each tensor of each batch has a storage of its own, alive while held.
+        assert len(c.ls()) == ntensors > 8
     assert c.stat()["keys"] == 0  # every batch taken by this process
     del got
 
@@ -217,18 +237,28 @@ def test_worker_killed_mid_epoch_raises_like_torch_and_leaks_nothing(clean):
     del got
 
 
-def test_iterator_dropped_mid_epoch_frees_batches_in_flight(clean):
+def in_flight(c):
+    """Batches sent and not received: keys of the scope, entries of the
+    channels."""
+    return c.stat()["keys"] + sum(ch["depth"] for ch in c.channels())
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "queue"])
+def test_iterator_dropped_mid_epoch_frees_batches_in_flight(clean, channel):
     c = clean
-    loader = tdt.DataLoader(Nested(40), batch_size=4, num_workers=2, client=c)
+    loader = tdt.DataLoader(
+        Nested(40), batch_size=4, num_workers=2, client=c, channel=channel
+    )
     it = iter(loader)
     first = next(it)
     # The workers prefetch: batches wait in the pipe as keys of the scope,
-    # held by no process.
-    wait_until(lambda: c.stat()["keys"] > 0, "a prefetched batch in flight")
-    del it  # closes the scope: what was in flight goes
-    wait_until(lambda: c.stat()["keys"] == 0, "the keys in flight dropped")
+    # or in the channel, held by no process.
+    wait_until(lambda: in_flight(c) > 0, "a prefetched batch in flight")
+    del it  # closes the scope and the channels: what was in flight goes
+    wait_until(lambda: in_flight(c) == 0, "the batches in flight dropped")
     assert all(in_tensord(x) for x in tensors_in(first))
-    del first
+    del first, loader  # the loader kept its slots for the next epoch
+    wait_until(lambda: not c.channels(), "the channels gone")
 
 
 class Images(torch.utils.data.Dataset):
@@ -327,3 +357,114 @@ def test_workers_are_named_program_worker_n(clean, daemon, start):
         assert (int(b["pid"][0]), "%s worker %d" % (main, int(b["wid"]))) in names
     assert (os.getpid(), main) in names
     del batches, loader  # the workers exit, and their storages go
+
+
+def chan_d(c):
+    """The slots' channel of the one loader alive (its '/d' channel)."""
+    ds = [ch for ch in c.channels() if ch["name"].endswith("/d")]
+    assert len(ds) == 1, c.channels()
+    return ds[0]
+
+
+def test_channel_batches_come_in_slots(clean):
+    c = clean
+    loader = tdt.DataLoader(Images(), batch_size=4, num_workers=2, client=c)
+    want = [float(4 * k + 3) for k in range(6)]
+    for n in range(2):  # the second epoch's workers find the slots at once
+        it = iter(loader)
+        # torch's result queue is the channels': no pipe carries batches.
+        assert isinstance(it._worker_result_queue, tdt._ChanQueue)
+        got, sids = [], []
+        for b in it:
+            got.append(float(b[3, 0, 0, 0]))
+            sids.append(storage_of(b))
+            b.add_(1)  # a received batch is writable, as torch's
+            del b
+        del it
+        assert got == want, n
+    d = chan_d(c)
+    assert d["slot_bytes"] >= 4 * 3 * 64 * 64 * 4  # sized from a batch
+    assert set(sids) <= set(d["slot_ids"])  # every batch of epoch 2 in a slot
+    assert d["slots_free"] == d["slots"] and d["depth"] == 0
+    del loader
+    wait_until(lambda: not c.channels(), "the slots gone with the loader")
+
+
+class Growing(torch.utils.data.Dataset):
+    """Batches (of 2) that grow: later ones outgrow the slots the first sized."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((20000 * (i // 2 + 1),), i, dtype=torch.int32), str(i)
+
+
+def test_channel_batches_that_do_not_fit_go_by_storage(clean):
+    mine, theirs = loaders(clean, Growing(), batch_size=2, num_workers=2)
+    for n in range(2):
+        got, want = epoch(mine), epoch(theirs)
+        assert_same(got, want, "epoch %d" % n)
+        assert all(in_tensord(x) for x in tensors_in(got))
+        del got
+    assert chan_d(clean)["slot_bytes"] < 6 * 20000 * 4 * 2  # the last batch
+    del mine
+
+
+class Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 9:
+            raise ValueError("sample %d is broken" % i)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "queue"])
+def test_worker_error_raises_in_the_main_process(clean, channel):
+    loader = tdt.DataLoader(
+        Failing(), batch_size=2, num_workers=2, client=clean, channel=channel
+    )
+    got = []
+    with pytest.raises(ValueError, match="sample 9 is broken") as e:
+        for b in loader:
+            got.append(int(b[0]))
+    assert "Caught ValueError in DataLoader worker process" in str(e.value)
+    assert got == [0, 2, 4, 6]  # in order, up to the broken batch
+    del e, loader
+
+
+def unpicklable_collate(batch):
+    return lambda: batch
+
+
+def test_channel_batch_that_cannot_be_sent_raises(clean):
+    loader = tdt.DataLoader(
+        Failing(), batch_size=2, num_workers=1, client=clean,
+        collate_fn=unpicklable_collate,
+    )
+    with pytest.raises(Exception, match="sending a batch"):
+        next(iter(loader))
+    del loader
+
+
+def test_worker_side_finds_the_slots_once_the_bootstrap_is_gone(clean, daemon):
+    """A worker whose first result comes after the main process has left the
+    bootstrap channel (every other worker having moved to the slots) sends it
+    on the slots' channel: nothing is dropped."""
+    c = clean
+    d = c.channel("t/d", capacity=4, slots=2, slot_bytes=1 << 16, create=True)
+    w = tdt._ChanWorker(daemon, "t/b", "t/d")  # "t/b" is gone (never made)
+    try:
+        w.put((7, {"x": torch.arange(4), "s": "seven"}))
+        w.put((8, None))
+        got = [tdt._decode(d.recv(timeout=5))[0] for _ in range(2)]
+    finally:
+        w.close()
+    assert got[0][0] == 7 and got[0][1]["s"] == "seven"
+    assert got[0][1]["x"].tolist() == [0, 1, 2, 3]
+    assert in_tensord(got[0][1]["x"])  # copied into a slot by the pickler
+    assert got[1] == (8, None)
+    del got
+    d.close()

@@ -193,3 +193,39 @@ TDT_TEST(chan, ls_shows_channels) {
   cr_assert_eq(tdt_storages(&d), 0);
   td_close(c);
 }
+
+/* An end loans the slot it loaned last again when it is free: its mapping
+ * has that slot's pages warm, where round robin would walk it through all
+ * the slots' (a DataLoader worker then writes cold pages every batch). */
+TDT_TEST(chan, an_end_loans_its_last_slot_again) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_chan_opts o = {.capacity = 8, .slots = 4, .slot_bytes = 4096};
+  td_chan *ch;
+  cr_assert_eq(td_chan_create(c, "warm", &o, &ch), 0, "%s", td_last_error(c));
+  td_storage *s, *t, *r;
+  td_view v = bytes_view(4096), got;
+  cr_assert_eq(td_chan_loan(ch, 0, &s), 0, "%s", td_last_error(c));
+  uint64_t first = td_storage_id(s);
+  td_storage_release(s); /* given back unsent */
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(td_chan_loan(ch, 0, &s), 0, "%s", td_last_error(c));
+    cr_assert_eq(td_storage_id(s), first, "round %d", i);
+    cr_assert_eq(td_chan_send(ch, s, &v, 0), 0, "%s", td_last_error(c));
+    cr_assert_eq(td_chan_recv(ch, 0, &r, &got), 0, "%s", td_last_error(c));
+    td_storage_release(r); /* received, then back to the ring */
+  }
+  /* While it is out, another; that one is then the end's first choice. */
+  cr_assert_eq(td_chan_loan(ch, 0, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_chan_loan(ch, 0, &t), 0, "%s", td_last_error(c));
+  uint64_t second = td_storage_id(t);
+  cr_assert_neq(second, first);
+  td_storage_release(s);
+  td_storage_release(t);
+  cr_assert_eq(td_chan_loan(ch, 0, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_id(t), second);
+  td_storage_release(t);
+  td_chan_close(ch);
+  cr_assert_eq(tdt_storages(&d), 0);
+  td_close(c);
+}

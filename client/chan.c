@@ -593,7 +593,8 @@ int td_chan_list(td_client *c, td_chan_cb cb, void *arg) {
     const Tensord__ChanInfo *m2 = r->chan_list->chans[i];
     char name[TD_KEY_MAX + 1];
     size_t n = m2->name.len < TD_KEY_MAX ? m2->name.len : TD_KEY_MAX;
-    memcpy(name, m2->name.data, n);
+    if (n > 0)
+      memcpy(name, m2->name.data, n);
     name[n] = '\0';
     td_chan_info info = {0};
     info.name = name;

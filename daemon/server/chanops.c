@@ -31,7 +31,8 @@
 
 static char *name_str(const ProtobufCBinaryData *n, char *buf, size_t len) {
   size_t k = n->len < len - 1 ? n->len : len - 1;
-  memcpy(buf, n->data, k);
+  if (k > 0) /* an empty bytes field may have no data at all */
+    memcpy(buf, n->data, k);
   buf[k] = '\0';
   for (size_t i = 0; i < k; i++)
     if ((unsigned char)buf[i] < 0x20 || buf[i] == 0x7f)

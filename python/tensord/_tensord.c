@@ -4077,7 +4077,8 @@ static int chl_cb(const td_chan_info *info, void *arg) {
   it->info.name = it->name;
   it->info.ends = it->ends;
   it->info.slot_ids = it->slot_ids;
-  memcpy(it->slot_ids, info->slot_ids, info->nslot_ids * sizeof(uint64_t));
+  if (info->nslot_ids > 0) /* slot_ids may be NULL when there are none */
+    memcpy(it->slot_ids, info->slot_ids, info->nslot_ids * sizeof(uint64_t));
   for (size_t e = 0; e < info->nends; e++) {
     it->ends[e] = info->ends[e];
     if ((it->end_names[e] = strdup(info->ends[e].name)) == NULL)

@@ -689,6 +689,27 @@ TDT_TEST(badinput, bad_keys_sent_raw_are_einval_and_connection_stays) {
     raw_send(r, &req);
     cr_assert_eq(expect_error(r, TD_EINVAL, bad[i].why), seq);
     seq++;
+    /* A channel's name is a key too; an empty one arrives with no data at
+     * all (a NULL pointer, which the daemon must not copy from). */
+    Tensord__ChanCreate cc = TENSORD__CHAN_CREATE__INIT;
+    cc.name.data = (uint8_t *)bad[i].key;
+    cc.name.len = bad[i].len;
+    cc.capacity = 4;
+    req.seq = seq;
+    req.body_case = TENSORD__REQUEST__BODY_CHAN_CREATE;
+    req.chan_create = &cc;
+    raw_send(r, &req);
+    cr_assert_eq(expect_error(r, TD_EINVAL, "channel name", bad[i].why), seq);
+    seq++;
+    Tensord__ChanOpen co = TENSORD__CHAN_OPEN__INIT;
+    co.name.data = (uint8_t *)bad[i].key;
+    co.name.len = bad[i].len;
+    req.seq = seq;
+    req.body_case = TENSORD__REQUEST__BODY_CHAN_OPEN;
+    req.chan_open = &co;
+    raw_send(r, &req);
+    cr_assert_eq(expect_error(r, TD_EINVAL, "channel name", bad[i].why), seq);
+    seq++;
   }
   /* 256 bytes: too long for the daemon too. */
   char k256[256];

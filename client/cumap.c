@@ -217,8 +217,21 @@ int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
     cu->CtxPopCurrent(&popped);
     goto fail;
   }
-  what = "cuMemAddressReserve";
-  r = cu->MemAddressReserve(&m->ptr, size, 0, 0, 0);
+  /* The range must start on the granularity for cuMemMap to take it, and
+   * an alignment of 0 promises nothing: ask for the granularity. */
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = m->dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  what = "cuMemGetAllocationGranularity";
+  r = cu->MemGetAllocationGranularity(&gran, &prop,
+                                      CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r == CUDA_SUCCESS) {
+    what = "cuMemAddressReserve";
+    r = cu->MemAddressReserve(&m->ptr, size, gran, 0, 0);
+  }
   reserved = r == CUDA_SUCCESS;
   if (reserved) {
     what = "cuMemMap";

@@ -6,9 +6,11 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The symbol cuda.h maps an entry point's name to: cuMemGetInfo is a macro
  * for cuMemGetInfo_v2, and the driver exports both, with the old ABI under
@@ -75,17 +77,34 @@ _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==
                    sizeof(td__cu),
                "td__cu and entries[] disagree");
 
-static pthread_once_t once = PTHREAD_ONCE_INIT;
-static td__cu table;
-static const td__cu *loaded;         /* &table once loaded, else NULL */
-static char failure[TD__ERRMSG_MAX]; /* why loading failed */
+/* A cuInit that failed with CUDA_ERROR_SYSTEM_NOT_READY (the driver's
+ * daemons, nvidia-persistenced or the fabric manager, still starting) is
+ * tried again by the first call this long after it. */
+#define RETRY_NS 1000000000ull
 
-static void load(void) {
+static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
+static td__cu table;
+static const td__cu *_Atomic loaded; /* &table once loaded, else NULL */
+static void *lib;                    /* load_mu: dlopen'd, kept on retry */
+static int given_up;                 /* load_mu: failed for good */
+static int transient;                /* load_mu: the last failure may pass */
+static uint64_t retry_at;            /* load_mu: CLOCK_MONOTONIC ns */
+static char failure[TD__ERRMSG_MAX]; /* load_mu: why loading failed */
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* dlopen()s the driver and resolves every entry into table. Returns 0, or
+ * -1 with failure filled (for good: the library is what it is). */
+static int open_lib(void) {
   const char *path = getenv(TD__CU_DRIVER_ENV);
   if (path == NULL || path[0] == '\0')
     path = TD__CU_DRIVER_LIB;
-  void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == NULL) {
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) {
     /* dlerror() names the file first, mostly: then it says it all. */
     const char *e = dlerror();
     if (e != NULL && strncmp(e, path, strlen(path)) == 0)
@@ -93,43 +112,81 @@ static void load(void) {
     else
       snprintf(failure, sizeof failure, "no CUDA driver (%s: %s)", path,
                e != NULL ? e : "dlopen failed");
-    return;
+    return -1;
   }
-  td__cu t;
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
     dlerror();
-    void *sym = dlsym(lib, entries[i].name);
+    void *sym = dlsym(h, entries[i].name);
     if (sym == NULL) {
       const char *e = dlerror();
       snprintf(failure, sizeof failure,
                "CUDA driver %s lacks %s (%s): too old for tensord", path,
                entries[i].name, e != NULL ? e : "NULL");
-      goto close_lib;
+      dlclose(h);
+      return -1;
     }
     /* POSIX guarantees a function's address survives the round trip
      * through void * that dlsym makes. */
-    memcpy((char *)&t + entries[i].offset, &sym, sizeof sym);
+    memcpy((char *)&table + entries[i].offset, &sym, sizeof sym);
   }
-  CUresult r = t.Init(0);
-  if (r != CUDA_SUCCESS) {
-    char e[256];
-    snprintf(failure, sizeof failure, "cuInit: %s (driver %s)",
-             td__cu_strerror(&t, r, e, sizeof e), path);
-    goto close_lib;
-  }
-  table = t;
-  loaded = &table;
-  return;
+  lib = h;
+  return 0;
+}
 
-close_lib:
+/* One try, with load_mu held: open the library if not yet, then cuInit. */
+static void load(void) {
+  if (lib == NULL && open_lib() < 0) {
+    given_up = 1;
+    return;
+  }
+  const char *path = getenv(TD__CU_DRIVER_ENV);
+  if (path == NULL || path[0] == '\0')
+    path = TD__CU_DRIVER_LIB;
+  CUresult r = table.Init(0);
+  if (r == CUDA_SUCCESS) {
+    transient = 0;
+    atomic_store(&loaded, &table);
+    return;
+  }
+  char e[256];
+  td__cu_strerror(&table, r, e, sizeof e);
+  if (r == CUDA_ERROR_SYSTEM_NOT_READY) {
+    /* Keep the library: the next try is only another cuInit. */
+    transient = 1;
+    retry_at = now_ns() + RETRY_NS;
+    snprintf(failure, sizeof failure,
+             "cuInit: %s (driver %s): the driver is still starting; "
+             "tried again at the next CUDA call a second from now",
+             e, path);
+    return;
+  }
+  snprintf(failure, sizeof failure, "cuInit: %s (driver %s)", e, path);
+  given_up = 1;
+  transient = 0;
   dlclose(lib);
+  lib = NULL;
 }
 
 const td__cu *td__cu_load(char *msg, size_t len) {
-  pthread_once(&once, load);
-  if (loaded == NULL)
-    td__msg(msg, len, TD_ENODEV, "%s", failure);
-  return loaded;
+  const td__cu *t = atomic_load(&loaded);
+  if (t != NULL)
+    return t;
+  pthread_mutex_lock(&load_mu);
+  if ((t = atomic_load(&loaded)) == NULL) {
+    if (!given_up && (!transient || now_ns() >= retry_at))
+      load();
+    if ((t = atomic_load(&loaded)) == NULL)
+      td__msg(msg, len, TD_ENODEV, "%s", failure);
+  }
+  pthread_mutex_unlock(&load_mu);
+  return t;
+}
+
+int td__cu_load_transient(void) {
+  pthread_mutex_lock(&load_mu);
+  int t = atomic_load(&loaded) == NULL && transient;
+  pthread_mutex_unlock(&load_mu);
+  return t;
 }
 
 int td__cu_code(CUresult r) {

@@ -82,16 +82,28 @@ typedef struct td__cu {
 #define TD__CU_DRIVER_ENV "TENSORD_CUDA_DRIVER"
 #define TD__CU_DRIVER_LIB "libcuda.so.1"
 
-/* Loads the driver once per process (thread-safe; later calls return the
- * first call's outcome): dlopen($TENSORD_CUDA_DRIVER if set, else
- * libcuda.so.1), dlsym every entry, cuInit(0). Returns the table, valid for
- * the life of the process (the library is never unloaded), or NULL with msg
- * (if not NULL) saying why: "no CUDA driver (libcuda.so.1: <dlerror>)",
- * "cuInit: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)", ...
+/* Loads the driver once per process (thread-safe): dlopen(
+ * $TENSORD_CUDA_DRIVER if set, else libcuda.so.1), dlsym every entry,
+ * cuInit(0). Returns the table, valid for the life of the process (the
+ * library is never unloaded), or NULL with msg (if not NULL) saying why:
+ * "no CUDA driver (libcuda.so.1: <dlerror>)", "cuInit: CUDA_ERROR_NO_DEVICE
+ * (no CUDA-capable device is detected)", ... A failure is kept for the life
+ * of the process, except cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's
+ * own daemons still starting, at boot): then the first call a second or
+ * more later calls cuInit again (td__cu_load_transient says so meanwhile).
  * A child of fork() inherits the table; what the driver allows in the child
  * is the driver's rule (the real one: nothing that touches a context made
  * before the fork). */
 const td__cu *td__cu_load(char *msg, size_t len);
+
+/* 1 if the driver is not loaded and the last td__cu_load failed in a way a
+ * later call may not (see above), else 0. */
+int td__cu_load_transient(void);
+
+/* Set to 1 in the daemon's environment, serve every GPU with cuMemAlloc and
+ * legacy IPC handles, as on a GPU without VMM or POSIX-fd handles: a
+ * switch for tests (and tests/gpu/run.sh), never for production. */
+#define TD__CU_LEGACY_ENV "TENSORD_CUDA_LEGACY"
 
 /* Returns the TD_E* code for a CUresult: 0 for CUDA_SUCCESS,
  * OUT_OF_MEMORY -> TD_ENOMEM, INVALID_DEVICE and NO_DEVICE -> TD_ENODEV,

@@ -31,6 +31,10 @@
 
 #define MAX_CAPS 64
 #define MAX_DEVS 64
+/* What a legacy (cuMemAlloc) storage's size is rounded up to and counted
+ * as: the granularity of the VMM path on current GPUs, and what cuMemAlloc
+ * itself rounds large allocations to. */
+#define LEGACY_GRAN ((size_t)2 << 20)
 
 /* What --cuda-devices and --cuda-capacity say, parsed: "K" or "GPU-...". */
 typedef struct sel {
@@ -168,10 +172,11 @@ static int names(const char *s, const dev *d) {
   return atoi(s) == d->index;
 }
 
-/* Loads the driver and lists its devices, once. Called with init_mu held.
- * Returns 0, or TD_ENODEV with msg saying why. */
+/* Loads the driver and lists its devices, once (again, at most once a
+ * second, while cuInit says the driver is still starting). Called with
+ * init_mu held. Returns 0, or TD_ENODEV with msg saying why. */
 static int load(char *msg, size_t len) {
-  if (!load_tried) {
+  if (!load_tried || (cu == NULL && td__cu_load_transient())) {
     load_tried = 1;
     cu = td__cu_load(load_msg, sizeof(load_msg));
     int n = 0;
@@ -211,7 +216,8 @@ static int load(char *msg, size_t len) {
     ndevs = nd;
     pthread_mutex_unlock(&mu);
     if (cu == NULL)
-      td__warn("cuda: %s; CUDA creates fail", load_msg);
+      td__warn("cuda: %s; CUDA creates fail%s", load_msg,
+               td__cu_load_transient() ? " until it succeeds" : "");
   }
   if (cu == NULL)
     return td__msg(msg, len, TD_ENODEV, "%s", load_msg);
@@ -224,14 +230,25 @@ static int dev_open(dev *d, char *msg, size_t len) {
   if (d->ctx != NULL)
     return 0;
   char e[128];
-  /* Such devices fall back to cuMemAlloc and legacy IPC handles. */
-  int posix_fd = 0;
-  CUresult r = cu->DeviceGetAttribute(
-      &posix_fd,
-      CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cu);
-  int legacy = r == CUDA_SUCCESS && !posix_fd;
+  /* A device without VMM, or whose VMM memory cannot be exported as a
+   * POSIX fd, falls back to cuMemAlloc and legacy IPC handles; so does
+   * every device when the tests force it. An attribute the driver cannot
+   * read counts as unsupported. */
+  int vmm = 0, posix_fd = 0;
+  if (cu->DeviceGetAttribute(
+          &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+          d->cu) != CUDA_SUCCESS)
+    vmm = 0;
+  if (cu->DeviceGetAttribute(
+          &posix_fd,
+          CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+          d->cu) != CUDA_SUCCESS)
+    posix_fd = 0;
+  const char *force = getenv(TD__CU_LEGACY_ENV);
+  int forced = force != NULL && strcmp(force, "1") == 0;
+  int legacy = forced || !vmm || !posix_fd;
   CUcontext ctx = NULL;
-  r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
   if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r),
                    "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
@@ -248,7 +265,11 @@ static int dev_open(dev *d, char *msg, size_t len) {
   if (r == CUDA_SUCCESS) {
     what = "cuMemGetInfo";
     r = cu->MemGetInfo(&free_b, &total);
-    if (r == CUDA_SUCCESS) {
+    if (r == CUDA_SUCCESS && legacy) {
+      /* No VMM granularity to ask for (a device without VMM refuses the
+       * question): sizes are rounded, and counted, by LEGACY_GRAN. */
+      gran = LEGACY_GRAN;
+    } else if (r == CUDA_SUCCESS) {
       what = "cuMemGetAllocationGranularity";
       r = cu->MemGetAllocationGranularity(&gran, &prop,
                                           CU_MEM_ALLOC_GRANULARITY_MINIMUM);
@@ -277,9 +298,13 @@ static int dev_open(dev *d, char *msg, size_t len) {
            d->index, td__human_bytes(total, a, sizeof(a)),
            td__human_bytes(free_b, b, sizeof(b)), gran,
            td__human_bytes(d->capacity, e, sizeof(e)),
-           legacy ? "; no POSIX-fd handles: storages are cuMemAlloc'd and "
-                    "shared by legacy IPC handles"
-                  : "");
+           !legacy  ? ""
+           : forced ? "; " TD__CU_LEGACY_ENV "=1: storages are cuMemAlloc'd "
+                      "and shared by legacy IPC handles (a test setting)"
+           : !vmm   ? "; no virtual memory management: storages are "
+                      "cuMemAlloc'd and shared by legacy IPC handles"
+                    : "; no POSIX-fd handles: storages are cuMemAlloc'd and "
+                      "shared by legacy IPC handles");
   return 0;
 }
 

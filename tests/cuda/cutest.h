@@ -75,7 +75,9 @@ static inline CUdeviceptr map_handle(const td__cu *cu,
   a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   a.location.id = dev;
   a.flags = flags;
-  if (cu->MemAddressReserve(&p, size, 0, 0, 0) != CUDA_SUCCESS)
+  /* size is a multiple of the granularity, a power of two: its lowest set
+   * bit is an alignment cuMemMap accepts (0 promises none). */
+  if (cu->MemAddressReserve(&p, size, size & -size, 0, 0) != CUDA_SUCCESS)
     return 0;
   if (cu->MemMap(p, size, 0, h, 0) != CUDA_SUCCESS ||
       cu->MemSetAccess(p, size, &a, 1) != CUDA_SUCCESS) {

@@ -85,6 +85,8 @@ static int initialized;
 static int nphys;                /* TDCUDA_DEVICES */
 static size_t mem_total;         /* TDCUDA_MEM, per device */
 static int no_posix_fd;          /* TDCUDA_NO_POSIX_FD=1 */
+static int no_vmm;               /* TDCUDA_NO_VMM=1 */
+static unsigned long not_ready;  /* TDCUDA_INIT_NOT_READY: cuInits to fail */
 static int nvis;                 /* devices this process sees */
 static int vis[MAX_DEVICES];     /* ordinal -> physical device */
 static size_t used[MAX_DEVICES]; /* bytes created here, per physical device */
@@ -135,6 +137,8 @@ static const struct {
      "an illegal memory access was encountered"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
      "operation not permitted"},
+    {CUDA_ERROR_SYSTEM_NOT_READY, "CUDA_ERROR_SYSTEM_NOT_READY",
+     "system not yet initialized"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
      "operation not supported"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
@@ -338,7 +342,21 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   CUresult r = CUDA_SUCCESS;
   if (initialized)
     goto out;
-  const char *s = getenv("TDCUDA_DEVICES");
+  /* The driver's daemons still starting (nvidia-persistenced, the fabric
+   * manager): the first TDCUDA_INIT_NOT_READY calls fail, as a real
+   * cuInit does until they are up. Counted per process. */
+  static int counted;
+  const char *s = getenv("TDCUDA_INIT_NOT_READY");
+  if (!counted) {
+    counted = 1;
+    not_ready = s != NULL ? strtoul(s, NULL, 10) : 0;
+  }
+  if (not_ready > 0) {
+    not_ready--;
+    r = CUDA_ERROR_SYSTEM_NOT_READY;
+    goto out;
+  }
+  s = getenv("TDCUDA_DEVICES");
   size_t n = DEFAULT_DEVICES;
   if (s != NULL && (parse_size(s, &n) != 0 || n > MAX_DEVICES)) {
     fprintf(stderr, "tdcuda double: TDCUDA_DEVICES=%s is not 0..%d\n", s,
@@ -356,6 +374,9 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   }
   s = getenv("TDCUDA_NO_POSIX_FD");
   no_posix_fd = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_NO_VMM");
+  no_vmm = s != NULL && strcmp(s, "1") == 0;
+  no_posix_fd |= no_vmm; /* POSIX-fd handles are VMM handles */
   parse_visible();
   if (nvis == 0) {
     r = CUDA_ERROR_NO_DEVICE;
@@ -429,6 +450,8 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
     return CUDA_ERROR_INVALID_VALUE;
   switch (attrib) {
   case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    *pi = !no_vmm;
+    break;
   case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
     *pi = 1;
     break;
@@ -551,6 +574,8 @@ API CUresult CUDAAPI cuMemGetInfo(size_t *free_, size_t *total) {
 /* ---- VMM allocations ---- */
 
 static CUresult check_prop(const CUmemAllocationProp *prop) {
+  if (no_vmm) /* a device without VMM: none of the cuMem* VMM calls work */
+    return CUDA_ERROR_NOT_SUPPORTED;
   if (prop == NULL || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
       prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return CUDA_ERROR_INVALID_VALUE;
@@ -726,6 +751,10 @@ API CUresult CUDAAPI cuMemImportFromShareableHandle(
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
+  if (no_vmm) {
+    r = CUDA_ERROR_NOT_SUPPORTED;
+    goto out;
+  }
   struct stat st;
   int phys = memfd_device(fd);
   if (phys < 0 || fstat(fd, &st) != 0 || st.st_size <= 0 ||
@@ -780,27 +809,41 @@ API CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size,
   if (ptr == NULL || flags != 0 || size == 0 || size % GRANULARITY != 0 ||
       (alignment & (alignment - 1)) != 0)
     return CUDA_ERROR_INVALID_VALUE;
-  if (alignment < GRANULARITY)
+  /* The driver documents no alignment for 0 ("default"): the double gives
+   * a range aligned to 64 KiB and never to the granularity, so a caller
+   * that maps into it without asking for the granularity fails cuMemMap
+   * here, as it may on a real GPU. */
+  size_t skew = 0;
+  if (alignment == 0) {
     alignment = GRANULARITY;
-  if (size > SIZE_MAX - alignment)
+    skew = (size_t)64 << 10;
+  } else if (alignment < GRANULARITY) {
+    alignment = GRANULARITY;
+  }
+  if (size > SIZE_MAX - alignment - skew)
     return CUDA_ERROR_OUT_OF_MEMORY;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
+  if (no_vmm) {
+    r = CUDA_ERROR_NOT_SUPPORTED;
+    goto out;
+  }
   if (grow((void **)&resvs, &capresvs, nresvs, sizeof *resvs) != 0) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
   /* addr is a hint, as for the driver: ignored here. */
-  size_t span = size + alignment;
+  size_t span = size + alignment + skew;
   char *p = mmap(NULL, span, PROT_NONE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
-  uintptr_t base = ((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1);
+  uintptr_t base =
+      (((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1)) + skew;
   size_t head = base - (uintptr_t)p, tail = span - head - size;
   if (head > 0)
     munmap(p, head);

@@ -51,7 +51,14 @@ Test(double_semantics, granularity_reported_and_enforced) {
                CUDA_ERROR_INVALID_VALUE);
 
   CU_OK(cu->MemCreate(&h, 4 * MiB, &p, 0));
+  /* An alignment of 0 promises nothing, and the double gives a range off
+   * the granularity: mapping into it fails, as it may on a GPU. */
   CU_OK(cu->MemAddressReserve(&v, 8 * MiB, 0, 0, 0));
+  cr_expect_neq(v % (2 * MiB), 0,
+                "alignment 0 gave a granularity-aligned range");
+  cr_expect_eq(cu->MemMap(v, 4 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+  CU_OK(cu->MemAddressFree(v, 8 * MiB));
+  CU_OK(cu->MemAddressReserve(&v, 8 * MiB, 2 * MiB, 0, 0));
   cr_expect_eq(v % (2 * MiB), 0, "reservations are granularity-aligned");
   cr_expect_eq(cu->MemMap(v, 1 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
   cr_expect_eq(cu->MemMap(v + 4096, 2 * MiB, 0, h, 0),

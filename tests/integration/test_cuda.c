@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #define MiB ((size_t)1 << 20)
 #define GRAN (2 * MiB) /* the double's allocation granularity */
@@ -510,6 +511,65 @@ TDT_TEST(cuda, legacy_handle_opens_once_per_process) {
   cr_assert_eq(((unsigned char *)td_storage_data(s))[5], 55);
   td_storage_release(s);
   cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_close(c);
+}
+
+/* Starts the daemon with name=value in its environment only. */
+static void start_with(const char *name, const char *value) {
+  setenv(name, value, 1);
+  tdt_start(&d, NULL);
+  unsetenv(name);
+}
+
+/* A GPU without virtual memory management (the cuMem* VMM calls all
+ * CUDA_ERROR_NOT_SUPPORTED, cuMemGetAllocationGranularity included) is
+ * served by the legacy path, never asked for a VMM granularity. */
+TDT_TEST(cuda, legacy_ipc_on_a_gpu_without_vmm) {
+  start_with("TDCUDA_NO_VMM", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  int fds = fds_of(getpid(), 0);
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
+  cr_assert_eq(daemon_allocations(), 1);
+  shared_both_ways(c, s, n);
+  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
+            daemon_allocations());
+}
+
+/* TENSORD_CUDA_LEGACY=1 (a test switch, run by tests/gpu/run.sh too) makes
+ * a daemon whose GPUs have VMM and POSIX fds take the legacy path. */
+TDT_TEST(cuda, legacy_ipc_forced_by_the_test_switch) {
+  start_with("TENSORD_CUDA_LEGACY", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  int fds = fds_of(getpid(), 0);
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
+  cr_assert_eq(daemon_allocations(), 1);
+  shared_both_ways(c, s, n);
+  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
+            daemon_allocations());
+}
+
+/* cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's daemons still
+ * starting, at boot) is not kept until a restart: a create a second later
+ * tries again, and gets its storage. */
+TDT_TEST(cuda, a_driver_not_yet_ready_is_tried_again) {
+  start_with("TDCUDA_INIT_NOT_READY", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "CUDA_ERROR_SYSTEM_NOT_READY") != NULL &&
+                strstr(td_last_error(c), "still starting") != NULL,
+            "%s", td_last_error(c));
+  /* At once: the same answer, without hammering the driver. */
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  usleep(1100 * 1000);
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
   td_close(c);
 }
 

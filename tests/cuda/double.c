@@ -14,11 +14,14 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 /* Only the driver's entry points are exported (the library is built with
@@ -78,6 +81,7 @@ typedef struct {
 struct CUctx_st {
   int ordinal;
   int refs; /* retains not yet released: usable while > 0 */
+  int excl; /* EXCLUSIVE_PROCESS: the socket that claims the device */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -87,6 +91,7 @@ static size_t mem_total;         /* TDCUDA_MEM, per device */
 static int no_posix_fd;          /* TDCUDA_NO_POSIX_FD=1 */
 static int no_vmm;               /* TDCUDA_NO_VMM=1 */
 static unsigned long not_ready;  /* TDCUDA_INIT_NOT_READY: cuInits to fail */
+static int compute_mode;         /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
 static int nvis;                 /* devices this process sees */
 static int vis[MAX_DEVICES];     /* ordinal -> physical device */
 static size_t used[MAX_DEVICES]; /* bytes created here, per physical device */
@@ -137,6 +142,8 @@ static const struct {
      "an illegal memory access was encountered"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
      "operation not permitted"},
+    {CUDA_ERROR_DEVICE_UNAVAILABLE, "CUDA_ERROR_DEVICE_UNAVAILABLE",
+     "CUDA-capable device(s) is/are busy or unavailable"},
     {CUDA_ERROR_SYSTEM_NOT_READY, "CUDA_ERROR_SYSTEM_NOT_READY",
      "system not yet initialized"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
@@ -377,13 +384,27 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   s = getenv("TDCUDA_NO_VMM");
   no_vmm = s != NULL && strcmp(s, "1") == 0;
   no_posix_fd |= no_vmm; /* POSIX-fd handles are VMM handles */
+  s = getenv("TDCUDA_COMPUTE_MODE");
+  compute_mode = CU_COMPUTEMODE_DEFAULT;
+  if (s != NULL && strcmp(s, "exclusive_process") == 0)
+    compute_mode = CU_COMPUTEMODE_EXCLUSIVE_PROCESS;
+  else if (s != NULL && strcmp(s, "prohibited") == 0)
+    compute_mode = CU_COMPUTEMODE_PROHIBITED;
+  else if (s != NULL && s[0] != '\0' && strcmp(s, "default") != 0) {
+    fprintf(stderr,
+            "tdcuda double: TDCUDA_COMPUTE_MODE=%s is not default, "
+            "exclusive_process or prohibited\n",
+            s);
+    r = CUDA_ERROR_INVALID_VALUE;
+    goto out;
+  }
   parse_visible();
   if (nvis == 0) {
     r = CUDA_ERROR_NO_DEVICE;
     goto out;
   }
   for (int i = 0; i < nvis; i++)
-    ctxs[i] = (struct CUctx_st){.ordinal = i, .refs = 0};
+    ctxs[i] = (struct CUctx_st){.ordinal = i, .refs = 0, .excl = -1};
   initialized = 1;
 out:
   pthread_mutex_unlock(&mu);
@@ -466,6 +487,9 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
   case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID:
     *pi = vis[dev] + 1;
     break;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
+    *pi = compute_mode;
+    break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
     *pi = 8;
     break;
@@ -481,6 +505,57 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
 
 /* ---- contexts ---- */
 
+/* Appends "<pid> <what> <physical device>" to $TDCUDA_CTX_LOG, if set
+ * (read at each call): tests watch when a process makes and destroys a
+ * primary context. */
+static void ctx_log(const char *what, int dev) {
+  const char *path = getenv("TDCUDA_CTX_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "a");
+  if (f == NULL)
+    return;
+  fprintf(f, "%d %s %d\n", (int)getpid(), what, vis[dev]);
+  fclose(f);
+}
+
+/* The first retain makes the primary context. In PROHIBITED compute mode
+ * no process may; in EXCLUSIVE_PROCESS one process at a time, which the
+ * double enforces across processes with an abstract-namespace socket per
+ * uid and physical device (bound while the context lives, released by the
+ * kernel if the process dies). Called with mu held. */
+static CUresult ctx_make(CUdevice dev) {
+  if (compute_mode == CU_COMPUTEMODE_PROHIBITED)
+    return CUDA_ERROR_DEVICE_UNAVAILABLE;
+  if (compute_mode == CU_COMPUTEMODE_EXCLUSIVE_PROCESS) {
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      return CUDA_ERROR_OPERATING_SYSTEM;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int n =
+        snprintf(a.sun_path + 1, sizeof a.sun_path - 1,
+                 "tdcuda-double.exclusive.%u.%d", (unsigned)getuid(), vis[dev]);
+    if (bind(fd, (struct sockaddr *)&a,
+             (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                         (size_t)n)) != 0) {
+      close(fd);
+      return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    ctxs[dev].excl = fd;
+  }
+  ctx_log("create", dev);
+  return CUDA_SUCCESS;
+}
+
+/* The last release destroys it. Called with mu held. */
+static void ctx_destroy(CUdevice dev) {
+  if (ctxs[dev].excl >= 0) {
+    close(ctxs[dev].excl);
+    ctxs[dev].excl = -1;
+  }
+  ctx_log("destroy", dev);
+}
+
 API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
@@ -488,6 +563,10 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   if (pctx == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
+  if (ctxs[dev].refs == 0 && (r = ctx_make(dev)) != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&mu);
+    return r;
+  }
   ctxs[dev].refs++;
   *pctx = &ctxs[dev];
   pthread_mutex_unlock(&mu);
@@ -501,8 +580,8 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
   pthread_mutex_lock(&mu);
   if (ctxs[dev].refs == 0)
     r = CUDA_ERROR_INVALID_CONTEXT;
-  else
-    ctxs[dev].refs--;
+  else if (--ctxs[dev].refs == 0)
+    ctx_destroy(dev);
   pthread_mutex_unlock(&mu);
   return r;
 }

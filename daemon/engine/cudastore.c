@@ -111,8 +111,9 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
 
 #if TD_HAVE_CUDA
 
-/* Two locks. init_mu serialises the lazy start (loading the driver, a
- * device's context) and is held across those driver calls; only thread-pool
+/* Two locks. init_mu serialises the lazy start (loading the driver) and a
+ * device's context (made at the first create, destroyed when its last
+ * storage goes) and is held across those driver calls; only thread-pool
  * jobs take it. mu guards the allocation table and the per-device figures
  * and is never held across a driver call, so the loop (an open's dup, a
  * Stat) never waits on the GPU. */
@@ -120,14 +121,16 @@ static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* One GPU the driver shows us. Set at the load (under init_mu, published
- * under mu with ndevs) but for what a device's first create sets (ctx, gran,
- * total, capacity), and the figures (mu). */
+ * under mu with ndevs) but for what a device's first create sets (gran,
+ * total, capacity), its context (init_mu), and the figures (mu). */
 typedef struct dev {
   int index; /* the daemon's ordinal */
   CUdevice cu;
   uint8_t uuid[16];
   int allowed;    /* --cuda-devices names it (or no list was given) */
-  CUcontext ctx;  /* retained at the first create; NULL until then */
+  CUcontext ctx;  /* init_mu: retained while holds > 0, else NULL */
+  int holds;      /* init_mu: live allocations and creates in flight */
+  int opened;     /* gran, total, capacity and legacy are read */
   size_t gran;    /* allocation granularity */
   uint64_t total; /* device memory */
   uint64_t capacity, cap_set;
@@ -224,11 +227,10 @@ static int load(char *msg, size_t len) {
   return 0;
 }
 
-/* Retains d's primary context and reads what it needs of it, once. Called
- * with init_mu held. Returns 0 or a negative code with msg filled. */
-static int dev_open(dev *d, char *msg, size_t len) {
-  if (d->ctx != NULL)
-    return 0;
+/* Reads what d's first create needs (with ctx current): its memory, its
+ * granularity, which path serves it. Called with init_mu held. Returns 0 or
+ * a negative code with msg filled. */
+static int dev_read(dev *d, CUcontext ctx, char *msg, size_t len) {
   char e[128];
   /* A device without VMM, or whose VMM memory cannot be exported as a
    * POSIX fd, falls back to cuMemAlloc and legacy IPC handles; so does
@@ -247,21 +249,14 @@ static int dev_open(dev *d, char *msg, size_t len) {
   const char *force = getenv(TD__CU_LEGACY_ENV);
   int forced = force != NULL && strcmp(force, "1") == 0;
   int legacy = forced || !vmm || !posix_fd;
-  CUcontext ctx = NULL;
-  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
-  if (r != CUDA_SUCCESS)
-    return td__msg(msg, len, td__cu_code(r),
-                   "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
-                   td__cu_strerror(cu, r, e, sizeof(e)));
   CUmemAllocationProp prop = {0};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = d->cu;
-  prop.requestedHandleTypes = legacy ? CU_MEM_HANDLE_TYPE_NONE
-                                     : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t free_b = 0, total = 0, gran = 0;
   const char *what = "cuCtxPushCurrent";
-  r = cu->CtxPushCurrent(ctx);
+  CUresult r = cu->CtxPushCurrent(ctx);
   if (r == CUDA_SUCCESS) {
     what = "cuMemGetInfo";
     r = cu->MemGetInfo(&free_b, &total);
@@ -279,19 +274,17 @@ static int dev_open(dev *d, char *msg, size_t len) {
   }
   if (r == CUDA_SUCCESS && gran == 0)
     r = CUDA_ERROR_NOT_SUPPORTED;
-  if (r != CUDA_SUCCESS) {
-    cu->DevicePrimaryCtxRelease(d->cu);
+  if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r), "cuda:%d: %s: %s", d->index, what,
                    td__cu_strerror(cu, r, e, sizeof(e)));
-  }
   pthread_mutex_lock(&mu);
   d->gran = gran;
   d->total = total;
   if (!d->cap_set)
     d->capacity = total;
   d->legacy = legacy;
-  d->ctx = ctx;
   pthread_mutex_unlock(&mu);
+  d->opened = 1;
   char a[32], b[32];
   td__info("cuda:%d: context made; %s of memory, %s free, granularity %zu "
            "bytes, capacity %s%s",
@@ -306,6 +299,71 @@ static int dev_open(dev *d, char *msg, size_t len) {
                     : "; no POSIX-fd handles: storages are cuMemAlloc'd and "
                       "shared by legacy IPC handles");
   return 0;
+}
+
+/* Takes a hold on d's primary context for a create (kept by the storage it
+ * makes): the first hold retains it, after checking that the GPU's compute
+ * mode lets a context be shared at all, and the first ever reads the
+ * device. tensord holds a context only while it has storages on the GPU
+ * (or is making one), so a GPU it no longer uses carries none of its
+ * contexts. Called with init_mu held. Returns 0 or a negative code with
+ * msg filled. */
+static int dev_hold(dev *d, char *msg, size_t len) {
+  char u[48], e[128];
+  if (d->holds > 0) {
+    d->holds++;
+    return 0;
+  }
+  int mode = CU_COMPUTEMODE_DEFAULT;
+  if (cu->DeviceGetAttribute(&mode, CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, d->cu) !=
+      CUDA_SUCCESS)
+    mode = CU_COMPUTEMODE_DEFAULT;
+  if (mode == CU_COMPUTEMODE_PROHIBITED)
+    return td__msg(msg, len, TD_ENODEV,
+                   "cuda:%d (%s) is in PROHIBITED compute mode: no process "
+                   "may use it",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
+  if (mode == CU_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    return td__msg(msg, len, TD_EBUSY,
+                   "cuda:%d (%s) is in EXCLUSIVE_PROCESS compute mode: one "
+                   "process at a time may use it, so its memory cannot be "
+                   "shared between processes; tensord takes no context on "
+                   "it, leaving the GPU to that one process (nvidia-smi -c "
+                   "DEFAULT lets processes share it)",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
+  CUcontext ctx = NULL;
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  if (!d->opened) {
+    int err = dev_read(d, ctx, msg, len);
+    if (err < 0) {
+      cu->DevicePrimaryCtxRelease(d->cu);
+      return err;
+    }
+  }
+  d->ctx = ctx;
+  d->holds = 1;
+  return 0;
+}
+
+/* Drops a hold dev_hold took; the last releases the context. */
+static void dev_drop(dev *d) {
+  pthread_mutex_lock(&init_mu);
+  if (--d->holds == 0) {
+    CUresult r = cu->DevicePrimaryCtxRelease(d->cu);
+    d->ctx = NULL;
+    if (r != CUDA_SUCCESS) {
+      char e[128];
+      td__error("cuda:%d: cuDevicePrimaryCtxRelease: %s", d->index,
+                td__cu_strerror(cu, r, e, sizeof(e)));
+    } else {
+      td__debug("cuda:%d: no storage left: context released", d->index);
+    }
+  }
+  pthread_mutex_unlock(&init_mu);
 }
 
 /* Runs cuMemRelease of h in d's context. Returns the driver's result. */
@@ -375,13 +433,15 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
                   d == NULL ? "no GPU of this tensord has that UUID"
                             : "that GPU is not in --cuda-devices");
   if (err == 0)
-    err = dev_open(d, msg, len);
+    err = dev_hold(d, msg, len);
   pthread_mutex_unlock(&init_mu);
   if (err < 0)
     return err;
-  if (nbytes > UINT64_MAX - d->gran)
+  if (nbytes > UINT64_MAX - d->gran) {
+    dev_drop(d);
     return td__msg(msg, len, TD_EINVAL, "%llu bytes: too large",
                    (unsigned long long)nbytes);
+  }
   uint64_t size = (nbytes + d->gran - 1) / d->gran * d->gran;
   /* The capacity is charged before the driver is asked, so that creates in
    * flight count. */
@@ -401,8 +461,10 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     d->storages++;
   }
   pthread_mutex_unlock(&mu);
-  if (err < 0)
+  if (err < 0) {
+    dev_drop(d);
     return err;
+  }
 
   alloc *m = calloc(1, sizeof(*m));
   if (m == NULL) {
@@ -496,6 +558,7 @@ uncharge:
   d->used -= size;
   d->storages--;
   pthread_mutex_unlock(&mu);
+  dev_drop(d);
   return err;
 }
 
@@ -539,6 +602,7 @@ static void cuda_unlink(const char *name) {
               m->legacy ? "cuMemFree" : "cuMemRelease", name,
               td__cu_strerror(cu, r, e, sizeof(e)));
   }
+  dev_drop(m->d); /* the storage's hold on the context */
   free(m);
 }
 

@@ -51,6 +51,8 @@ static void teardown(void) {
 
 TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
 
+static void start_with(const char *name, const char *value);
+
 /* Creates nbytes on this process's cuda:index. */
 static int create_on(td_client *c, int64_t index, size_t nbytes,
                      td_storage **s) {
@@ -287,6 +289,99 @@ TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
   cr_assert(!tdt_log_has(&d, "cuda:0: context made"));
   td_storage_release(g);
   td_storage_release(h);
+  td_close(c);
+}
+
+/* The double's TDCUDA_CTX_LOG: "<pid> create|destroy <device>" lines. How
+ * many of what the daemon wrote for device 0. */
+static char ctx_log[64];
+
+static int ctx_events(const char *what) {
+  FILE *f = fopen(ctx_log, "r");
+  if (f == NULL)
+    return 0;
+  int pid, dev, n = 0;
+  char w[16];
+  while (fscanf(f, "%d %15s %d", &pid, w, &dev) == 3)
+    n += pid == d.pid && dev == 0 && strcmp(w, what) == 0;
+  fclose(f);
+  return n;
+}
+
+static int ctx_destroyed_once(const tdt_daemon *dd) {
+  (void)dd;
+  return ctx_events("destroy") == 1;
+}
+
+/* tensord holds a GPU's context only while it has storages there: an
+ * inference server alone on its GPU afterwards carries no tensord context
+ * (memory, and the right to the GPU in EXCLUSIVE_PROCESS mode). */
+TDT_TEST(cuda, the_daemon_holds_a_context_only_while_it_has_storages) {
+  snprintf(ctx_log, sizeof(ctx_log), "/tmp/tdt-ctxlog.%d", (int)getpid());
+  unlink(ctx_log);
+  start_with("TDCUDA_CTX_LOG", ctx_log);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(ctx_events("create"), 1, "one context for both");
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  td_storage_release(s);
+  td_storage_release(t);
+  cr_assert_eq(ctx_events("destroy"), 0, "the key's storage needs it");
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  cr_assert(tdt_until(ctx_destroyed_once, &d, 10000),
+            "the daemon kept its context with no storage on the GPU");
+  /* The next create makes one again. */
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(ctx_events("create"), 2);
+  td_storage_release(s);
+  td_close(c);
+  tdt_until(tdt_no_segments, &d, 5000);
+  unlink(ctx_log);
+}
+
+/* In EXCLUSIVE_PROCESS compute mode one process at a time may have a
+ * context on the GPU: memory on it cannot be shared, and a tensord that
+ * took a context would lock the server out. It refuses, and takes none. */
+TDT_TEST(cuda, an_exclusive_process_gpu_is_left_to_its_one_process) {
+  setenv("TDCUDA_COMPUTE_MODE", "exclusive_process", 1); /* both sides */
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_EBUSY);
+  cr_assert(strstr(td_last_error(c), "EXCLUSIVE_PROCESS") != NULL &&
+                strstr(td_last_error(c), "cuda:0") != NULL,
+            "%s", td_last_error(c));
+  /* This process, the GPU's one user, can have its context. */
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib);
+  CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(lib, "cuInit");
+  CUresult (*retain)(CUcontext *, CUdevice) =
+      (CUresult(*)(CUcontext *, CUdevice))dlsym(lib,
+                                                "cuDevicePrimaryCtxRetain");
+  CUresult (*release)(CUdevice) =
+      (CUresult(*)(CUdevice))dlsym(lib, "cuDevicePrimaryCtxRelease_v2");
+  cr_assert(init && retain && release);
+  CUcontext ctx;
+  cr_assert_eq(init(0), CUDA_SUCCESS);
+  cr_assert_eq(retain(&ctx, 0), CUDA_SUCCESS,
+               "tensord took the exclusive GPU's context");
+  /* Another GPU in the default mode would serve; here all are exclusive,
+   * so the daemon still makes nothing, and says so again. */
+  cr_assert_eq(create_on(c, 1, 1 * MiB, &s), TD_EBUSY);
+  cr_assert_eq(release(0), CUDA_SUCCESS);
+  unsetenv("TDCUDA_COMPUTE_MODE");
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_prohibited_gpu_is_named) {
+  start_with("TDCUDA_COMPUTE_MODE", "prohibited");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "PROHIBITED") != NULL, "%s",
+            td_last_error(c));
   td_close(c);
 }
 

@@ -75,6 +75,11 @@ typedef struct td__cu {
   CUresult (*StreamDestroy)(CUstream);
   CUresult (*StreamSynchronize)(CUstream);
   CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+  /* libtensord's own work (zeroing, td_copy), on a private non-blocking
+   * stream, synchronised before a call returns. */
+  CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *, CUstream);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

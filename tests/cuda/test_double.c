@@ -8,7 +8,6 @@
 #include "cutest.h"
 
 #include <dlfcn.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -749,66 +748,6 @@ Test(double_semantics, tdcuda_sync_runs_work_at_once) {
 
 /* ---- stream capture ---- */
 
-typedef CUresult (*begin_capture_fn)(CUstream, CUstreamCaptureMode);
-typedef CUresult (*end_capture_fn)(CUstream, CUgraph *);
-
-/* A thread that captures on a stream of its own: begins in mode, lets the
- * test's thread make its calls, ends, and keeps what the end returned. */
-typedef struct {
-  const td__cu *cu;
-  CUcontext ctx;
-  unsigned flags; /* the capturing stream's */
-  CUstreamCaptureMode mode;
-  begin_capture_fn begin;
-  end_capture_fn end;
-  CUstream stream;
-  CUresult begun, ended;
-  pthread_barrier_t go, done;
-} capturer;
-
-static void *capture_thread(void *arg) {
-  capturer *k = arg;
-  k->cu->CtxPushCurrent(k->ctx);
-  k->cu->StreamCreate(&k->stream, k->flags);
-  k->begun = k->begin(k->stream, k->mode);
-  pthread_barrier_wait(&k->go);   /* capturing */
-  pthread_barrier_wait(&k->done); /* the other thread's calls made */
-  CUgraph g = (CUgraph)1;
-  k->ended = k->end(k->stream, &g);
-  k->cu->StreamDestroy(k->stream);
-  CUcontext popped;
-  k->cu->CtxPopCurrent(&popped);
-  return NULL;
-}
-
-static void capture_start(capturer *k, const td__cu *cu, unsigned flags,
-                          CUstreamCaptureMode mode, pthread_t *t) {
-  void *lib = dlopen(TDCUDA_DOUBLE, RTLD_NOW | RTLD_NOLOAD);
-  cr_assert_not_null(lib);
-  memset(k, 0, sizeof *k);
-  k->cu = cu;
-  k->ctx = enter(cu, 0);
-  k->flags = flags;
-  k->mode = mode;
-  *(void **)&k->begin = dlsym(lib, "cuStreamBeginCapture_v2");
-  *(void **)&k->end = dlsym(lib, "cuStreamEndCapture");
-  cr_assert(k->begin != NULL && k->end != NULL);
-  dlclose(lib);
-  pthread_barrier_init(&k->go, NULL, 2);
-  pthread_barrier_init(&k->done, NULL, 2);
-  cr_assert_eq(pthread_create(t, NULL, capture_thread, k), 0);
-  pthread_barrier_wait(&k->go);
-  CU_OK(k->begun);
-}
-
-static CUresult capture_end(capturer *k, pthread_t t) {
-  pthread_barrier_wait(&k->done);
-  pthread_join(t, NULL);
-  pthread_barrier_destroy(&k->go);
-  pthread_barrier_destroy(&k->done);
-  return k->ended;
-}
-
 /* While another thread captures in GLOBAL mode on a blocking stream: the
  * legacy stream is off limits (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), so is
  * cuCtxSynchronize and cuMemAlloc (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED),
@@ -818,7 +757,7 @@ Test(double_semantics, global_capture_forbids_unsafe_calls_elsewhere) {
   const td__cu *cu = load();
   capturer k;
   pthread_t t;
-  capture_start(&k, cu, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
+  capture_start(&k, cu, TDCUDA_DOUBLE, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
   CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
   CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
@@ -858,8 +797,8 @@ Test(double_semantics, capture_modes_and_their_rules) {
   const td__cu *cu = load();
   capturer k;
   pthread_t t;
-  capture_start(&k, cu, CU_STREAM_NON_BLOCKING, CU_STREAM_CAPTURE_MODE_GLOBAL,
-                &t);
+  capture_start(&k, cu, TDCUDA_DOUBLE, CU_STREAM_NON_BLOCKING,
+                CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
   CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
   CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
@@ -873,7 +812,7 @@ Test(double_semantics, capture_modes_and_their_rules) {
                "a capturing stream cannot be synchronised");
   cr_expect_eq(capture_end(&k, t), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 
-  capture_start(&k, cu, CU_STREAM_NON_BLOCKING,
+  capture_start(&k, cu, TDCUDA_DOUBLE, CU_STREAM_NON_BLOCKING,
                 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &t);
   CU_OK(cu->MemcpyDtoH(b, dev, 8));
   CUstream own;

@@ -246,6 +246,23 @@ static int accessible(uintptr_t p, size_t size, int prot) {
   return 1;
 }
 
+/* A fresh allocation's bytes are unspecified on the driver (memory another
+ * process freed, or anything): the double writes JUNK over its first and
+ * last 4 KiB, so that a program that reads memory it never wrote (a create
+ * that skipped its zeroing, or read before the zeroing ran) sees non-zero
+ * bytes there. Only those pages, to keep the memfd's memory untouched. */
+#define JUNK 0xdb
+
+static void junk_fill(int fd, size_t size) {
+  uint8_t page[4096];
+  memset(page, JUNK, sizeof page);
+  size_t n = size < sizeof page ? size : sizeof page;
+  if (pwrite(fd, page, n, 0) != (ssize_t)n ||
+      (size > n && pwrite(fd, page, n, (off_t)(size - n)) != (ssize_t)n)) {
+    /* a test double's best effort: zeros stay */
+  }
+}
+
 static void alloc_unref(alloc *a) {
   if (a->handles > 0 || a->maps > 0)
     return;
@@ -654,6 +671,7 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
   a->types = types;
   a->st_dev = st.st_dev;
   a->st_ino = st.st_ino;
+  junk_fill(a->fd, size);
   if ((r = new_handle(a, handle_)) != CUDA_SUCCESS) {
     close(a->fd);
     free(a);
@@ -1089,6 +1107,7 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   a->created = 1;
   a->st_dev = st.st_dev;
   a->st_ino = st.st_ino;
+  junk_fill(a->fd, size);
   used[phys] += size;
   if ((r = legacy_map(a, LEGACY_ALLOC, dptr)) != CUDA_SUCCESS)
     alloc_unref(a); /* no handle, no mapping: goes */

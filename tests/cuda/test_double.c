@@ -589,6 +589,8 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
   CUdeviceptr dev =
       map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   cr_assert_neq(dev, 0);
+  CU_OK(cu->MemsetD8(dev, 0, 2 * MiB)); /* fresh memory holds junk */
+  CU_OK(cu->StreamSynchronize(NULL));
   CUstream s;
   cr_expect_eq(cu->StreamCreate(&s, 7), CUDA_ERROR_INVALID_VALUE);
   CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
@@ -654,6 +656,12 @@ Test(double_semantics, device_writes_land_only_at_a_synchronisation) {
       map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   cr_assert_neq(dev, 0);
   volatile uint8_t *raw = (volatile uint8_t *)dev;
+  /* A fresh allocation's bytes are junk at its ends (the driver's are
+   * unspecified), so that reading memory never written is caught. */
+  cr_expect(raw[0] == 0xdb && raw[2 * MiB - 1] == 0xdb && raw[4096] == 0,
+            "fresh: %#x %#x", raw[0], raw[2 * MiB - 1]);
+  CU_OK(cu->MemsetD8(dev, 0, 2 * MiB));
+  CU_OK(cu->StreamSynchronize(NULL));
 
   /* The legacy stream: cuMemsetD8 is asynchronous; a cuMemcpyDtoH waits
    * for the legacy stream's work before it reads. */

@@ -887,6 +887,51 @@ TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
   td_close(c);
 }
 
+/* Looks the key up and exits 0 if its first and last bytes are zero, 2 if
+ * they are the double's junk (a fresh allocation's unspecified bytes). */
+static int peer_sees_zeros(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  const volatile unsigned char *b = td_storage_data(s);
+  size_t n = td_storage_nbytes(s);
+  int st = b[0] == 0 && b[n - 1] == 0 ? 0 : b[0] == 0xdb ? 2 : 1;
+  td_storage_release(s);
+  td_close(c);
+  return st;
+}
+
+/* A new GPU storage reads as zeros in another process as soon as the create
+ * returned and the key was published: the zeroing is done, not only
+ * issued. A TD_UNINIT one shows the double's junk there, which is what an
+ * unfinished zeroing would leave. */
+TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *z, *u;
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "zeroed", z, NULL), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "zeroed", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a)), 0,
+               "a zeroed storage is not zeros in another process");
+  td_create_opts o = {0};
+  o.nbytes = 4 * MiB;
+  o.device = TD_CUDA;
+  o.flags = TD_UNINIT;
+  cr_assert_eq(td_storage_create_ex(c, &o, &u), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "uninit", u, NULL), 0, "%s", td_last_error(c));
+  peer_arg a2 = {d.sock, "uninit", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a2)), 2,
+               "an uninitialised storage does not show the double's junk");
+  cr_assert_eq(td_unpublish(c, "zeroed"), 0);
+  cr_assert_eq(td_unpublish(c, "uninit"), 0);
+  td_storage_release(z);
+  td_storage_release(u);
+  td_close(c);
+}
+
 /* A server's thread capturing a CUDA graph in GLOBAL mode, the default of
  * cudaStreamBeginCapture and torch.cuda.graph, on a blocking stream. */
 typedef struct {

@@ -71,6 +71,9 @@ static const struct {
     ENTRY(StreamDestroy, cuStreamDestroy),
     ENTRY(StreamSynchronize, cuStreamSynchronize),
     ENTRY(MemcpyHtoDAsync, cuMemcpyHtoDAsync),
+    ENTRY(MemcpyDtoHAsync, cuMemcpyDtoHAsync),
+    ENTRY(MemsetD8Async, cuMemsetD8Async),
+    ENTRY(Memcpy2DAsync, cuMemcpy2DAsync),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==

@@ -49,6 +49,9 @@ typedef struct td__cu {
   CUresult (*MemUnmap)(CUdeviceptr, size_t);
   CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *,
                            size_t);
+  /* The legacy stream's copies (and CtxSynchronize above) are for the
+   * tests and benchmarks: libtensord's own work goes on its private stream
+   * (the Async entries below, client/cumap.c), never the legacy stream. */
   CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
@@ -75,6 +78,12 @@ typedef struct td__cu {
   CUresult (*StreamDestroy)(CUstream);
   CUresult (*StreamSynchronize)(CUstream);
   CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+  /* libtensord's own work (zeroing, td_copy), on a private non-blocking
+   * stream, synchronised before a call returns; and Memcpy2D's form on a
+   * stream, for rows. */
+  CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *, CUstream);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

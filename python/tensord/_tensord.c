@@ -3029,7 +3029,10 @@ static void watch_close(Watch *self) {
     return;
   }
   self->closed = 1;
-  if (self->wake[1] >= 0) {
+  /* The wake pipe is shared with the parent after fork(): a child's close
+   * must not wake the parent's next() (no thread of the child can be in
+   * one, threads do not survive fork). */
+  if (self->wake[1] >= 0 && self->gen == atomic_load(&g_forkgen)) {
     ssize_t n = write(self->wake[1], "x", 1);
     (void)n; /* a full pipe is awake already */
   }
@@ -3136,7 +3139,17 @@ static PyObject *watch_next(Watch *self, int forever, double timeout) {
           err = -errno;
           snprintf(msg, sizeof(msg), "watch: poll: %s", strerror(errno));
         } else if (p[1].revents) {
-          what = W_CLOSED;
+          /* A close() wakes us; anything else on the pipe (a byte from a
+           * process that shared it) is drained and the wait goes on. */
+          pthread_mutex_lock(&g_mu);
+          int closed = self->closed;
+          pthread_mutex_unlock(&g_mu);
+          if (!closed) {
+            char junk[64];
+            while (read(self->wake[0], junk, sizeof(junk)) > 0)
+              ;
+          }
+          what = closed ? W_CLOSED : W_AGAIN;
         } else if (n == 0) {
           what = forever || mono_ms() < deadline ? W_AGAIN : W_TIMEOUT;
         } else {

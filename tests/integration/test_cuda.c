@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <dlpack/dlpack.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -975,6 +976,219 @@ TDT_TEST(cuda, copy_rows_on_the_device) {
   td_close(c);
   tdt_stop(&d);
   unsetenv("TDCUDA_MEMCPY2D_LOG");
+}
+
+/* ---- td_copy and zeroing complete before they return ---- */
+
+/* Looks the key up and checks that its bytes are 0, 1, 2, ... (mod 251),
+ * reading the device memory directly (the double's device pointers are
+ * host addresses), as a consumer on a GPU would read it right away. */
+static int peer_sees_pattern(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  const volatile unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < td_storage_nbytes(s); i++)
+    if (b[i] != (unsigned char)(i % 251)) {
+      fprintf(stderr, "peer: %s byte %zu is %u, not %u\n", a->key, i, b[i],
+              (unsigned)(i % 251));
+      return 1;
+    }
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+/* td_copy into a GPU storage, then td_publish: the consumer must read the
+ * copied bytes, so td_copy may return only when the device holds them (a
+ * driver's cuMemcpyHtoD from pageable memory returns once the bytes are
+ * staged, and a device-to-device copy at once). */
+TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *g2;
+  size_t n = 3 * 4096;
+  cr_assert_eq(td_storage_create(c, n, &h), 0);
+  cr_assert_eq(create_on(c, 0, n, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, n, &g2), 0, "%s", td_last_error(c));
+  unsigned char *hp = td_storage_data(h);
+  for (size_t i = 0; i < n; i++)
+    hp[i] = (unsigned char)(i % 251);
+  int64_t len = (int64_t)n, rows[2] = {3, 4096};
+  td_view v, r;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, &len, &v), 0);
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 2, rows, &r), 0);
+  /* Host to device, one copy. */
+  cr_assert_eq(td_copy(g, &v, h, &v), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_publish(c, "copied", g, NULL), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "copied", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a)), 0,
+               "td_copy host to device returned before the device held the "
+               "bytes");
+  /* Device to device, rows (cuMemcpy2D), on one GPU. */
+  cr_assert_eq(td_copy(g2, &r, g, &r), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_publish(c, "copied2", g2, NULL), 0, "%s", td_last_error(c));
+  peer_arg a2 = {d.sock, "copied2", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a2)), 0,
+               "td_copy device to device returned before the device held "
+               "the bytes");
+  cr_assert_eq(td_unpublish(c, "copied"), 0);
+  cr_assert_eq(td_unpublish(c, "copied2"), 0);
+  td_storage_release(h);
+  td_storage_release(g);
+  td_storage_release(g2);
+  td_close(c);
+}
+
+/* Looks the key up and exits 0 if its first and last bytes are zero, 2 if
+ * they are the double's junk (a fresh allocation's unspecified bytes). */
+static int peer_sees_zeros(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  const volatile unsigned char *b = td_storage_data(s);
+  size_t n = td_storage_nbytes(s);
+  int st = b[0] == 0 && b[n - 1] == 0 ? 0 : b[0] == 0xdb ? 2 : 1;
+  td_storage_release(s);
+  td_close(c);
+  return st;
+}
+
+/* A new GPU storage reads as zeros in another process as soon as the create
+ * returned and the key was published: the zeroing is done, not only
+ * issued. A TD_UNINIT one shows the double's junk there, which is what an
+ * unfinished zeroing would leave. */
+TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *z, *u;
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "zeroed", z, NULL), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "zeroed", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a)), 0,
+               "a zeroed storage is not zeros in another process");
+  td_create_opts o = {0};
+  o.nbytes = 4 * MiB;
+  o.device = TD_CUDA;
+  o.flags = TD_UNINIT;
+  cr_assert_eq(td_storage_create_ex(c, &o, &u), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "uninit", u, NULL), 0, "%s", td_last_error(c));
+  peer_arg a2 = {d.sock, "uninit", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a2)), 2,
+               "an uninitialised storage does not show the double's junk");
+  cr_assert_eq(td_unpublish(c, "zeroed"), 0);
+  cr_assert_eq(td_unpublish(c, "uninit"), 0);
+  td_storage_release(z);
+  td_storage_release(u);
+  td_close(c);
+}
+
+/* A server's thread capturing a CUDA graph in GLOBAL mode, the default of
+ * cudaStreamBeginCapture and torch.cuda.graph, on a blocking stream. */
+typedef struct {
+  CUresult (*Retain)(CUcontext *, CUdevice);
+  CUresult (*Push)(CUcontext);
+  CUresult (*Pop)(CUcontext *);
+  CUresult (*StreamCreate)(CUstream *, unsigned int);
+  CUresult (*StreamDestroy)(CUstream);
+  CUresult (*Begin)(CUstream, CUstreamCaptureMode);
+  CUresult (*End)(CUstream, CUgraph *);
+  CUresult begun, ended;
+  pthread_barrier_t capturing, done;
+} capturer;
+
+static void *capture_thread(void *arg) {
+  capturer *k = arg;
+  CUcontext ctx, popped;
+  CUstream s = NULL;
+  k->begun = k->Retain(&ctx, 0);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->Push(ctx);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->StreamCreate(&s, 0);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->Begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
+  pthread_barrier_wait(&k->capturing);
+  pthread_barrier_wait(&k->done);
+  if (k->begun == CUDA_SUCCESS) {
+    CUgraph g;
+    k->ended = k->End(s, &g);
+    k->StreamDestroy(s);
+    k->Pop(&popped);
+  }
+  return NULL;
+}
+
+/* While another thread of the process captures in GLOBAL mode, creating a
+ * zeroed GPU storage, td_copy both ways and releasing work, and the capture
+ * survives: libtensord uses neither the legacy stream nor cuCtxSynchronize
+ * (which would fail, and invalidate the server's graph), only a stream of
+ * its own. */
+TDT_TEST(cuda, storages_work_while_another_thread_captures_a_graph) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *back;
+  cr_assert_eq(td_storage_create(c, 8192, &h), 0);
+  cr_assert_eq(td_storage_create(c, 8192, &back), 0);
+  /* Loads the driver in this process and maps one storage first, so that
+   * the capture is the only thing new below. */
+  cr_assert_eq(create_on(c, 0, 4096, &g), 0, "%s", td_last_error(c));
+  td_storage_release(g);
+
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib, "%s", dlerror());
+  capturer k = {0};
+  *(void **)&k.Retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&k.Push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&k.Pop = dlsym(lib, "cuCtxPopCurrent_v2");
+  *(void **)&k.StreamCreate = dlsym(lib, "cuStreamCreate");
+  *(void **)&k.StreamDestroy = dlsym(lib, "cuStreamDestroy_v2");
+  *(void **)&k.Begin = dlsym(lib, "cuStreamBeginCapture_v2");
+  *(void **)&k.End = dlsym(lib, "cuStreamEndCapture");
+  cr_assert(k.Retain && k.Push && k.Pop && k.StreamCreate && k.StreamDestroy &&
+            k.Begin && k.End);
+  pthread_barrier_init(&k.capturing, NULL, 2);
+  pthread_barrier_init(&k.done, NULL, 2);
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, capture_thread, &k), 0);
+  pthread_barrier_wait(&k.capturing);
+  cr_assert_eq(k.begun, CUDA_SUCCESS, "cuStreamBeginCapture: %d", k.begun);
+
+  int err = create_on(c, 0, 8192, &g);
+  const char *why = err < 0 ? td_last_error(c) : "";
+  int copied = -1, fetched = -1;
+  if (err == 0) {
+    unsigned char *hp = td_storage_data(h);
+    for (size_t i = 0; i < 8192; i++)
+      hp[i] = (unsigned char)(i % 251);
+    int64_t n = 8192;
+    td_view v;
+    td_view_contiguous(TD_UINT8, 1, &n, &v);
+    copied = td_copy(g, &v, h, &v);
+    fetched = td_copy(back, &v, g, &v);
+    td_storage_release(g);
+  }
+  pthread_barrier_wait(&k.done);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&k.capturing);
+  pthread_barrier_destroy(&k.done);
+  cr_assert_eq(err, 0, "a zeroed create during a capture: %s", why);
+  cr_assert_eq(copied, 0, "td_copy to the device during a capture: %s",
+               td_view_last_error());
+  cr_assert_eq(fetched, 0, "td_copy from the device during a capture: %s",
+               td_view_last_error());
+  cr_assert_eq(memcmp(td_storage_data(back), td_storage_data(h), 8192), 0);
+  cr_assert_eq(k.ended, CUDA_SUCCESS,
+               "the server's capture was invalidated (cuStreamEndCapture: "
+               "%d)",
+               k.ended);
+  td_storage_release(h);
+  td_storage_release(back);
+  td_close(c);
 }
 
 /* ---- events: ordering a consumer after the producer's GPU work ---- */

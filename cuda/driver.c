@@ -94,6 +94,19 @@ static int transient;                /* load_mu: the last failure may pass */
 static uint64_t retry_at;            /* load_mu: CLOCK_MONOTONIC ns */
 static char failure[TD__ERRMSG_MAX]; /* load_mu: why loading failed */
 
+/* cuDeviceGetUuid of the first version, which cuda.h no longer names: on a
+ * MIG instance it gives the UUID of the GPU the instance is carved from,
+ * where the _v2 the table holds gives the instance's own. NULL if the
+ * driver lacks it. */
+static CUresult (*uuid_v1)(CUuuid *, CUdevice);
+
+/* The UUIDs of the MIG instances among this process's devices, read once
+ * when cuInit succeeds (the device list is fixed from then on). Written
+ * before loaded is published, read only once it is. */
+#define MAX_MIG 64
+static uint8_t mig_uuids[MAX_MIG][16];
+static size_t nmig;
+
 static uint64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -132,8 +145,29 @@ static int open_lib(void) {
      * through void * that dlsym makes. */
     memcpy((char *)&table + entries[i].offset, &sym, sizeof sym);
   }
+  /* Optional: without it no device is taken for a MIG instance. */
+  void *v1 = dlsym(h, "cuDeviceGetUuid");
+  memcpy(&uuid_v1, &v1, sizeof v1);
   lib = h;
   return 0;
+}
+
+/* Notes which devices are MIG instances: those whose _v2 UUID differs from
+ * their GPU's (the first version's). */
+static void read_mig(void) {
+  int n = 0;
+  nmig = 0;
+  if (uuid_v1 == NULL || table.DeviceGetCount(&n) != CUDA_SUCCESS)
+    return;
+  for (int i = 0; i < n && nmig < MAX_MIG; i++) {
+    CUdevice d;
+    CUuuid v1, v2;
+    if (table.DeviceGet(&d, i) == CUDA_SUCCESS &&
+        uuid_v1(&v1, d) == CUDA_SUCCESS &&
+        table.DeviceGetUuid(&v2, d) == CUDA_SUCCESS &&
+        memcmp(v1.bytes, v2.bytes, 16) != 0)
+      memcpy(mig_uuids[nmig++], v2.bytes, 16);
+  }
 }
 
 /* One try, with load_mu held: open the library if not yet, then cuInit. */
@@ -148,6 +182,7 @@ static void load(void) {
   CUresult r = table.Init(0);
   if (r == CUDA_SUCCESS) {
     transient = 0;
+    read_mig();
     atomic_store(&loaded, &table);
     return;
   }
@@ -247,12 +282,15 @@ int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
   return TD_ENODEV;
 }
 
+int td__cu_uuid_is_mig(const uint8_t uuid[16]) {
+  if (atomic_load(&loaded) == NULL)
+    return 0;
+  for (size_t i = 0; i < nmig; i++)
+    if (memcmp(mig_uuids[i], uuid, 16) == 0)
+      return 1;
+  return 0;
+}
+
 char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len) {
-  const uint8_t *u = uuid;
-  snprintf(buf, len,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-           "%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
-  return buf;
+  return td_gpu_uuid_str(uuid, td__cu_uuid_is_mig(uuid), buf, len);
 }

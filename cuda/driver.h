@@ -132,10 +132,14 @@ const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
 int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
                           CUdevice *out);
 
-/* Writes uuid in nvidia-smi's form, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
- * xxxxxxxxxxxx" (TD__CU_UUID_STRLEN bytes with the NUL; shorter buffers get
- * a truncated string), and returns buf. */
-#define TD__CU_UUID_STRLEN 41
+/* A GPU's UUID as text: td_gpu_uuid_str (tensord.h), MIG- where the loaded
+ * driver says uuid is one of this process's MIG instances
+ * (cuDeviceGetUuid_v2 gives an instance's own UUID, the first version its
+ * GPU's); GPU- otherwise, and before the driver loads. TD__CU_UUID_STRLEN
+ * bytes with the NUL; shorter buffers get a truncated string. Returns buf. */
+#define TD__CU_UUID_STRLEN TD_UUID_STR_MAX
 char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len);
+/* 1 if uuid is a MIG instance this process sees (see td__cu_uuid_str). */
+int td__cu_uuid_is_mig(const uint8_t uuid[16]);
 
 #endif /* TD_CUDA_DRIVER_H */

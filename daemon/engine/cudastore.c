@@ -36,7 +36,7 @@
  * itself rounds large allocations to. */
 #define LEGACY_GRAN ((size_t)2 << 20)
 
-/* What --cuda-devices and --cuda-capacity say, parsed: "K" or "GPU-...". */
+/* What --cuda-devices and --cuda-capacity say: "K", "GPU-..." or "MIG-...". */
 typedef struct sel {
   char dev[48];
   uint64_t bytes;
@@ -48,10 +48,12 @@ static size_t nallowed;
 static sel caps[MAX_CAPS];
 static size_t ncaps;
 
-/* Returns 1 if s names a device: an ordinal or a "GPU-" UUID. */
+/* Returns 1 if s names a device: an ordinal or a UUID, "GPU-..." or (a
+ * MIG instance's) "MIG-...". */
 static int dev_syntax(const char *s) {
-  if (strncmp(s, "GPU-", 4) == 0)
-    return strlen(s) == 40;
+  uint8_t u[16];
+  if (strncmp(s, "GPU-", 4) == 0 || strncmp(s, "MIG-", 4) == 0)
+    return td__uuid_parse(s, u) >= 0;
   if (*s == '\0' || strlen(s) > 5)
     return 0;
   for (const char *p = s; *p; p++)
@@ -71,14 +73,15 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
       if (n == 0 || n >= sizeof(allowed[0].dev) || nallowed == MAX_DEVS)
         return td__msg(msg, len, TD_EINVAL,
                        "--cuda-devices '%s': not a comma list of ordinals "
-                       "or UUIDs (GPU-...)",
+                       "or UUIDs (GPU-... or MIG-...)",
                        devices);
       memcpy(allowed[nallowed].dev, p, n);
       allowed[nallowed].dev[n] = '\0';
       if (!dev_syntax(allowed[nallowed].dev))
         return td__msg(msg, len, TD_EINVAL,
                        "--cuda-devices '%s': '%s' is neither an ordinal nor "
-                       "a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)",
+                       "a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, "
+                       "or MIG-... for a MIG instance)",
                        devices, allowed[nallowed].dev);
       nallowed++;
       p += n;
@@ -167,11 +170,14 @@ static alloc *alloc_find(const char *name) {
   return n ? td__container_of(n, alloc, node) : NULL;
 }
 
-/* Returns 1 if s (an ordinal or a UUID string) names d. */
+/* Returns 1 if s (an ordinal or a UUID string) names d. A UUID matches by
+ * its digits, whichever prefix it has: a MIG instance is "MIG-..." to
+ * nvidia-smi -L and CUDA_VISIBLE_DEVICES, and was "GPU-..." in what
+ * tensord printed before it told them apart. */
 static int names(const char *s, const dev *d) {
-  char u[48];
-  if (strncmp(s, "GPU-", 4) == 0)
-    return strcmp(s, td__cu_uuid_str(d->uuid, u, sizeof(u))) == 0;
+  uint8_t u[16];
+  if (td__uuid_parse(s, u) >= 0)
+    return memcmp(u, d->uuid, 16) == 0;
   return atoi(s) == d->index;
 }
 
@@ -615,6 +621,7 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
     if (n < max) {
       out[n].index = devs[i].index;
       memcpy(out[n].uuid, devs[i].uuid, 16);
+      out[n].mig = td__cu_uuid_is_mig(devs[i].uuid);
       out[n].bytes_used = devs[i].used;
       out[n].capacity = devs[i].capacity;
       out[n].storages = devs[i].storages;
@@ -623,6 +630,10 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
   }
   pthread_mutex_unlock(&mu);
   return n;
+}
+
+int td__cuda_is_mig(const uint8_t uuid[16]) {
+  return td__cu_uuid_is_mig(uuid);
 }
 
 #else /* !TD_HAVE_CUDA */
@@ -640,6 +651,10 @@ static int cuda_open(const char *name, int readonly) {
 static void cuda_unlink(const char *name) {}
 
 size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
+  return 0;
+}
+
+int td__cuda_is_mig(const uint8_t uuid[16]) {
   return 0;
 }
 

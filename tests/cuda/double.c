@@ -91,6 +91,7 @@ static size_t mem_total;         /* TDCUDA_MEM, per device */
 static int no_posix_fd;          /* TDCUDA_NO_POSIX_FD=1 */
 static int no_vmm;               /* TDCUDA_NO_VMM=1 */
 static unsigned long not_ready;  /* TDCUDA_INIT_NOT_READY: cuInits to fail */
+static int mig;                  /* TDCUDA_MIG=1 */
 static int compute_mode;         /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
 static int sync_all;             /* TDCUDA_SYNC=1: no asynchronous work */
 static int nvis;                 /* devices this process sees */
@@ -285,7 +286,10 @@ static void alloc_unref(alloc *a) {
 
 /* ---- initialisation and devices ---- */
 
-static void uuid_of(int phys, unsigned char out[16]) {
+/* A device's UUID as cuDeviceGetUuid_v2 gives it: with TDCUDA_MIG, the MIG
+ * instance's own, else the GPU's (gpu_uuid_of, which the first version of
+ * cuDeviceGetUuid always gives). */
+static void gpu_uuid_of(int phys, unsigned char out[16]) {
   memcpy(out, "tdcudadouble", 12);
   out[12] = (unsigned char)(phys >> 24);
   out[13] = (unsigned char)(phys >> 16);
@@ -293,14 +297,21 @@ static void uuid_of(int phys, unsigned char out[16]) {
   out[15] = (unsigned char)phys;
 }
 
+static void uuid_of(int phys, unsigned char out[16]) {
+  gpu_uuid_of(phys, out);
+  if (mig)
+    memcpy(out, "tdcudamiginst", 12);
+}
+
+/* As nvidia-smi -L names the device: "MIG-..." for an instance. */
 static void uuid_str(int phys, char out[41]) {
   unsigned char u[16];
   uuid_of(phys, u);
   snprintf(out, 41,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+           "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
            "%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
+           mig ? "MIG" : "GPU", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7],
+           u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
 }
 
 /* Parses a size: digits, then an optional K, M or G (powers of 1024). */
@@ -347,7 +358,7 @@ static void parse_visible(void) {
     while (*tok == ' ')
       tok++;
     int phys = -1;
-    if (strncmp(tok, "GPU-", 4) == 0) {
+    if (strncmp(tok, "GPU-", 4) == 0 || strncmp(tok, "MIG-", 4) == 0) {
       size_t n = strlen(tok);
       for (int i = 0; i < nphys; i++) {
         char u[41];
@@ -433,7 +444,13 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   }
   s = getenv("TDCUDA_SYNC");
   sync_all = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_MIG");
+  mig = s != NULL && strcmp(s, "1") == 0;
   parse_visible();
+  /* CUDA enumerates one MIG instance per process: the first of
+   * CUDA_VISIBLE_DEVICES. */
+  if (mig && nvis > 1)
+    nvis = 1;
   if (nvis == 0) {
     r = CUDA_ERROR_NO_DEVICE;
     goto out;
@@ -484,6 +501,20 @@ API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
   if (uuid == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   uuid_of(vis[dev], (unsigned char *)uuid->bytes);
+  return CUDA_SUCCESS;
+}
+
+/* The first version, which cuda.h now maps to _v2: on a MIG instance, the
+ * UUID of the GPU it is carved from. */
+#undef cuDeviceGetUuid
+API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
+API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  CUresult r = check_device(dev);
+  if (r != CUDA_SUCCESS)
+    return r;
+  if (uuid == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  gpu_uuid_of(vis[dev], (unsigned char *)uuid->bytes);
   return CUDA_SUCCESS;
 }
 

@@ -13,6 +13,7 @@ cuDeviceGet
 cuDeviceGetAttribute
 cuDeviceGetCount
 cuDeviceGetName
+cuDeviceGetUuid
 cuDeviceGetUuid_v2
 cuDevicePrimaryCtxRelease_v2
 cuDevicePrimaryCtxRetain

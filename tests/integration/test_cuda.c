@@ -386,6 +386,68 @@ TDT_TEST(cuda, a_prohibited_gpu_is_named) {
   td_close(c);
 }
 
+/* td_list callback: counts the storages that say they are on a MIG
+ * instance. */
+static int list_mig(const td_storage_info *i, void *arg) {
+  if (i->device == TD_CUDA && i->device_mig)
+    ++*(int *)arg;
+  return 0;
+}
+
+/* A MIG instance (the double's TDCUDA_MIG=1): cuDeviceGetUuid_v2 gives the
+ * instance's own UUID, which nvidia-smi -L and CUDA_VISIBLE_DEVICES write
+ * MIG-...: tensord takes it so in --cuda-devices and --cuda-capacity, and
+ * names it so in its messages, its stat and its listing. */
+TDT_TEST(cuda, a_mig_instance_is_named_and_accepted_as_mig) {
+  /* The double's instance on physical device 0: "tdcudamigins", 0. */
+  const char *mig = "MIG-74646375-6461-6d69-6769-6e7300000000";
+  char cap[64];
+  snprintf(cap, sizeof(cap), "%s=4M", mig);
+  const char *args[] = {"--cuda-devices", mig, "--cuda-capacity", cap, NULL};
+  setenv("TDCUDA_MIG", "1", 1); /* the daemon's and this process's */
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 5 * MiB, &s), TD_ENOMEM);
+  cr_assert(strstr(td_last_error(c), mig) != NULL &&
+                strstr(td_last_error(c), "capacity") != NULL,
+            "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_device_stat ds[4];
+  size_t n;
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0, "%s", td_last_error(c));
+  cr_assert_eq(n, 1);
+  cr_assert_eq(ds[0].mig, 1);
+  cr_assert_eq(ds[0].capacity, 4 * MiB);
+  char u[TD_UUID_STR_MAX];
+  cr_assert_str_eq(td_gpu_uuid_str(ds[0].uuid, (int)ds[0].mig, u, sizeof(u)),
+                   mig);
+  cr_assert_eq(td_storage_device_uuid(s, ds[0].uuid), 0);
+  cr_assert_str_eq(td_gpu_uuid_str(ds[0].uuid, 1, u, sizeof(u)), mig);
+  /* The listing carries the flag with the storage. */
+  int seen = 0;
+  cr_assert_eq(td_list(c, list_mig, &seen), 0, "%s", td_last_error(c));
+  cr_assert_eq(seen, 1);
+  td_storage_release(s);
+  td_close(c);
+  unsetenv("TDCUDA_MIG");
+}
+
+/* The same instance by its digits under GPU-, as tensord printed it before
+ * it told MIG instances apart, is the same device. */
+TDT_TEST(cuda, a_mig_instance_is_also_taken_as_gpu_dash) {
+  const char *args[] = {"--cuda-devices",
+                        "GPU-74646375-6461-6d69-6769-6e7300000000", NULL};
+  setenv("TDCUDA_MIG", "1", 1);
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  unsetenv("TDCUDA_MIG");
+}
+
 /* ---- limits and errors ---- */
 
 TDT_TEST(cuda, capacity_is_per_device) {
@@ -407,6 +469,7 @@ TDT_TEST(cuda, capacity_is_per_device) {
   uint8_t uuid[16];
   cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
   td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.mig, 0, "a plain GPU called a MIG instance");
   cr_assert_eq(g.capacity, 8 * MiB);
   cr_assert_eq(g.bytes_used, 8 * MiB);
   td_storage_release(s);

@@ -424,12 +424,17 @@ static int copy_rows(td__cumap *dm, td_storage *dst, const td_view *dv,
   }
   int64_t d = dv->offset * es, s = sv->offset * es;
   int64_t idx[TD_MAX_DIMS] = {0};
+  td__cumap *m = dm != NULL ? dm : sm;
   for (;;) {
     int err =
         td__cumap_copy2d(dm, side_at(dm, dst, d), dpitch, sm,
                          side_at(sm, src, s), spitch, width, height, why, len);
-    if (err < 0)
+    if (err < 0) {
+      /* What was issued completes before the error is told. */
+      char ignored[8];
+      td__cumap_sync(m, ignored, sizeof(ignored));
       return err;
+    }
     int j = no - 1;
     for (; j >= 0; j--) {
       if (++idx[j] < p.size[j]) {
@@ -441,8 +446,8 @@ static int copy_rows(td__cumap *dm, td_storage *dst, const td_view *dv,
       d -= (p.size[j] - 1) * p.ds[j];
       s -= (p.size[j] - 1) * p.ss[j];
     }
-    if (j < 0)
-      return 0;
+    if (j < 0) /* every slab issued: done when the stream is */
+      return td__cumap_sync(m, why, len);
   }
 }
 

@@ -2,7 +2,9 @@
  * and mapping the VMM allocation a daemon exported (import the fd, reserve
  * an address range, map, set access), undone in reverse order; or opening
  * the legacy IPC handle of a GPU without POSIX-fd handles, once per process
- * and allocation. */
+ * and allocation. The library's own device work (zeroing, td_copy) runs on
+ * a private non-blocking stream per GPU and is waited for before a call
+ * returns. */
 #include "internal.h"
 
 #include <pthread.h>
@@ -28,13 +30,31 @@ typedef struct ipc_open {
 static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
 static ipc_open *ipc_opens; /* ipc_mu */
 
+/* The library's stream on one GPU: its own non-blocking stream in the
+ * primary context, so that its work neither waits for the application's
+ * streams nor makes them wait (the legacy stream would do both, and is
+ * forbidden while the application captures a CUDA graph), and it is
+ * synchronised alone (never cuCtxSynchronize). Made at the first work on
+ * that GPU; it lives while this process maps a storage there (each mapping
+ * retains the context that owns the stream) and goes with the last. */
+typedef struct lib_stream {
+  struct lib_stream *next;
+  CUdevice dev;
+  CUstream s;     /* NULL until first needed */
+  unsigned users; /* mappings on dev */
+} lib_stream;
+
+static pthread_mutex_t stream_mu = PTHREAD_MUTEX_INITIALIZER;
+static lib_stream *lib_streams; /* stream_mu */
+
 struct td__cumap {
   const td__cu *cu;
   CUdevice dev;
   CUcontext ctx; /* the primary context, retained while mapped */
   CUdeviceptr ptr;
   size_t size;
-  ipc_open *ipc; /* a legacy handle's open, or NULL for a VMM mapping */
+  ipc_open *ipc;  /* a legacy handle's open, or NULL for a VMM mapping */
+  lib_stream *ls; /* this GPU's library stream record */
 };
 
 /* Loads the driver. Returns it, or NULL with msg saying why. */
@@ -44,6 +64,80 @@ static const td__cu *load(char *msg, size_t len) {
   if (cu == NULL)
     td__msg(msg, len, TD_ENODEV, "%s", why);
   return cu;
+}
+
+/* A forked child has its parent's opens and streams in its address space
+ * but may not use them (the driver allows a child nothing of its
+ * parent's): it starts with none, as the mapping cache does. */
+static void atfork_child(void) {
+  pthread_mutex_init(&ipc_mu, NULL);
+  ipc_opens = NULL;
+  pthread_mutex_init(&stream_mu, NULL);
+  lib_streams = NULL;
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_init(void) {
+  pthread_atfork(NULL, NULL, atfork_child);
+}
+
+/* Counts m among the mappings on its GPU, for the library stream's life.
+ * Returns 0 or TD_ENOMEM. */
+static int stream_join(td__cumap *m) {
+  pthread_once(&fork_once, fork_init);
+  pthread_mutex_lock(&stream_mu);
+  lib_stream *l = lib_streams;
+  while (l != NULL && l->dev != m->dev)
+    l = l->next;
+  if (l == NULL && (l = calloc(1, sizeof(*l))) != NULL) {
+    l->dev = m->dev;
+    l->next = lib_streams;
+    lib_streams = l;
+  }
+  if (l != NULL)
+    l->users++;
+  pthread_mutex_unlock(&stream_mu);
+  m->ls = l;
+  return l != NULL ? 0 : TD_ENOMEM;
+}
+
+/* Waits for the library's work on m's GPU, so that nothing it issued still
+ * uses the memory when m is unmapped (neither cuMemUnmap nor
+ * cuIpcCloseMemHandle waits for work in flight), and, for the GPU's last
+ * mapping, destroys the stream. m's context is current. */
+static void stream_leave(td__cumap *m) {
+  lib_stream *l = m->ls;
+  if (l == NULL)
+    return;
+  const td__cu *cu = m->cu;
+  pthread_mutex_lock(&stream_mu);
+  if (l->s != NULL)
+    cu->StreamSynchronize(l->s);
+  if (--l->users == 0) {
+    if (l->s != NULL)
+      cu->StreamDestroy(l->s);
+    for (lib_stream **p = &lib_streams; *p != NULL; p = &(*p)->next)
+      if (*p == l) {
+        *p = l->next;
+        break;
+      }
+    free(l);
+  }
+  pthread_mutex_unlock(&stream_mu);
+  m->ls = NULL;
+}
+
+/* The library's stream on m's GPU, made if need be. m's context is
+ * current. Returns the driver's result. */
+static CUresult stream_get(td__cumap *m, CUstream *out) {
+  CUresult r = CUDA_SUCCESS;
+  pthread_mutex_lock(&stream_mu);
+  if (m->ls->s == NULL)
+    r = m->cu->StreamCreate(&m->ls->s, CU_STREAM_NON_BLOCKING);
+  *out = m->ls->s;
+  pthread_mutex_unlock(&stream_mu);
+  return r;
 }
 
 int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
@@ -134,6 +228,11 @@ fail:
 /* Undoes what td__cumap_open did, as far as it got. */
 static void undo(td__cumap *m, int mapped, int reserved) {
   const td__cu *cu = m->cu;
+  CUcontext popped;
+  if (m->ls != NULL && cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
+    stream_leave(m);
+    cu->CtxPopCurrent(&popped);
+  }
   if (m->ipc != NULL) {
     pthread_mutex_lock(&ipc_mu);
     ipc_open *o = m->ipc;
@@ -143,7 +242,6 @@ static void undo(td__cumap *m, int mapped, int reserved) {
           *p = o->next;
           break;
         }
-      CUcontext popped;
       if (cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
         cu->IpcCloseMemHandle(o->ptr);
         cu->CtxPopCurrent(&popped);
@@ -155,7 +253,6 @@ static void undo(td__cumap *m, int mapped, int reserved) {
     return;
   }
   if (cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
-    CUcontext popped;
     if (mapped)
       cu->MemUnmap(m->ptr, m->size);
     if (reserved)
@@ -217,8 +314,21 @@ int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
     cu->CtxPopCurrent(&popped);
     goto fail;
   }
-  what = "cuMemAddressReserve";
-  r = cu->MemAddressReserve(&m->ptr, size, 0, 0, 0);
+  /* The range must start on the granularity for cuMemMap to take it, and
+   * an alignment of 0 promises nothing: ask for the granularity. */
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = m->dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  what = "cuMemGetAllocationGranularity";
+  r = cu->MemGetAllocationGranularity(&gran, &prop,
+                                      CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r == CUDA_SUCCESS) {
+    what = "cuMemAddressReserve";
+    r = cu->MemAddressReserve(&m->ptr, size, gran, 0, 0);
+  }
   reserved = r == CUDA_SUCCESS;
   if (reserved) {
     what = "cuMemMap";
@@ -237,6 +347,10 @@ int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
   /* The mapping keeps the allocation; the handle is no longer needed. */
   cu->MemRelease(h);
   cu->CtxPopCurrent(&popped);
+  if (r == CUDA_SUCCESS && stream_join(m) < 0) {
+    what = "a library stream record";
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
   if (r != CUDA_SUCCESS) {
     snprintf(msg, len, "%s of %llu bytes on %s: %s", what,
              (unsigned long long)size, td__cu_uuid_str(uuid, u, sizeof(u)),
@@ -256,24 +370,10 @@ fail_noctx:
   return td__cu_code(r);
 }
 
-/* A forked child has the parent's opens in its address space but may not
- * close them (the driver allows a child nothing of its parent's): it
- * starts with none, as the mapping cache does. */
-static void ipc_atfork_child(void) {
-  pthread_mutex_init(&ipc_mu, NULL);
-  ipc_opens = NULL;
-}
-
-static pthread_once_t ipc_once = PTHREAD_ONCE_INIT;
-
-static void ipc_init(void) {
-  pthread_atfork(NULL, NULL, ipc_atfork_child);
-}
-
 int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
                        uint64_t size, td__cumap **out, char *msg, size_t len) {
   *out = NULL;
-  pthread_once(&ipc_once, ipc_init);
+  pthread_once(&fork_once, fork_init);
   const td__cu *cu = load(msg, len);
   if (cu == NULL)
     return TD_ENODEV;
@@ -324,6 +424,11 @@ int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
   pthread_mutex_unlock(&ipc_mu);
   m->ipc = o;
   m->ptr = o->ptr;
+  if (stream_join(m) < 0) {
+    undo(m, 0, 0);
+    free(m);
+    return td__msg(msg, len, TD_ENOMEM, "out of memory");
+  }
   *out = m;
   return 0;
 }
@@ -339,17 +444,26 @@ int td__cumap_index(const td__cumap *m) {
 int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
   const td__cu *cu = m->cu;
   CUcontext popped;
+  CUstream s;
   char e[128];
+  const char *what = "cuCtxPushCurrent";
   CUresult r = cu->CtxPushCurrent(m->ctx);
   if (r == CUDA_SUCCESS) {
-    r = cu->MemsetD8(m->ptr, 0, nbytes);
-    if (r == CUDA_SUCCESS)
-      r = cu->CtxSynchronize();
+    what = "cuStreamCreate";
+    if ((r = stream_get(m, &s)) == CUDA_SUCCESS) {
+      what = "cuMemsetD8Async";
+      r = cu->MemsetD8Async(m->ptr, 0, nbytes, s);
+      CUresult w = cu->StreamSynchronize(s);
+      if (r == CUDA_SUCCESS && w != CUDA_SUCCESS) {
+        what = "cuStreamSynchronize";
+        r = w;
+      }
+    }
     cu->CtxPopCurrent(&popped);
   }
   if (r != CUDA_SUCCESS)
-    return td__msg(msg, len, td__cu_code(r), "zeroing %zu bytes: %s", nbytes,
-                   td__cu_strerror(cu, r, e, sizeof(e)));
+    return td__msg(msg, len, td__cu_code(r), "zeroing %zu bytes: %s: %s",
+                   nbytes, what, td__cu_strerror(cu, r, e, sizeof(e)));
   return 0;
 }
 
@@ -357,16 +471,27 @@ int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
                    size_t n, char *msg, size_t len) {
   const td__cu *cu = m->cu;
   CUcontext popped;
+  CUstream s;
   char e[128];
+  const char *what = "cuCtxPushCurrent";
   CUresult r = cu->CtxPushCurrent(m->ctx);
   if (r == CUDA_SUCCESS) {
-    r = to_device ? cu->MemcpyHtoD(m->ptr + off, host, n)
-                  : cu->MemcpyDtoH(host, m->ptr + off, n);
+    what = "cuStreamCreate";
+    if ((r = stream_get(m, &s)) == CUDA_SUCCESS) {
+      what = to_device ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync";
+      r = to_device ? cu->MemcpyHtoDAsync(m->ptr + off, host, n, s)
+                    : cu->MemcpyDtoHAsync(host, m->ptr + off, n, s);
+      /* Done when the device (or the host) holds the bytes. */
+      CUresult w = cu->StreamSynchronize(s);
+      if (r == CUDA_SUCCESS && w != CUDA_SUCCESS) {
+        what = "cuStreamSynchronize";
+        r = w;
+      }
+    }
     cu->CtxPopCurrent(&popped);
   }
   if (r != CUDA_SUCCESS)
-    return td__msg(msg, len, td__cu_code(r), "%s of %zu bytes: %s",
-                   to_device ? "cuMemcpyHtoD" : "cuMemcpyDtoH", n,
+    return td__msg(msg, len, td__cu_code(r), "%s of %zu bytes: %s", what, n,
                    td__cu_strerror(cu, r, e, sizeof(e)));
   return 0;
 }
@@ -400,17 +525,40 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
   p.WidthInBytes = width;
   p.Height = height;
   CUcontext popped;
+  CUstream s;
   char e[128];
+  const char *what = "cuCtxPushCurrent";
   CUresult r = cu->CtxPushCurrent(m->ctx);
   if (r == CUDA_SUCCESS) {
-    r = cu->Memcpy2D(&p);
+    what = "cuStreamCreate";
+    if ((r = stream_get(m, &s)) == CUDA_SUCCESS) {
+      what = "cuMemcpy2DAsync";
+      r = cu->Memcpy2DAsync(&p, s);
+    }
     cu->CtxPopCurrent(&popped);
   }
   if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r),
-                   "cuMemcpy2D of %zu rows of %zu bytes (pitches %zu, %zu): "
-                   "%s",
+                   "%s of %zu rows of %zu bytes (pitches %zu, %zu): %s", what,
                    height, width, dpitch, spitch,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  return 0;
+}
+
+int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
+  const td__cu *cu = m->cu;
+  CUcontext popped;
+  CUstream s;
+  char e[128];
+  CUresult r = cu->CtxPushCurrent(m->ctx);
+  if (r == CUDA_SUCCESS) {
+    if ((r = stream_get(m, &s)) == CUDA_SUCCESS)
+      r = cu->StreamSynchronize(s);
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuStreamSynchronize (the library's copies): %s",
                    td__cu_strerror(cu, r, e, sizeof(e)));
   return 0;
 }
@@ -656,6 +804,10 @@ int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
 int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
                      uintptr_t src, size_t spitch, size_t width, size_t height,
                      char *msg, size_t len) {
+  return no_cuda(msg, len);
+}
+
+int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
   return no_cuda(msg, len);
 }
 

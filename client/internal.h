@@ -117,24 +117,31 @@ int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
                      void *stream, char *msg, size_t len);
 /* The GPU's ordinal in this process. */
 int td__cumap_index(const td__cumap *m);
-/* Zeroes the first nbytes and waits for it. Returns 0 or a negative code
- * with msg filled. */
+/* Zeroes the first nbytes on the library's stream and waits for it.
+ * Returns 0 or a negative code with msg filled. */
 int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len);
 /* Copies n bytes between host and the device memory at off bytes into m:
- * to the device if to_device, else from it; synchronous. Returns 0 or the
- * driver's failure with msg filled. */
+ * to the device if to_device, else from it, on the library's private
+ * stream for m's GPU, and returns when the destination holds the bytes
+ * (the stream synchronised). Returns 0 or the driver's failure with msg
+ * filled. */
 int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
                    size_t n, char *msg, size_t len);
-/* Copies height rows of width bytes, synchronously, in one cuMemcpy2D:
- * row i from src + i * spitch to dst + i * dpitch, where a side with a
- * mapping (dm, sm) is device memory at that many bytes into it and a side
- * without (NULL) is host memory at that address. At least one of dm, sm is
- * not NULL; the context is dm's if it has one, else sm's. Returns 0 or the
- * driver's failure with msg filled. */
+/* Issues a copy of height rows of width bytes in one cuMemcpy2DAsync on the
+ * library's stream: row i from src + i * spitch to dst + i * dpitch, where
+ * a side with a mapping (dm, sm) is device memory at that many bytes into
+ * it and a side without (NULL) is host memory at that address. At least
+ * one of dm, sm is not NULL, and both are on one GPU; the context is dm's
+ * if it has one, else sm's. The copy is done only after td__cumap_sync of
+ * either. Returns 0 or the driver's failure with msg filled. */
 int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
                      uintptr_t src, size_t spitch, size_t width, size_t height,
                      char *msg, size_t len);
-/* Unmaps and frees m. NULL ok. */
+/* Waits for the work the library issued on m's GPU. Returns 0 or the
+ * driver's failure with msg filled. */
+int td__cumap_sync(td__cumap *m, char *msg, size_t len);
+/* Waits for the library's work on m's GPU, then unmaps and frees m. NULL
+ * ok. */
 void td__cumap_close(td__cumap *m);
 /* A pinned host staging buffer of nslots slots of slot bytes, each with a
  * stream of its own, in m's context: for copying to CUDA storages on m's

@@ -1051,13 +1051,10 @@ out:
 /* ---- the manifest written ---- */
 
 /* The manifest of ck as version v of name, as a new storage (mode). */
-/* Writes u as nvidia-smi does: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx. */
+/* Writes u as the manifest keeps a GPU: GPU-xxxxxxxx-xxxx-xxxx-xxxx-
+ * xxxxxxxxxxxx, a MIG instance's too (the text is compared, not shown). */
 static void uuid_text(const uint8_t u[16], char *buf, size_t len) {
-  size_t o = (size_t)snprintf(buf, len, "GPU-");
-  for (int i = 0; i < 16 && o < len; i++)
-    o += (size_t)snprintf(buf + o, len - o, "%s%02x",
-                          i == 4 || i == 6 || i == 8 || i == 10 ? "-" : "",
-                          u[i]);
+  td_gpu_uuid_str(u, 0, buf, len);
 }
 
 static int mf_make(td_client *c, const char *name, uint64_t v,
@@ -1194,24 +1191,24 @@ static int check_keys(const td_client *c, const char *name, uint64_t v,
   for (size_t i = 0; i < ck->ntensors; i++) {
     size_t k = n + 1 + strlen(ck->tensors[i].name);
     if (k > TD_KEY_MAX)
-      return td__fail(
-          c, TD_ENAMETOOLONG,
-          "model '%s': tensor '%s': its key %s/<tensor> would have "
-          "%zu bytes, over %d: choose a shorter name",
-          name, td__printable(ck->tensors[i].name, shown, sizeof(shown)),
-          name, k, TD_KEY_MAX);
+      return td__fail(c, TD_ENAMETOOLONG,
+                      "model '%s': tensor '%s': its key %s/<tensor> would have "
+                      "%zu bytes, over %d: choose a shorter name",
+                      name,
+                      td__printable(ck->tensors[i].name, shown, sizeof(shown)),
+                      name, k, TD_KEY_MAX);
   }
   char vs[24];
   int vl = snprintf(vs, sizeof(vs), "%" PRIu64, v);
   for (size_t i = 0; i < ck->nshards; i++) {
     size_t k = n + 1 + (size_t)vl + 1 + strlen(ck->shards[i].file);
     if (k > TD_KEY_MAX)
-      return td__fail(
-          c, TD_ENAMETOOLONG,
-          "model '%s': shard '%s': its key %s@%s/<file> would have "
-          "%zu bytes, over %d: choose a shorter name",
-          name, td__printable(ck->shards[i].file, shown, sizeof(shown)),
-          name, vs, k, TD_KEY_MAX);
+      return td__fail(c, TD_ENAMETOOLONG,
+                      "model '%s': shard '%s': its key %s@%s/<file> would have "
+                      "%zu bytes, over %d: choose a shorter name",
+                      name,
+                      td__printable(ck->shards[i].file, shown, sizeof(shown)),
+                      name, vs, k, TD_KEY_MAX);
   }
   return 0;
 }

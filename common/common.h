@@ -47,6 +47,10 @@ int td__view_fail(int err, const char *fmt, ...)
 /* Formats n bytes as "512 B", "1.5 GiB" (binary units, one decimal, up to
  * PiB) into buf; returns buf. */
 char *td__human_bytes(uint64_t n, char *buf, size_t len);
+/* Parses a GPU UUID as td_gpu_uuid_str writes it, "GPU-..." or "MIG-..."
+ * (hex digits in either case), into out. Returns 0 for GPU-, 1 for MIG-,
+ * -1 (out undefined) if s is neither. */
+int td__uuid_parse(const char *s, uint8_t out[16]);
 /* Parses "64M", "1.5GiB", "4096" (binary units K to T, an optional "iB" or
  * "B"); returns 0 or TD_EINVAL. */
 int td__parse_size(const char *s, uint64_t *out);

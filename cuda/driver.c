@@ -6,9 +6,11 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The symbol cuda.h maps an entry point's name to: cuMemGetInfo is a macro
  * for cuMemGetInfo_v2, and the driver exports both, with the old ABI under
@@ -69,23 +71,56 @@ static const struct {
     ENTRY(StreamDestroy, cuStreamDestroy),
     ENTRY(StreamSynchronize, cuStreamSynchronize),
     ENTRY(MemcpyHtoDAsync, cuMemcpyHtoDAsync),
+    ENTRY(MemcpyDtoHAsync, cuMemcpyDtoHAsync),
+    ENTRY(MemsetD8Async, cuMemsetD8Async),
+    ENTRY(Memcpy2DAsync, cuMemcpy2DAsync),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==
                    sizeof(td__cu),
                "td__cu and entries[] disagree");
 
-static pthread_once_t once = PTHREAD_ONCE_INIT;
-static td__cu table;
-static const td__cu *loaded;         /* &table once loaded, else NULL */
-static char failure[TD__ERRMSG_MAX]; /* why loading failed */
+/* A cuInit that failed with CUDA_ERROR_SYSTEM_NOT_READY (the driver's
+ * daemons, nvidia-persistenced or the fabric manager, still starting) is
+ * tried again by the first call this long after it. */
+#define RETRY_NS 1000000000ull
 
-static void load(void) {
+static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
+static td__cu table;
+static const td__cu *_Atomic loaded; /* &table once loaded, else NULL */
+static void *lib;                    /* load_mu: dlopen'd, kept on retry */
+static int given_up;                 /* load_mu: failed for good */
+static int transient;                /* load_mu: the last failure may pass */
+static uint64_t retry_at;            /* load_mu: CLOCK_MONOTONIC ns */
+static char failure[TD__ERRMSG_MAX]; /* load_mu: why loading failed */
+
+/* cuDeviceGetUuid of the first version, which cuda.h no longer names: on a
+ * MIG instance it gives the UUID of the GPU the instance is carved from,
+ * where the _v2 the table holds gives the instance's own. NULL if the
+ * driver lacks it. */
+static CUresult (*uuid_v1)(CUuuid *, CUdevice);
+
+/* The UUIDs of the MIG instances among this process's devices, read once
+ * when cuInit succeeds (the device list is fixed from then on). Written
+ * before loaded is published, read only once it is. */
+#define MAX_MIG 64
+static uint8_t mig_uuids[MAX_MIG][16];
+static size_t nmig;
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* dlopen()s the driver and resolves every entry into table. Returns 0, or
+ * -1 with failure filled (for good: the library is what it is). */
+static int open_lib(void) {
   const char *path = getenv(TD__CU_DRIVER_ENV);
   if (path == NULL || path[0] == '\0')
     path = TD__CU_DRIVER_LIB;
-  void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == NULL) {
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) {
     /* dlerror() names the file first, mostly: then it says it all. */
     const char *e = dlerror();
     if (e != NULL && strncmp(e, path, strlen(path)) == 0)
@@ -93,43 +128,103 @@ static void load(void) {
     else
       snprintf(failure, sizeof failure, "no CUDA driver (%s: %s)", path,
                e != NULL ? e : "dlopen failed");
-    return;
+    return -1;
   }
-  td__cu t;
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
     dlerror();
-    void *sym = dlsym(lib, entries[i].name);
+    void *sym = dlsym(h, entries[i].name);
     if (sym == NULL) {
       const char *e = dlerror();
       snprintf(failure, sizeof failure,
                "CUDA driver %s lacks %s (%s): too old for tensord", path,
                entries[i].name, e != NULL ? e : "NULL");
-      goto close_lib;
+      dlclose(h);
+      return -1;
     }
     /* POSIX guarantees a function's address survives the round trip
      * through void * that dlsym makes. */
-    memcpy((char *)&t + entries[i].offset, &sym, sizeof sym);
+    memcpy((char *)&table + entries[i].offset, &sym, sizeof sym);
   }
-  CUresult r = t.Init(0);
-  if (r != CUDA_SUCCESS) {
-    char e[256];
-    snprintf(failure, sizeof failure, "cuInit: %s (driver %s)",
-             td__cu_strerror(&t, r, e, sizeof e), path);
-    goto close_lib;
-  }
-  table = t;
-  loaded = &table;
-  return;
+  /* Optional: without it no device is taken for a MIG instance. */
+  void *v1 = dlsym(h, "cuDeviceGetUuid");
+  memcpy(&uuid_v1, &v1, sizeof v1);
+  lib = h;
+  return 0;
+}
 
-close_lib:
+/* Notes which devices are MIG instances: those whose _v2 UUID differs from
+ * their GPU's (the first version's). */
+static void read_mig(void) {
+  int n = 0;
+  nmig = 0;
+  if (uuid_v1 == NULL || table.DeviceGetCount(&n) != CUDA_SUCCESS)
+    return;
+  for (int i = 0; i < n && nmig < MAX_MIG; i++) {
+    CUdevice d;
+    CUuuid v1, v2;
+    if (table.DeviceGet(&d, i) == CUDA_SUCCESS &&
+        uuid_v1(&v1, d) == CUDA_SUCCESS &&
+        table.DeviceGetUuid(&v2, d) == CUDA_SUCCESS &&
+        memcmp(v1.bytes, v2.bytes, 16) != 0)
+      memcpy(mig_uuids[nmig++], v2.bytes, 16);
+  }
+}
+
+/* One try, with load_mu held: open the library if not yet, then cuInit. */
+static void load(void) {
+  if (lib == NULL && open_lib() < 0) {
+    given_up = 1;
+    return;
+  }
+  const char *path = getenv(TD__CU_DRIVER_ENV);
+  if (path == NULL || path[0] == '\0')
+    path = TD__CU_DRIVER_LIB;
+  CUresult r = table.Init(0);
+  if (r == CUDA_SUCCESS) {
+    transient = 0;
+    read_mig();
+    atomic_store(&loaded, &table);
+    return;
+  }
+  char e[256];
+  td__cu_strerror(&table, r, e, sizeof e);
+  if (r == CUDA_ERROR_SYSTEM_NOT_READY) {
+    /* Keep the library: the next try is only another cuInit. */
+    transient = 1;
+    retry_at = now_ns() + RETRY_NS;
+    snprintf(failure, sizeof failure,
+             "cuInit: %s (driver %s): the driver is still starting; "
+             "tried again at the next CUDA call a second from now",
+             e, path);
+    return;
+  }
+  snprintf(failure, sizeof failure, "cuInit: %s (driver %s)", e, path);
+  given_up = 1;
+  transient = 0;
   dlclose(lib);
+  lib = NULL;
 }
 
 const td__cu *td__cu_load(char *msg, size_t len) {
-  pthread_once(&once, load);
-  if (loaded == NULL)
-    td__msg(msg, len, TD_ENODEV, "%s", failure);
-  return loaded;
+  const td__cu *t = atomic_load(&loaded);
+  if (t != NULL)
+    return t;
+  pthread_mutex_lock(&load_mu);
+  if ((t = atomic_load(&loaded)) == NULL) {
+    if (!given_up && (!transient || now_ns() >= retry_at))
+      load();
+    if ((t = atomic_load(&loaded)) == NULL)
+      td__msg(msg, len, TD_ENODEV, "%s", failure);
+  }
+  pthread_mutex_unlock(&load_mu);
+  return t;
+}
+
+int td__cu_load_transient(void) {
+  pthread_mutex_lock(&load_mu);
+  int t = atomic_load(&loaded) == NULL && transient;
+  pthread_mutex_unlock(&load_mu);
+  return t;
 }
 
 int td__cu_code(CUresult r) {
@@ -187,12 +282,15 @@ int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
   return TD_ENODEV;
 }
 
+int td__cu_uuid_is_mig(const uint8_t uuid[16]) {
+  if (atomic_load(&loaded) == NULL)
+    return 0;
+  for (size_t i = 0; i < nmig; i++)
+    if (memcmp(mig_uuids[i], uuid, 16) == 0)
+      return 1;
+  return 0;
+}
+
 char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len) {
-  const uint8_t *u = uuid;
-  snprintf(buf, len,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-           "%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
-  return buf;
+  return td_gpu_uuid_str(uuid, td__cu_uuid_is_mig(uuid), buf, len);
 }

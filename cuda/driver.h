@@ -49,6 +49,9 @@ typedef struct td__cu {
   CUresult (*MemUnmap)(CUdeviceptr, size_t);
   CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *,
                            size_t);
+  /* The legacy stream's copies (and CtxSynchronize above) are for the
+   * tests and benchmarks: libtensord's own work goes on its private stream
+   * (the Async entries below, client/cumap.c), never the legacy stream. */
   CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
@@ -75,6 +78,12 @@ typedef struct td__cu {
   CUresult (*StreamDestroy)(CUstream);
   CUresult (*StreamSynchronize)(CUstream);
   CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+  /* libtensord's own work (zeroing, td_copy), on a private non-blocking
+   * stream, synchronised before a call returns; and Memcpy2D's form on a
+   * stream, for rows. */
+  CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *, CUstream);
 } td__cu;
 
 /* The environment variable naming the library to load instead of
@@ -82,16 +91,28 @@ typedef struct td__cu {
 #define TD__CU_DRIVER_ENV "TENSORD_CUDA_DRIVER"
 #define TD__CU_DRIVER_LIB "libcuda.so.1"
 
-/* Loads the driver once per process (thread-safe; later calls return the
- * first call's outcome): dlopen($TENSORD_CUDA_DRIVER if set, else
- * libcuda.so.1), dlsym every entry, cuInit(0). Returns the table, valid for
- * the life of the process (the library is never unloaded), or NULL with msg
- * (if not NULL) saying why: "no CUDA driver (libcuda.so.1: <dlerror>)",
- * "cuInit: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)", ...
+/* Loads the driver once per process (thread-safe): dlopen(
+ * $TENSORD_CUDA_DRIVER if set, else libcuda.so.1), dlsym every entry,
+ * cuInit(0). Returns the table, valid for the life of the process (the
+ * library is never unloaded), or NULL with msg (if not NULL) saying why:
+ * "no CUDA driver (libcuda.so.1: <dlerror>)", "cuInit: CUDA_ERROR_NO_DEVICE
+ * (no CUDA-capable device is detected)", ... A failure is kept for the life
+ * of the process, except cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's
+ * own daemons still starting, at boot): then the first call a second or
+ * more later calls cuInit again (td__cu_load_transient says so meanwhile).
  * A child of fork() inherits the table; what the driver allows in the child
  * is the driver's rule (the real one: nothing that touches a context made
  * before the fork). */
 const td__cu *td__cu_load(char *msg, size_t len);
+
+/* 1 if the driver is not loaded and the last td__cu_load failed in a way a
+ * later call may not (see above), else 0. */
+int td__cu_load_transient(void);
+
+/* Set to 1 in the daemon's environment, serve every GPU with cuMemAlloc and
+ * legacy IPC handles, as on a GPU without VMM or POSIX-fd handles: a
+ * switch for tests (and tests/gpu/run.sh), never for production. */
+#define TD__CU_LEGACY_ENV "TENSORD_CUDA_LEGACY"
 
 /* Returns the TD_E* code for a CUresult: 0 for CUDA_SUCCESS,
  * OUT_OF_MEMORY -> TD_ENOMEM, INVALID_DEVICE and NO_DEVICE -> TD_ENODEV,
@@ -111,10 +132,14 @@ const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
 int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],
                           CUdevice *out);
 
-/* Writes uuid in nvidia-smi's form, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
- * xxxxxxxxxxxx" (TD__CU_UUID_STRLEN bytes with the NUL; shorter buffers get
- * a truncated string), and returns buf. */
-#define TD__CU_UUID_STRLEN 41
+/* A GPU's UUID as text: td_gpu_uuid_str (tensord.h), MIG- where the loaded
+ * driver says uuid is one of this process's MIG instances
+ * (cuDeviceGetUuid_v2 gives an instance's own UUID, the first version its
+ * GPU's); GPU- otherwise, and before the driver loads. TD__CU_UUID_STRLEN
+ * bytes with the NUL; shorter buffers get a truncated string. Returns buf. */
+#define TD__CU_UUID_STRLEN TD_UUID_STR_MAX
 char *td__cu_uuid_str(const uint8_t uuid[16], char *buf, size_t len);
+/* 1 if uuid is a MIG instance this process sees (see td__cu_uuid_str). */
+int td__cu_uuid_is_mig(const uint8_t uuid[16]);
 
 #endif /* TD_CUDA_DRIVER_H */

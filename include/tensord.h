@@ -503,6 +503,12 @@ int td_storage_device_index(const td_storage *s);
 /* Copies the 16-byte UUID of the storage's GPU into uuid. Returns 0, or
  * TD_EINVAL for a CPU storage. */
 int td_storage_device_uuid(const td_storage *s, uint8_t uuid[16]);
+/* Writes a GPU's UUID as nvidia-smi -L and CUDA_VISIBLE_DEVICES name it:
+ * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", or "MIG-..." for a MIG
+ * instance (mig non-zero: td_storage_info.device_mig, td_device_stat.mig).
+ * buf of TD_UUID_STR_MAX bytes takes it whole. Returns buf. */
+#define TD_UUID_STR_MAX 41
+char *td_gpu_uuid_str(const uint8_t uuid[16], int mig, char *buf, size_t len);
 /* Orders this process after the GPU work the key's publisher recorded in
  * the event it published with (td_publish_opts.event): with stream (a
  * CUstream of this process on the storage's GPU) the stream waits for it
@@ -529,8 +535,8 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v);
 /* Looks key up; waits up to timeout_ms for it to be published (0: do not
  * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE, TD_COW, TD_LAZY (any
- * other bit is TD_EINVAL). On success *s is a new handle and *v (if not NULL) the
- * published view. */
+ * other bit is TD_EINVAL). On success *s is a new handle and *v (if not NULL)
+ * the published view. */
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);
 int td_unpublish(td_client *c, const char *key);
@@ -624,7 +630,9 @@ typedef struct td_storage_info {
   size_t nkeys_total; /* keys naming the storage (LIST shows 32 at most) */
   const char *const *keys;
   uint8_t device_uuid[16]; /* TD_CUDA: the GPU's UUID; zeros for TD_CPU */
-  uint64_t reserved[6];    /* zero (see ABI above) */
+  uint32_t device_mig;     /* 1: the GPU is a MIG instance (td_gpu_uuid_str) */
+  uint32_t reserved32;     /* zero */
+  uint64_t reserved[5];    /* zero (see ABI above) */
 } td_storage_info;
 
 typedef struct td_key_info {
@@ -682,7 +690,9 @@ typedef struct td_device_stat {
   uint64_t bytes_used; /* allocated: sizes rounded up to the granularity */
   uint64_t capacity;   /* --cuda-capacity, or the device's total memory */
   uint64_t storages;
-  uint64_t reserved[4]; /* zero (see ABI above) */
+  uint32_t mig;         /* 1: a MIG instance (td_gpu_uuid_str) */
+  uint32_t reserved32;  /* zero */
+  uint64_t reserved[3]; /* zero (see ABI above) */
 } td_device_stat;
 /* Fills out[0..max) with the daemon's GPUs, in its ordinal order, and sets
  * *n to how many it has (which may exceed max). A daemon lists GPUs once its
@@ -789,8 +799,8 @@ typedef struct td_load_result {
   uint64_t version; /* NAME's version now */
   uint64_t tensors, bytes;
   uint32_t shards;
-  int unchanged; /* NAME already held this source: nothing was loaded */
-  int waited;    /* another process held NAME's load lock first */
+  int unchanged;  /* NAME already held this source: nothing was loaded */
+  int waited;     /* another process held NAME's load lock first */
   double seconds; /* wall time of the reads and the publishes */
 } td_load_result;
 
@@ -1045,8 +1055,8 @@ const char *td_event_type_name(int type);
  * receive. A td_chan may be used from several threads at once. */
 typedef struct td_chan td_chan;
 
-#define TD_CHAN_SEND 0x1u /* this end sends (loan, send) */
-#define TD_CHAN_RECV 0x2u /* this end receives */
+#define TD_CHAN_SEND 0x1u           /* this end sends (loan, send) */
+#define TD_CHAN_RECV 0x2u           /* this end receives */
 #define TD_CHAN_CAPACITY_MAX 65536u /* entries a ring holds, at most */
 #define TD_CHAN_SLOTS_MAX 1024u     /* slots a channel owns, at most */
 
@@ -1128,7 +1138,7 @@ typedef struct td_chan_info {
   uint32_t slots_loaned;
   uint32_t slots_queued;
   uint32_t slots_held;
-  uint32_t senders;   /* ends open on each side now */
+  uint32_t senders; /* ends open on each side now */
   uint32_t receivers;
   uint32_t mode;
   uint64_t slot_bytes;
@@ -1137,7 +1147,7 @@ typedef struct td_chan_info {
   uint64_t in_flight; /* storages sent (not slots) that no one received yet */
   int corrupt;        /* closed: its ring was found corrupt */
   uint32_t reserved32;
-  uint64_t sent;      /* entries pushed and popped since it was created */
+  uint64_t sent; /* entries pushed and popped since it was created */
   uint64_t received;
   size_t nends; /* td_chan_list only */
   const td_chan_end_info *ends;

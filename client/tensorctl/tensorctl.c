@@ -204,16 +204,6 @@ static const char *device_name(td_device d) {
   return d == TD_CUDA ? "cuda" : "cpu";
 }
 
-/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
-static char *uuid_str(const uint8_t u[16], char *buf, size_t len) {
-  snprintf(buf, len,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x"
-           "%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
-  return buf;
-}
-
 /* The daemon's GPUs, read once (for the cuda:K of its storages). */
 static td_client *conn;
 static td_device_stat gpus[64];
@@ -246,7 +236,7 @@ static void json_storage(const td_storage_info *s) {
   char us[48];
   if (s->device == TD_CUDA)
     printf("{\"device_uuid\":\"%s\",",
-           uuid_str(s->device_uuid, us, sizeof(us)));
+           td_gpu_uuid_str(s->device_uuid, (int)s->device_mig, us, sizeof(us)));
   else
     putchar('{');
   printf("\"id\":%" PRIu64 ",\"device\":\"%s\",\"nbytes\":%" PRIu64
@@ -437,9 +427,8 @@ static int ls_chan(const td_chan_info *ch, void *arg) {
   char name[TD_KEY_MAX + 1], depth[32], slots[48], size[32], ends[512];
   snprintf(depth, sizeof(depth), "%u/%u", ch->depth, ch->capacity);
   if (ch->slots)
-    snprintf(slots, sizeof(slots), "%u: %u/%u/%u/%u", ch->slots,
-             ch->slots_free, ch->slots_loaned, ch->slots_queued,
-             ch->slots_held);
+    snprintf(slots, sizeof(slots), "%u: %u/%u/%u/%u", ch->slots, ch->slots_free,
+             ch->slots_loaned, ch->slots_queued, ch->slots_held);
   else
     snprintf(slots, sizeof(slots), "-");
   join_list(ends, sizeof(ends), ch->nends, ch->nends, end_at, ch);
@@ -524,7 +513,8 @@ static int cmd_stat(td_client *c) {
     for (size_t i = 0; i < ngpus; i++)
       printf("%s{\"device\":\"cuda:%d\",\"uuid\":\"%s\",\"bytes_used\":%" PRIu64
              ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64 "}",
-             i ? "," : "", gpus[i].index, uuid_str(gpus[i].uuid, u, sizeof(u)),
+             i ? "," : "", gpus[i].index,
+             td_gpu_uuid_str(gpus[i].uuid, (int)gpus[i].mig, u, sizeof(u)),
              gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages);
     printf("]}\n");
     return 0;
@@ -571,7 +561,7 @@ static int cmd_stat(td_client *c) {
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
            td__cli_bytes(gpus[i].bytes_used, a, sizeof(a)),
            td__cli_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
-           uuid_str(gpus[i].uuid, u, sizeof(u)));
+           td_gpu_uuid_str(gpus[i].uuid, (int)gpus[i].mig, u, sizeof(u)));
   if (st.quota)
     printf("quota     %s per uid\n", td__cli_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)
@@ -614,7 +604,7 @@ static int info_storage(const td_storage_info *s, void *arg) {
   char dl[32], us[48];
   if (s->device == TD_CUDA)
     printf("device    %s (%s)\n", device_label(s, dl, sizeof(dl)),
-           uuid_str(s->device_uuid, us, sizeof(us)));
+           td_gpu_uuid_str(s->device_uuid, (int)s->device_mig, us, sizeof(us)));
   else
     printf("device    %s\n", device_name(s->device));
   printf("size      %s (%" PRIu64 " bytes)\n",
@@ -942,9 +932,9 @@ static void draw_bar(const td_load_progress *p, void *arg) {
   double rate = t > 0 ? (double)p->bytes_done / t : 0;
   char done[32], total[32], eta[32] = "?";
   if (rate > 0)
-    td__cli_age((int64_t)((double)(p->bytes_total - p->bytes_done) / rate *
-                          1e3),
-                eta, sizeof(eta));
+    td__cli_age(
+        (int64_t)((double)(p->bytes_total - p->bytes_done) / rate * 1e3), eta,
+        sizeof(eta));
   int w = (int)(frac * 30);
   fprintf(stderr, "\r[%.*s%*s] %s / %s  %.2f GB/s  ETA %s  shards %u/%u ", w,
           "##############################", 30 - w, "",
@@ -961,10 +951,10 @@ static long long option_count(const char *opt, const char *v, long long lo,
   char *end = NULL;
   errno = 0;
   long long n = v ? strtoll(v, &end, base) : 0;
-  if (v == NULL || end == v || *end != '\0' || errno != 0 || n < lo ||
-      n > hi) {
-    fprintf(stderr, "tensorctl load: %s '%s': not a%s number from %lld to "
-                    "%lld\n",
+  if (v == NULL || end == v || *end != '\0' || errno != 0 || n < lo || n > hi) {
+    fprintf(stderr,
+            "tensorctl load: %s '%s': not a%s number from %lld to "
+            "%lld\n",
             opt, v ? v : "", base == 8 ? "n octal" : "", lo, hi);
     return -1;
   }
@@ -1017,8 +1007,7 @@ static int cmd_load(const char *socket, int argc, char **argv) {
           o.device = TD_CUDA;
           o.device_index = n;
         } else {
-          fprintf(stderr, "tensorctl load: --device '%s': cpu or cuda:K\n",
-                  v);
+          fprintf(stderr, "tensorctl load: --device '%s': cpu or cuda:K\n", v);
           return 2;
         }
       } else if (strcmp(a, "--mode") == 0) {
@@ -1035,8 +1024,9 @@ static int cmd_load(const char *socket, int argc, char **argv) {
         o.threads = (uint32_t)n;
       }
     } else {
-      fprintf(stderr, "tensorctl load: unknown option '%s' (tensorctl load "
-                      "--help)\n",
+      fprintf(stderr,
+              "tensorctl load: unknown option '%s' (tensorctl load "
+              "--help)\n",
               a);
       return 2;
     }
@@ -1076,13 +1066,13 @@ static int cmd_load(const char *socket, int argc, char **argv) {
   char real[PATH_MAX];
   if (realpath(path, real) == NULL)
     snprintf(real, sizeof(real), "%s", path);
-  double gbs = r.seconds > 0 && !r.unchanged ? (double)r.bytes / r.seconds / 1e9
-                                             : 0;
+  double gbs =
+      r.seconds > 0 && !r.unchanged ? (double)r.bytes / r.seconds / 1e9 : 0;
   if (json) {
     printf("{\"name\":");
     td__cli_json_str(name);
-    printf(",\"version\":%" PRIu64 ",\"tensors\":%" PRIu64
-           ",\"bytes\":%" PRIu64 ",\"shards\":%u,\"seconds\":%.6f,"
+    printf(",\"version\":%" PRIu64 ",\"tensors\":%" PRIu64 ",\"bytes\":%" PRIu64
+           ",\"shards\":%u,\"seconds\":%.6f,"
            "\"gb_per_s\":%.3f,\"unchanged\":%s,\"waited\":%s}\n",
            r.version, r.tensors, r.bytes, r.shards, r.seconds, gbs,
            r.unchanged ? "true" : "false", r.waited ? "true" : "false");
@@ -1275,8 +1265,10 @@ int main(int argc, char **argv) {
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0 ||
                   strcmp(cmd, "save") == 0 || strcmp(cmd, "unload") == 0;
   if (strcmp(cmd, "save") == 0 && arg != NULL && arg2 == NULL) {
-    fprintf(stderr, "tensorctl save: needs NAME and OUT (usage: tensorctl "
-                    "%s)\n", known->synopsis);
+    fprintf(stderr,
+            "tensorctl save: needs NAME and OUT (usage: tensorctl "
+            "%s)\n",
+            known->synopsis);
     return 2;
   }
   int watch = strcmp(cmd, "watch") == 0;

@@ -31,8 +31,12 @@
 
 #define MAX_CAPS 64
 #define MAX_DEVS 64
+/* What a legacy (cuMemAlloc) storage's size is rounded up to and counted
+ * as: the granularity of the VMM path on current GPUs, and what cuMemAlloc
+ * itself rounds large allocations to. */
+#define LEGACY_GRAN ((size_t)2 << 20)
 
-/* What --cuda-devices and --cuda-capacity say, parsed: "K" or "GPU-...". */
+/* What --cuda-devices and --cuda-capacity say: "K", "GPU-..." or "MIG-...". */
 typedef struct sel {
   char dev[48];
   uint64_t bytes;
@@ -44,10 +48,12 @@ static size_t nallowed;
 static sel caps[MAX_CAPS];
 static size_t ncaps;
 
-/* Returns 1 if s names a device: an ordinal or a "GPU-" UUID. */
+/* Returns 1 if s names a device: an ordinal or a UUID, "GPU-..." or (a
+ * MIG instance's) "MIG-...". */
 static int dev_syntax(const char *s) {
-  if (strncmp(s, "GPU-", 4) == 0)
-    return strlen(s) == 40;
+  uint8_t u[16];
+  if (strncmp(s, "GPU-", 4) == 0 || strncmp(s, "MIG-", 4) == 0)
+    return td__uuid_parse(s, u) >= 0;
   if (*s == '\0' || strlen(s) > 5)
     return 0;
   for (const char *p = s; *p; p++)
@@ -67,14 +73,15 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
       if (n == 0 || n >= sizeof(allowed[0].dev) || nallowed == MAX_DEVS)
         return td__msg(msg, len, TD_EINVAL,
                        "--cuda-devices '%s': not a comma list of ordinals "
-                       "or UUIDs (GPU-...)",
+                       "or UUIDs (GPU-... or MIG-...)",
                        devices);
       memcpy(allowed[nallowed].dev, p, n);
       allowed[nallowed].dev[n] = '\0';
       if (!dev_syntax(allowed[nallowed].dev))
         return td__msg(msg, len, TD_EINVAL,
                        "--cuda-devices '%s': '%s' is neither an ordinal nor "
-                       "a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)",
+                       "a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, "
+                       "or MIG-... for a MIG instance)",
                        devices, allowed[nallowed].dev);
       nallowed++;
       p += n;
@@ -107,8 +114,9 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
 
 #if TD_HAVE_CUDA
 
-/* Two locks. init_mu serialises the lazy start (loading the driver, a
- * device's context) and is held across those driver calls; only thread-pool
+/* Two locks. init_mu serialises the lazy start (loading the driver) and a
+ * device's context (made at the first create, destroyed when its last
+ * storage goes) and is held across those driver calls; only thread-pool
  * jobs take it. mu guards the allocation table and the per-device figures
  * and is never held across a driver call, so the loop (an open's dup, a
  * Stat) never waits on the GPU. */
@@ -116,14 +124,16 @@ static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* One GPU the driver shows us. Set at the load (under init_mu, published
- * under mu with ndevs) but for what a device's first create sets (ctx, gran,
- * total, capacity), and the figures (mu). */
+ * under mu with ndevs) but for what a device's first create sets (gran,
+ * total, capacity), its context (init_mu), and the figures (mu). */
 typedef struct dev {
   int index; /* the daemon's ordinal */
   CUdevice cu;
   uint8_t uuid[16];
   int allowed;    /* --cuda-devices names it (or no list was given) */
-  CUcontext ctx;  /* retained at the first create; NULL until then */
+  CUcontext ctx;  /* init_mu: retained while holds > 0, else NULL */
+  int holds;      /* init_mu: live allocations and creates in flight */
+  int opened;     /* gran, total, capacity and legacy are read */
   size_t gran;    /* allocation granularity */
   uint64_t total; /* device memory */
   uint64_t capacity, cap_set;
@@ -160,18 +170,22 @@ static alloc *alloc_find(const char *name) {
   return n ? td__container_of(n, alloc, node) : NULL;
 }
 
-/* Returns 1 if s (an ordinal or a UUID string) names d. */
+/* Returns 1 if s (an ordinal or a UUID string) names d. A UUID matches by
+ * its digits, whichever prefix it has: a MIG instance is "MIG-..." to
+ * nvidia-smi -L and CUDA_VISIBLE_DEVICES, and was "GPU-..." in what
+ * tensord printed before it told them apart. */
 static int names(const char *s, const dev *d) {
-  char u[48];
-  if (strncmp(s, "GPU-", 4) == 0)
-    return strcmp(s, td__cu_uuid_str(d->uuid, u, sizeof(u))) == 0;
+  uint8_t u[16];
+  if (td__uuid_parse(s, u) >= 0)
+    return memcmp(u, d->uuid, 16) == 0;
   return atoi(s) == d->index;
 }
 
-/* Loads the driver and lists its devices, once. Called with init_mu held.
- * Returns 0, or TD_ENODEV with msg saying why. */
+/* Loads the driver and lists its devices, once (again, at most once a
+ * second, while cuInit says the driver is still starting). Called with
+ * init_mu held. Returns 0, or TD_ENODEV with msg saying why. */
 static int load(char *msg, size_t len) {
-  if (!load_tried) {
+  if (!load_tried || (cu == NULL && td__cu_load_transient())) {
     load_tried = 1;
     cu = td__cu_load(load_msg, sizeof(load_msg));
     int n = 0;
@@ -211,44 +225,52 @@ static int load(char *msg, size_t len) {
     ndevs = nd;
     pthread_mutex_unlock(&mu);
     if (cu == NULL)
-      td__warn("cuda: %s; CUDA creates fail", load_msg);
+      td__warn("cuda: %s; CUDA creates fail%s", load_msg,
+               td__cu_load_transient() ? " until it succeeds" : "");
   }
   if (cu == NULL)
     return td__msg(msg, len, TD_ENODEV, "%s", load_msg);
   return 0;
 }
 
-/* Retains d's primary context and reads what it needs of it, once. Called
- * with init_mu held. Returns 0 or a negative code with msg filled. */
-static int dev_open(dev *d, char *msg, size_t len) {
-  if (d->ctx != NULL)
-    return 0;
+/* Reads what d's first create needs (with ctx current): its memory, its
+ * granularity, which path serves it. Called with init_mu held. Returns 0 or
+ * a negative code with msg filled. */
+static int dev_read(dev *d, CUcontext ctx, char *msg, size_t len) {
   char e[128];
-  /* Such devices fall back to cuMemAlloc and legacy IPC handles. */
-  int posix_fd = 0;
-  CUresult r = cu->DeviceGetAttribute(
-      &posix_fd,
-      CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cu);
-  int legacy = r == CUDA_SUCCESS && !posix_fd;
-  CUcontext ctx = NULL;
-  r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
-  if (r != CUDA_SUCCESS)
-    return td__msg(msg, len, td__cu_code(r),
-                   "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
-                   td__cu_strerror(cu, r, e, sizeof(e)));
+  /* A device without VMM, or whose VMM memory cannot be exported as a
+   * POSIX fd, falls back to cuMemAlloc and legacy IPC handles; so does
+   * every device when the tests force it. An attribute the driver cannot
+   * read counts as unsupported. */
+  int vmm = 0, posix_fd = 0;
+  if (cu->DeviceGetAttribute(
+          &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+          d->cu) != CUDA_SUCCESS)
+    vmm = 0;
+  if (cu->DeviceGetAttribute(
+          &posix_fd,
+          CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+          d->cu) != CUDA_SUCCESS)
+    posix_fd = 0;
+  const char *force = getenv(TD__CU_LEGACY_ENV);
+  int forced = force != NULL && strcmp(force, "1") == 0;
+  int legacy = forced || !vmm || !posix_fd;
   CUmemAllocationProp prop = {0};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = d->cu;
-  prop.requestedHandleTypes = legacy ? CU_MEM_HANDLE_TYPE_NONE
-                                     : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t free_b = 0, total = 0, gran = 0;
   const char *what = "cuCtxPushCurrent";
-  r = cu->CtxPushCurrent(ctx);
+  CUresult r = cu->CtxPushCurrent(ctx);
   if (r == CUDA_SUCCESS) {
     what = "cuMemGetInfo";
     r = cu->MemGetInfo(&free_b, &total);
-    if (r == CUDA_SUCCESS) {
+    if (r == CUDA_SUCCESS && legacy) {
+      /* No VMM granularity to ask for (a device without VMM refuses the
+       * question): sizes are rounded, and counted, by LEGACY_GRAN. */
+      gran = LEGACY_GRAN;
+    } else if (r == CUDA_SUCCESS) {
       what = "cuMemGetAllocationGranularity";
       r = cu->MemGetAllocationGranularity(&gran, &prop,
                                           CU_MEM_ALLOC_GRANULARITY_MINIMUM);
@@ -258,29 +280,96 @@ static int dev_open(dev *d, char *msg, size_t len) {
   }
   if (r == CUDA_SUCCESS && gran == 0)
     r = CUDA_ERROR_NOT_SUPPORTED;
-  if (r != CUDA_SUCCESS) {
-    cu->DevicePrimaryCtxRelease(d->cu);
+  if (r != CUDA_SUCCESS)
     return td__msg(msg, len, td__cu_code(r), "cuda:%d: %s: %s", d->index, what,
                    td__cu_strerror(cu, r, e, sizeof(e)));
-  }
   pthread_mutex_lock(&mu);
   d->gran = gran;
   d->total = total;
   if (!d->cap_set)
     d->capacity = total;
   d->legacy = legacy;
-  d->ctx = ctx;
   pthread_mutex_unlock(&mu);
+  d->opened = 1;
   char a[32], b[32];
   td__info("cuda:%d: context made; %s of memory, %s free, granularity %zu "
            "bytes, capacity %s%s",
            d->index, td__human_bytes(total, a, sizeof(a)),
            td__human_bytes(free_b, b, sizeof(b)), gran,
            td__human_bytes(d->capacity, e, sizeof(e)),
-           legacy ? "; no POSIX-fd handles: storages are cuMemAlloc'd and "
-                    "shared by legacy IPC handles"
-                  : "");
+           !legacy  ? ""
+           : forced ? "; " TD__CU_LEGACY_ENV "=1: storages are cuMemAlloc'd "
+                      "and shared by legacy IPC handles (a test setting)"
+           : !vmm   ? "; no virtual memory management: storages are "
+                      "cuMemAlloc'd and shared by legacy IPC handles"
+                    : "; no POSIX-fd handles: storages are cuMemAlloc'd and "
+                      "shared by legacy IPC handles");
   return 0;
+}
+
+/* Takes a hold on d's primary context for a create (kept by the storage it
+ * makes): the first hold retains it, after checking that the GPU's compute
+ * mode lets a context be shared at all, and the first ever reads the
+ * device. tensord holds a context only while it has storages on the GPU
+ * (or is making one), so a GPU it no longer uses carries none of its
+ * contexts. Called with init_mu held. Returns 0 or a negative code with
+ * msg filled. */
+static int dev_hold(dev *d, char *msg, size_t len) {
+  char u[48], e[128];
+  if (d->holds > 0) {
+    d->holds++;
+    return 0;
+  }
+  int mode = CU_COMPUTEMODE_DEFAULT;
+  if (cu->DeviceGetAttribute(&mode, CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, d->cu) !=
+      CUDA_SUCCESS)
+    mode = CU_COMPUTEMODE_DEFAULT;
+  if (mode == CU_COMPUTEMODE_PROHIBITED)
+    return td__msg(msg, len, TD_ENODEV,
+                   "cuda:%d (%s) is in PROHIBITED compute mode: no process "
+                   "may use it",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
+  if (mode == CU_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    return td__msg(msg, len, TD_EBUSY,
+                   "cuda:%d (%s) is in EXCLUSIVE_PROCESS compute mode: one "
+                   "process at a time may use it, so its memory cannot be "
+                   "shared between processes; tensord takes no context on "
+                   "it, leaving the GPU to that one process (nvidia-smi -c "
+                   "DEFAULT lets processes share it)",
+                   d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)));
+  CUcontext ctx = NULL;
+  CUresult r = cu->DevicePrimaryCtxRetain(&ctx, d->cu);
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r),
+                   "cuda:%d: cuDevicePrimaryCtxRetain: %s", d->index,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  if (!d->opened) {
+    int err = dev_read(d, ctx, msg, len);
+    if (err < 0) {
+      cu->DevicePrimaryCtxRelease(d->cu);
+      return err;
+    }
+  }
+  d->ctx = ctx;
+  d->holds = 1;
+  return 0;
+}
+
+/* Drops a hold dev_hold took; the last releases the context. */
+static void dev_drop(dev *d) {
+  pthread_mutex_lock(&init_mu);
+  if (--d->holds == 0) {
+    CUresult r = cu->DevicePrimaryCtxRelease(d->cu);
+    d->ctx = NULL;
+    if (r != CUDA_SUCCESS) {
+      char e[128];
+      td__error("cuda:%d: cuDevicePrimaryCtxRelease: %s", d->index,
+                td__cu_strerror(cu, r, e, sizeof(e)));
+    } else {
+      td__debug("cuda:%d: no storage left: context released", d->index);
+    }
+  }
+  pthread_mutex_unlock(&init_mu);
 }
 
 /* Runs cuMemRelease of h in d's context. Returns the driver's result. */
@@ -350,13 +439,15 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
                   d == NULL ? "no GPU of this tensord has that UUID"
                             : "that GPU is not in --cuda-devices");
   if (err == 0)
-    err = dev_open(d, msg, len);
+    err = dev_hold(d, msg, len);
   pthread_mutex_unlock(&init_mu);
   if (err < 0)
     return err;
-  if (nbytes > UINT64_MAX - d->gran)
+  if (nbytes > UINT64_MAX - d->gran) {
+    dev_drop(d);
     return td__msg(msg, len, TD_EINVAL, "%llu bytes: too large",
                    (unsigned long long)nbytes);
+  }
   uint64_t size = (nbytes + d->gran - 1) / d->gran * d->gran;
   /* The capacity is charged before the driver is asked, so that creates in
    * flight count. */
@@ -376,8 +467,10 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     d->storages++;
   }
   pthread_mutex_unlock(&mu);
-  if (err < 0)
+  if (err < 0) {
+    dev_drop(d);
     return err;
+  }
 
   alloc *m = calloc(1, sizeof(*m));
   if (m == NULL) {
@@ -471,6 +564,7 @@ uncharge:
   d->used -= size;
   d->storages--;
   pthread_mutex_unlock(&mu);
+  dev_drop(d);
   return err;
 }
 
@@ -514,6 +608,7 @@ static void cuda_unlink(const char *name) {
               m->legacy ? "cuMemFree" : "cuMemRelease", name,
               td__cu_strerror(cu, r, e, sizeof(e)));
   }
+  dev_drop(m->d); /* the storage's hold on the context */
   free(m);
 }
 
@@ -526,6 +621,7 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
     if (n < max) {
       out[n].index = devs[i].index;
       memcpy(out[n].uuid, devs[i].uuid, 16);
+      out[n].mig = td__cu_uuid_is_mig(devs[i].uuid);
       out[n].bytes_used = devs[i].used;
       out[n].capacity = devs[i].capacity;
       out[n].storages = devs[i].storages;
@@ -534,6 +630,10 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
   }
   pthread_mutex_unlock(&mu);
   return n;
+}
+
+int td__cuda_is_mig(const uint8_t uuid[16]) {
+  return td__cu_uuid_is_mig(uuid);
 }
 
 #else /* !TD_HAVE_CUDA */
@@ -551,6 +651,10 @@ static int cuda_open(const char *name, int readonly) {
 static void cuda_unlink(const char *name) {}
 
 size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
+  return 0;
+}
+
+int td__cuda_is_mig(const uint8_t uuid[16]) {
   return 0;
 }
 

@@ -7,7 +7,8 @@
 #include <stdint.h>
 
 /* Sets which GPUs tensord may touch (--cuda-devices: a comma list of
- * ordinals or UUIDs, "GPU-..." as nvidia-smi prints them; NULL: all) and
+ * ordinals or UUIDs, "GPU-..." or "MIG-..." as nvidia-smi -L prints them;
+ * NULL: all) and
  * their capacities (--cuda-capacity, "K=SIZE" entries given so far, K an
  * ordinal or a UUID). Checks the syntax only: nothing touches the driver
  * until the first CUDA create. Returns 0, or TD_EINVAL with msg saying
@@ -19,6 +20,7 @@ int td__cuda_configure(const char *devices, const char *const *capacities,
 typedef struct td__cuda_stat {
   int index; /* the daemon's ordinal */
   uint8_t uuid[16];
+  int mig;             /* a MIG instance: its UUID reads MIG-... */
   uint64_t bytes_used; /* allocated, granularity-rounded */
   uint64_t capacity;   /* 0: not known yet (no storage made on it yet) */
   uint64_t storages;
@@ -28,5 +30,9 @@ typedef struct td__cuda_stat {
  * (0 before the driver is loaded, or without one). Makes no driver call: it
  * runs on the loop. */
 size_t td__cuda_stats(td__cuda_stat *out, size_t max);
+
+/* 1 if uuid is one of the daemon's MIG instances (0 before the driver is
+ * loaded, or without one). No driver call. */
+int td__cuda_is_mig(const uint8_t uuid[16]);
 
 #endif /* TD_DAEMON_CUDASTORE_H */

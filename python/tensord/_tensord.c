@@ -1445,13 +1445,11 @@ static int set_item(PyObject *d, const char *name, PyObject *v) {
   return r;
 }
 
-/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
-static PyObject *uuid_str(const uint8_t u[16]) {
-  return PyUnicode_FromFormat(
-      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x"
-      "%02x",
-      u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
-      u[12], u[13], u[14], u[15]);
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (or "MIG-..." for a MIG
+ * instance), as nvidia-smi -L writes it. */
+static PyObject *uuid_str(const uint8_t u[16], int mig) {
+  char buf[TD_UUID_STR_MAX];
+  return PyUnicode_FromString(td_gpu_uuid_str(u, mig, buf, sizeof(buf)));
 }
 
 static PyObject *storage_dict(const ls_item *it, int64_t now) {
@@ -1500,7 +1498,8 @@ static PyObject *storage_dict(const ls_item *it, int64_t now) {
       PyDict_SetItemString(d, "keys", keys) < 0 ||
       set_item(d, "nkeys", PyLong_FromSize_t(s->nkeys_total)) < 0 ||
       (s->device == TD_CUDA &&
-       set_item(d, "device_uuid", uuid_str(s->device_uuid)) < 0)) {
+       set_item(d, "device_uuid",
+                uuid_str(s->device_uuid, (int)s->device_mig)) < 0)) {
     Py_XDECREF(holders);
     Py_XDECREF(keys);
     Py_DECREF(d);
@@ -1551,7 +1550,7 @@ static PyObject *Client_stat(Client *self, PyObject *unused) {
   for (size_t i = 0; devices != NULL && i < nd; i++) {
     char name[32];
     snprintf(name, sizeof(name), "cuda:%d", ds[i].index);
-    PyObject *u = uuid_str(ds[i].uuid);
+    PyObject *u = uuid_str(ds[i].uuid, (int)ds[i].mig);
     PyObject *e =
         u ? Py_BuildValue("{s:s,s:N,s:K,s:K,s:K}", "device", name, "uuid", u,
                           "bytes_used", ds[i].bytes_used, "capacity",

@@ -1,7 +1,9 @@
 /* cutest.h: helpers the CUDA tests share: the steps libtensord takes to
- * map an exported allocation, and fds over a socket between two processes,
- * as tensord sends a storage. Only through the driver API (cuda/driver.h),
- * so they serve the driver and its test double alike. */
+ * map an exported allocation, fds over a socket between two processes, as
+ * tensord sends a storage, and a thread that captures a CUDA graph. Only
+ * through the driver API (cuda/driver.h, and the capture entries looked up
+ * in the driver loaded), so they serve the driver and its test double
+ * alike. */
 #ifndef TD_CUTEST_H
 #define TD_CUTEST_H
 
@@ -9,6 +11,8 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +79,9 @@ static inline CUdeviceptr map_handle(const td__cu *cu,
   a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   a.location.id = dev;
   a.flags = flags;
-  if (cu->MemAddressReserve(&p, size, 0, 0, 0) != CUDA_SUCCESS)
+  /* size is a multiple of the granularity, a power of two: its lowest set
+   * bit is an alignment cuMemMap accepts (0 promises none). */
+  if (cu->MemAddressReserve(&p, size, size & -size, 0, 0) != CUDA_SUCCESS)
     return 0;
   if (cu->MemMap(p, size, 0, h, 0) != CUDA_SUCCESS ||
       cu->MemSetAccess(p, size, &a, 1) != CUDA_SUCCESS) {
@@ -176,6 +182,72 @@ static inline int wait_child(pid_t pid) {
   while (waitpid(pid, &st, 0) < 0)
     ;
   return st;
+}
+
+/* ---- stream capture ---- */
+
+typedef CUresult (*begin_capture_fn)(CUstream, CUstreamCaptureMode);
+typedef CUresult (*end_capture_fn)(CUstream, CUgraph *);
+
+/* A thread that captures a graph on a stream of its own, as a server's
+ * thread would: begins in mode, lets the test's thread make its calls, ends,
+ * and keeps what the end returned. The capture entries are not in td__cu
+ * (tensord never captures): they are looked up in the loaded driver,
+ * lib_path, by their versioned names. */
+typedef struct {
+  const td__cu *cu;
+  CUcontext ctx;
+  unsigned flags; /* the capturing stream's */
+  CUstreamCaptureMode mode;
+  begin_capture_fn begin;
+  end_capture_fn end;
+  CUstream stream;
+  CUresult begun, ended;
+  pthread_barrier_t go, done;
+} capturer;
+
+static inline void *capture_thread(void *arg) {
+  capturer *k = arg;
+  k->cu->CtxPushCurrent(k->ctx);
+  k->cu->StreamCreate(&k->stream, k->flags);
+  k->begun = k->begin(k->stream, k->mode);
+  pthread_barrier_wait(&k->go);   /* capturing */
+  pthread_barrier_wait(&k->done); /* the other thread's calls made */
+  CUgraph g = (CUgraph)1;
+  k->ended = k->end(k->stream, &g);
+  k->cu->StreamDestroy(k->stream);
+  CUcontext popped;
+  k->cu->CtxPopCurrent(&popped);
+  return NULL;
+}
+
+static inline void capture_start(capturer *k, const td__cu *cu,
+                                 const char *lib_path, unsigned flags,
+                                 CUstreamCaptureMode mode, pthread_t *t) {
+  void *lib = dlopen(lib_path, RTLD_NOW | RTLD_NOLOAD);
+  cr_assert_not_null(lib);
+  memset(k, 0, sizeof *k);
+  k->cu = cu;
+  k->ctx = enter(cu, 0);
+  k->flags = flags;
+  k->mode = mode;
+  *(void **)&k->begin = dlsym(lib, "cuStreamBeginCapture_v2");
+  *(void **)&k->end = dlsym(lib, "cuStreamEndCapture");
+  cr_assert(k->begin != NULL && k->end != NULL);
+  dlclose(lib);
+  pthread_barrier_init(&k->go, NULL, 2);
+  pthread_barrier_init(&k->done, NULL, 2);
+  cr_assert_eq(pthread_create(t, NULL, capture_thread, k), 0);
+  pthread_barrier_wait(&k->go);
+  CU_OK(k->begun);
+}
+
+static inline CUresult capture_end(capturer *k, pthread_t t) {
+  pthread_barrier_wait(&k->done);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&k->go);
+  pthread_barrier_destroy(&k->done);
+  return k->ended;
 }
 
 #endif /* TD_CUTEST_H */

@@ -14,11 +14,14 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 /* Only the driver's entry points are exported (the library is built with
@@ -78,6 +81,7 @@ typedef struct {
 struct CUctx_st {
   int ordinal;
   int refs; /* retains not yet released: usable while > 0 */
+  int excl; /* EXCLUSIVE_PROCESS: the socket that claims the device */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -85,6 +89,11 @@ static int initialized;
 static int nphys;                /* TDCUDA_DEVICES */
 static size_t mem_total;         /* TDCUDA_MEM, per device */
 static int no_posix_fd;          /* TDCUDA_NO_POSIX_FD=1 */
+static int no_vmm;               /* TDCUDA_NO_VMM=1 */
+static unsigned long not_ready;  /* TDCUDA_INIT_NOT_READY: cuInits to fail */
+static int mig;                  /* TDCUDA_MIG=1 */
+static int compute_mode;         /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
+static int sync_all;             /* TDCUDA_SYNC=1: no asynchronous work */
 static int nvis;                 /* devices this process sees */
 static int vis[MAX_DEVICES];     /* ordinal -> physical device */
 static size_t used[MAX_DEVICES]; /* bytes created here, per physical device */
@@ -133,8 +142,27 @@ static const struct {
      "OS call failed or operation not supported on this OS"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
      "an illegal memory access was encountered"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+     "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+     "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking "
+     "stream"},
+    {CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
+     "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+     "attempt to terminate a thread-local capture sequence from another "
+     "thread"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
      "operation not permitted"},
+    {CUDA_ERROR_DEVICE_UNAVAILABLE, "CUDA_ERROR_DEVICE_UNAVAILABLE",
+     "CUDA-capable device(s) is/are busy or unavailable"},
+    {CUDA_ERROR_SYSTEM_NOT_READY, "CUDA_ERROR_SYSTEM_NOT_READY",
+     "system not yet initialized"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
      "operation not supported"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
@@ -230,6 +258,23 @@ static int accessible(uintptr_t p, size_t size, int prot) {
   return 1;
 }
 
+/* A fresh allocation's bytes are unspecified on the driver (memory another
+ * process freed, or anything): the double writes JUNK over its first and
+ * last 4 KiB, so that a program that reads memory it never wrote (a create
+ * that skipped its zeroing, or read before the zeroing ran) sees non-zero
+ * bytes there. Only those pages, to keep the memfd's memory untouched. */
+#define JUNK 0xdb
+
+static void junk_fill(int fd, size_t size) {
+  uint8_t page[4096];
+  memset(page, JUNK, sizeof page);
+  size_t n = size < sizeof page ? size : sizeof page;
+  if (pwrite(fd, page, n, 0) != (ssize_t)n ||
+      (size > n && pwrite(fd, page, n, (off_t)(size - n)) != (ssize_t)n)) {
+    /* a test double's best effort: zeros stay */
+  }
+}
+
 static void alloc_unref(alloc *a) {
   if (a->handles > 0 || a->maps > 0)
     return;
@@ -241,7 +286,10 @@ static void alloc_unref(alloc *a) {
 
 /* ---- initialisation and devices ---- */
 
-static void uuid_of(int phys, unsigned char out[16]) {
+/* A device's UUID as cuDeviceGetUuid_v2 gives it: with TDCUDA_MIG, the MIG
+ * instance's own, else the GPU's (gpu_uuid_of, which the first version of
+ * cuDeviceGetUuid always gives). */
+static void gpu_uuid_of(int phys, unsigned char out[16]) {
   memcpy(out, "tdcudadouble", 12);
   out[12] = (unsigned char)(phys >> 24);
   out[13] = (unsigned char)(phys >> 16);
@@ -249,14 +297,21 @@ static void uuid_of(int phys, unsigned char out[16]) {
   out[15] = (unsigned char)phys;
 }
 
+static void uuid_of(int phys, unsigned char out[16]) {
+  gpu_uuid_of(phys, out);
+  if (mig)
+    memcpy(out, "tdcudamiginst", 12);
+}
+
+/* As nvidia-smi -L names the device: "MIG-..." for an instance. */
 static void uuid_str(int phys, char out[41]) {
   unsigned char u[16];
   uuid_of(phys, u);
   snprintf(out, 41,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+           "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
            "%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
+           mig ? "MIG" : "GPU", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7],
+           u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
 }
 
 /* Parses a size: digits, then an optional K, M or G (powers of 1024). */
@@ -303,7 +358,7 @@ static void parse_visible(void) {
     while (*tok == ' ')
       tok++;
     int phys = -1;
-    if (strncmp(tok, "GPU-", 4) == 0) {
+    if (strncmp(tok, "GPU-", 4) == 0 || strncmp(tok, "MIG-", 4) == 0) {
       size_t n = strlen(tok);
       for (int i = 0; i < nphys; i++) {
         char u[41];
@@ -338,7 +393,21 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   CUresult r = CUDA_SUCCESS;
   if (initialized)
     goto out;
-  const char *s = getenv("TDCUDA_DEVICES");
+  /* The driver's daemons still starting (nvidia-persistenced, the fabric
+   * manager): the first TDCUDA_INIT_NOT_READY calls fail, as a real
+   * cuInit does until they are up. Counted per process. */
+  static int counted;
+  const char *s = getenv("TDCUDA_INIT_NOT_READY");
+  if (!counted) {
+    counted = 1;
+    not_ready = s != NULL ? strtoul(s, NULL, 10) : 0;
+  }
+  if (not_ready > 0) {
+    not_ready--;
+    r = CUDA_ERROR_SYSTEM_NOT_READY;
+    goto out;
+  }
+  s = getenv("TDCUDA_DEVICES");
   size_t n = DEFAULT_DEVICES;
   if (s != NULL && (parse_size(s, &n) != 0 || n > MAX_DEVICES)) {
     fprintf(stderr, "tdcuda double: TDCUDA_DEVICES=%s is not 0..%d\n", s,
@@ -356,13 +425,38 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   }
   s = getenv("TDCUDA_NO_POSIX_FD");
   no_posix_fd = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_NO_VMM");
+  no_vmm = s != NULL && strcmp(s, "1") == 0;
+  no_posix_fd |= no_vmm; /* POSIX-fd handles are VMM handles */
+  s = getenv("TDCUDA_COMPUTE_MODE");
+  compute_mode = CU_COMPUTEMODE_DEFAULT;
+  if (s != NULL && strcmp(s, "exclusive_process") == 0)
+    compute_mode = CU_COMPUTEMODE_EXCLUSIVE_PROCESS;
+  else if (s != NULL && strcmp(s, "prohibited") == 0)
+    compute_mode = CU_COMPUTEMODE_PROHIBITED;
+  else if (s != NULL && s[0] != '\0' && strcmp(s, "default") != 0) {
+    fprintf(stderr,
+            "tdcuda double: TDCUDA_COMPUTE_MODE=%s is not default, "
+            "exclusive_process or prohibited\n",
+            s);
+    r = CUDA_ERROR_INVALID_VALUE;
+    goto out;
+  }
+  s = getenv("TDCUDA_SYNC");
+  sync_all = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_MIG");
+  mig = s != NULL && strcmp(s, "1") == 0;
   parse_visible();
+  /* CUDA enumerates one MIG instance per process: the first of
+   * CUDA_VISIBLE_DEVICES. */
+  if (mig && nvis > 1)
+    nvis = 1;
   if (nvis == 0) {
     r = CUDA_ERROR_NO_DEVICE;
     goto out;
   }
   for (int i = 0; i < nvis; i++)
-    ctxs[i] = (struct CUctx_st){.ordinal = i, .refs = 0};
+    ctxs[i] = (struct CUctx_st){.ordinal = i, .refs = 0, .excl = -1};
   initialized = 1;
 out:
   pthread_mutex_unlock(&mu);
@@ -410,6 +504,20 @@ API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
   return CUDA_SUCCESS;
 }
 
+/* The first version, which cuda.h now maps to _v2: on a MIG instance, the
+ * UUID of the GPU it is carved from. */
+#undef cuDeviceGetUuid
+API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
+API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  CUresult r = check_device(dev);
+  if (r != CUDA_SUCCESS)
+    return r;
+  if (uuid == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  gpu_uuid_of(vis[dev], (unsigned char *)uuid->bytes);
+  return CUDA_SUCCESS;
+}
+
 API CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev) {
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
@@ -429,6 +537,8 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
     return CUDA_ERROR_INVALID_VALUE;
   switch (attrib) {
   case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    *pi = !no_vmm;
+    break;
   case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
     *pi = 1;
     break;
@@ -442,6 +552,9 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
     break;
   case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID:
     *pi = vis[dev] + 1;
+    break;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
+    *pi = compute_mode;
     break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
     *pi = 8;
@@ -458,6 +571,57 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
 
 /* ---- contexts ---- */
 
+/* Appends "<pid> <what> <physical device>" to $TDCUDA_CTX_LOG, if set
+ * (read at each call): tests watch when a process makes and destroys a
+ * primary context. */
+static void ctx_log(const char *what, int dev) {
+  const char *path = getenv("TDCUDA_CTX_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "a");
+  if (f == NULL)
+    return;
+  fprintf(f, "%d %s %d\n", (int)getpid(), what, vis[dev]);
+  fclose(f);
+}
+
+/* The first retain makes the primary context. In PROHIBITED compute mode
+ * no process may; in EXCLUSIVE_PROCESS one process at a time, which the
+ * double enforces across processes with an abstract-namespace socket per
+ * uid and physical device (bound while the context lives, released by the
+ * kernel if the process dies). Called with mu held. */
+static CUresult ctx_make(CUdevice dev) {
+  if (compute_mode == CU_COMPUTEMODE_PROHIBITED)
+    return CUDA_ERROR_DEVICE_UNAVAILABLE;
+  if (compute_mode == CU_COMPUTEMODE_EXCLUSIVE_PROCESS) {
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      return CUDA_ERROR_OPERATING_SYSTEM;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int n =
+        snprintf(a.sun_path + 1, sizeof a.sun_path - 1,
+                 "tdcuda-double.exclusive.%u.%d", (unsigned)getuid(), vis[dev]);
+    if (bind(fd, (struct sockaddr *)&a,
+             (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                         (size_t)n)) != 0) {
+      close(fd);
+      return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    ctxs[dev].excl = fd;
+  }
+  ctx_log("create", dev);
+  return CUDA_SUCCESS;
+}
+
+/* The last release destroys it. Called with mu held. */
+static void ctx_destroy(CUdevice dev) {
+  if (ctxs[dev].excl >= 0) {
+    close(ctxs[dev].excl);
+    ctxs[dev].excl = -1;
+  }
+  ctx_log("destroy", dev);
+}
+
 API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
@@ -465,6 +629,10 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   if (pctx == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
+  if (ctxs[dev].refs == 0 && (r = ctx_make(dev)) != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&mu);
+    return r;
+  }
   ctxs[dev].refs++;
   *pctx = &ctxs[dev];
   pthread_mutex_unlock(&mu);
@@ -478,8 +646,8 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
   pthread_mutex_lock(&mu);
   if (ctxs[dev].refs == 0)
     r = CUDA_ERROR_INVALID_CONTEXT;
-  else
-    ctxs[dev].refs--;
+  else if (--ctxs[dev].refs == 0)
+    ctx_destroy(dev);
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -523,10 +691,15 @@ static CUresult current(int *ordinal) {
 
 static CUresult drain_all(void);
 
-/* Runs every stream's queued copies (below): the context's work is done. */
+static CUresult current_checked(int what, int *ordinal);
+#define CHECK_UNSAFE 2
+#define CHECK_CONTEXT 4
+
+/* Runs every stream's queued work (below): the context's work is done. Not
+ * while a stream of the context captures. */
 API CUresult CUDAAPI cuCtxSynchronize(void) {
   pthread_mutex_lock(&mu);
-  CUresult r = current(NULL);
+  CUresult r = current_checked(CHECK_CONTEXT, NULL);
   if (r == CUDA_SUCCESS)
     r = drain_all();
   pthread_mutex_unlock(&mu);
@@ -551,6 +724,8 @@ API CUresult CUDAAPI cuMemGetInfo(size_t *free_, size_t *total) {
 /* ---- VMM allocations ---- */
 
 static CUresult check_prop(const CUmemAllocationProp *prop) {
+  if (no_vmm) /* a device without VMM: none of the cuMem* VMM calls work */
+    return CUDA_ERROR_NOT_SUPPORTED;
   if (prop == NULL || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
       prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return CUDA_ERROR_INVALID_VALUE;
@@ -631,6 +806,7 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
   a->types = types;
   a->st_dev = st.st_dev;
   a->st_ino = st.st_ino;
+  junk_fill(a->fd, size);
   if ((r = new_handle(a, handle_)) != CUDA_SUCCESS) {
     close(a->fd);
     free(a);
@@ -726,6 +902,10 @@ API CUresult CUDAAPI cuMemImportFromShareableHandle(
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
+  if (no_vmm) {
+    r = CUDA_ERROR_NOT_SUPPORTED;
+    goto out;
+  }
   struct stat st;
   int phys = memfd_device(fd);
   if (phys < 0 || fstat(fd, &st) != 0 || st.st_size <= 0 ||
@@ -780,27 +960,41 @@ API CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size,
   if (ptr == NULL || flags != 0 || size == 0 || size % GRANULARITY != 0 ||
       (alignment & (alignment - 1)) != 0)
     return CUDA_ERROR_INVALID_VALUE;
-  if (alignment < GRANULARITY)
+  /* The driver documents no alignment for 0 ("default"): the double gives
+   * a range aligned to 64 KiB and never to the granularity, so a caller
+   * that maps into it without asking for the granularity fails cuMemMap
+   * here, as it may on a real GPU. */
+  size_t skew = 0;
+  if (alignment == 0) {
     alignment = GRANULARITY;
-  if (size > SIZE_MAX - alignment)
+    skew = (size_t)64 << 10;
+  } else if (alignment < GRANULARITY) {
+    alignment = GRANULARITY;
+  }
+  if (size > SIZE_MAX - alignment - skew)
     return CUDA_ERROR_OUT_OF_MEMORY;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
+  if (no_vmm) {
+    r = CUDA_ERROR_NOT_SUPPORTED;
+    goto out;
+  }
   if (grow((void **)&resvs, &capresvs, nresvs, sizeof *resvs) != 0) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
   /* addr is a hint, as for the driver: ignored here. */
-  size_t span = size + alignment;
+  size_t span = size + alignment + skew;
   char *p = mmap(NULL, span, PROT_NONE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
-  uintptr_t base = ((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1);
+  uintptr_t base =
+      (((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1)) + skew;
   size_t head = base - (uintptr_t)p, tail = span - head - size;
   if (head > 0)
     munmap(p, head);
@@ -966,101 +1160,8 @@ static CUresult check_range(uintptr_t p, size_t n, int prot) {
   return r;
 }
 
-API CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost,
-                                  size_t ByteCount) {
-  if (srcHost == NULL && ByteCount > 0)
-    return CUDA_ERROR_INVALID_VALUE;
-  CUresult r =
-      check_range((uintptr_t)dstDevice, ByteCount, PROT_READ | PROT_WRITE);
-  if (r == CUDA_SUCCESS && ByteCount > 0)
-    memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
-  return r;
-}
-
-API CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice,
-                                  size_t ByteCount) {
-  if (dstHost == NULL && ByteCount > 0)
-    return CUDA_ERROR_INVALID_VALUE;
-  CUresult r = check_range((uintptr_t)srcDevice, ByteCount, PROT_READ);
-  if (r == CUDA_SUCCESS && ByteCount > 0)
-    memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
-  return r;
-}
-
-API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
-                                size_t N) {
-  CUresult r = check_range((uintptr_t)dstDevice, N, PROT_READ | PROT_WRITE);
-  if (r == CUDA_SUCCESS && N > 0)
-    memset((void *)(uintptr_t)dstDevice, uc, N);
-  return r;
-}
-
-/* One side of a 2D copy: its first byte (X and Y applied) in *p, and, for
- * device memory, the rows' span checked mapped with prot in this thread's
- * context. Host and device are the only kinds the double knows. */
-static CUresult copy2d_side(CUmemorytype type, const void *host,
-                            CUdeviceptr dev, size_t x, size_t y, size_t pitch,
-                            size_t width, size_t height, int prot,
-                            uintptr_t *p) {
-  size_t span;
-  if (__builtin_mul_overflow(y + height - 1, pitch, &span) ||
-      __builtin_add_overflow(span, x + width, &span))
-    return CUDA_ERROR_INVALID_VALUE;
-  switch (type) {
-  case CU_MEMORYTYPE_HOST:
-    if (host == NULL)
-      return CUDA_ERROR_INVALID_VALUE;
-    *p = (uintptr_t)host + y * pitch + x;
-    return CUDA_SUCCESS;
-  case CU_MEMORYTYPE_DEVICE:
-    *p = (uintptr_t)dev + y * pitch + x;
-    return check_range(*p, span - y * pitch - x, prot);
-  default:
-    return CUDA_ERROR_INVALID_VALUE;
-  }
-}
-
-/* TDCUDA_MEMCPY2D_LOG=path: each cuMemcpy2D appends a line "width height"
- * there, so that tests can count the copies the library made. */
-static void log_copy2d(size_t width, size_t height) {
-  const char *path = getenv("TDCUDA_MEMCPY2D_LOG");
-  if (path == NULL || path[0] == '\0')
-    return;
-  FILE *f = fopen(path, "ae");
-  if (f == NULL)
-    return;
-  fprintf(f, "%zu %zu\n", width, height);
-  fclose(f);
-}
-
-/* Height rows of WidthInBytes, each pitch apart on its side; as the driver,
- * a pitch below the width (with more than one row) is refused. Arrays are
- * not supported. */
-API CUresult CUDAAPI cuMemcpy2D(const CUDA_MEMCPY2D *c) {
-  if (c == NULL)
-    return CUDA_ERROR_INVALID_VALUE;
-  CUresult r = check_range(0, 0, PROT_NONE); /* a context is current */
-  if (r != CUDA_SUCCESS || c->WidthInBytes == 0 || c->Height == 0)
-    return r;
-  if (c->Height > 1 &&
-      (c->srcPitch < c->WidthInBytes || c->dstPitch < c->WidthInBytes))
-    return CUDA_ERROR_INVALID_VALUE;
-  uintptr_t s, d;
-  r = copy2d_side(c->srcMemoryType, c->srcHost, c->srcDevice, c->srcXInBytes,
-                  c->srcY, c->srcPitch, c->WidthInBytes, c->Height, PROT_READ,
-                  &s);
-  if (r == CUDA_SUCCESS)
-    r = copy2d_side(c->dstMemoryType, c->dstHost, c->dstDevice, c->dstXInBytes,
-                    c->dstY, c->dstPitch, c->WidthInBytes, c->Height,
-                    PROT_READ | PROT_WRITE, &d);
-  if (r != CUDA_SUCCESS)
-    return r;
-  for (size_t i = 0; i < c->Height; i++)
-    memcpy((void *)(d + i * c->dstPitch), (const void *)(s + i * c->srcPitch),
-           c->WidthInBytes);
-  log_copy2d(c->WidthInBytes, c->Height);
-  return CUDA_SUCCESS;
-}
+/* The copies and memsets (cuMemcpyHtoD, ...) are with the streams below:
+ * the driver runs most of them asynchronously. */
 
 /* ---- legacy allocations and their IPC handles ---- */
 
@@ -1122,7 +1223,7 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   pthread_mutex_lock(&mu);
   int ord;
   alloc *a = NULL;
-  CUresult r = current(&ord);
+  CUresult r = current_checked(CHECK_UNSAFE, &ord);
   if (r != CUDA_SUCCESS)
     goto out;
   int phys = vis[ord];
@@ -1159,6 +1260,7 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   a->created = 1;
   a->st_dev = st.st_dev;
   a->st_ino = st.st_ino;
+  junk_fill(a->fd, size);
   used[phys] += size;
   if ((r = legacy_map(a, LEGACY_ALLOC, dptr)) != CUDA_SUCCESS)
     alloc_unref(a); /* no handle, no mapping: goes */
@@ -1169,7 +1271,7 @@ out:
 
 API CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
   pthread_mutex_lock(&mu);
-  CUresult r = current(NULL);
+  CUresult r = current_checked(CHECK_UNSAFE, NULL);
   if (r == CUDA_SUCCESS) {
     mapping *m = legacy_at((uintptr_t)dptr, LEGACY_ALLOC);
     if (m == NULL)
@@ -1379,14 +1481,18 @@ API CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
   return r;
 }
 
+static void event_recorded(CUevent ev, CUstream s);
+static CUresult event_wait(CUevent ev);
+
 API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
-  (void)hStream; /* every stream's work is done already */
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r == CUDA_SUCCESS && !event_live(hEvent))
     r = CUDA_ERROR_INVALID_HANDLE;
   if (r == CUDA_SUCCESS)
     __atomic_add_fetch(hEvent->records, 1, __ATOMIC_SEQ_CST);
+  if (r == CUDA_SUCCESS)
+    event_recorded(hEvent, hStream); /* streams' queued work: below */
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1394,6 +1500,8 @@ API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
 API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
   pthread_mutex_lock(&mu);
   CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    r = event_wait(hEvent);
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1420,13 +1528,15 @@ API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
 
 API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
                                        unsigned int Flags) {
-  (void)hStream;
+  (void)hStream; /* it waits here, on the host: looser than the driver */
   if (Flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r == CUDA_SUCCESS && !event_live(hEvent))
     r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    r = event_wait(hEvent);
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1510,19 +1620,35 @@ typedef struct {
 static pinned *pins;
 static size_t npins, cappins;
 
-/* One copy queued on a stream: run at its synchronisation, not before. */
+/* Work queued on a stream: a copy or a memset of rows (one row for the 1D
+ * calls), run at a synchronisation that covers its stream, not before. */
 typedef struct {
+  uint64_t seq; /* issue order across streams */
+  int set;      /* a memset of value, else a copy */
+  unsigned char value;
+  int dst_host; /* the destination is (pinned) host memory */
+  int src_dev;  /* the source is device memory, read when run */
   uintptr_t dst;
-  const void *src;
-  size_t n;
+  size_t dpitch;
+  const uint8_t *src; /* the source as it is read when run */
+  size_t spitch;
+  uint8_t *staged; /* a pageable source's bytes, taken at the call */
+  size_t width, height;
 } queued;
 
 struct CUstream_st {
   unsigned flags;
   pid_t pid;
   queued *q;
-  size_t nq, capq;
-  CUresult sticky; /* a queued copy that found its memory gone */
+  size_t head, nq, capq; /* q[head .. nq) not yet run */
+  CUresult sticky;       /* work that found its memory gone */
+  /* Stream capture (cuStreamBeginCapture): work issued while capturing is
+   * captured, not run. */
+  int capturing;
+  int invalidated; /* an unsafe call from somewhere ended its usefulness */
+  CUstreamCaptureMode mode;
+  pthread_t thread; /* the thread that began it */
+  int ordinal;      /* its context's device */
 };
 
 static CUstream *streams;
@@ -1585,13 +1711,18 @@ static int is_pinned(const void *p, size_t n) {
   return 0;
 }
 
-/* Whether a queued copy reads [base, base + size). Called with mu held. */
-static int queued_from(uintptr_t base, size_t size) {
+/* Whether queued work reads or writes host memory in [base, base + size).
+ * Called with mu held. */
+static int queued_on_host(uintptr_t base, size_t size) {
   for (size_t i = 0; i <= nstreams; i++) {
     CUstream s = i < nstreams ? streams[i] : &null_stream;
-    for (size_t j = 0; j < s->nq; j++)
-      if ((uintptr_t)s->q[j].src - base < size)
+    for (size_t j = s->head; j < s->nq; j++) {
+      queued *c = &s->q[j];
+      if ((!c->set && !c->src_dev && c->staged == NULL &&
+           (uintptr_t)c->src - base < size) ||
+          (c->dst_host && c->dst - base < size))
         return 1;
+    }
   }
   return 0;
 }
@@ -1602,8 +1733,8 @@ API CUresult CUDAAPI cuMemFreeHost(void *p) {
   for (size_t i = 0; i < npins; i++)
     if (pins[i].base == (uintptr_t)p) {
       /* Stricter than the driver (which waits): freeing staging memory
-       * that a queued copy still reads is a program's bug. */
-      if (queued_from(pins[i].base, pins[i].size))
+       * that queued work still reads or writes is a program's bug. */
+      if (queued_on_host(pins[i].base, pins[i].size))
         break;
       munmap(p, pins[i].size);
       pins[i] = pins[--npins];
@@ -1614,10 +1745,11 @@ API CUresult CUDAAPI cuMemFreeHost(void *p) {
   return r;
 }
 
-/* The stream s names, or NULL if it is no live stream of this process
- * (0 is the default stream). Called with mu held. */
+/* The stream s names, or NULL if it is no live stream of this process (0
+ * and CU_STREAM_LEGACY are the legacy default stream; the per-thread one is
+ * taken as it). Called with mu held. */
 static CUstream stream_of(CUstream s) {
-  if (s == NULL)
+  if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD)
     return &null_stream;
   for (size_t i = 0; i < nstreams; i++)
     if (streams[i] == s)
@@ -1625,30 +1757,219 @@ static CUstream stream_of(CUstream s) {
   return NULL;
 }
 
-/* Runs s's queued copies in order. Returns the first failure, kept. Called
- * with mu held. */
-static CUresult drain(CUstream s) {
-  for (size_t j = 0; j < s->nq; j++) {
-    queued *c = &s->q[j];
-    if (!accessible(c->dst, c->n, PROT_READ | PROT_WRITE))
-      s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-    else if (s->sticky == CUDA_SUCCESS)
-      memcpy((void *)c->dst, c->src, c->n);
-  }
-  s->nq = 0;
-  return s->sticky;
+/* ---- asynchronous work ----
+ *
+ * The driver runs copies to device memory, device-to-device copies and
+ * memsets asynchronously to the host, whatever the call's name ("API
+ * synchronization behavior" in the driver API's documentation); the double
+ * queues them on their stream (the legacy stream for the calls without a
+ * stream) and runs them only at a synchronisation that covers that stream:
+ * cuStreamSynchronize, cuCtxSynchronize, an event recorded after them and
+ * waited for, a stream's destruction, or a call that the driver makes wait
+ * for the stream (a copy to pageable host memory, a copy from pageable host
+ * memory, which syncs the stream before it stages). So a reader that reads
+ * before the writer synchronised sees the old bytes, here every time, where
+ * a GPU would only sometimes. TDCUDA_SYNC=1 runs everything at once. */
+
+static uint64_t next_seq; /* mu */
+
+/* Whether synchronising s completes t's work: t is s; or s is the legacy
+ * stream and t a blocking stream (the legacy stream waits for those), or
+ * the other way round; or s is NULL (the whole context). */
+static int covers(CUstream s, CUstream t) {
+  if (t != &null_stream && t->pid != getpid())
+    return 0;
+  if (s == NULL || s == t)
+    return 1;
+  if (s == &null_stream)
+    return !(t->flags & CU_STREAM_NON_BLOCKING);
+  if (t == &null_stream)
+    return !(s->flags & CU_STREAM_NON_BLOCKING);
+  return 0;
 }
 
-/* Drains every stream of this process. Called with mu held. */
-static CUresult drain_all(void) {
-  CUresult r = drain(&null_stream);
-  for (size_t i = 0; i < nstreams; i++) {
-    CUresult e = streams[i]->pid == getpid() ? drain(streams[i]) : CUDA_SUCCESS;
-    if (r == CUDA_SUCCESS)
-      r = e;
+/* Runs c, queued on s: the destination (and a device source) must still be
+ * mapped, else s's work fails with CUDA_ERROR_ILLEGAL_ADDRESS from then
+ * on, as a kernel's fault makes the driver's context fail. Called with mu
+ * held. */
+static void run(CUstream s, queued *c) {
+  size_t dspan = (c->height - 1) * c->dpitch + c->width;
+  size_t sspan = (c->height - 1) * c->spitch + c->width;
+  if ((!c->dst_host && !accessible(c->dst, dspan, PROT_READ | PROT_WRITE)) ||
+      (c->src_dev && !accessible((uintptr_t)c->src, sspan, PROT_READ)))
+    s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+  else if (s->sticky == CUDA_SUCCESS)
+    for (size_t i = 0; i < c->height; i++) {
+      void *d = (void *)(c->dst + i * c->dpitch);
+      if (c->set)
+        memset(d, c->value, c->width);
+      else
+        memcpy(d, c->src + i * c->spitch, c->width);
+    }
+  free(c->staged);
+  c->staged = NULL;
+}
+
+/* Runs, in the order they were issued, the queued work that synchronising
+ * s completes (s NULL: all of this process's). Returns s's failure (the
+ * first failure of any stream for NULL), which stays. Called with mu held. */
+static CUresult drain(CUstream s) {
+  for (;;) {
+    CUstream best = NULL;
+    for (size_t i = 0; i <= nstreams; i++) {
+      CUstream t = i < nstreams ? streams[i] : &null_stream;
+      if (t->head < t->nq && covers(s, t) &&
+          (best == NULL || t->q[t->head].seq < best->q[best->head].seq))
+        best = t;
+    }
+    if (best == NULL)
+      break;
+    run(best, &best->q[best->head++]);
+  }
+  CUresult r = s != NULL ? s->sticky : CUDA_SUCCESS;
+  for (size_t i = 0; i <= nstreams; i++) {
+    CUstream t = i < nstreams ? streams[i] : &null_stream;
+    if (t->head == t->nq)
+      t->head = t->nq = 0;
+    if (s == NULL && covers(s, t) && r == CUDA_SUCCESS)
+      r = t->sticky;
   }
   return r;
 }
+
+static CUresult drain_all(void) {
+  return drain(NULL);
+}
+
+/* Issues c on s: captured (dropped) while s captures, run at once with
+ * TDCUDA_SYNC=1, else queued. Takes c's staged bytes. Called with mu held. */
+static CUresult enqueue(CUstream s, queued c) {
+  c.seq = ++next_seq;
+  if (s->capturing) {
+    free(c.staged); /* into the graph being captured, which is not run */
+    return CUDA_SUCCESS;
+  }
+  if (sync_all) {
+    CUresult r = drain(s);
+    run(s, &c);
+    return r != CUDA_SUCCESS ? r : s->sticky;
+  }
+  if (grow((void **)&s->q, &s->capq, s->nq, sizeof *s->q) != 0) {
+    free(c.staged);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  s->q[s->nq++] = c;
+  return CUDA_SUCCESS;
+}
+
+/* ---- stream capture ----
+ *
+ * cuStreamBeginCapture puts a stream in capture on the current context's
+ * device. While it captures, the driver forbids, on that device: using the
+ * legacy stream when the capturing stream is a blocking one
+ * (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: the legacy stream would depend on
+ * it), synchronising the context or the capturing stream, and "potentially
+ * unsafe" calls (synchronous copies and memsets, cuMemAlloc, cuMemFree:
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) from the capturing thread (unless
+ * it began in RELAXED mode) and, for a capture begun in GLOBAL mode, from
+ * every other thread. A refused call invalidates the capture, and
+ * cuStreamEndCapture then fails CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. */
+
+#define CHECK_LEGACY 1 /* the call uses the legacy stream */
+/* CHECK_UNSAFE (2): the call is potentially unsafe; CHECK_CONTEXT (4): it
+ * synchronises the context (above). */
+
+/* What the calling thread's call, of the kinds in what, meets from the
+ * captures under way on device ord: CUDA_SUCCESS, or the driver's error,
+ * the captures it conflicts with invalidated. Called with mu held. */
+static CUresult capture_check(int ord, int what) {
+  CUresult r = CUDA_SUCCESS;
+  for (size_t i = 0; i < nstreams; i++) {
+    CUstream t = streams[i];
+    if (!t->capturing || t->pid != getpid() || t->ordinal != ord)
+      continue;
+    int mine = pthread_equal(t->thread, pthread_self());
+    CUresult e = CUDA_SUCCESS;
+    if ((what & CHECK_LEGACY) && !(t->flags & CU_STREAM_NON_BLOCKING))
+      e = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    else if ((what & CHECK_CONTEXT) ||
+             ((what & CHECK_UNSAFE) &&
+              (mine ? t->mode != CU_STREAM_CAPTURE_MODE_RELAXED
+                    : t->mode == CU_STREAM_CAPTURE_MODE_GLOBAL)))
+      e = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (e != CUDA_SUCCESS) {
+      t->invalidated = 1;
+      if (r == CUDA_SUCCESS)
+        r = e;
+    }
+  }
+  return r;
+}
+
+/* The current context's device, with the capture rules for what applied.
+ * Called with mu held. */
+static CUresult current_checked(int what, int *ordinal) {
+  int ord;
+  CUresult r = current(&ord);
+  if (r == CUDA_SUCCESS)
+    r = capture_check(ord, what);
+  if (r == CUDA_SUCCESS && ordinal != NULL)
+    *ordinal = ord;
+  return r;
+}
+
+API CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream,
+                                          CUstreamCaptureMode mode) {
+  if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL &&
+      mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+      mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int ord;
+  CUresult r = current(&ord);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && s == NULL)
+    r = CUDA_ERROR_INVALID_HANDLE;
+  else if (r == CUDA_SUCCESS && s == &null_stream)
+    r = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream */
+  else if (r == CUDA_SUCCESS && s->capturing)
+    r = CUDA_ERROR_ILLEGAL_STATE;
+  if (r == CUDA_SUCCESS) {
+    s->capturing = 1;
+    s->invalidated = 0;
+    s->mode = mode;
+    s->thread = pthread_self();
+    s->ordinal = ord;
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* Ends the capture. The double makes no graph: *phGraph is NULL. */
+API CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+  if (phGraph == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  *phGraph = NULL;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && (s == NULL || s == &null_stream))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  else if (r == CUDA_SUCCESS && !s->capturing)
+    r = CUDA_ERROR_ILLEGAL_STATE;
+  else if (r == CUDA_SUCCESS && s->mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
+           !pthread_equal(s->thread, pthread_self()))
+    r = CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+  if (r == CUDA_SUCCESS) {
+    s->capturing = 0;
+    if (s->invalidated)
+      r = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* ---- streams ---- */
 
 API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   if (phStream == NULL || Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
@@ -1674,59 +1995,324 @@ API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
 API CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
-  if (r == CUDA_SUCCESS && (hStream == NULL || stream_of(hStream) == NULL))
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && (s == NULL || s == &null_stream))
     r = CUDA_ERROR_INVALID_HANDLE;
   if (r == CUDA_SUCCESS) {
-    drain(hStream);
+    drain(s);
     for (size_t i = 0; i < nstreams; i++)
-      if (streams[i] == hStream) {
+      if (streams[i] == s) {
         streams[i] = streams[--nstreams];
         break;
       }
-    free(hStream->q);
-    free(hStream);
+    free(s->q);
+    free(s);
   }
   pthread_mutex_unlock(&mu);
   return r;
 }
 
+/* A capturing stream cannot be synchronised; the legacy stream cannot be
+ * while a blocking stream captures. */
 API CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
   pthread_mutex_lock(&mu);
-  CUresult r = current(NULL);
+  int ord;
+  CUresult r = current(&ord);
   CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
   if (r == CUDA_SUCCESS && s == NULL)
     r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS && s == &null_stream)
+    r = capture_check(ord, CHECK_LEGACY);
+  if (r == CUDA_SUCCESS && s->capturing) {
+    s->invalidated = 1;
+    r = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  }
   if (r == CUDA_SUCCESS)
     r = drain(s);
   pthread_mutex_unlock(&mu);
   return r;
 }
 
-/* Queued, not copied: the bytes reach the device at the stream's
- * synchronisation (or its destruction), so a program that reuses the
- * source before it synchronised copies the wrong bytes here. The source
- * must be pinned (cuMemHostAlloc): stricter than the driver, which copies
- * pageable memory synchronously. */
+/* ---- copies and memsets, as the driver runs them ---- */
+
+#define SIDE_DEVICE 0
+#define SIDE_HOST 1
+#define SIDE_NONE 2 /* a memset's source */
+
+/* Issues c (rows between dst and src of the kinds given; a memset if src is
+ * SIDE_NONE) on stream hStream; sync for the calls without a stream, which
+ * use the legacy stream and are "potentially unsafe" during capture. The
+ * device sides must be mapped with the access they need now
+ * (CUDA_ERROR_INVALID_VALUE otherwise). Then, as the driver's
+ * synchronisation rules have it: to device memory from a device, or a
+ * memset, is queued; from pinned host memory, queued for the Async calls
+ * and done at once (after the stream's earlier work) for the synchronous
+ * ones; from pageable host memory, the stream's earlier work is done, the
+ * source staged (copied now) and the copy to the device queued; to host
+ * memory, queued for an Async call into pinned memory, else done at once
+ * after the stream's earlier work. */
+static CUresult issue(CUstream hStream, int sync, int dst, int src, queued c) {
+  size_t dspan = (c.height - 1) * c.dpitch + c.width;
+  size_t sspan = (c.height - 1) * c.spitch + c.width;
+  int ord;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(&ord);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && s == NULL)
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS)
+    r = capture_check(ord, (s == &null_stream ? CHECK_LEGACY : 0) |
+                               (sync ? CHECK_UNSAFE : 0));
+  if (r != CUDA_SUCCESS)
+    goto out;
+  if ((dst == SIDE_DEVICE &&
+       !accessible(c.dst, dspan, PROT_READ | PROT_WRITE)) ||
+      (src == SIDE_DEVICE && !accessible((uintptr_t)c.src, sspan, PROT_READ)) ||
+      (dst == SIDE_HOST && src == SIDE_NONE)) {
+    r = CUDA_ERROR_INVALID_VALUE;
+    goto out;
+  }
+  c.set = src == SIDE_NONE;
+  c.dst_host = dst == SIDE_HOST;
+  c.src_dev = src == SIDE_DEVICE;
+  int queue;
+  if (dst == SIDE_DEVICE && src != SIDE_HOST)
+    queue = 1;
+  else if (dst == SIDE_DEVICE && is_pinned(c.src, sspan))
+    queue = !sync;
+  else if (dst == SIDE_DEVICE)
+    queue = 2; /* pageable: stage */
+  else
+    queue = !sync && src == SIDE_DEVICE && is_pinned((void *)c.dst, dspan);
+  if (queue != 1 && !s->capturing && (r = drain(s)) != CUDA_SUCCESS)
+    goto out;
+  if (queue == 2) {
+    if ((c.staged = malloc(c.width * c.height)) == NULL) {
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+      goto out;
+    }
+    for (size_t i = 0; i < c.height; i++)
+      memcpy(c.staged + i * c.width, c.src + i * c.spitch, c.width);
+    c.src = c.staged;
+    c.spitch = c.width;
+  }
+  if (queue || s->capturing) {
+    r = enqueue(s, c);
+  } else {
+    run(s, &c);
+    r = s->sticky;
+  }
+out:
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+/* A 1D copy or memset as one row. */
+static queued row(uintptr_t dst, const void *src, size_t n) {
+  return (queued){.dst = dst,
+                  .dpitch = n,
+                  .src = src,
+                  .spitch = n,
+                  .width = n,
+                  .height = 1};
+}
+
+API CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost,
+                                  size_t ByteCount) {
+  if (srcHost == NULL && ByteCount > 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  return issue(NULL, 1, SIDE_DEVICE, SIDE_HOST,
+               row((uintptr_t)dstDevice, srcHost, ByteCount));
+}
+
+API CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice,
+                                  size_t ByteCount) {
+  if (dstHost == NULL && ByteCount > 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  return issue(NULL, 1, SIDE_HOST, SIDE_DEVICE,
+               row((uintptr_t)dstHost, (const void *)srcDevice, ByteCount));
+}
+
+API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
+                                size_t N) {
+  if (N == 0)
+    return check_range(0, 0, PROT_NONE);
+  queued c = row((uintptr_t)dstDevice, NULL, N);
+  c.value = uc;
+  return issue(NULL, 1, SIDE_DEVICE, SIDE_NONE, c);
+}
+
+/* Queued, not copied, when the source is pinned: the bytes are read and
+ * reach the device at the stream's synchronisation (or its destruction),
+ * so a program that reuses the source before it synchronised copies the
+ * wrong bytes here. A pageable source is staged at the call, as the
+ * driver does. */
 API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
                                        const void *srcHost, size_t ByteCount,
                                        CUstream hStream) {
   if (srcHost == NULL && ByteCount > 0)
     return CUDA_ERROR_INVALID_VALUE;
-  pthread_mutex_lock(&mu);
-  CUresult r = current(NULL);
-  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
-  if (r == CUDA_SUCCESS && s == NULL)
-    r = CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS &&
-      (!accessible((uintptr_t)dstDevice, ByteCount, PROT_READ | PROT_WRITE) ||
-       !is_pinned(srcHost, ByteCount)))
-    r = CUDA_ERROR_INVALID_VALUE;
-  if (r == CUDA_SUCCESS && ByteCount > 0) {
-    if (grow((void **)&s->q, &s->capq, s->nq, sizeof *s->q) != 0)
-      r = CUDA_ERROR_OUT_OF_MEMORY;
-    else
-      s->q[s->nq++] = (queued){(uintptr_t)dstDevice, srcHost, ByteCount};
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  return issue(hStream, 0, SIDE_DEVICE, SIDE_HOST,
+               row((uintptr_t)dstDevice, srcHost, ByteCount));
+}
+
+API CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice,
+                                       size_t ByteCount, CUstream hStream) {
+  if (dstHost == NULL && ByteCount > 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  return issue(hStream, 0, SIDE_HOST, SIDE_DEVICE,
+               row((uintptr_t)dstHost, (const void *)srcDevice, ByteCount));
+}
+
+API CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc,
+                                     size_t N, CUstream hStream) {
+  if (N == 0)
+    return check_range(0, 0, PROT_NONE);
+  queued c = row((uintptr_t)dstDevice, NULL, N);
+  c.value = uc;
+  return issue(hStream, 0, SIDE_DEVICE, SIDE_NONE, c);
+}
+
+/* TDCUDA_MEMCPY2D_LOG=path: each cuMemcpy2D (or 2DAsync) appends a line
+ * "width height" there, so that tests can count the copies the library
+ * made. */
+static void log_copy2d(size_t width, size_t height) {
+  const char *path = getenv("TDCUDA_MEMCPY2D_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "ae");
+  if (f == NULL)
+    return;
+  fprintf(f, "%zu %zu\n", width, height);
+  fclose(f);
+}
+
+/* One side of a 2D copy: its first byte (X and Y applied) in *p. Host and
+ * device are the only kinds the double knows. */
+static CUresult copy2d_side(CUmemorytype type, const void *host,
+                            CUdeviceptr dev, size_t x, size_t y, size_t pitch,
+                            size_t width, size_t height, int *side,
+                            uintptr_t *p) {
+  size_t span;
+  if (__builtin_mul_overflow(y + height - 1, pitch, &span) ||
+      __builtin_add_overflow(span, x + width, &span))
+    return CUDA_ERROR_INVALID_VALUE;
+  switch (type) {
+  case CU_MEMORYTYPE_HOST:
+    if (host == NULL)
+      return CUDA_ERROR_INVALID_VALUE;
+    *side = SIDE_HOST;
+    *p = (uintptr_t)host + y * pitch + x;
+    return CUDA_SUCCESS;
+  case CU_MEMORYTYPE_DEVICE:
+    *side = SIDE_DEVICE;
+    *p = (uintptr_t)dev + y * pitch + x;
+    return CUDA_SUCCESS;
+  default:
+    return CUDA_ERROR_INVALID_VALUE;
   }
-  pthread_mutex_unlock(&mu);
+}
+
+/* Height rows of WidthInBytes, each pitch apart on its side; as the driver,
+ * a pitch below the width (with more than one row) is refused. Arrays are
+ * not supported. */
+static CUresult copy2d(const CUDA_MEMCPY2D *c, CUstream hStream, int sync) {
+  if (c == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  CUresult r = check_range(0, 0, PROT_NONE); /* a context is current */
+  if (r != CUDA_SUCCESS || c->WidthInBytes == 0 || c->Height == 0)
+    return r;
+  if (c->Height > 1 &&
+      (c->srcPitch < c->WidthInBytes || c->dstPitch < c->WidthInBytes))
+    return CUDA_ERROR_INVALID_VALUE;
+  uintptr_t s, d;
+  int sside, dside;
+  r = copy2d_side(c->srcMemoryType, c->srcHost, c->srcDevice, c->srcXInBytes,
+                  c->srcY, c->srcPitch, c->WidthInBytes, c->Height, &sside, &s);
+  if (r == CUDA_SUCCESS)
+    r = copy2d_side(c->dstMemoryType, c->dstHost, c->dstDevice, c->dstXInBytes,
+                    c->dstY, c->dstPitch, c->WidthInBytes, c->Height, &dside,
+                    &d);
+  if (r != CUDA_SUCCESS)
+    return r;
+  r = issue(hStream, sync, dside, sside,
+            (queued){.dst = d,
+                     .dpitch = c->dstPitch,
+                     .src = (const uint8_t *)s,
+                     .spitch = c->srcPitch,
+                     .width = c->WidthInBytes,
+                     .height = c->Height});
+  if (r == CUDA_SUCCESS)
+    log_copy2d(c->WidthInBytes, c->Height);
   return r;
+}
+
+API CUresult CUDAAPI cuMemcpy2D(const CUDA_MEMCPY2D *pCopy) {
+  return copy2d(pCopy, NULL, 1);
+}
+
+API CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D *pCopy,
+                                     CUstream hStream) {
+  return copy2d(pCopy, hStream, 0);
+}
+
+/* ---- events recorded on streams ----
+ *
+ * An event completes when the work issued on its stream before it has run:
+ * waiting for it (cuEventSynchronize, cuStreamWaitEvent) runs that stream's
+ * queued work. An interprocess event's waiter may be another process, which
+ * cannot run this one's queue: its stream's work is run when it is
+ * recorded, as a GPU would have run it by the time anyone could look. */
+
+typedef struct {
+  CUevent ev;
+  CUstream s;
+} mark;
+
+static mark *marks;
+static size_t nmarks, capmarks;
+
+/* Notes that ev was recorded on stream s. Called with mu held. */
+static void event_recorded(CUevent ev, CUstream s) {
+  CUstream t = stream_of(s);
+  if (t == NULL)
+    return;
+  if (ev->flags & CU_EVENT_INTERPROCESS) {
+    drain(t);
+    return;
+  }
+  for (size_t i = 0; i < nmarks; i++)
+    if (marks[i].ev == ev) {
+      marks[i].s = t;
+      return;
+    }
+  if (grow((void **)&marks, &capmarks, nmarks, sizeof *marks) == 0)
+    marks[nmarks++] = (mark){ev, t};
+  else
+    drain(t); /* no room to remember: complete it now */
+}
+
+/* Runs the work ev waits for, if ev was recorded here on a stream that
+ * still lives (a destroyed stream's work is done). Called with mu held. */
+static CUresult event_wait(CUevent ev) {
+  for (size_t i = 0; i < nmarks; i++)
+    if (marks[i].ev == ev) {
+      CUstream s = marks[i].s;
+      marks[i] = marks[--nmarks];
+      if (s == &null_stream)
+        return drain(s);
+      for (size_t j = 0; j < nstreams; j++)
+        if (streams[j] == s)
+          return drain(s);
+      return CUDA_SUCCESS;
+    }
+  return CUDA_SUCCESS;
 }

@@ -1,8 +1,9 @@
 #!/bin/sh
 # exports.sh LIB: the driver's test double exports exactly the driver entry
 # points cuda/driver.c resolves, under the versioned names cuda.h maps them
-# to (cuMemGetInfo_v2, ...), and nothing else. Exits 1 naming the
-# difference.
+# to (cuMemGetInfo_v2, ...), plus the stream-capture entries its tests call
+# directly (cuStreamBeginCapture_v2, cuStreamEndCapture), and nothing else.
+# Exits 1 naming the difference.
 [ $# -eq 1 ] || { echo "usage: exports.sh LIB" >&2; exit 2; }
 want=$(cat <<'LIST' | sort
 cuCtxPopCurrent_v2
@@ -12,6 +13,7 @@ cuDeviceGet
 cuDeviceGetAttribute
 cuDeviceGetCount
 cuDeviceGetName
+cuDeviceGetUuid
 cuDeviceGetUuid_v2
 cuDevicePrimaryCtxRelease_v2
 cuDevicePrimaryCtxRetain
@@ -42,6 +44,11 @@ cuStreamSynchronize
 cuStreamDestroy_v2
 cuStreamCreate
 cuMemcpyHtoDAsync_v2
+cuMemcpyDtoHAsync_v2
+cuMemcpy2DAsync_v2
+cuMemsetD8Async
+cuStreamBeginCapture_v2
+cuStreamEndCapture
 cuMemFreeHost
 cuMemHostAlloc
 cuMemSetAccess

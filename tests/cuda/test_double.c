@@ -7,6 +7,7 @@
  * for the protocol and bookkeeping tests that use it. */
 #include "cutest.h"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +52,14 @@ Test(double_semantics, granularity_reported_and_enforced) {
                CUDA_ERROR_INVALID_VALUE);
 
   CU_OK(cu->MemCreate(&h, 4 * MiB, &p, 0));
+  /* An alignment of 0 promises nothing, and the double gives a range off
+   * the granularity: mapping into it fails, as it may on a GPU. */
   CU_OK(cu->MemAddressReserve(&v, 8 * MiB, 0, 0, 0));
+  cr_expect_neq(v % (2 * MiB), 0,
+                "alignment 0 gave a granularity-aligned range");
+  cr_expect_eq(cu->MemMap(v, 4 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+  CU_OK(cu->MemAddressFree(v, 8 * MiB));
+  CU_OK(cu->MemAddressReserve(&v, 8 * MiB, 2 * MiB, 0, 0));
   cr_expect_eq(v % (2 * MiB), 0, "reservations are granularity-aligned");
   cr_expect_eq(cu->MemMap(v, 1 * MiB, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
   cr_expect_eq(cu->MemMap(v + 4096, 2 * MiB, 0, h, 0),
@@ -131,6 +139,7 @@ Test(double_semantics,
       map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   cr_assert_neq(v, 0);
   CU_OK(cu->MemsetD8(v, 0xa5, 2 * MiB));
+  CU_OK(cu->StreamSynchronize(NULL)); /* a memset is asynchronous */
   int fd = -1;
   CU_OK(cu->MemExportToShareableHandle(
       &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
@@ -287,6 +296,7 @@ static CUdeviceptr produce(const td__cu *cu, int sock,
       map_handle(cu, *h, SHARED, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   cr_assert_neq(v, 0);
   CU_OK(cu->MemsetD8(v, 0xa5, SHARED));
+  CU_OK(cu->StreamSynchronize(NULL)); /* before anyone reads it */
   int fd = -1;
   CU_OK(cu->MemExportToShareableHandle(
       &fd, *h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
@@ -308,6 +318,7 @@ Test(double_semantics, two_processes_see_each_others_writes) {
   for (size_t i = 0; i < sizeof buf; i++)
     cr_expect_eq(buf[i], 0x5a, "the consumer's write, byte %zu", i);
   CU_OK(cu->MemsetD8(v, 0x3c, 1));
+  CU_OK(cu->StreamSynchronize(NULL));
   send_byte(sv[0], 'p');
   int st = wait_child(pid);
   cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "consumer: status %#x", st);
@@ -433,6 +444,7 @@ static void consumer_ipc(int sock) {
   CHILD_OK(cu->MemcpyDtoH(b, p, 1));
   CHILD_CHECK(b[0] == 0xa5);
   CHILD_OK(cu->MemsetD8(p + SHARED - 1, 0x5a, 1));
+  CHILD_OK(cu->StreamSynchronize(NULL));
   CHILD_CHECK(cu->MemFree(p) == CUDA_ERROR_INVALID_VALUE); /* not its own */
   CHILD_OK(cu->IpcCloseMemHandle(p));
   CHILD_CHECK(cu->IpcCloseMemHandle(p) == CUDA_ERROR_INVALID_VALUE);
@@ -452,6 +464,7 @@ Test(double_semantics, legacy_ipc_handles_open_in_another_process) {
   CU_OK(cu->MemGetInfo(&free1, &total));
   cr_expect_eq(free1, free0 - SHARED);
   CU_OK(cu->MemsetD8(v, 0xa5, SHARED));
+  CU_OK(cu->StreamSynchronize(NULL));
   CUipcMemHandle h;
   CU_OK(cu->IpcGetMemHandle(&h, v));
   cr_expect_eq(cu->IpcGetMemHandle(&h, v + 4096), CUDA_ERROR_INVALID_VALUE,
@@ -583,6 +596,8 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
   CUdeviceptr dev =
       map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   cr_assert_neq(dev, 0);
+  CU_OK(cu->MemsetD8(dev, 0, 2 * MiB)); /* fresh memory holds junk */
+  CU_OK(cu->StreamSynchronize(NULL));
   CUstream s;
   cr_expect_eq(cu->StreamCreate(&s, 7), CUDA_ERROR_INVALID_VALUE);
   CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
@@ -599,12 +614,17 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
   CU_OK(cu->MemcpyDtoH(back, dev, 4096));
   cr_expect_eq(back[0], 0xcd);
   cr_expect_eq(back[4095], 0xcd);
-  /* Pageable sources are refused; so are ranges past a pinned buffer. */
+  /* A pageable source is staged at the call: changing it afterwards
+   * changes nothing, but the copy still lands only at the sync. */
   static uint8_t pageable[64];
-  cr_expect_eq(cu->MemcpyHtoDAsync(dev, pageable, 64, s),
-               CUDA_ERROR_INVALID_VALUE);
-  cr_expect_eq(cu->MemcpyHtoDAsync(dev, pin + 4096, 8192, s),
-               CUDA_ERROR_INVALID_VALUE);
+  memset(pageable, 0x5e, sizeof pageable);
+  CU_OK(cu->MemcpyHtoDAsync(dev + 8192, pageable, 64, s));
+  memset(pageable, 0x77, sizeof pageable);
+  CU_OK(cu->MemcpyDtoH(back, dev + 8192, 64));
+  cr_expect_eq(back[0], 0, "a staged copy landed before the sync");
+  CU_OK(cu->StreamSynchronize(s));
+  CU_OK(cu->MemcpyDtoH(back, dev + 8192, 64));
+  cr_expect_eq(back[0], 0x5e, "the bytes at the call, not 0x%02x", back[0]);
   /* A destroyed stream's copies are done first, as the driver does. */
   memset(pin, 0x11, 64);
   CU_OK(cu->MemcpyHtoDAsync(dev + 4096, pin, 64, s));
@@ -622,6 +642,226 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
   CU_OK(cu->StreamDestroy(s));
   CU_OK(cu->MemFreeHost(pin));
   cr_expect_eq(cu->MemFreeHost(pin), CUDA_ERROR_INVALID_VALUE, "freed twice");
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+}
+
+/* ---- asynchronous work, as the driver runs it ---- */
+
+/* A memset, a copy from pageable memory to the device and a device-to-device
+ * copy return before the destination holds the bytes, on any stream, the
+ * legacy one included: a reader that looks before the writer synchronised
+ * sees the old bytes. (The double's device pointers are host addresses:
+ * reading one directly is a reader that waits for nothing.) */
+Test(double_semantics, device_writes_land_only_at_a_synchronisation) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  volatile uint8_t *raw = (volatile uint8_t *)dev;
+  /* A fresh allocation's bytes are junk at its ends (the driver's are
+   * unspecified), so that reading memory never written is caught. */
+  cr_expect(raw[0] == 0xdb && raw[2 * MiB - 1] == 0xdb && raw[4096] == 0,
+            "fresh: %#x %#x", raw[0], raw[2 * MiB - 1]);
+  CU_OK(cu->MemsetD8(dev, 0, 2 * MiB));
+  CU_OK(cu->StreamSynchronize(NULL));
+
+  /* The legacy stream: cuMemsetD8 is asynchronous; a cuMemcpyDtoH waits
+   * for the legacy stream's work before it reads. */
+  CU_OK(cu->MemsetD8(dev, 0xa5, 4096));
+  cr_expect_eq(raw[0], 0, "a memset landed before any synchronisation");
+  uint8_t b[64];
+  CU_OK(cu->MemcpyDtoH(b, dev, 1));
+  cr_expect_eq(b[0], 0xa5, "cuMemcpyDtoH read before the memset ran");
+  /* From pageable memory: staged at the call, landing later. */
+  uint8_t src[64];
+  memset(src, 0x3c, sizeof src);
+  CU_OK(cu->MemcpyHtoD(dev, src, sizeof src));
+  memset(src, 0, sizeof src); /* the staged bytes are already taken */
+  cr_expect_eq(raw[0], 0xa5, "a pageable copy landed at once");
+  CU_OK(cu->StreamSynchronize(NULL));
+  cr_expect_eq(raw[0], 0x3c);
+  cr_expect_eq(raw[63], 0x3c);
+
+  /* A non-blocking stream: the legacy stream does not wait for it. */
+  CUstream nb, bl;
+  CU_OK(cu->StreamCreate(&nb, CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->StreamCreate(&bl, 0));
+  CU_OK(cu->MemsetD8Async(dev, 0x11, 64, nb));
+  CU_OK(cu->MemcpyDtoH(b, dev, 1));
+  cr_expect_eq(b[0], 0x3c, "the legacy stream waited for a non-blocking one");
+  CU_OK(cu->StreamSynchronize(nb));
+  cr_expect_eq(raw[0], 0x11);
+  /* A blocking stream: the legacy stream waits for it. */
+  CU_OK(cu->MemsetD8Async(dev, 0x22, 64, bl));
+  cr_expect_eq(raw[0], 0x11);
+  CU_OK(cu->MemcpyDtoH(b, dev, 1));
+  cr_expect_eq(b[0], 0x22, "the legacy stream did not wait for a blocking one");
+
+  /* Device to device (cuMemcpy2DAsync): lands when an event recorded after
+   * it is waited for. A copy to pageable host memory returns with the
+   * bytes, after the stream's earlier work. */
+  CU_OK(cu->MemsetD8Async(dev + 4096, 0x44, 64, nb));
+  CUDA_MEMCPY2D c;
+  memset(&c, 0, sizeof c);
+  c.srcMemoryType = c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  c.srcDevice = dev + 4096;
+  c.dstDevice = dev + 8192;
+  c.srcPitch = c.dstPitch = c.WidthInBytes = 64;
+  c.Height = 1;
+  CU_OK(cu->Memcpy2DAsync(&c, nb));
+  CUevent ev;
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, nb));
+  cr_expect_eq(raw[8192], 0, "a device-to-device copy landed at once");
+  CU_OK(cu->EventSynchronize(ev));
+  cr_expect_eq(raw[8192], 0x44);
+  CU_OK(cu->EventDestroy(ev));
+  CU_OK(cu->MemsetD8Async(dev + 8192, 0x55, 64, nb));
+  CU_OK(cu->MemcpyDtoHAsync(b, dev + 8192, 64, nb));
+  cr_expect_eq(b[63], 0x55, "a copy to pageable memory returned early");
+
+  /* cuCtxSynchronize completes every stream. */
+  CU_OK(cu->MemsetD8Async(dev, 0x66, 64, nb));
+  CU_OK(cu->MemsetD8Async(dev + 64, 0x77, 64, bl));
+  CU_OK(cu->CtxSynchronize());
+  cr_expect(raw[0] == 0x66 && raw[64] == 0x77);
+
+  /* Work whose memory was unmapped before it ran faults, and the stream
+   * says so from then on (the double's sticky error). */
+  CU_OK(cu->MemsetD8Async(dev, 0x88, 64, nb));
+  CU_OK(cu->StreamDestroy(bl));
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  cr_expect_eq(cu->StreamSynchronize(nb), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->StreamSynchronize(nb), CUDA_ERROR_ILLEGAL_ADDRESS);
+  CU_OK(cu->StreamDestroy(nb));
+  CU_OK(cu->MemRelease(h));
+}
+
+/* TDCUDA_SYNC=1 turns the deferral off: every call's work is done when it
+ * returns. */
+Test(double_semantics, tdcuda_sync_runs_work_at_once) {
+  setenv("TDCUDA_SYNC", "1", 1);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  CU_OK(cu->MemsetD8(dev, 0xa5, 64));
+  cr_expect_eq(((volatile uint8_t *)dev)[63], 0xa5);
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+  unsetenv("TDCUDA_SYNC");
+}
+
+/* ---- stream capture ---- */
+
+/* While another thread captures in GLOBAL mode on a blocking stream: the
+ * legacy stream is off limits (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), so is
+ * cuCtxSynchronize and cuMemAlloc (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED),
+ * and each such call invalidates the capture; work on a non-blocking stream
+ * of one's own, synchronised by cuStreamSynchronize, is fine. */
+Test(double_semantics, global_capture_forbids_unsafe_calls_elsewhere) {
+  const td__cu *cu = load();
+  capturer k;
+  pthread_t t;
+  capture_start(&k, cu, TDCUDA_DOUBLE, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  CUstream own;
+  CU_OK(cu->StreamCreate(&own, CU_STREAM_NON_BLOCKING));
+  uint8_t src[64], back[64];
+  memset(src, 0x5a, sizeof src);
+  CU_OK(cu->MemsetD8Async(dev, 0, 4096, own));
+  CU_OK(cu->MemcpyHtoDAsync(dev, src, sizeof src, own));
+  CU_OK(cu->MemcpyDtoHAsync(back, dev, sizeof back, own));
+  CU_OK(cu->StreamSynchronize(own));
+  cr_expect_eq(back[63], 0x5a);
+  CU_OK(cu->StreamDestroy(own));
+  /* So far the capture is intact; now the forbidden calls. */
+  cr_expect_eq(cu->MemcpyHtoD(dev, src, 1), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+  cr_expect_eq(cu->MemsetD8(dev, 0, 1), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+  cr_expect_eq(cu->StreamSynchronize(NULL), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+  cr_expect_eq(cu->CtxSynchronize(), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  CUdeviceptr a;
+  cr_expect_eq(cu->MemAlloc(&a, 4096), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  cr_expect_eq(capture_end(&k, t), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+  /* The capture over, all of it works again. */
+  CU_OK(cu->MemcpyHtoD(dev, src, 1));
+  CU_OK(cu->CtxSynchronize());
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+}
+
+/* A capture that nothing disturbed ends well; synchronous calls are unsafe
+ * in GLOBAL mode even when the capturing stream is non-blocking, and
+ * allowed in another thread's THREAD_LOCAL capture; a capture ends in its
+ * own thread (unless RELAXED) and never on the legacy stream. */
+Test(double_semantics, capture_modes_and_their_rules) {
+  const td__cu *cu = load();
+  capturer k;
+  pthread_t t;
+  capture_start(&k, cu, TDCUDA_DOUBLE, CU_STREAM_NON_BLOCKING,
+                CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  uint8_t b[8];
+  cr_expect_eq(cu->MemcpyDtoH(b, dev, 8),
+               CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  cr_expect_eq(cu->StreamSynchronize(k.stream),
+               CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+               "a capturing stream cannot be synchronised");
+  cr_expect_eq(capture_end(&k, t), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+
+  capture_start(&k, cu, TDCUDA_DOUBLE, CU_STREAM_NON_BLOCKING,
+                CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &t);
+  CU_OK(cu->MemcpyDtoH(b, dev, 8));
+  CUstream own;
+  CU_OK(cu->StreamCreate(&own, CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->MemsetD8Async(dev, 1, 8, own));
+  CU_OK(cu->StreamSynchronize(own));
+  CU_OK(cu->StreamDestroy(own));
+  CU_OK(capture_end(&k, t));
+
+  /* In this thread: the legacy stream cannot capture; a GLOBAL capture
+   * forbids this thread's own synchronous calls too, and ends only here. */
+  begin_capture_fn begin;
+  end_capture_fn end;
+  void *lib = dlopen(TDCUDA_DOUBLE, RTLD_NOW | RTLD_NOLOAD);
+  *(void **)&begin = dlsym(lib, "cuStreamBeginCapture_v2");
+  *(void **)&end = dlsym(lib, "cuStreamEndCapture");
+  dlclose(lib);
+  cr_expect_eq(begin(NULL, CU_STREAM_CAPTURE_MODE_GLOBAL),
+               CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  CUstream s;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUgraph g;
+  cr_expect_eq(end(s, &g), CUDA_ERROR_ILLEGAL_STATE, "not capturing");
+  CU_OK(begin(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+  CU_OK(cu->MemcpyDtoH(b, dev, 8)); /* RELAXED: allowed */
+  /* Work issued on a capturing stream is captured, not run. */
+  CU_OK(cu->MemsetD8Async(dev, 0xee, 8, s));
+  CU_OK(end(s, &g));
+  CU_OK(cu->CtxSynchronize());
+  cr_expect_eq(((volatile uint8_t *)dev)[0], 1, "captured work ran");
+  CU_OK(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  cr_expect_eq(cu->MemsetD8(dev, 0, 8), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  cr_expect_eq(end(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+  CU_OK(cu->StreamDestroy(s));
   CU_OK(unmap(cu, dev, 2 * MiB));
   CU_OK(cu->MemRelease(h));
 }

@@ -3,6 +3,7 @@
  * (tests/cuda/README.md: the double is not the driver). Criterion runs each
  * test in a process of its own, so each loads the driver afresh under the
  * environment it sets. */
+#include "common.h" /* td__uuid_parse */
 #include "driver.h"
 
 #include <criterion/criterion.h>
@@ -185,6 +186,34 @@ Test(loader, uuid_str_is_nvidia_smis_form) {
   cr_expect_str_eq(td__cu_uuid_str(u, buf, sizeof buf),
                    "GPU-01234567-89ab-cdef-fedc-ba9876543210");
   cr_expect_eq(strlen(buf), TD__CU_UUID_STRLEN - 1);
+}
+
+Test(loader, uuids_parse_as_gpu_or_mig) {
+  const uint8_t want[16] = {0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef,
+                            0xfe, 0xdc, 0xba, 0x98, 0x76, 0x54, 0x32, 0x10};
+  uint8_t u[16];
+  cr_expect_eq(td__uuid_parse("GPU-01234567-89ab-cdef-fedc-ba9876543210", u),
+               0);
+  cr_expect_arr_eq(u, want, 16);
+  memset(u, 0, sizeof u);
+  cr_expect_eq(td__uuid_parse("MIG-01234567-89AB-CDEF-FEDC-BA9876543210", u),
+               1);
+  cr_expect_arr_eq(u, want, 16);
+  char buf[TD_UUID_STR_MAX];
+  cr_expect_str_eq(td_gpu_uuid_str(want, 1, buf, sizeof buf),
+                   "MIG-01234567-89ab-cdef-fedc-ba9876543210");
+  const char *bad[] = {
+      "",
+      "GPU-",
+      "gpu-01234567-89ab-cdef-fedc-ba9876543210",
+      "MIG-01234567-89ab-cdef-fedc-ba987654321",   /* a digit short */
+      "MIG-01234567-89ab-cdef-fedc-ba98765432100", /* one too many */
+      "MIG-0123456789ab-cdef-fedc-ba9876543210-",  /* a dash misplaced */
+      "MIG-01234567-89ab-cdef-fedc-ba987654321g",  /* not hex */
+      "MIG-GPU-01234567-89ab-cdef-fedc-ba98765432",
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    cr_expect_eq(td__uuid_parse(bad[i], u), -1, "'%s' parsed", bad[i]);
 }
 
 Test(loader, device_by_uuid_follows_visible_devices_renumbering) {

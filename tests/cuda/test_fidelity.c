@@ -440,3 +440,64 @@ Test(fidelity, async_copies_from_pinned_slots_land_after_the_sync) {
   CU_OK(unmap(cu, v, size));
   CU_OK(cu->MemRelease(h));
 }
+
+/* ---- stream capture ---- */
+
+/* What libtensord does while a server's thread captures a CUDA graph in
+ * GLOBAL mode on a blocking stream: a memset and copies both ways from
+ * pageable memory on a non-blocking stream of its own, synchronised alone,
+ * all allowed, and the capture intact; and what it must not do:
+ * cuCtxSynchronize is refused and invalidates the capture. The codes the
+ * driver gives are printed (the double's are a reading of the driver's
+ * documentation, to be checked on a GPU). */
+Test(fidelity, a_private_stream_works_during_another_threads_global_capture) {
+  const td__cu *cu = load_or_skip();
+  enter(cu, 0);
+  size_t size = granularity(cu, 0);
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr v = create_filled(cu, size, 0, &h);
+#ifdef FIDELITY_DRIVER
+  const char *lib = FIDELITY_DRIVER;
+#else
+  const char *lib = TD__CU_DRIVER_LIB;
+#endif
+  capturer k;
+  pthread_t t;
+  capture_start(&k, cu, lib, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
+  CUstream own;
+  unsigned char src[256], back[256];
+  memset(src, 0x5a, sizeof src);
+  memset(back, 0, sizeof back);
+  CUresult r[5];
+  r[0] = cu->StreamCreate(&own, CU_STREAM_NON_BLOCKING);
+  r[1] = cu->MemsetD8Async(v, 0x11, size, own);
+  r[2] = cu->MemcpyHtoDAsync(v + 4096, src, sizeof src, own);
+  r[3] = cu->MemcpyDtoHAsync(back, v + 4096 - 128, sizeof back, own);
+  r[4] = cu->StreamSynchronize(own);
+  CUresult ended = capture_end(&k, t);
+  fprintf(stderr,
+          "fidelity: during a GLOBAL capture elsewhere: cuStreamCreate %d, "
+          "cuMemsetD8Async %d, cuMemcpyHtoDAsync %d, cuMemcpyDtoHAsync %d, "
+          "cuStreamSynchronize %d; cuStreamEndCapture %d\n",
+          r[0], r[1], r[2], r[3], r[4], ended);
+  for (int i = 0; i < 5; i++)
+    cr_expect_eq(r[i], CUDA_SUCCESS, "call %d during the capture: %d", i, r[i]);
+  cr_expect_eq(ended, CUDA_SUCCESS, "the capture was invalidated");
+  cr_expect(back[0] == 0x11 && back[127] == 0x11 && back[128] == 0x5a &&
+                back[255] == 0x5a,
+            "the stream's work, in order: %#x %#x", back[0], back[255]);
+  if (r[0] == CUDA_SUCCESS)
+    CU_OK(cu->StreamDestroy(own));
+
+  capture_start(&k, cu, lib, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
+  CUresult sync = cu->CtxSynchronize();
+  ended = capture_end(&k, t);
+  fprintf(stderr,
+          "fidelity: cuCtxSynchronize during a GLOBAL capture elsewhere: %d; "
+          "cuStreamEndCapture %d\n",
+          sync, ended);
+  cr_expect_eq(sync, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  cr_expect_eq(ended, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+  CU_OK(unmap(cu, v, size));
+  CU_OK(cu->MemRelease(h));
+}

@@ -211,7 +211,9 @@ static int consumer(void *arg) {
              &h, (void *)(intptr_t)fd,
              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
          "cuMemImportFromShareableHandle");
-      ck(cu, cu->MemAddressReserve(&p, m.alloc, 0, 0, 0),
+      /* m.alloc is a multiple of the granularity (a power of two): its
+       * lowest set bit is an alignment cuMemMap accepts. */
+      ck(cu, cu->MemAddressReserve(&p, m.alloc, m.alloc & -m.alloc, 0, 0),
          "cuMemAddressReserve");
       ck(cu, cu->MemMap(p, m.alloc, 0, h, 0), "cuMemMap");
       CUmemAccessDesc a;

@@ -77,6 +77,18 @@ status=0
 echo "== tests (ctest -L gpu)"
 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 180 || status=1
 
+# The legacy IPC path (cuMemAlloc + cuIpcGetMemHandle), which GPUs with VMM
+# never take by themselves: TENSORD_CUDA_LEGACY=1 forces it in the daemons
+# the tests start. Only the tests whose promise holds there: read-only is
+# not enforced on that path (docs/cuda.md, "The legacy handle").
+echo "== tests on the legacy IPC path (TENSORD_CUDA_LEGACY=1)"
+for t in two_processes_see_each_others_writes \
+  sigkill_of_a_holder_frees_the_memory a_consumer_outlives_the_creator \
+  larger_than_the_device_is_enomem; do
+  TENSORD_CUDA_LEGACY=1 timeout 180 "$build/tests/gpu/test_gpu" --jobs 1 \
+    --timeout 120 --filter "gpu/$t" || status=1
+done
+
 echo "== benchmark (bench_cuda)"
 TD_BENCH_ONLY=bench_cuda timeout 240 sh "$root/tests/bench/run.sh" "$build" ||
   status=1

@@ -12,11 +12,13 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <dlpack/dlpack.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #define MiB ((size_t)1 << 20)
 #define GRAN (2 * MiB) /* the double's allocation granularity */
@@ -49,6 +51,8 @@ static void teardown(void) {
 }
 
 TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
+
+static void start_with(const char *name, const char *value);
 
 /* Creates nbytes on this process's cuda:index. */
 static int create_on(td_client *c, int64_t index, size_t nbytes,
@@ -289,6 +293,161 @@ TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
   td_close(c);
 }
 
+/* The double's TDCUDA_CTX_LOG: "<pid> create|destroy <device>" lines. How
+ * many of what the daemon wrote for device 0. */
+static char ctx_log[64];
+
+static int ctx_events(const char *what) {
+  FILE *f = fopen(ctx_log, "r");
+  if (f == NULL)
+    return 0;
+  int pid, dev, n = 0;
+  char w[16];
+  while (fscanf(f, "%d %15s %d", &pid, w, &dev) == 3)
+    n += pid == d.pid && dev == 0 && strcmp(w, what) == 0;
+  fclose(f);
+  return n;
+}
+
+static int ctx_destroyed_once(const tdt_daemon *dd) {
+  (void)dd;
+  return ctx_events("destroy") == 1;
+}
+
+/* tensord holds a GPU's context only while it has storages there: an
+ * inference server alone on its GPU afterwards carries no tensord context
+ * (memory, and the right to the GPU in EXCLUSIVE_PROCESS mode). */
+TDT_TEST(cuda, the_daemon_holds_a_context_only_while_it_has_storages) {
+  snprintf(ctx_log, sizeof(ctx_log), "/tmp/tdt-ctxlog.%d", (int)getpid());
+  unlink(ctx_log);
+  start_with("TDCUDA_CTX_LOG", ctx_log);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(ctx_events("create"), 1, "one context for both");
+  cr_assert_eq(td_publish(c, "k", s, NULL), 0);
+  td_storage_release(s);
+  td_storage_release(t);
+  cr_assert_eq(ctx_events("destroy"), 0, "the key's storage needs it");
+  cr_assert_eq(td_unpublish(c, "k"), 0);
+  cr_assert(tdt_until(ctx_destroyed_once, &d, 10000),
+            "the daemon kept its context with no storage on the GPU");
+  /* The next create makes one again. */
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(ctx_events("create"), 2);
+  td_storage_release(s);
+  td_close(c);
+  tdt_until(tdt_no_segments, &d, 5000);
+  unlink(ctx_log);
+}
+
+/* In EXCLUSIVE_PROCESS compute mode one process at a time may have a
+ * context on the GPU: memory on it cannot be shared, and a tensord that
+ * took a context would lock the server out. It refuses, and takes none. */
+TDT_TEST(cuda, an_exclusive_process_gpu_is_left_to_its_one_process) {
+  setenv("TDCUDA_COMPUTE_MODE", "exclusive_process", 1); /* both sides */
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_EBUSY);
+  cr_assert(strstr(td_last_error(c), "EXCLUSIVE_PROCESS") != NULL &&
+                strstr(td_last_error(c), "cuda:0") != NULL,
+            "%s", td_last_error(c));
+  /* This process, the GPU's one user, can have its context. */
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib);
+  CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(lib, "cuInit");
+  CUresult (*retain)(CUcontext *, CUdevice) =
+      (CUresult(*)(CUcontext *, CUdevice))dlsym(lib,
+                                                "cuDevicePrimaryCtxRetain");
+  CUresult (*release)(CUdevice) =
+      (CUresult(*)(CUdevice))dlsym(lib, "cuDevicePrimaryCtxRelease_v2");
+  cr_assert(init && retain && release);
+  CUcontext ctx;
+  cr_assert_eq(init(0), CUDA_SUCCESS);
+  cr_assert_eq(retain(&ctx, 0), CUDA_SUCCESS,
+               "tensord took the exclusive GPU's context");
+  /* Another GPU in the default mode would serve; here all are exclusive,
+   * so the daemon still makes nothing, and says so again. */
+  cr_assert_eq(create_on(c, 1, 1 * MiB, &s), TD_EBUSY);
+  cr_assert_eq(release(0), CUDA_SUCCESS);
+  unsetenv("TDCUDA_COMPUTE_MODE");
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_prohibited_gpu_is_named) {
+  start_with("TDCUDA_COMPUTE_MODE", "prohibited");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "PROHIBITED") != NULL, "%s",
+            td_last_error(c));
+  td_close(c);
+}
+
+/* td_list callback: counts the storages that say they are on a MIG
+ * instance. */
+static int list_mig(const td_storage_info *i, void *arg) {
+  if (i->device == TD_CUDA && i->device_mig)
+    ++*(int *)arg;
+  return 0;
+}
+
+/* A MIG instance (the double's TDCUDA_MIG=1): cuDeviceGetUuid_v2 gives the
+ * instance's own UUID, which nvidia-smi -L and CUDA_VISIBLE_DEVICES write
+ * MIG-...: tensord takes it so in --cuda-devices and --cuda-capacity, and
+ * names it so in its messages, its stat and its listing. */
+TDT_TEST(cuda, a_mig_instance_is_named_and_accepted_as_mig) {
+  /* The double's instance on physical device 0: "tdcudamigins", 0. */
+  const char *mig = "MIG-74646375-6461-6d69-6769-6e7300000000";
+  char cap[64];
+  snprintf(cap, sizeof(cap), "%s=4M", mig);
+  const char *args[] = {"--cuda-devices", mig, "--cuda-capacity", cap, NULL};
+  setenv("TDCUDA_MIG", "1", 1); /* the daemon's and this process's */
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 5 * MiB, &s), TD_ENOMEM);
+  cr_assert(strstr(td_last_error(c), mig) != NULL &&
+                strstr(td_last_error(c), "capacity") != NULL,
+            "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_device_stat ds[4];
+  size_t n;
+  cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0, "%s", td_last_error(c));
+  cr_assert_eq(n, 1);
+  cr_assert_eq(ds[0].mig, 1);
+  cr_assert_eq(ds[0].capacity, 4 * MiB);
+  char u[TD_UUID_STR_MAX];
+  cr_assert_str_eq(td_gpu_uuid_str(ds[0].uuid, (int)ds[0].mig, u, sizeof(u)),
+                   mig);
+  cr_assert_eq(td_storage_device_uuid(s, ds[0].uuid), 0);
+  cr_assert_str_eq(td_gpu_uuid_str(ds[0].uuid, 1, u, sizeof(u)), mig);
+  /* The listing carries the flag with the storage. */
+  int seen = 0;
+  cr_assert_eq(td_list(c, list_mig, &seen), 0, "%s", td_last_error(c));
+  cr_assert_eq(seen, 1);
+  td_storage_release(s);
+  td_close(c);
+  unsetenv("TDCUDA_MIG");
+}
+
+/* The same instance by its digits under GPU-, as tensord printed it before
+ * it told MIG instances apart, is the same device. */
+TDT_TEST(cuda, a_mig_instance_is_also_taken_as_gpu_dash) {
+  const char *args[] = {"--cuda-devices",
+                        "GPU-74646375-6461-6d69-6769-6e7300000000", NULL};
+  setenv("TDCUDA_MIG", "1", 1);
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  unsetenv("TDCUDA_MIG");
+}
+
 /* ---- limits and errors ---- */
 
 TDT_TEST(cuda, capacity_is_per_device) {
@@ -310,6 +469,7 @@ TDT_TEST(cuda, capacity_is_per_device) {
   uint8_t uuid[16];
   cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
   td_device_stat g = gpu_stat(c, uuid);
+  cr_assert_eq(g.mig, 0, "a plain GPU called a MIG instance");
   cr_assert_eq(g.capacity, 8 * MiB);
   cr_assert_eq(g.bytes_used, 8 * MiB);
   td_storage_release(s);
@@ -510,6 +670,65 @@ TDT_TEST(cuda, legacy_handle_opens_once_per_process) {
   cr_assert_eq(((unsigned char *)td_storage_data(s))[5], 55);
   td_storage_release(s);
   cr_assert_eq(td_unpublish(c, "k"), 0);
+  td_close(c);
+}
+
+/* Starts the daemon with name=value in its environment only. */
+static void start_with(const char *name, const char *value) {
+  setenv(name, value, 1);
+  tdt_start(&d, NULL);
+  unsetenv(name);
+}
+
+/* A GPU without virtual memory management (the cuMem* VMM calls all
+ * CUDA_ERROR_NOT_SUPPORTED, cuMemGetAllocationGranularity included) is
+ * served by the legacy path, never asked for a VMM granularity. */
+TDT_TEST(cuda, legacy_ipc_on_a_gpu_without_vmm) {
+  start_with("TDCUDA_NO_VMM", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  int fds = fds_of(getpid(), 0);
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
+  cr_assert_eq(daemon_allocations(), 1);
+  shared_both_ways(c, s, n);
+  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
+            daemon_allocations());
+}
+
+/* TENSORD_CUDA_LEGACY=1 (a test switch, run by tests/gpu/run.sh too) makes
+ * a daemon whose GPUs have VMM and POSIX fds take the legacy path. */
+TDT_TEST(cuda, legacy_ipc_forced_by_the_test_switch) {
+  start_with("TENSORD_CUDA_LEGACY", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  size_t n = 4 * MiB + 1;
+  int fds = fds_of(getpid(), 0);
+  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
+  cr_assert_eq(daemon_allocations(), 1);
+  shared_both_ways(c, s, n);
+  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
+            daemon_allocations());
+}
+
+/* cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's daemons still
+ * starting, at boot) is not kept until a restart: a create a second later
+ * tries again, and gets its storage. */
+TDT_TEST(cuda, a_driver_not_yet_ready_is_tried_again) {
+  start_with("TDCUDA_INIT_NOT_READY", "1");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert(strstr(td_last_error(c), "CUDA_ERROR_SYSTEM_NOT_READY") != NULL &&
+                strstr(td_last_error(c), "still starting") != NULL,
+            "%s", td_last_error(c));
+  /* At once: the same answer, without hammering the driver. */
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  usleep(1100 * 1000);
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
   td_close(c);
 }
 
@@ -820,6 +1039,219 @@ TDT_TEST(cuda, copy_rows_on_the_device) {
   td_close(c);
   tdt_stop(&d);
   unsetenv("TDCUDA_MEMCPY2D_LOG");
+}
+
+/* ---- td_copy and zeroing complete before they return ---- */
+
+/* Looks the key up and checks that its bytes are 0, 1, 2, ... (mod 251),
+ * reading the device memory directly (the double's device pointers are
+ * host addresses), as a consumer on a GPU would read it right away. */
+static int peer_sees_pattern(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  const volatile unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < td_storage_nbytes(s); i++)
+    if (b[i] != (unsigned char)(i % 251)) {
+      fprintf(stderr, "peer: %s byte %zu is %u, not %u\n", a->key, i, b[i],
+              (unsigned)(i % 251));
+      return 1;
+    }
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+/* td_copy into a GPU storage, then td_publish: the consumer must read the
+ * copied bytes, so td_copy may return only when the device holds them (a
+ * driver's cuMemcpyHtoD from pageable memory returns once the bytes are
+ * staged, and a device-to-device copy at once). */
+TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *g2;
+  size_t n = 3 * 4096;
+  cr_assert_eq(td_storage_create(c, n, &h), 0);
+  cr_assert_eq(create_on(c, 0, n, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, n, &g2), 0, "%s", td_last_error(c));
+  unsigned char *hp = td_storage_data(h);
+  for (size_t i = 0; i < n; i++)
+    hp[i] = (unsigned char)(i % 251);
+  int64_t len = (int64_t)n, rows[2] = {3, 4096};
+  td_view v, r;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, &len, &v), 0);
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 2, rows, &r), 0);
+  /* Host to device, one copy. */
+  cr_assert_eq(td_copy(g, &v, h, &v), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_publish(c, "copied", g, NULL), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "copied", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a)), 0,
+               "td_copy host to device returned before the device held the "
+               "bytes");
+  /* Device to device, rows (cuMemcpy2D), on one GPU. */
+  cr_assert_eq(td_copy(g2, &r, g, &r), 0, "%s", td_view_last_error());
+  cr_assert_eq(td_publish(c, "copied2", g2, NULL), 0, "%s", td_last_error(c));
+  peer_arg a2 = {d.sock, "copied2", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a2)), 0,
+               "td_copy device to device returned before the device held "
+               "the bytes");
+  cr_assert_eq(td_unpublish(c, "copied"), 0);
+  cr_assert_eq(td_unpublish(c, "copied2"), 0);
+  td_storage_release(h);
+  td_storage_release(g);
+  td_storage_release(g2);
+  td_close(c);
+}
+
+/* Looks the key up and exits 0 if its first and last bytes are zero, 2 if
+ * they are the double's junk (a fresh allocation's unspecified bytes). */
+static int peer_sees_zeros(void *p) {
+  peer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
+  const volatile unsigned char *b = td_storage_data(s);
+  size_t n = td_storage_nbytes(s);
+  int st = b[0] == 0 && b[n - 1] == 0 ? 0 : b[0] == 0xdb ? 2 : 1;
+  td_storage_release(s);
+  td_close(c);
+  return st;
+}
+
+/* A new GPU storage reads as zeros in another process as soon as the create
+ * returned and the key was published: the zeroing is done, not only
+ * issued. A TD_UNINIT one shows the double's junk there, which is what an
+ * unfinished zeroing would leave. */
+TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *z, *u;
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "zeroed", z, NULL), 0, "%s", td_last_error(c));
+  peer_arg a = {d.sock, "zeroed", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a)), 0,
+               "a zeroed storage is not zeros in another process");
+  td_create_opts o = {0};
+  o.nbytes = 4 * MiB;
+  o.device = TD_CUDA;
+  o.flags = TD_UNINIT;
+  cr_assert_eq(td_storage_create_ex(c, &o, &u), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "uninit", u, NULL), 0, "%s", td_last_error(c));
+  peer_arg a2 = {d.sock, "uninit", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a2)), 2,
+               "an uninitialised storage does not show the double's junk");
+  cr_assert_eq(td_unpublish(c, "zeroed"), 0);
+  cr_assert_eq(td_unpublish(c, "uninit"), 0);
+  td_storage_release(z);
+  td_storage_release(u);
+  td_close(c);
+}
+
+/* A server's thread capturing a CUDA graph in GLOBAL mode, the default of
+ * cudaStreamBeginCapture and torch.cuda.graph, on a blocking stream. */
+typedef struct {
+  CUresult (*Retain)(CUcontext *, CUdevice);
+  CUresult (*Push)(CUcontext);
+  CUresult (*Pop)(CUcontext *);
+  CUresult (*StreamCreate)(CUstream *, unsigned int);
+  CUresult (*StreamDestroy)(CUstream);
+  CUresult (*Begin)(CUstream, CUstreamCaptureMode);
+  CUresult (*End)(CUstream, CUgraph *);
+  CUresult begun, ended;
+  pthread_barrier_t capturing, done;
+} capturer;
+
+static void *capture_thread(void *arg) {
+  capturer *k = arg;
+  CUcontext ctx, popped;
+  CUstream s = NULL;
+  k->begun = k->Retain(&ctx, 0);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->Push(ctx);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->StreamCreate(&s, 0);
+  if (k->begun == CUDA_SUCCESS)
+    k->begun = k->Begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
+  pthread_barrier_wait(&k->capturing);
+  pthread_barrier_wait(&k->done);
+  if (k->begun == CUDA_SUCCESS) {
+    CUgraph g;
+    k->ended = k->End(s, &g);
+    k->StreamDestroy(s);
+    k->Pop(&popped);
+  }
+  return NULL;
+}
+
+/* While another thread of the process captures in GLOBAL mode, creating a
+ * zeroed GPU storage, td_copy both ways and releasing work, and the capture
+ * survives: libtensord uses neither the legacy stream nor cuCtxSynchronize
+ * (which would fail, and invalidate the server's graph), only a stream of
+ * its own. */
+TDT_TEST(cuda, storages_work_while_another_thread_captures_a_graph) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *h, *g, *back;
+  cr_assert_eq(td_storage_create(c, 8192, &h), 0);
+  cr_assert_eq(td_storage_create(c, 8192, &back), 0);
+  /* Loads the driver in this process and maps one storage first, so that
+   * the capture is the only thing new below. */
+  cr_assert_eq(create_on(c, 0, 4096, &g), 0, "%s", td_last_error(c));
+  td_storage_release(g);
+
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  cr_assert_not_null(lib, "%s", dlerror());
+  capturer k = {0};
+  *(void **)&k.Retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&k.Push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&k.Pop = dlsym(lib, "cuCtxPopCurrent_v2");
+  *(void **)&k.StreamCreate = dlsym(lib, "cuStreamCreate");
+  *(void **)&k.StreamDestroy = dlsym(lib, "cuStreamDestroy_v2");
+  *(void **)&k.Begin = dlsym(lib, "cuStreamBeginCapture_v2");
+  *(void **)&k.End = dlsym(lib, "cuStreamEndCapture");
+  cr_assert(k.Retain && k.Push && k.Pop && k.StreamCreate && k.StreamDestroy &&
+            k.Begin && k.End);
+  pthread_barrier_init(&k.capturing, NULL, 2);
+  pthread_barrier_init(&k.done, NULL, 2);
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, capture_thread, &k), 0);
+  pthread_barrier_wait(&k.capturing);
+  cr_assert_eq(k.begun, CUDA_SUCCESS, "cuStreamBeginCapture: %d", k.begun);
+
+  int err = create_on(c, 0, 8192, &g);
+  const char *why = err < 0 ? td_last_error(c) : "";
+  int copied = -1, fetched = -1;
+  if (err == 0) {
+    unsigned char *hp = td_storage_data(h);
+    for (size_t i = 0; i < 8192; i++)
+      hp[i] = (unsigned char)(i % 251);
+    int64_t n = 8192;
+    td_view v;
+    td_view_contiguous(TD_UINT8, 1, &n, &v);
+    copied = td_copy(g, &v, h, &v);
+    fetched = td_copy(back, &v, g, &v);
+    td_storage_release(g);
+  }
+  pthread_barrier_wait(&k.done);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&k.capturing);
+  pthread_barrier_destroy(&k.done);
+  cr_assert_eq(err, 0, "a zeroed create during a capture: %s", why);
+  cr_assert_eq(copied, 0, "td_copy to the device during a capture: %s",
+               td_view_last_error());
+  cr_assert_eq(fetched, 0, "td_copy from the device during a capture: %s",
+               td_view_last_error());
+  cr_assert_eq(memcmp(td_storage_data(back), td_storage_data(h), 8192), 0);
+  cr_assert_eq(k.ended, CUDA_SUCCESS,
+               "the server's capture was invalidated (cuStreamEndCapture: "
+               "%d)",
+               k.ended);
+  td_storage_release(h);
+  td_storage_release(back);
+  td_close(c);
 }
 
 /* ---- events: ordering a consumer after the producer's GPU work ---- */

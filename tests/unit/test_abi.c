@@ -104,7 +104,8 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_storage_info, nkeys_total, 72);
   FIELD(td_storage_info, keys, 80);
   FIELD(td_storage_info, device_uuid, 88); /* was reserved[0..1] (CUDA) */
-  FIELD(td_storage_info, reserved, 104);
+  FIELD(td_storage_info, device_mig, 104); /* was reserved[0] (MIG) */
+  FIELD(td_storage_info, reserved, 112);
 
   SIZE(td_device_stat, 80, 8);
   FIELD(td_device_stat, device, 0);
@@ -113,7 +114,8 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_device_stat, bytes_used, 24);
   FIELD(td_device_stat, capacity, 32);
   FIELD(td_device_stat, storages, 40);
-  FIELD(td_device_stat, reserved, 48);
+  FIELD(td_device_stat, mig, 48); /* was reserved[0] (MIG) */
+  FIELD(td_device_stat, reserved, 56);
 
   SIZE(td_upgrade_info, 104, 8);
   FIELD(td_upgrade_info, old_pid, 0);

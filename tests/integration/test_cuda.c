@@ -943,3 +943,152 @@ TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
   td_storage_release(s);
   td_close(c);
 }
+
+/* ---- events whose producer is gone ---- */
+
+typedef struct {
+  const char *sock;
+  const char *keys[2]; /* published with the event; keys[1] may be NULL */
+  int ready;           /* write end, or -1: exit once published */
+} producer_arg;
+
+/* A producer: writes a new CUDA storage, records an interprocess event
+ * after the write, and publishes the storage with it under each key. Then
+ * exits without a word (its event goes with the process), or, with ready,
+ * says so and waits to be killed. */
+static int producer(void *p) {
+  producer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, create_on(c, 0, 1 * MiB, &s), 0);
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  CHECK(lib != NULL);
+  CUresult (*retain)(CUcontext *, CUdevice);
+  CUresult (*push)(CUcontext);
+  CUresult (*create)(CUevent *, unsigned int);
+  CUresult (*record)(CUevent, CUstream);
+  *(void **)&retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&create = dlsym(lib, "cuEventCreate");
+  *(void **)&record = dlsym(lib, "cuEventRecord");
+  CHECK(retain && push && create && record);
+  CUcontext ctx;
+  CHECK(retain(&ctx, 0) == CUDA_SUCCESS && push(ctx) == CUDA_SUCCESS);
+  ((unsigned char *)td_storage_data(s))[3] = 33;
+  CUevent ev;
+  CHECK(create(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) ==
+        CUDA_SUCCESS);
+  CHECK(record(ev, NULL) == CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  for (int i = 0; i < 2 && a->keys[i] != NULL; i++)
+    CHECK_ERR(c, td_publish_ex(c, a->keys[i], s, NULL, &o), 0);
+  if (a->ready < 0)
+    return 0;
+  CHECK(write(a->ready, "r", 1) == 1);
+  pause(); /* killed here */
+  return 0;
+}
+
+/* What one line of the daemon's log must show before a test goes on. */
+static char log_needle[128], log_needle2[64];
+
+static int log_shows(const tdt_daemon *dd) {
+  FILE *f = fopen(dd->log, "r");
+  if (f == NULL)
+    return 0;
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof(line), f))
+    found =
+        strstr(line, log_needle) != NULL && strstr(line, log_needle2) != NULL;
+  fclose(f);
+  return found;
+}
+
+/* Waits until the daemon has closed client pid's connection and dropped
+ * its event from n keys (n 0: from none). */
+static void until_events_dropped(pid_t pid, int n) {
+  snprintf(log_needle, sizeof(log_needle), "client %d", (int)pid);
+  snprintf(log_needle2, sizeof(log_needle2), "; dropping its ");
+  cr_assert(tdt_until(log_shows, &d, 5000), "the daemon saw no close of %d",
+            (int)pid);
+  snprintf(log_needle, sizeof(log_needle),
+           "client %d gone: dropped its event from %d key(s)", (int)pid, n);
+  log_needle2[0] = '\0';
+  if (n > 0)
+    cr_assert(tdt_until(log_shows, &d, 5000), "no '%s' in the log", log_needle);
+  else
+    cr_assert_not(tdt_log_has(&d, "dropped its event"),
+                  "an event was dropped that no key carried");
+}
+
+/* The consumer after its producer exited: the key is there, with no event
+ * (the process that made it, and so the event, is gone): the waits return
+ * 0 at once, and the bytes, written before the record, are there. Without
+ * the daemon dropping the event, the consumer's open of it is undefined on
+ * a real driver, and the double aborts it. */
+TDT_TEST(cuda, an_event_goes_from_its_keys_when_its_producer_exits) {
+  tdt_start(&d, NULL);
+  producer_arg pa = {d.sock, {"ev/a", "ev/b"}, -1};
+  pid_t pid = tdt_fork(producer, &pa);
+  cr_assert_eq(tdt_wait(pid), 0);
+  until_events_dropped(pid, 2);
+  peer_arg a = {d.sock, "ev/a", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0,
+               "the consumer waited on an event whose exporter exited");
+  a.key = "ev/b";
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+}
+
+TDT_TEST(cuda, an_event_goes_from_its_key_when_its_producer_is_killed) {
+  tdt_start(&d, NULL);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  producer_arg pa = {d.sock, {"ev", NULL}, pfd[1]};
+  pid_t pid = tdt_fork(producer, &pa);
+  close(pfd[1]);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the producer failed before pause()");
+  close(pfd[0]);
+  /* While the producer lives, its event is the key's: a consumer waits. */
+  peer_arg a = {d.sock, "ev", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  until_events_dropped(pid, 1);
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0,
+               "the consumer waited on an event whose exporter was killed");
+}
+
+/* A key republished or unpublished no longer carries its old event, and
+ * leaves its old publisher's list: that publisher's going drops nothing
+ * (and touches no key that was freed). */
+TDT_TEST(cuda, a_republish_or_unpublish_takes_the_event_off_the_key) {
+  tdt_start(&d, NULL);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  producer_arg pa = {d.sock, {"ev/a", "ev/b"}, pfd[1]};
+  pid_t pid = tdt_fork(producer, &pa);
+  close(pfd[1]);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the producer failed before pause()");
+  close(pfd[0]);
+  td_client *c = tdt_connect(&d);
+  td_storage *h;
+  cr_assert_eq(td_unpublish(c, "ev/a"), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_publish(c, "ev/b", h, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(h);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  until_events_dropped(pid, 0);
+  cr_assert_eq(td_lookup(c, "ev/b", TD_RDONLY, 0, &h, NULL), 0, "%s",
+               td_last_error(c));
+  cr_assert_eq(td_storage_device(h), TD_CPU);
+  cr_assert_eq(td_storage_wait(h, NULL), 0);
+  td_storage_release(h);
+  cr_assert_eq(td_ping(c, NULL), 0, "the daemon serves on");
+  td_close(c);
+}

@@ -223,7 +223,7 @@ c = tensord.connect(sys.argv[1])
 t = c.lookup(sys.argv[2], timeout=0)
 try:
     t.wait()          # the host blocks until the producer's work is done
-    t.wait(stream=1)  # a stream (any value: the double has no streams)
+    t.wait(stream=1)  # a stream: CU_STREAM_LEGACY
 except tensord.Error as e:
     print("FAILED", e)
     sys.exit(3)

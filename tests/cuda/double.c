@@ -1310,6 +1310,8 @@ struct CUevent_st {
 
 #define EVENT_PREFIX "tdcuda-event."
 static void event_check_exporter(const char *call, CUevent ev);
+static void log_event_wait(CUstream stream, int sync);
+static int stream_known(CUstream s);
 #define IPC_EVENT_MAGIC "tdcudaEV"
 
 static CUevent *events;
@@ -1400,8 +1402,10 @@ API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
 API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
   pthread_mutex_lock(&mu);
   CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS)
+  if (r == CUDA_SUCCESS) {
     event_check_exporter("cuEventSynchronize", hEvent);
+    log_event_wait(NULL, 1);
+  }
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1428,15 +1432,16 @@ API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
 
 API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
                                        unsigned int Flags) {
-  (void)hStream;
   if (Flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
-  if (r == CUDA_SUCCESS && !event_live(hEvent))
+  if (r == CUDA_SUCCESS && (!stream_known(hStream) || !event_live(hEvent)))
     r = CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS)
+  if (r == CUDA_SUCCESS) {
     event_check_exporter("cuStreamWaitEvent", hEvent);
+    log_event_wait(hStream, 0);
+  }
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1505,6 +1510,24 @@ static void event_gone(const char *call, pid_t pid, uint64_t tag) {
           call, (unsigned long long)tag, (int)pid,
           gone ? "has exited" : "destroyed it (or is exiting)");
   abort();
+}
+
+/* TDCUDA_EVENT_LOG=path (read at each call): each successful
+ * cuEventSynchronize appends "sync", each cuStreamWaitEvent "wait 0x<the
+ * stream>", so that tests see who waited on what (the double's events make
+ * no one wait). */
+static void log_event_wait(CUstream stream, int sync) {
+  const char *path = getenv("TDCUDA_EVENT_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "ae");
+  if (f == NULL)
+    return;
+  if (sync)
+    fprintf(f, "sync\n");
+  else
+    fprintf(f, "wait 0x%llx\n", (unsigned long long)(uintptr_t)stream);
+  fclose(f);
 }
 
 /* Stops the program if ev is an opened event whose exporter no longer
@@ -1699,6 +1722,14 @@ static CUstream stream_of(CUstream s) {
     if (streams[i] == s)
       return s->pid == getpid() ? s : NULL;
   return NULL;
+}
+
+/* Whether s names a stream the driver would take in this process: 0, the
+ * special handles CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, or a live
+ * stream of its own. Called with mu held. */
+static int stream_known(CUstream s) {
+  return s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ||
+         stream_of(s) != NULL;
 }
 
 /* Runs s's queued copies in order. Returns the first failure, kept. Called

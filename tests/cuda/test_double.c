@@ -675,6 +675,47 @@ Test(double_semantics, an_event_whose_exporter_exited_aborts_its_users) {
   importer_aborts(pid[1], sv[1][0], "cuIpcOpenEventHandle", "has exited");
 }
 
+/* cuStreamWaitEvent takes the streams the driver does, the special handles
+ * included, and no other value; TDCUDA_EVENT_LOG names each waiter. */
+Test(double_semantics, stream_waits_take_only_streams_and_are_logged) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  char log[] = "/tmp/tdcuda-event.XXXXXX";
+  int lfd = mkstemp(log);
+  cr_assert_geq(lfd, 0);
+  close(lfd);
+  setenv("TDCUDA_EVENT_LOG", log, 1);
+  CUevent ev;
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CUstream s, gone;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->StreamCreate(&gone, 0));
+  CU_OK(cu->StreamDestroy(gone));
+  CU_OK(cu->StreamWaitEvent(NULL, ev, 0));
+  CU_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  CU_OK(cu->StreamWaitEvent(CU_STREAM_PER_THREAD, ev, 0));
+  CU_OK(cu->StreamWaitEvent(s, ev, 0));
+  cr_expect_eq(cu->StreamWaitEvent((CUstream)(uintptr_t)0x1234, ev, 0),
+               CUDA_ERROR_INVALID_HANDLE);
+  cr_expect_eq(cu->StreamWaitEvent(gone, ev, 0), CUDA_ERROR_INVALID_HANDLE);
+  CU_OK(cu->EventSynchronize(ev));
+  unsetenv("TDCUDA_EVENT_LOG");
+  char want[256], got[256] = "";
+  snprintf(want, sizeof want,
+           "wait 0x0\nwait 0x1\nwait 0x2\nwait 0x%llx\nsync\n",
+           (unsigned long long)(uintptr_t)s);
+  FILE *f = fopen(log, "r");
+  size_t n = f != NULL ? fread(got, 1, sizeof got - 1, f) : 0;
+  got[n] = '\0';
+  if (f != NULL)
+    fclose(f);
+  unlink(log);
+  cr_expect_str_eq(got, want);
+  CU_OK(cu->StreamDestroy(s));
+  CU_OK(cu->EventDestroy(ev));
+}
+
 /* ---- pinned memory, streams, asynchronous copies ---- */
 
 /* An asynchronous copy lands at its stream's synchronisation, not before,

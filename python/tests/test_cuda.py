@@ -349,6 +349,36 @@ def test_dlpack_makes_the_consumers_stream_wait_on_the_keys_event(
     assert wait_storages(daemon, lambda ls: not ls) == []
 
 
+def test_a_process_waits_on_the_event_it_published_itself(
+    client: tensord.Client, daemon: str, tmp_path, monkeypatch
+) -> None:
+    """The driver opens no process's own event handle: a lookup in the
+    publishing process (any client of it) waits on the event itself, so
+    wait(), __dlpack__(stream=) and torch() work there too."""
+    t = client.empty(64, "uint8", device="cuda:0")
+    lib = _app_driver()
+    ev = ctypes.c_void_p()
+    assert lib.cuEventCreate(
+        ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) == 0
+    assert lib.cuEventRecord(ev, None) == 0
+    client.publish("own", t, event=ev.value)
+    log = tmp_path / "events"
+    monkeypatch.setenv("TDCUDA_EVENT_LOG", str(log))
+    with tensord.connect(daemon) as other:
+        u = other.lookup("own", timeout=0)
+        u.wait()
+        u.wait(stream=1)
+        u.__dlpack__(stream=2)
+        u.release()
+    monkeypatch.delenv("TDCUDA_EVENT_LOG")
+    assert log.read_text().splitlines() == ["sync", "wait 0x1", "wait 0x2"]
+    client.unpublish("own")
+    assert lib.cuEventDestroy_v2(ev) == 0
+    t.release()
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
 def test_dlpack_refuses_what_is_no_stream(client: tensord.Client) -> None:
     t = client.empty(8, "float32", device="cuda:0")
     for bad in (0, -2, 2**64, -(2**70)):

@@ -914,6 +914,35 @@ TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
   td_close(c);
 }
 
+/* The driver opens no process's own event handle: a lookup in the
+ * publishing process, on another client too, waits on the event itself. */
+TDT_TEST(cuda, the_publishing_process_waits_on_its_own_event) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d), *c2 = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  CUevent ev;
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  cr_assert_eq(cu.EventRecord(ev, NULL), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "own", s, NULL, &o), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_lookup(c2, "own", TD_RDONLY, 0, &h, NULL), 0);
+  cr_assert_eq(td_storage_wait(h, NULL), 0, "%s", td_last_error(c2));
+  cr_assert_eq(td_storage_wait(h, CU_STREAM_LEGACY), 0, "%s",
+               td_last_error(c2));
+  td_storage_release(h);
+  /* Waits used the event, not an open of it: it is still the caller's. */
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(td_unpublish(c, "own"), 0);
+  td_storage_release(s);
+  td_close(c2);
+  td_close(c);
+}
+
 TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);

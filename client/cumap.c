@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if TD_HAVE_CUDA
 #include "driver.h"
@@ -168,6 +169,52 @@ int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
   return 0;
 }
 
+/* An event this process exported. The driver refuses to open a process's
+ * own IPC handle (CUDA_ERROR_INVALID_CONTEXT), so a wait on a key this
+ * process published with an event waits on the event itself. The last
+ * OWN_EVENTS distinct handles are kept; an older one is refused as
+ * before. */
+#define OWN_EVENTS 64
+typedef struct {
+  uint8_t handle[64];
+  CUevent ev;
+  pid_t pid; /* a forked child's copy names its parent's events */
+} own_event;
+
+static pthread_mutex_t own_mu = PTHREAD_MUTEX_INITIALIZER;
+static own_event own_events[OWN_EVENTS]; /* own_mu */
+static unsigned own_next;                /* own_mu: the slot to fill next */
+
+/* Remembers that this process exported ev as handle. */
+static void own_add(const uint8_t handle[64], CUevent ev) {
+  pid_t pid = getpid();
+  pthread_mutex_lock(&own_mu);
+  own_event *o = NULL;
+  for (unsigned i = 0; i < OWN_EVENTS && o == NULL; i++)
+    if (own_events[i].pid == pid &&
+        memcmp(own_events[i].handle, handle, 64) == 0)
+      o = &own_events[i];
+  if (o == NULL)
+    o = &own_events[own_next++ % OWN_EVENTS];
+  memcpy(o->handle, handle, 64);
+  o->ev = ev;
+  o->pid = pid;
+  pthread_mutex_unlock(&own_mu);
+}
+
+/* The event this process exported as handle, or NULL if none is known. */
+static CUevent own_find(const uint8_t handle[64]) {
+  pid_t pid = getpid();
+  CUevent ev = NULL;
+  pthread_mutex_lock(&own_mu);
+  for (unsigned i = 0; i < OWN_EVENTS && ev == NULL; i++)
+    if (own_events[i].pid == pid &&
+        memcmp(own_events[i].handle, handle, 64) == 0)
+      ev = own_events[i].ev;
+  pthread_mutex_unlock(&own_mu);
+  return ev;
+}
+
 int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
   const td__cu *cu = load(msg, len);
   if (cu == NULL)
@@ -182,6 +229,7 @@ int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
                    td__cu_strerror(cu, r, e, sizeof(e)));
   _Static_assert(sizeof(h.reserved) == 64, "CUipcEventHandle is not 64 bytes");
   memcpy(out, h.reserved, 64);
+  own_add(out, (CUevent)event);
   return 0;
 }
 
@@ -207,12 +255,19 @@ int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
     CUevent ev;
     memcpy(h.reserved, handle, 64);
     what = "cuIpcOpenEventHandle";
-    if ((r = cu->IpcOpenEventHandle(&ev, h)) == CUDA_SUCCESS) {
+    CUevent own = NULL;
+    r = cu->IpcOpenEventHandle(&ev, h);
+    if (r == CUDA_ERROR_INVALID_CONTEXT && (own = own_find(handle)) != NULL) {
+      ev = own; /* this process's own event: used as is, not destroyed */
+      r = CUDA_SUCCESS;
+    }
+    if (r == CUDA_SUCCESS) {
       what = stream ? "cuStreamWaitEvent" : "cuEventSynchronize";
       r = stream ? cu->StreamWaitEvent((CUstream)stream, ev, 0)
                  : cu->EventSynchronize(ev);
       /* A stream's wait holds what it needs of the event. */
-      cu->EventDestroy(ev);
+      if (own == NULL)
+        cu->EventDestroy(ev);
     }
     cu->CtxPopCurrent(&popped);
   }

@@ -106,13 +106,16 @@ int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
                        uint64_t size, td__cumap **out, char *msg, size_t len);
 void *td__cumap_addr(const td__cumap *m);
 /* Writes the IPC handle of event (a CUevent: CU_EVENT_INTERPROCESS |
- * CU_EVENT_DISABLE_TIMING) into out. Returns 0 or a negative code with msg
+ * CU_EVENT_DISABLE_TIMING) into out, and remembers it for
+ * td__cuevent_wait in this process. Returns 0 or a negative code with msg
  * filled. */
 int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len);
 /* Opens the IPC event handle in the primary context of the GPU with that
  * UUID and makes stream wait for it (cuStreamWaitEvent), or with stream
  * NULL blocks until it completes (cuEventSynchronize); destroys its open.
- * Returns 0 or a negative code with msg filled. */
+ * A handle this process exported (which the driver will not open here)
+ * waits on the exported event itself. Returns 0 or a negative code with
+ * msg filled. */
 int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
                      void *stream, char *msg, size_t len);
 /* The GPU's ordinal in this process. */

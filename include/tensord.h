@@ -518,8 +518,9 @@ char *td_gpu_uuid_str(const uint8_t uuid[16], int mig, char *buf, size_t len);
  * stream wait, pass CU_STREAM_LEGACY. Returns 0 at once when there is
  * nothing to wait for: a handle not from td_lookup, a key published
  * without an event, a CPU storage. Opens the event (cuIpcOpenEventHandle)
- * for each call; a publisher waiting on its own key gets the driver's
- * refusal to open its own handle (it has the event itself). Returns 0, or
+ * for each call; on a key this process published (the driver opens no
+ * process's own handle) it waits on the event it published with, which
+ * must still exist, as for any waiter. Returns 0, or
  * TD_ENODEV / TD_EINVAL / TD_EIO with the driver's reason. */
 int td_storage_wait(td_storage *s, void *stream);
 int td_storage_is_readonly(const td_storage *s);

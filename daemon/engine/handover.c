@@ -259,9 +259,13 @@ int td__handover_save(const td__registry *r, const td__pool *p,
       e->uid = k->uid;
       e->published_ms = k->published_ms;
       e->scope = k->scope ? k->scope->token : 0;
-      if (k->has_event) {
+      /* The event goes with its publisher's connection: sent with its
+       * number, or not at all if that connection is not handed over. */
+      uint32_t by = k->evby != NULL ? number(k->evby) : UINT32_MAX;
+      if (k->has_event && (k->evby == NULL || by != UINT32_MAX)) {
         e->event.data = (uint8_t *)k->event;
         e->event.len = sizeof(k->event);
+        e->event_conn = k->evby != NULL ? by + 1 : 0;
       }
     }
   }
@@ -362,8 +366,8 @@ static int take_scopes(td__registry *r, const td__handover_conn *conns,
   return 0;
 }
 
-static int take_keys(td__registry *r, const Tensord__Handover__Keys *b,
-                     char *msg, size_t len) {
+static int take_keys(td__registry *r, const td__handover_conn *conns, size_t n,
+                     const Tensord__Handover__Keys *b, char *msg, size_t len) {
   for (size_t i = 0; i < b->n_keys; i++) {
     const Tensord__Handover__Key *m = b->keys[i];
     td__storage *s = td__storage_find(r, m->storage);
@@ -379,6 +383,9 @@ static int take_keys(td__registry *r, const Tensord__Handover__Keys *b,
       return td__msg(msg, len, TD_EPROTO,
                      "key in scope %016llx, which was not sent",
                      (unsigned long long)m->scope);
+    if (m->event_conn > n)
+      return td__msg(msg, len, TD_EPROTO, "key's event of connection %u of %zu",
+                     m->event_conn - 1, n);
     td__key_prep p;
     int err = td__key_prepare(r, (const char *)m->name.data, m->name.len, s,
                               m->uid, &p);
@@ -387,10 +394,9 @@ static int take_keys(td__registry *r, const Tensord__Handover__Keys *b,
     p.scope = sc;
     td__key *k = td__key_commit(r, &p, &v);
     k->published_ms = m->published_ms;
-    if (m->event.len == sizeof(k->event)) {
-      k->has_event = 1;
-      memcpy(k->event, m->event.data, sizeof(k->event));
-    }
+    if (m->event.len == sizeof(k->event))
+      td__key_set_event(k, m->event_conn ? conns[m->event_conn - 1].hold : NULL,
+                        m->event.data);
   }
   return 0;
 }
@@ -503,7 +509,7 @@ int td__handover_take(td__registry *r, td__pool *p, td__chans *cs,
   case TENSORD__HANDOVER__PACKET__BODY_SCOPES:
     return take_scopes(r, conns, n, m->scopes, msg, len);
   case TENSORD__HANDOVER__PACKET__BODY_KEYS:
-    return take_keys(r, m->keys, msg, len);
+    return take_keys(r, conns, n, m->keys, msg, len);
   default:
     return td__msg(msg, len, TD_EPROTO, "unexpected packet type %d",
                    (int)m->body_case);

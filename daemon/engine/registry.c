@@ -250,6 +250,7 @@ void td__holdings_init(td__holdings *h, const td__peer *peer) {
   h->ngroups = 0;
   h->groups = NULL;
   h->name = "";
+  h->events = NULL;
 }
 
 td__ref *td__ref_find(const td__holdings *h, uint64_t id) {
@@ -335,6 +336,7 @@ int td__ref_drop(td__registry *r, td__holdings *h, uint64_t id, int ro,
 }
 
 size_t td__holdings_clear_some(td__registry *r, td__holdings *h, size_t max) {
+  td__holdings_drop_events(h); /* no key may point at h once it goes */
   for (size_t i = 0; i < max; i++) {
     td__hnode *n = td__htab_any(&h->refs);
     if (n == NULL)
@@ -412,6 +414,31 @@ static void key_unlink(td__key *k) {
   TD__LIST_REMOVE(&k->storage->keys, k, sprev, snext);
 }
 
+/* Takes k's event away, and k out of its publisher's list. */
+static void event_drop(td__key *k) {
+  if (k->evby != NULL)
+    TD__LIST_REMOVE(&k->evby->events, k, eprev, enext);
+  k->evby = NULL;
+  k->eprev = k->enext = NULL;
+  k->has_event = 0;
+}
+
+void td__key_set_event(td__key *k, td__holdings *by, const uint8_t ev[64]) {
+  event_drop(k);
+  memcpy(k->event, ev, sizeof(k->event));
+  k->has_event = 1;
+  k->evby = by;
+  if (by != NULL)
+    TD__LIST_PUSH(&by->events, k, eprev, enext);
+}
+
+size_t td__holdings_drop_events(td__holdings *h) {
+  size_t n = 0;
+  for (; h->events != NULL; n++)
+    event_drop(h->events);
+  return n;
+}
+
 int td__key_prepare(td__registry *r, const char *key, size_t len,
                     td__storage *s, uid_t uid, td__key_prep *p) {
   p->s = s;
@@ -438,6 +465,8 @@ int td__key_prepare(td__registry *r, const char *key, size_t len,
   k->scope = NULL;
   k->cprev = k->cnext = NULL;
   k->has_event = 0;
+  k->evby = NULL;
+  k->eprev = k->enext = NULL;
   if (td__htab_insert(&r->keys, &k->node, td__hash_bytes(key, len)) < 0) {
     free(k);
     goto nomem;
@@ -477,7 +506,7 @@ td__key *td__key_commit(td__registry *r, td__key_prep *p, const td_view *view) {
   key_link(p->s, k);
   k->view = *view;
   k->published_ms = td__now_ms();
-  k->has_event = 0; /* the publisher's to set (op_publish) */
+  event_drop(k); /* the new publisher's to set (td__key_set_event) */
   if (old != NULL)
     storage_unref(r, old);
   return k;
@@ -512,6 +541,7 @@ void td__key_remove(td__registry *r, td__key *k) {
   key_unlink(k);
   if (k->scope != NULL)
     scope_unlink(k);
+  event_drop(k);
   free(k);
   storage_unref(r, s);
 }

@@ -43,6 +43,9 @@ typedef struct td__holdings {
   gid_t *groups;
   /* The client's name (its Hello), owned by its connection: "" before. */
   const char *name;
+  /* The keys that carry an event this connection published (through
+   * td__key_set_event): the event is this process's, and goes with it. */
+  td__key *events;
 } td__holdings;
 
 /* The holdings a reference belongs to (its peer is theirs). */
@@ -96,9 +99,14 @@ struct td__key {
   int64_t published_ms;
   td__scope *scope; /* the scope it goes with, or NULL */
   /* A CUDA IPC event handle the publisher recorded after its writes, for
-   * consumers to wait on (has_event); never journaled. */
+   * consumers to wait on (has_event); never journaled. It names an event
+   * of the publisher's process (evby's), which no other can keep alive:
+   * it goes from the key when that connection goes
+   * (td__holdings_drop_events). */
   int has_event;
   uint8_t event[64];
+  td__holdings *evby;
+  td__key *eprev, *enext; /* in evby->events */
   td__key *cprev, *cnext; /* in scope->keys */
   size_t len;
   char name[]; /* len bytes, NUL-terminated */
@@ -183,11 +191,12 @@ void td__holdings_init(td__holdings *h, const td__peer *peer);
  * number; storages left unreferenced go to free_fn. */
 void td__holdings_clear(td__registry *r, td__holdings *h);
 /* Drops h's references to at most max storages (whatever their counts),
- * the same way, for a caller that spreads a large clear over several turns
- * of its loop; a series of calls costs what one td__holdings_clear would.
- * Returns the storages h still holds: 0 once h is empty (its table freed).
- * Between calls h is consistent (listings show its remaining references)
- * and must outlive them: its refs point at h->peer. */
+ * the same way (and, at the first call, the events of
+ * td__holdings_drop_events), for a caller that spreads a large clear over
+ * several turns of its loop; a series of calls costs what one
+ * td__holdings_clear would. Returns the storages h still holds: 0 once h is
+ * empty (its table freed). Between calls h is consistent (listings show its
+ * remaining references) and must outlive them: its refs point at h->peer. */
 size_t td__holdings_clear_some(td__registry *r, td__holdings *h, size_t max);
 td__ref *td__ref_find(const td__holdings *h, uint64_t id);
 /* Adds one reference of mode ro to s for h. *had gets the references of that
@@ -251,6 +260,16 @@ int td__key_publish(td__registry *r, const char *key, size_t len,
                     td__key **out);
 /* Unnames k; drops its reference (which may free the storage). */
 void td__key_remove(td__registry *r, td__key *k);
+/* Gives k the event handle ev (64 bytes), an event of by's process, in
+ * place of any it had; by NULL keeps it with no publisher, so that nothing
+ * drops it. td__key_commit (a republish) and td__key_remove drop a key's
+ * event. */
+void td__key_set_event(td__key *k, td__holdings *by, const uint8_t ev[64]);
+/* Drops the event from every key that carries one h published (its
+ * connection is going: its process's events go with it, and a consumer
+ * that opened one after would use a destroyed event). Returns how many
+ * keys lost theirs; the cost is a few stores per such key. */
+size_t td__holdings_drop_events(td__holdings *h);
 
 /* Registers a scope named token (non-zero, unused: the caller draws it at
  * random), owned by owner, a connection of uid. Returns 0, TD_EEXIST if

@@ -542,9 +542,10 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
     return 0;
   }
   k = td__key_commit(reg, &prep, &v);
-  k->has_event = m->event_handle.len == 64;
-  if (k->has_event)
-    memcpy(k->event, m->event_handle.data, 64);
+  /* The event is this connection's process's: it goes from the key when
+   * the connection does (td__ops_conn_gone). */
+  if (m->event_handle.len == 64)
+    td__key_set_event(k, &c->hold, m->event_handle.data);
   td__debug("client %d published '%s' -> storage %llu", (int)c->hold.peer.pid,
             key, (unsigned long long)s->id);
   td__event ev = td__key_event(TD__EV_PUBLISH, k, &c->hold);
@@ -1190,6 +1191,13 @@ static void scope_unlink_from_conn(td__conn *c, td__scope *sc) {
 
 void td__ops_conn_gone(td__conn *c) {
   td__waits_drop(&c->srv->waits, &c->waiters, waiter_done, NULL);
+  /* The events it published die with its process (or already did): a
+   * consumer that looks up one of their keys from now on gets no event
+   * rather than one whose use would be undefined (docs/cuda.md). */
+  size_t nev = td__holdings_drop_events(&c->hold);
+  if (nev > 0)
+    td__debug("client %d gone: dropped its event from %zu key(s)",
+              (int)c->hold.peer.pid, nev);
   while (c->creates != NULL)
     create_unlink_from_conn(c->creates);
   /* Its scopes end with it: keys still in flight to a process that never

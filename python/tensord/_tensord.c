@@ -2164,6 +2164,76 @@ static PyObject *make_capsule(Tensor *t, const td_view *v) {
   return cap;
 }
 
+/* Orders stream (NULL: this thread) after the work t's publisher recorded
+ * in the event it published t's key with (td_storage_wait; nothing to do
+ * without one). Returns 0, or -1 with tensord.Error set. */
+static int tensor_wait(Tensor *t, void *stream) {
+  store *sp = store_use(t->st);
+  char msg[1024];
+  int err;
+  Py_BEGIN_ALLOW_THREADS
+    err = td_storage_wait(sp->s, stream);
+    if (err < 0)
+      snprintf(msg, sizeof(msg), "%s", td_last_error(td_storage_client(sp->s)));
+  Py_END_ALLOW_THREADS
+  store_done(sp);
+  if (err < 0) {
+    raise_err(err, msg);
+    return -1;
+  }
+  return 0;
+}
+
+/* The CUstream a DLPack consumer names for a CUDA tensor, as the array API
+ * has it: None (the consumer assumes the legacy default stream) and 1 are
+ * CU_STREAM_LEGACY, 2 CU_STREAM_PER_THREAD (the driver's handles for them
+ * are these very values), a larger int the stream itself; -1 asks for no
+ * synchronisation (*out NULL, *sync 0). Returns 0, or -1 with ValueError
+ * set (0, which the array API leaves ambiguous, below -1, wider than a
+ * pointer, or not an int). */
+static int dlpack_stream(PyObject *stream, void **out, int *sync) {
+  *out = NULL;
+  *sync = 1;
+  if (stream == Py_None) {
+    *out = (void *)(uintptr_t)1; /* CU_STREAM_LEGACY */
+    return 0;
+  }
+  if (!PyLong_Check(stream)) {
+    PyErr_Format(PyExc_ValueError,
+                 "__dlpack__: stream must be None or an int, not %.100s",
+                 Py_TYPE(stream)->tp_name);
+    return -1;
+  }
+  int overflow;
+  long long v = PyLong_AsLongLongAndOverflow(stream, &overflow);
+  if (v == -1 && PyErr_Occurred())
+    return -1;
+  unsigned long long u = (unsigned long long)v;
+  if (overflow > 0) {
+    u = PyLong_AsUnsignedLongLong(stream);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+      PyErr_Clear(); /* wider than a pointer: the ValueError below */
+      overflow = -1;
+    }
+  }
+  if (u > UINTPTR_MAX)
+    overflow = -1;
+  if (overflow == 0 && v == -1) {
+    *sync = 0;
+    return 0;
+  }
+  if (overflow < 0 || (overflow == 0 && v <= 0)) {
+    PyErr_Format(PyExc_ValueError,
+                 "__dlpack__: stream %S is not a CUDA stream: 1 is the legacy "
+                 "default stream, 2 the per-thread one, a larger int a "
+                 "CUstream, -1 no synchronisation (0 is ambiguous)",
+                 stream);
+    return -1;
+  }
+  *out = (void *)(uintptr_t)u;
+  return 0;
+}
+
 static PyObject *Tensor_dlpack(Tensor *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"stream", NULL};
   PyObject *stream = Py_None;
@@ -2171,16 +2241,21 @@ static PyObject *Tensor_dlpack(Tensor *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (tensor_live(self) < 0)
     return NULL;
-  /* A GPU tensor's bytes are ready when it is published or looked up (the
-   * producer synchronised before it published, docs/cuda.md): a consumer's
-   * stream has nothing of ours to wait for. */
-  if (stream != Py_None && !(self->st->cuda && PyLong_Check(stream))) {
-    PyErr_SetString(PyExc_ValueError,
-                    self->st->cuda
-                        ? "__dlpack__: stream must be None or an int"
-                        : "__dlpack__: stream must be None for a CPU tensor");
-    return NULL;
+  if (!self->st->cuda) {
+    if (stream != Py_None) {
+      PyErr_SetString(PyExc_ValueError,
+                      "__dlpack__: stream must be None for a CPU tensor");
+      return NULL;
+    }
+    return make_capsule(self, &self->v);
   }
+  /* The consumer will use the memory on stream: make that stream wait for
+   * the producer's work, if its key came with an event (docs/cuda.md). */
+  void *cs;
+  int sync;
+  if (dlpack_stream(stream, &cs, &sync) < 0 ||
+      (sync && tensor_wait(self, cs) < 0))
+    return NULL;
   return make_capsule(self, &self->v);
 }
 
@@ -2211,6 +2286,21 @@ static int import_torch(void) {
   return 0;
 }
 
+/* Whether the imported torch was built with CUDA and sees a GPU
+ * (torch.cuda.is_available()). Returns 1, 0, or -1 with an exception set. */
+static int torch_has_cuda(void) {
+  PyObject *m = PyImport_ImportModule("torch.cuda");
+  if (m == NULL)
+    return -1;
+  PyObject *r = PyObject_CallMethod(m, "is_available", NULL);
+  Py_DECREF(m);
+  if (r == NULL)
+    return -1;
+  int yes = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return yes;
+}
+
 static PyObject *Tensor_torch(Tensor *self, PyObject *unused) {
   if (tensor_live(self) < 0)
     return NULL;
@@ -2230,7 +2320,15 @@ static PyObject *Tensor_torch(Tensor *self, PyObject *unused) {
   }
   if (import_torch() < 0)
     return NULL;
-  PyObject *cap = make_capsule(self, &self->v);
+  /* A GPU tensor goes to a CUDA torch as itself: its from_dlpack passes
+   * its current stream on the tensor's GPU to __dlpack__, which makes that
+   * stream wait on the key's event. A CPU-only torch gets the capsule, and
+   * refuses it with its own error ("Torch not compiled with CUDA"). */
+  int as_self = 0;
+  if (self->st->cuda && (as_self = torch_has_cuda()) < 0)
+    return NULL;
+  PyObject *cap = as_self ? (Py_INCREF(self), (PyObject *)self)
+                          : make_capsule(self, &self->v);
   if (cap == NULL)
     return NULL;
   PyObject *t = PyObject_CallOneArg(torch_from_dlpack, cap);
@@ -2250,19 +2348,9 @@ static PyObject *Tensor_wait(Tensor *self, PyObject *args, PyObject *kw) {
     return NULL;
   void *stream;
   if (tensor_live(self) < 0 ||
-      cuda_handle(streamobj, "cuda_stream", "wait: stream", &stream) < 0)
+      cuda_handle(streamobj, "cuda_stream", "wait: stream", &stream) < 0 ||
+      tensor_wait(self, stream) < 0)
     return NULL;
-  store *sp = store_use(self->st);
-  char msg[1024];
-  int err;
-  Py_BEGIN_ALLOW_THREADS
-    err = td_storage_wait(sp->s, stream);
-    if (err < 0)
-      snprintf(msg, sizeof(msg), "%s", td_last_error(td_storage_client(sp->s)));
-  Py_END_ALLOW_THREADS
-  store_done(sp);
-  if (err < 0)
-    return raise_err(err, msg);
   Py_RETURN_NONE;
 }
 
@@ -2765,9 +2853,15 @@ static PyMethodDef Tensor_methods[] = {
      "it keeps the storage alive."},
     {"torch", (PyCFunction)Tensor_torch, METH_NOARGS,
      "torch() -> torch.Tensor over the same bytes; it keeps the storage "
-     "alive."},
+     "alive. On a GPU, torch's current stream there waits on the event the "
+     "key was published with, if any (see __dlpack__)."},
     {"__dlpack__", (PyCFunction)(void (*)(void))Tensor_dlpack,
-     METH_VARARGS | METH_KEYWORDS, "A DLPack capsule of this view."},
+     METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None): a DLPack capsule of this view. For a GPU "
+     "tensor whose key was published with an event, stream (the array "
+     "API's: None or 1 the legacy default stream, 2 the per-thread one, a "
+     "larger int a CUstream) first waits on it on the device; -1 skips "
+     "that. A CPU tensor takes None only."},
     {"__dlpack_device__", (PyCFunction)Tensor_dlpack_device, METH_NOARGS,
      "(kDLCPU, 0)"},
     {"wait", (PyCFunction)(void (*)(void))Tensor_wait,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import signal
 from typing import Iterator
 
 import pytest
@@ -92,7 +93,8 @@ def test_torch_of_a_gpu_tensor_fails_cleanly_on_cpu_torch(
     if torch.cuda.is_available():
         pytest.skip("this torch has CUDA: the double's memory is not a GPU's")
     t = client.empty(16, "float32", device="cuda:0")
-    with pytest.raises(Exception):
+    # torch's own refusal, as its from_dlpack gives it for a kDLCUDA capsule.
+    with pytest.raises(RuntimeError, match="not compiled with CUDA"):
         t.torch()
     t.release()
     gc.collect()
@@ -222,7 +224,7 @@ c = tensord.connect(sys.argv[1])
 t = c.lookup(sys.argv[2], timeout=0)
 try:
     t.wait()          # the host blocks until the producer's work is done
-    t.wait(stream=1)  # a stream (any value: the double has no streams)
+    t.wait(stream=1)  # a stream: CU_STREAM_LEGACY
 except tensord.Error as e:
     print("FAILED", e)
     sys.exit(3)
@@ -265,12 +267,14 @@ def test_publish_with_an_event_and_wait_in_another_process(
         with pytest.raises(TypeError, match="stream"):
             u.wait(stream="default")
         u.release()
-    # The handle names the producer's event: once destroyed, a waiter is
-    # told, naming the driver call.
+    # The handle names the producer's event: using it once destroyed is
+    # undefined on a driver, and the double aborts the waiter, naming the
+    # call (tests/cuda/README.md).
     assert lib.cuEventDestroy_v2(ev) == 0
     r = waiter()
-    assert r.returncode == 3 and "cuIpcOpenEventHandle" in r.stdout, (
-        r.stdout + r.stderr)
+    assert (r.returncode == -signal.SIGABRT
+            and "cuIpcOpenEventHandle" in r.stderr
+            and "destroyed it" in r.stderr), r.stdout + r.stderr
     with pytest.raises(TypeError, match="event"):
         client.publish("ev", t, event="nope")
     # A non-interprocess event is refused, naming the flag it needs.
@@ -284,6 +288,115 @@ def test_publish_with_an_event_and_wait_in_another_process(
     t.release()
     gc.collect()
     assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+_DLPACK_CONSUMER = r"""
+import ctypes, sys, tensord
+lib = ctypes.CDLL(sys.argv[3])  # the driver libtensord loaded: the double
+assert lib.cuInit(0) == 0
+ctx = ctypes.c_void_p()
+assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert lib.cuCtxPushCurrent_v2(ctx) == 0
+s = ctypes.c_void_p()
+assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0  # CU_STREAM_NON_BLOCKING
+print("STREAM", s.value)
+t = tensord.connect(sys.argv[1]).lookup(sys.argv[2], timeout=0)
+for stream in (None, 1, 2, s.value, -1):
+    t.__dlpack__(stream=stream)  # a capsule, dropped unused
+try:
+    t.__dlpack__(stream=0x1234)  # no stream of this process
+except tensord.Error as e:
+    print("REFUSED", e)
+"""
+
+
+def test_dlpack_makes_the_consumers_stream_wait_on_the_keys_event(
+    client: tensord.Client, daemon: str, tmp_path
+) -> None:
+    """__dlpack__(stream=S) of a key published with an event queues
+    cuStreamWaitEvent on S (the array API's numbering: None and 1 the
+    legacy default stream, 2 the per-thread one), not on -1; the double
+    logs each wait to $TDCUDA_EVENT_LOG."""
+    import subprocess
+    import sys
+
+    t = client.empty(64, "uint8", device="cuda:0")
+    lib = _app_driver()
+    ev = ctypes.c_void_p()
+    assert lib.cuEventCreate(
+        ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) == 0
+    assert lib.cuEventRecord(ev, None) == 0
+    client.publish("dl", t, event=ev.value)
+    log = tmp_path / "events"
+    env = dict(os.environ, TENSORD_CUDA_DRIVER=DOUBLE or "",
+               TDCUDA_EVENT_LOG=str(log))
+    r = subprocess.run(
+        [sys.executable, "-c", _DLPACK_CONSUMER, daemon, "dl", DOUBLE or ""],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (stream,) = [int(l.split()[1]) for l in r.stdout.splitlines()
+                 if l.startswith("STREAM ")]
+    waits = log.read_text().splitlines() if log.exists() else []
+    assert waits == ["wait 0x1", "wait 0x1", "wait 0x2",
+                     f"wait {stream:#x}"], r.stdout + r.stderr
+    # A value that is no stream reaches the driver, which refuses it.
+    assert "REFUSED" in r.stdout and "cuStreamWaitEvent" in r.stdout, (
+        r.stdout + r.stderr)
+    client.unpublish("dl")
+    assert lib.cuEventDestroy_v2(ev) == 0
+    t.release()
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_a_process_waits_on_the_event_it_published_itself(
+    client: tensord.Client, daemon: str, tmp_path, monkeypatch
+) -> None:
+    """The driver opens no process's own event handle: a lookup in the
+    publishing process (any client of it) waits on the event itself, so
+    wait(), __dlpack__(stream=) and torch() work there too."""
+    t = client.empty(64, "uint8", device="cuda:0")
+    lib = _app_driver()
+    ev = ctypes.c_void_p()
+    assert lib.cuEventCreate(
+        ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) == 0
+    assert lib.cuEventRecord(ev, None) == 0
+    client.publish("own", t, event=ev.value)
+    log = tmp_path / "events"
+    monkeypatch.setenv("TDCUDA_EVENT_LOG", str(log))
+    with tensord.connect(daemon) as other:
+        u = other.lookup("own", timeout=0)
+        u.wait()
+        u.wait(stream=1)
+        u.__dlpack__(stream=2)
+        u.release()
+    monkeypatch.delenv("TDCUDA_EVENT_LOG")
+    assert log.read_text().splitlines() == ["sync", "wait 0x1", "wait 0x2"]
+    client.unpublish("own")
+    assert lib.cuEventDestroy_v2(ev) == 0
+    t.release()
+    gc.collect()
+    assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_dlpack_refuses_what_is_no_stream(client: tensord.Client) -> None:
+    t = client.empty(8, "float32", device="cuda:0")
+    for bad in (0, -2, 2**64, -(2**70)):
+        with pytest.raises(ValueError, match=f"stream {bad} is not"):
+            t.__dlpack__(stream=bad)
+    for bad in ("default", 1.5):
+        with pytest.raises(ValueError, match="None or an int"):
+            t.__dlpack__(stream=bad)
+    # Without an event there is nothing to wait for: any stream will do.
+    for ok in (None, 1, 2, -1, 2**64 - 1):
+        t.__dlpack__(stream=ok)
+    c = client.empty(8, "float32")
+    for bad in (1, -1):
+        with pytest.raises(ValueError, match="None for a CPU tensor"):
+            c.__dlpack__(stream=bad)
+    c.__dlpack__(stream=None)
+    t.release()
+    c.release()
 
 
 # ---- publish_state_dict with regions on a GPU (the double's) ----

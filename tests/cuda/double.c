@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -1403,9 +1404,16 @@ struct CUevent_st {
   uint64_t *records; /* how often recorded (shared for IPC events) */
   int opened;        /* made by cuIpcOpenEventHandle */
   pid_t pid;         /* the process that made it */
+  /* An opened event: where its exporter keeps it (pid, fd number), which
+   * must still hold it whenever the event is used. */
+  pid_t exporter;
+  int exporter_fd;
 };
 
 #define EVENT_PREFIX "tdcuda-event."
+static void event_check_exporter(const char *call, CUevent ev);
+static void log_event_wait(CUstream stream, int sync);
+static int stream_known(CUstream s);
 #define IPC_EVENT_MAGIC "tdcudaEV"
 
 static CUevent *events;
@@ -1500,8 +1508,11 @@ API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
 API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
   pthread_mutex_lock(&mu);
   CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS)
+  if (r == CUDA_SUCCESS) {
+    event_check_exporter("cuEventSynchronize", hEvent);
+    log_event_wait(NULL, 1);
     r = event_wait(hEvent);
+  }
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1528,15 +1539,18 @@ API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
 
 API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
                                        unsigned int Flags) {
-  (void)hStream; /* it waits here, on the host: looser than the driver */
   if (Flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
-  if (r == CUDA_SUCCESS && !event_live(hEvent))
+  if (r == CUDA_SUCCESS && (!stream_known(hStream) || !event_live(hEvent)))
     r = CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS)
+  if (r == CUDA_SUCCESS) {
+    event_check_exporter("cuStreamWaitEvent", hEvent);
+    log_event_wait(hStream, 0);
+    /* it waits here, on the host: looser than the driver */
     r = event_wait(hEvent);
+  }
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1546,9 +1560,91 @@ typedef struct {
   int32_t pid;
   int32_t fd;
   uint64_t tag;
+  uint64_t check; /* ipc_event_check of the above: tells forged from gone */
 } ipc_event;
 _Static_assert(sizeof(ipc_event) <= sizeof(CUipcEventHandle),
                "ipc_event outgrows CUipcEventHandle");
+
+/* A hash of h's pid, fd and tag, so that a handle the double made and a
+ * forged or damaged one differ: only the first may name an event whose
+ * exporter destroyed it or died (undefined on the driver, below). */
+static uint64_t ipc_event_check(const ipc_event *h) {
+  uint64_t x =
+      h->tag ^ ((uint64_t)(uint32_t)h->pid << 32 | (uint64_t)(uint32_t)h->fd);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb3fe1a85ec53ull;
+  return x ^ x >> 33;
+}
+
+/* Whether process pid still holds, as fd, the memfd of the event tag: true
+ * while its exporter has neither destroyed it nor exited. */
+static int exporter_holds(pid_t pid, int fd, uint64_t tag) {
+  char path[64], link[128], want[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, fd);
+  snprintf(want, sizeof want, "/memfd:" EVENT_PREFIX "%016llx",
+           (unsigned long long)tag);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  if (n < 0)
+    return 0;
+  link[n] = '\0';
+  return strncmp(link, want, strlen(want)) == 0;
+}
+
+/* What a real driver does with an imported event whose exporter destroyed
+ * it or exited is undefined (cuIpcOpenEventHandle's documentation): a wait
+ * may hang, or read memory since reused. The double stops the program
+ * there, loudly, so that no test passes on what a GPU would not do. */
+static int exited(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH)
+    return 1;
+  char path[64], stat[256] = "";
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "re");
+  if (f != NULL) {
+    if (fgets(stat, sizeof stat, f) == NULL)
+      stat[0] = '\0';
+    fclose(f);
+  }
+  const char *state = strrchr(stat, ')');
+  return state != NULL && state[1] == ' ' && state[2] == 'Z'; /* a zombie */
+}
+
+static void event_gone(const char *call, pid_t pid, uint64_t tag) {
+  int gone = exited(pid);
+  fprintf(stderr,
+          "tdcuda double: %s: interprocess event %016llx of process %d, "
+          "which %s: undefined behaviour on a real driver\n",
+          call, (unsigned long long)tag, (int)pid,
+          gone ? "has exited" : "destroyed it (or is exiting)");
+  abort();
+}
+
+/* TDCUDA_EVENT_LOG=path (read at each call): each successful
+ * cuEventSynchronize appends "sync", each cuStreamWaitEvent "wait 0x<the
+ * stream>", so that tests see who waited on what (the double's events make
+ * no one wait). */
+static void log_event_wait(CUstream stream, int sync) {
+  const char *path = getenv("TDCUDA_EVENT_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "ae");
+  if (f == NULL)
+    return;
+  if (sync)
+    fprintf(f, "sync\n");
+  else
+    fprintf(f, "wait 0x%llx\n", (unsigned long long)(uintptr_t)stream);
+  fclose(f);
+}
+
+/* Stops the program if ev is an opened event whose exporter no longer
+ * holds it. Called with mu held, on a live event. */
+static void event_check_exporter(const char *call, CUevent ev) {
+  if (ev->opened && !exporter_holds(ev->exporter, ev->exporter_fd, ev->tag))
+    event_gone(call, ev->exporter, ev->tag);
+}
 
 API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
                                          CUevent event) {
@@ -1563,6 +1659,7 @@ API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
   if (r == CUDA_SUCCESS) {
     ipc_event h = {.pid = getpid(), .fd = event->fd, .tag = event->tag};
     memcpy(h.magic, IPC_EVENT_MAGIC, 8);
+    h.check = ipc_event_check(&h);
     memset(pHandle, 0, sizeof *pHandle);
     memcpy(pHandle->reserved, &h, sizeof h);
   }
@@ -1576,7 +1673,8 @@ API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
     return CUDA_ERROR_INVALID_VALUE;
   ipc_event h;
   memcpy(&h, handle_.reserved, sizeof h);
-  if (memcmp(h.magic, IPC_EVENT_MAGIC, 8) != 0)
+  if (memcmp(h.magic, IPC_EVENT_MAGIC, 8) != 0 ||
+      h.check != ipc_event_check(&h))
     return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&mu);
   int fd = -1;
@@ -1587,20 +1685,20 @@ API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
     r = CUDA_ERROR_INVALID_CONTEXT;
     goto out;
   }
-  char path[64], link[128], want[64];
+  char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
-  snprintf(want, sizeof want, "/memfd:" EVENT_PREFIX "%016llx",
-           (unsigned long long)h.tag);
-  ssize_t n = readlink(path, link, sizeof link - 1);
-  if (n < 0 || (link[n] = '\0', strncmp(link, want, strlen(want)) != 0) ||
-      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0) {
-    r = CUDA_ERROR_INVALID_HANDLE;
-    goto out;
-  }
+  /* A handle the double made, whose event is gone: see event_gone. */
+  if (!exporter_holds(h.pid, h.fd, h.tag) ||
+      (fd = open(path, O_RDWR | O_CLOEXEC)) < 0 ||
+      !exporter_holds(h.pid, h.fd, h.tag))
+    event_gone("cuIpcOpenEventHandle", h.pid, h.tag);
   r = event_make(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, fd, h.tag, 1,
                  phEvent);
-  if (r == CUDA_SUCCESS)
+  if (r == CUDA_SUCCESS) {
+    (*phEvent)->exporter = h.pid;
+    (*phEvent)->exporter_fd = h.fd;
     fd = -1;
+  }
 out:
   if (fd >= 0)
     close(fd);
@@ -1755,6 +1853,14 @@ static CUstream stream_of(CUstream s) {
     if (streams[i] == s)
       return s->pid == getpid() ? s : NULL;
   return NULL;
+}
+
+/* Whether s names a stream the driver would take in this process: 0, the
+ * special handles CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, or a live
+ * stream of its own. Called with mu held. */
+static int stream_known(CUstream s) {
+  return s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ||
+         stream_of(s) != NULL;
 }
 
 /* ---- asynchronous work ----

@@ -566,6 +566,169 @@ Test(double_semantics, interprocess_events_open_in_another_process) {
   close(sv[0]);
 }
 
+/* What an importer does with the event it is sent, once its exporter says
+ * 'd' (destroyed it, or exited): fork copies it to each child. */
+static enum { USE_SYNC, USE_STREAM_WAIT, USE_OPEN } event_use;
+
+/* Opens the event it is sent and waits on it (before the exporter lets go,
+ * unless event_use is USE_OPEN), says 'o', and after 'd' uses it (or opens
+ * it) again: undefined on a real driver, so the double aborts, its message
+ * going to sock as stderr. */
+static void importer_event(int sock) {
+  const struct rlimit no_core = {0, 0};
+  setrlimit(RLIMIT_CORE, &no_core);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUipcEventHandle h;
+  CHILD_CHECK(read(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CUevent ev = NULL;
+  if (event_use != USE_OPEN) {
+    CHILD_OK(cu->IpcOpenEventHandle(&ev, h));
+    CHILD_OK(cu->EventSynchronize(ev));
+    CHILD_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  }
+  send_byte(sock, 'o');
+  CHILD_CHECK(recv_byte(sock) == 'd');
+  CHILD_CHECK(dup2(sock, STDERR_FILENO) == STDERR_FILENO);
+  switch (event_use) {
+  case USE_SYNC:
+    cu->EventSynchronize(ev);
+    break;
+  case USE_STREAM_WAIT:
+    cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0);
+    break;
+  case USE_OPEN:
+    cu->IpcOpenEventHandle(&ev, h);
+    break;
+  }
+  _exit(0); /* not reached: the double aborted */
+}
+
+/* Checks that the importer on sock, told its event is gone, died of
+ * SIGABRT saying call is undefined on a real driver because its exporter
+ * did what (destroyed it / exited). */
+static void importer_aborts(pid_t pid, int sock, const char *call,
+                            const char *what) {
+  send_byte(sock, 'd');
+  char msg[512];
+  ssize_t n = read(sock, msg, sizeof msg - 1);
+  msg[n > 0 ? n : 0] = '\0';
+  int st = wait_child(pid);
+  cr_expect(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT,
+            "%s after the exporter %s: status %#x, not SIGABRT", call, what,
+            st);
+  cr_expect(strstr(msg, call) != NULL &&
+                strstr(msg, "undefined behaviour on a real driver") != NULL &&
+                strstr(msg, what) != NULL,
+            "the double's message: '%s'", msg);
+  close(sock);
+}
+
+/* An event its exporter destroyed, used by a process that imported it
+ * before (a wait on the host or a stream) or opened after: undefined on a
+ * real driver, which may hang or read reused memory; the double aborts. */
+Test(double_semantics, an_event_used_after_its_exporter_destroyed_it_aborts) {
+  int sv[3][2];
+  pid_t pid[3];
+  for (int i = 0; i < 3; i++) {
+    event_use = i == 0 ? USE_SYNC : i == 1 ? USE_STREAM_WAIT : USE_OPEN;
+    pid[i] = fork_child(sv[i], importer_event);
+  }
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUevent ev;
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CUipcEventHandle h;
+  CU_OK(cu->IpcGetEventHandle(&h, ev));
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(write(sv[i][0], &h, sizeof h), (ssize_t)sizeof h);
+    cr_assert_eq(recv_byte(sv[i][0]), 'o', "importer %d", i);
+  }
+  CU_OK(cu->EventDestroy(ev));
+  importer_aborts(pid[0], sv[0][0], "cuEventSynchronize", "destroyed it");
+  importer_aborts(pid[1], sv[1][0], "cuStreamWaitEvent", "destroyed it");
+  importer_aborts(pid[2], sv[2][0], "cuIpcOpenEventHandle", "destroyed it");
+}
+
+/* Makes an interprocess event, sends its handle, and exits at 'x' without
+ * destroying it: the process's end takes it. */
+static void exporter_event(int sock) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUevent ev;
+  CHILD_OK(
+      cu->EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  CHILD_OK(cu->EventRecord(ev, NULL));
+  CUipcEventHandle h;
+  CHILD_OK(cu->IpcGetEventHandle(&h, ev));
+  CHILD_CHECK(write(sock, &h, sizeof h) == (ssize_t)sizeof h);
+  CHILD_CHECK(recv_byte(sock) == 'x');
+}
+
+Test(double_semantics, an_event_whose_exporter_exited_aborts_its_users) {
+  int ex[2], sv[2][2];
+  pid_t pid[2];
+  for (int i = 0; i < 2; i++) {
+    event_use = i == 0 ? USE_SYNC : USE_OPEN;
+    pid[i] = fork_child(sv[i], importer_event);
+  }
+  pid_t exporter = fork_child(ex, exporter_event);
+  CUipcEventHandle h;
+  cr_assert_eq(read(ex[0], &h, sizeof h), (ssize_t)sizeof h);
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(write(sv[i][0], &h, sizeof h), (ssize_t)sizeof h);
+    cr_assert_eq(recv_byte(sv[i][0]), 'o', "importer %d", i);
+  }
+  send_byte(ex[0], 'x');
+  int st = wait_child(exporter);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exporter: status %#x", st);
+  close(ex[0]);
+  importer_aborts(pid[0], sv[0][0], "cuEventSynchronize", "has exited");
+  importer_aborts(pid[1], sv[1][0], "cuIpcOpenEventHandle", "has exited");
+}
+
+/* cuStreamWaitEvent takes the streams the driver does, the special handles
+ * included, and no other value; TDCUDA_EVENT_LOG names each waiter. */
+Test(double_semantics, stream_waits_take_only_streams_and_are_logged) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  char log[] = "/tmp/tdcuda-event.XXXXXX";
+  int lfd = mkstemp(log);
+  cr_assert_geq(lfd, 0);
+  close(lfd);
+  setenv("TDCUDA_EVENT_LOG", log, 1);
+  CUevent ev;
+  CU_OK(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+  CU_OK(cu->EventRecord(ev, NULL));
+  CUstream s, gone;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->StreamCreate(&gone, 0));
+  CU_OK(cu->StreamDestroy(gone));
+  CU_OK(cu->StreamWaitEvent(NULL, ev, 0));
+  CU_OK(cu->StreamWaitEvent(CU_STREAM_LEGACY, ev, 0));
+  CU_OK(cu->StreamWaitEvent(CU_STREAM_PER_THREAD, ev, 0));
+  CU_OK(cu->StreamWaitEvent(s, ev, 0));
+  cr_expect_eq(cu->StreamWaitEvent((CUstream)(uintptr_t)0x1234, ev, 0),
+               CUDA_ERROR_INVALID_HANDLE);
+  cr_expect_eq(cu->StreamWaitEvent(gone, ev, 0), CUDA_ERROR_INVALID_HANDLE);
+  CU_OK(cu->EventSynchronize(ev));
+  unsetenv("TDCUDA_EVENT_LOG");
+  char want[256], got[256] = "";
+  snprintf(want, sizeof want,
+           "wait 0x0\nwait 0x1\nwait 0x2\nwait 0x%llx\nsync\n",
+           (unsigned long long)(uintptr_t)s);
+  FILE *f = fopen(log, "r");
+  size_t n = f != NULL ? fread(got, 1, sizeof got - 1, f) : 0;
+  got[n] = '\0';
+  if (f != NULL)
+    fclose(f);
+  unlink(log);
+  cr_expect_str_eq(got, want);
+  CU_OK(cu->StreamDestroy(s));
+  CU_OK(cu->EventDestroy(ev));
+}
+
 /* ---- pinned memory, streams, asynchronous copies ---- */
 
 /* An asynchronous copy lands at its stream's synchronisation, not before,

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1284,11 +1285,14 @@ static app_cu app_driver(void) {
 }
 
 /* Waits on the key's event, on the host and on a stream, then reads. Exits
- * 3 if the waits fail (the expected outcome when the event is gone). */
+ * 3 if the waits fail; dies of SIGABRT where the double stops a use of an
+ * event its exporter destroyed (undefined on a real driver). */
 static int peer_wait(void *p) {
   peer_arg *a = p;
   td_client *c;
   td_storage *s;
+  struct rlimit no_core = {0, 0}; /* an expected abort leaves no core */
+  setrlimit(RLIMIT_CORE, &no_core);
   CHECK(td_connect(a->sock, &c) == 0);
   CHECK_ERR(c, td_lookup(c, a->key, TD_RDONLY, 0, &s, NULL), 0);
   int w1 = td_storage_wait(s, NULL);
@@ -1330,14 +1334,44 @@ TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
   cr_assert_eq(td_storage_wait(h, NULL), 0);
   td_storage_release(h);
 
-  /* The handle names the producer's event: once destroyed, it opens
-   * nothing and the consumer is told. */
+  /* The handle names the producer's event, which the producer must keep
+   * while the key names it and it stays connected: a consumer's open of a
+   * destroyed one is undefined on a real driver, and the double stops it. */
   cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
-  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 3);
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 128 + SIGABRT);
 
   cr_assert_eq(td_unpublish(c, "ev"), 0);
   cr_assert_eq(td_unpublish(c, "plain"), 0);
   td_storage_release(s);
+  td_close(c);
+}
+
+/* The driver opens no process's own event handle: a lookup in the
+ * publishing process, on another client too, waits on the event itself. */
+TDT_TEST(cuda, the_publishing_process_waits_on_its_own_event) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d), *c2 = tdt_connect(&d);
+  td_storage *s, *h;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  app_cu cu = app_driver();
+  CUevent ev;
+  cr_assert_eq(
+      cu.EventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+      CUDA_SUCCESS);
+  cr_assert_eq(cu.EventRecord(ev, NULL), CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  cr_assert_eq(td_publish_ex(c, "own", s, NULL, &o), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_lookup(c2, "own", TD_RDONLY, 0, &h, NULL), 0);
+  cr_assert_eq(td_storage_wait(h, NULL), 0, "%s", td_last_error(c2));
+  cr_assert_eq(td_storage_wait(h, CU_STREAM_LEGACY), 0, "%s",
+               td_last_error(c2));
+  td_storage_release(h);
+  /* Waits used the event, not an open of it: it is still the caller's. */
+  cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
+  cr_assert_eq(td_unpublish(c, "own"), 0);
+  td_storage_release(s);
+  td_close(c2);
   td_close(c);
 }
 
@@ -1368,5 +1402,154 @@ TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
                "a refused publish published nothing");
   cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
   td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- events whose producer is gone ---- */
+
+typedef struct {
+  const char *sock;
+  const char *keys[2]; /* published with the event; keys[1] may be NULL */
+  int ready;           /* write end, or -1: exit once published */
+} producer_arg;
+
+/* A producer: writes a new CUDA storage, records an interprocess event
+ * after the write, and publishes the storage with it under each key. Then
+ * exits without a word (its event goes with the process), or, with ready,
+ * says so and waits to be killed. */
+static int producer(void *p) {
+  producer_arg *a = p;
+  td_client *c;
+  td_storage *s;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, create_on(c, 0, 1 * MiB, &s), 0);
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  CHECK(lib != NULL);
+  CUresult (*retain)(CUcontext *, CUdevice);
+  CUresult (*push)(CUcontext);
+  CUresult (*create)(CUevent *, unsigned int);
+  CUresult (*record)(CUevent, CUstream);
+  *(void **)&retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&create = dlsym(lib, "cuEventCreate");
+  *(void **)&record = dlsym(lib, "cuEventRecord");
+  CHECK(retain && push && create && record);
+  CUcontext ctx;
+  CHECK(retain(&ctx, 0) == CUDA_SUCCESS && push(ctx) == CUDA_SUCCESS);
+  ((unsigned char *)td_storage_data(s))[3] = 33;
+  CUevent ev;
+  CHECK(create(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) ==
+        CUDA_SUCCESS);
+  CHECK(record(ev, NULL) == CUDA_SUCCESS);
+  td_publish_opts o = {0};
+  o.event = ev;
+  for (int i = 0; i < 2 && a->keys[i] != NULL; i++)
+    CHECK_ERR(c, td_publish_ex(c, a->keys[i], s, NULL, &o), 0);
+  if (a->ready < 0)
+    return 0;
+  CHECK(write(a->ready, "r", 1) == 1);
+  pause(); /* killed here */
+  return 0;
+}
+
+/* What one line of the daemon's log must show before a test goes on. */
+static char log_needle[128], log_needle2[64];
+
+static int log_shows(const tdt_daemon *dd) {
+  FILE *f = fopen(dd->log, "r");
+  if (f == NULL)
+    return 0;
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof(line), f))
+    found =
+        strstr(line, log_needle) != NULL && strstr(line, log_needle2) != NULL;
+  fclose(f);
+  return found;
+}
+
+/* Waits until the daemon has closed client pid's connection and dropped
+ * its event from n keys (n 0: from none). */
+static void until_events_dropped(pid_t pid, int n) {
+  snprintf(log_needle, sizeof(log_needle), "client %d", (int)pid);
+  snprintf(log_needle2, sizeof(log_needle2), "; dropping its ");
+  cr_assert(tdt_until(log_shows, &d, 5000), "the daemon saw no close of %d",
+            (int)pid);
+  snprintf(log_needle, sizeof(log_needle),
+           "client %d gone: dropped its event from %d key(s)", (int)pid, n);
+  log_needle2[0] = '\0';
+  if (n > 0)
+    cr_assert(tdt_until(log_shows, &d, 5000), "no '%s' in the log", log_needle);
+  else
+    cr_assert_not(tdt_log_has(&d, "dropped its event"),
+                  "an event was dropped that no key carried");
+}
+
+/* The consumer after its producer exited: the key is there, with no event
+ * (the process that made it, and so the event, is gone): the waits return
+ * 0 at once, and the bytes, written before the record, are there. Without
+ * the daemon dropping the event, the consumer's open of it is undefined on
+ * a real driver, and the double aborts it. */
+TDT_TEST(cuda, an_event_goes_from_its_keys_when_its_producer_exits) {
+  tdt_start(&d, NULL);
+  producer_arg pa = {d.sock, {"ev/a", "ev/b"}, -1};
+  pid_t pid = tdt_fork(producer, &pa);
+  cr_assert_eq(tdt_wait(pid), 0);
+  until_events_dropped(pid, 2);
+  peer_arg a = {d.sock, "ev/a", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0,
+               "the consumer waited on an event whose exporter exited");
+  a.key = "ev/b";
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+}
+
+TDT_TEST(cuda, an_event_goes_from_its_key_when_its_producer_is_killed) {
+  tdt_start(&d, NULL);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  producer_arg pa = {d.sock, {"ev", NULL}, pfd[1]};
+  pid_t pid = tdt_fork(producer, &pa);
+  close(pfd[1]);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the producer failed before pause()");
+  close(pfd[0]);
+  /* While the producer lives, its event is the key's: a consumer waits. */
+  peer_arg a = {d.sock, "ev", 0, -1};
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  until_events_dropped(pid, 1);
+  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0,
+               "the consumer waited on an event whose exporter was killed");
+}
+
+/* A key republished or unpublished no longer carries its old event, and
+ * leaves its old publisher's list: that publisher's going drops nothing
+ * (and touches no key that was freed). */
+TDT_TEST(cuda, a_republish_or_unpublish_takes_the_event_off_the_key) {
+  tdt_start(&d, NULL);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  producer_arg pa = {d.sock, {"ev/a", "ev/b"}, pfd[1]};
+  pid_t pid = tdt_fork(producer, &pa);
+  close(pfd[1]);
+  char x;
+  cr_assert_eq(read(pfd[0], &x, 1), 1, "the producer failed before pause()");
+  close(pfd[0]);
+  td_client *c = tdt_connect(&d);
+  td_storage *h;
+  cr_assert_eq(td_unpublish(c, "ev/a"), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  cr_assert_eq(td_publish(c, "ev/b", h, NULL), 0, "%s", td_last_error(c));
+  td_storage_release(h);
+  kill(pid, SIGKILL);
+  cr_assert_eq(tdt_wait(pid), 128 + SIGKILL);
+  until_events_dropped(pid, 0);
+  cr_assert_eq(td_lookup(c, "ev/b", TD_RDONLY, 0, &h, NULL), 0, "%s",
+               td_last_error(c));
+  cr_assert_eq(td_storage_device(h), TD_CPU);
+  cr_assert_eq(td_storage_wait(h, NULL), 0);
+  td_storage_release(h);
+  cr_assert_eq(td_ping(c, NULL), 0, "the daemon serves on");
   td_close(c);
 }

@@ -174,9 +174,10 @@ static void build_old(void) {
   publish(&old, "weights/a", a, &v1, 1000, NULL);
   publish(&old, "weights/b", b, &v2, 1000, NULL);
   publish(&old, "weights/b.t", b, &vt, 1001, NULL);
+  uint8_t ev[64];
+  memset(ev, 0xab, sizeof(ev));
   td__key *e = publish(&old, "tmp/x", c, &v2, 1000, s1);
-  e->has_event = 1;
-  memset(e->event, 0xab, sizeof(e->event));
+  td__key_set_event(e, &old.conns[2].hold, ev); /* its publisher's */
   publish(&old, "tmp/y", d, &v1, 1001, s2);
 
   pooled(&old, "/tensord.0000000000001234-pool.1-fake", 1000, 1 << 20);
@@ -343,6 +344,11 @@ static void check_storage(const td__storage *a, const td__storage *b) {
     cr_assert_eq(k->published_ms, l->published_ms, "%s: published", k->name);
     cr_assert_eq(k->has_event, l->has_event, "%s: event", k->name);
     cr_assert_eq(memcmp(k->event, l->event, sizeof(k->event)), 0);
+    cr_assert_eq(k->evby == NULL, l->evby == NULL, "%s: event's publisher",
+                 k->name);
+    if (k->evby != NULL)
+      cr_assert_eq(holder(&old, k->evby), holder(&new, l->evby),
+                   "%s: event of another connection", k->name);
     cr_assert_eq(k->scope ? k->scope->token : 0, l->scope ? l->scope->token : 0,
                  "%s: scope", k->name);
   }
@@ -412,6 +418,35 @@ Test(handover, rebuilds_the_state_it_describes) {
   check_usage(1000);
   check_usage(1001);
   check_usage(0);
+}
+
+/* A key's event stays its publisher's across the upgrade, so the new
+ * daemon drops it when that connection goes; an event whose publisher is
+ * not handed over (the upgrade's asker) is not sent at all. */
+Test(handover, an_event_goes_over_with_its_publishers_connection) {
+  int64_t shape[1] = {4096};
+  td_view v;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, shape, &v), 0);
+  td__storage *s = make(&old, &old.conns[0], &peers[0], TD_CUDA, 2 << 20);
+  uint8_t ev[64];
+  memset(ev, 0x5a, sizeof(ev));
+  td__key_set_event(publish(&old, "ev/kept", s, &v, 1000, NULL),
+                    &old.conns[1].hold, ev);
+  td__key_set_event(publish(&old, "ev/ownerless", s, &v, 1000, NULL), NULL, ev);
+  td__key_set_event(publish(&old, "ev/asker", s, &v, 1000, NULL),
+                    &old.conns[2].hold, ev);
+  old.conns[2].index = UINT32_MAX; /* holds nothing: not handed over */
+  hand_over();
+  td__key *k = td__key_find(&new.reg, "ev/kept", 7);
+  cr_assert(k != NULL && k->has_event);
+  cr_assert_eq(k->evby, &new.conns[1].hold);
+  cr_assert_eq(memcmp(k->event, ev, sizeof(ev)), 0);
+  k = td__key_find(&new.reg, "ev/ownerless", 12);
+  cr_assert(k != NULL && k->has_event && k->evby == NULL);
+  k = td__key_find(&new.reg, "ev/asker", 8);
+  cr_assert(k != NULL && !k->has_event, "its publisher stays behind");
+  cr_assert_eq(td__holdings_drop_events(&new.conns[1].hold), 1);
+  cr_assert_not(td__key_find(&new.reg, "ev/kept", 7)->has_event);
 }
 
 Test(handover, an_empty_engine_hands_over_nothing) {

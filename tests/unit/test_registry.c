@@ -270,6 +270,76 @@ Test(registry, key_holds_its_own_reference) {
   td__holdings_clear(&reg, &h);
 }
 
+/* ---- events: a key's event is its publisher's connection's ---- */
+
+static td__key *key(const char *name) {
+  td__key *k = td__key_find(&reg, name, strlen(name));
+  cr_assert_not_null(k, "key '%s' is published", name);
+  return k;
+}
+
+static void set_event(const char *name, td__holdings *by, uint8_t fill) {
+  uint8_t ev[64];
+  memset(ev, fill, sizeof(ev));
+  td__key_set_event(key(name), by, ev);
+}
+
+Test(registry, a_publishers_events_go_with_it_and_no_one_elses) {
+  td__holdings a, b;
+  td__holdings_init(&a, &peer_a);
+  td__holdings_init(&b, &peer_b);
+  uint64_t id = make(&a, 10);
+  publish("x", id);
+  publish("y", id);
+  publish("z", id);
+  set_event("x", &a, 1);
+  set_event("y", &a, 2);
+  set_event("z", &b, 3);
+  cr_assert(key("x")->has_event && key("x")->evby == &a);
+  cr_assert_eq(key("y")->event[0], 2);
+  cr_assert_eq(td__holdings_drop_events(&a), 2);
+  cr_assert_not(key("x")->has_event);
+  cr_assert_not(key("y")->has_event);
+  cr_assert_null(key("x")->evby);
+  cr_assert(key("z")->has_event, "b's event stays");
+  cr_assert_eq(td__holdings_drop_events(&a), 0, "nothing left to drop");
+  /* Going, b drops its own too (td__holdings_clear_some's first call). */
+  td__holdings_clear(&reg, &b);
+  cr_assert_not(key("z")->has_event);
+  cr_assert_eq(find(id)->refs, 4, "events are no references");
+  td__holdings_clear(&reg, &a);
+}
+
+Test(registry, a_republish_or_unpublish_takes_the_event_from_its_publisher) {
+  td__holdings a, b;
+  td__holdings_init(&a, &peer_a);
+  td__holdings_init(&b, &peer_b);
+  uint64_t id = make(&a, 10);
+  publish("x", id);
+  publish("y", id);
+  set_event("x", &a, 1);
+  set_event("y", &a, 2);
+  /* Another publish of x (by anyone) names new work, or none. */
+  publish("x", id);
+  cr_assert_not(key("x")->has_event);
+  /* An unpublished key leaves a's list: a's going must not touch it. */
+  unpublish("y");
+  cr_assert_null(a.events, "a carries no event any more");
+  /* A new event replaces the old, publisher and all. */
+  set_event("x", &a, 4);
+  set_event("x", &b, 5);
+  cr_assert_null(a.events);
+  cr_assert_eq(b.events, key("x"));
+  cr_assert_eq(key("x")->event[63], 5);
+  /* An event without a known publisher stays until the key changes. */
+  set_event("x", NULL, 6);
+  cr_assert_null(b.events);
+  cr_assert_eq(td__holdings_drop_events(&b), 0);
+  cr_assert(key("x")->has_event);
+  td__holdings_clear(&reg, &a);
+  td__holdings_clear(&reg, &b);
+}
+
 Test(registry, publish_replaces_and_old_storage_may_go) {
   td__holdings h;
   td__holdings_init(&h, &peer_a);

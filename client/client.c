@@ -1448,6 +1448,13 @@ static int many_part(many_ctx *x, part *pt, size_t lo, size_t hi,
     const Tensord__LookupManyItem *it = rm->items[j];
     const Tensord__LookupReply *lr = it->lookup;
     const char *key = x->keys[i];
+    if (it->code != 0 && strnlen(key, TD_KEY_MAX + 1) > TD_KEY_MAX) {
+      /* Sent cut short (see many_request): say how long it really is. */
+      many_fail(x, i, TD_EINVAL,
+                "key of %zu bytes (keys[%zu]) is longer than %d", strlen(key),
+                i, TD_KEY_MAX);
+      continue;
+    }
     if (it->code != 0) {
       many_fail(x, i, it->code < 0 ? it->code : TD_EPROTO, "%s", it->message);
       continue;
@@ -1501,9 +1508,11 @@ static void many_request(many_ctx *x, size_t lo, size_t hi) {
       many_fail(x, i, TD_ENOMEM, "lookup_many: out of memory");
     return;
   }
+  /* A key longer than TD_KEY_MAX goes cut to TD_KEY_MAX + 1 bytes: the
+   * daemon fails it alone, where the whole key might not fit a frame. */
   for (size_t i = 0; i < n; i++) {
     kb[i].data = (uint8_t *)x->keys[lo + i];
-    kb[i].len = strlen(x->keys[lo + i]);
+    kb[i].len = strnlen(x->keys[lo + i], TD_KEY_MAX + 1);
   }
   Tensord__LookupMany m = TENSORD__LOOKUP_MANY__INIT;
   Tensord__Request req = TENSORD__REQUEST__INIT;

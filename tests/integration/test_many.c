@@ -564,3 +564,34 @@ TDT_TEST(many, consumer_killed_mid_reply_leaks_nothing) {
   td_close(watcher);
   release_made(NKEYS);
 }
+
+/* ---- long keys, too many keys, the most keys ---- */
+
+/* A key longer than a whole frame fails alone, as td_lookup would fail
+ * it, and the keys around it are looked up. */
+TDT_TEST(many, a_key_longer_than_a_frame_fails_alone) {
+  tdt_start(&d, NULL);
+  publish_n(2, 4096, 0);
+  td_client *c = tdt_connect(&d);
+  size_t huge = 2u << 20;
+  char *longkey = malloc(huge + 1);
+  cr_assert_not_null(longkey);
+  memset(longkey, 'z', huge);
+  longkey[huge] = '\0';
+  const char *k[] = {keys[0], longkey, keys[1]};
+  td_storage *s[3];
+  td_view v[3];
+  int e[3];
+  cr_assert_eq(td_lookup_many(c, k, 3, TD_RDONLY, 0, s, v, e), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "2097152 bytes"), "%s", td_last_error(c));
+  cr_assert(strstr(td_last_error(c), "1 of 3 keys failed"), "%s",
+            td_last_error(c));
+  cr_assert(e[0] == 0 && e[1] == TD_EINVAL && e[2] == 0, "%d %d %d", e[0], e[1],
+            e[2]);
+  cr_assert(is_key(s[0], &v[0], 0) && s[1] == NULL && is_key(s[2], &v[2], 1));
+  td_storage_release(s[0]);
+  td_storage_release(s[2]);
+  free(longkey);
+  td_close(c);
+  release_made(2);
+}

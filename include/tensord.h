@@ -567,8 +567,10 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
  *
  * n 0 returns 0 at once; n above TD_LOOKUP_MANY_MAX, keys or out NULL, or a
  * NULL keys[i] are TD_EINVAL for the whole call (every out[i] NULL, each
- * errs[i] that code). A failure of the connection fails every key not yet
- * answered. */
+ * errs[i] that code; of an n too large, only the first TD_LOOKUP_MANY_MAX
+ * + 1 entries are written). A failure of the connection fails every key
+ * not yet answered. Keys of more bytes than one request may carry (about
+ * 768 KiB) go in as many requests as they need, one after another. */
 int td_lookup_many(td_client *c, const char *const *keys, size_t n,
                    unsigned flags, int timeout_ms, td_storage **out,
                    td_view *views, int *errs);

@@ -595,3 +595,98 @@ TDT_TEST(many, a_key_longer_than_a_frame_fails_alone) {
   td_close(c);
   release_made(2);
 }
+
+/* n over TD_LOOKUP_MANY_MAX: the first MAX + 1 entries of out and errs are
+ * written, and nothing past them. */
+TDT_TEST(many, too_many_keys_write_only_max_plus_one_entries) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  size_t n = (size_t)TD_LOOKUP_MANY_MAX + 2;
+  const char **k = calloc(n, sizeof(*k));
+  td_storage **s = calloc(n, sizeof(*s));
+  int *e = calloc(n, sizeof(*e));
+  cr_assert(k && s && e);
+  for (size_t i = 0; i < n; i++) {
+    k[i] = "m/0000";
+    s[i] = (td_storage *)&d; /* anything not NULL */
+    e[i] = 1;
+  }
+  cr_assert_eq(td_lookup_many(c, k, n, 0, 0, s, NULL, e), TD_EINVAL);
+  cr_assert(strstr(td_last_error(c), "65538 keys"), "%s", td_last_error(c));
+  for (size_t i = 0; i <= TD_LOOKUP_MANY_MAX; i++)
+    cr_assert(s[i] == NULL && e[i] == TD_EINVAL, "entry %zu", i);
+  cr_assert(s[n - 1] == (td_storage *)&d && e[n - 1] == 1);
+  free(k);
+  free(s);
+  free(e);
+  td_close(c);
+}
+
+/* 65,536 keys of 200 bytes (13 MB): more than one frame can carry, so the
+ * library splits them into several requests. Every key is answered, in
+ * order: three published ones (first, middle, last) are found, the others
+ * are not. */
+TDT_TEST(many, the_most_keys_span_several_requests) {
+  tdt_start(&d, NULL);
+  td_client *c = tdt_connect(&d);
+  size_t n = TD_LOOKUP_MANY_MAX;
+  size_t pub[3] = {0, TD_LOOKUP_MANY_MAX / 2 + 7, TD_LOOKUP_MANY_MAX - 1};
+  char **k = calloc(n, sizeof(*k));
+  const char **kp = calloc(n, sizeof(*kp));
+  td_storage **s = calloc(n, sizeof(*s));
+  td_view *v = calloc(n, sizeof(*v));
+  int *e = calloc(n, sizeof(*e));
+  cr_assert(k && kp && s && v && e);
+  for (size_t i = 0; i < n; i++) {
+    k[i] = malloc(201);
+    cr_assert_not_null(k[i]);
+    memset(k[i], 'k', 200);
+    k[i][200] = '\0';
+    char head[8];
+    snprintf(head, sizeof(head), "%06zu/", i);
+    memcpy(k[i], head, 7);
+    kp[i] = k[i];
+  }
+  td_storage *mine[3];
+  for (int j = 0; j < 3; j++) {
+    td_view pv;
+    int64_t shape[1] = {(int64_t)j + 1};
+    cr_assert_eq(td_storage_create(c, 4096, &mine[j]), 0, "%s",
+                 td_last_error(c));
+    memset(td_storage_data(mine[j]), j + 1, 4096);
+    cr_assert_eq(td_view_contiguous(TD_FLOAT32, 1, shape, &pv), 0);
+    cr_assert_eq(td_publish(c, kp[pub[j]], mine[j], &pv), 0, "%s",
+                 td_last_error(c));
+  }
+  uint64_t before = requests_of(c);
+  cr_assert_eq(td_lookup_many(c, kp, n, 0, 0, s, v, e), TD_ENOENT);
+  uint64_t sent = requests_of(c) - before - 1;
+  cr_assert(strstr(td_last_error(c), "65533 of 65536 keys failed"), "%s",
+            td_last_error(c));
+  /* At most 768 KiB of keys in a request: 17 of them, or one more. */
+  cr_assert(sent >= 17 && sent <= 18, "%llu requests",
+            (unsigned long long)sent);
+  for (size_t i = 0, j = 0; i < n; i++) {
+    if (j < 3 && i == pub[j]) {
+      cr_assert_eq(e[i], 0, "key %zu: %d", i, e[i]);
+      cr_assert_not_null(s[i]);
+      cr_assert_eq(td_storage_id(s[i]), td_storage_id(mine[j]));
+      cr_assert_eq(((uint8_t *)td_storage_data(s[i]))[4095], j + 1);
+      cr_assert_eq(v[i].shape[0], (int64_t)j + 1);
+      td_storage_release(s[i]);
+      j++;
+    } else {
+      cr_assert_eq(e[i], TD_ENOENT, "key %zu: %d", i, e[i]);
+      cr_assert_null(s[i]);
+    }
+    free(k[i]);
+  }
+  for (int j = 0; j < 3; j++)
+    td_storage_release(mine[j]);
+  free(k);
+  free(kp);
+  free(s);
+  free(v);
+  free(e);
+  td_close(c);
+}

@@ -35,6 +35,12 @@
 /* Releases queued behind a request at most (see release_handle). */
 #define DEFER_MAX 64
 
+/* Frames of a streaming reply (and so at most PARTS_MAX * 4 fds) queued
+ * for a caller that another thread reads for: past this the other readers
+ * wait until the caller has mapped some, so that no thread reads a reply
+ * into more fds than the process may hold. */
+#define PARTS_MAX 4
+
 /* A frame of a reply that comes in several (a LookupMany's), queued for
  * its caller with its fds. */
 typedef struct part {
@@ -45,7 +51,9 @@ typedef struct part {
 } part;
 
 /* A call waiting for the reply with its seq. A streaming call's frames are
- * queued in parts until the one that ends the reply (done). */
+ * queued in parts (nparts of them) for its owner thread until the one that
+ * ends the reply (done); owner_waits while that thread waits for another
+ * reader, when it cannot be draining them. */
 typedef struct pending {
   uint64_t seq;
   int done;
@@ -53,6 +61,9 @@ typedef struct pending {
   int fd;
   int stream;
   part *head, **tail;
+  unsigned nparts;
+  int owner_waits;
+  pthread_t owner;
   struct pending *next;
 } pending;
 
@@ -330,6 +341,8 @@ static void deliver(td_client *c, Tensord__Response *r, int *fds,
     pt->next = NULL;
     *q->tail = pt;
     q->tail = &pt->next;
+    q->nparts++;
+    q->owner_waits = 0; /* woken by this frame, it is free to take it */
     /* An Error ends the reply as surely as its last frame. */
     q->done = r->body_case != TENSORD__RESPONSE__BODY_LOOKUP_MANY ||
               r->lookup_many->last;
@@ -352,13 +365,41 @@ static void deliver(td_client *c, Tensord__Response *r, int *fds,
   }
 }
 
+/* Whether another thread's streaming call has PARTS_MAX frames queued
+ * while that thread is free to map them: then reading more would only pile
+ * up fds. Locked. */
+static int backlogged(td_client *c) {
+  for (pending *q = c->pending; q != NULL; q = q->next)
+    if (q->stream && q->nparts >= PARTS_MAX && !q->owner_waits &&
+        !pthread_equal(q->owner, pthread_self()))
+      return 1;
+  return 0;
+}
+
+/* Marks (w 1) or unmarks the streaming calls of this thread as waiting
+ * for another reader, waking the other waiters if that changes what they
+ * may do. Locked. */
+static void mark_waiting(td_client *c, int w) {
+  for (pending *q = c->pending; q != NULL; q = q->next)
+    if (q->stream && pthread_equal(q->owner, pthread_self())) {
+      q->owner_waits = w;
+      if (w && q->nparts >= PARTS_MAX)
+        pthread_cond_broadcast(&c->cv);
+    }
+}
+
 /* Makes progress for the calls waiting on c: reads one reply frame and
  * hands it out if no other thread is reading, else waits until the reader
- * has handed one out. Locked (the lock is dropped while reading); on a
- * connection error c is broken. */
+ * has handed one out. A thread that would read waits instead while another
+ * thread's streaming reply is backlogged (that thread wakes it as it takes
+ * its frames); a thread waiting here never holds the others back with its
+ * own, so two callers cannot wait for each other. Locked (the lock is
+ * dropped while reading); on a connection error c is broken. */
 static void pump(td_client *c) {
-  if (c->reader) {
+  if (c->reader || backlogged(c)) {
+    mark_waiting(c, 1);
     pthread_cond_wait(&c->cv, &c->mu);
+    mark_waiting(c, 0);
     return;
   }
   c->reader = 1;
@@ -1343,6 +1384,7 @@ static int stream_begin(td_client *c, Tensord__Request *req, pending *p,
   p->fd = -1;
   p->stream = 1;
   p->tail = &p->head;
+  p->owner = pthread_self();
   pthread_mutex_lock(&c->mu);
   if (c->closed || c->broken) {
     int err = c->closed ? TD_ENOTCONN : c->why_code ? c->why_code : c->err;
@@ -1377,6 +1419,8 @@ static int stream_next(td_client *c, pending *p, part **out, const char *op) {
     p->head = pt->next;
     if (p->head == NULL)
       p->tail = &p->head;
+    if (p->nparts-- == PARTS_MAX) /* readers waiting on us may go on */
+      pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     *out = pt;
     return 1;
@@ -1392,9 +1436,12 @@ static int stream_next(td_client *c, pending *p, part **out, const char *op) {
               td_strerror(err));
 }
 
+/* Ends p's call, closing the fds of frames it did not take (and of any
+ * still to come) and waking the readers its queue held back. */
 static void stream_end(td_client *c, pending *p) {
   pthread_mutex_lock(&c->mu);
   pending_unlink(c, p);
+  pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
 }
 

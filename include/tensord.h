@@ -570,7 +570,10 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
  * errs[i] that code; of an n too large, only the first TD_LOOKUP_MANY_MAX
  * + 1 entries are written). A failure of the connection fails every key
  * not yet answered. Keys of more bytes than one request may carry (about
- * 768 KiB) go in as many requests as they need, one after another. */
+ * 768 KiB) go in as many requests as they need, one after another.
+ * Thread-safe as every call on c; a reply's fds are mapped and closed as
+ * they arrive (another thread reading c's replies holds back while a few
+ * of its frames wait), so n is not bounded by the process's fd limit. */
 int td_lookup_many(td_client *c, const char *const *keys, size_t n,
                    unsigned flags, int timeout_ms, td_storage **out,
                    td_view *views, int *errs);

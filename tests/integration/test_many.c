@@ -8,7 +8,10 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <grp.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -689,4 +692,109 @@ TDT_TEST(many, the_most_keys_span_several_requests) {
   free(v);
   free(e);
   td_close(c);
+}
+
+/* ---- threads ---- */
+
+typedef struct many_thread {
+  td_client *c;
+  int failed;
+} many_thread;
+
+static void *many_thread_fn(void *p) {
+  many_thread *t = p;
+  td_storage **s = calloc(NKEYS, sizeof(*s));
+  td_view *v = calloc(NKEYS, sizeof(*v));
+  t->failed = s == NULL || v == NULL;
+  for (int round = 0; round < 5 && !t->failed; round++) {
+    if (td_lookup_many(t->c, keys, NKEYS, TD_RDONLY, 0, s, v, NULL) < 0) {
+      fprintf(stderr, "lookup_many: %s\n", td_last_error(t->c));
+      t->failed = 1;
+      break;
+    }
+    for (size_t i = 0; i < NKEYS; i++) {
+      t->failed |= !is_key(s[i], &v[i], i);
+      td_storage_release(s[i]);
+    }
+  }
+  free(s);
+  free(v);
+  return NULL;
+}
+
+/* Four threads share one client: replies of several frames each reach
+ * their own caller, whichever thread reads them. */
+static int threads_child(void *arg) {
+  (void)arg;
+  td_client *c;
+  CHECK_ERR(NULL, td_connect(d.sock, &c), 0);
+  pthread_t th[4];
+  many_thread t[4];
+  for (int i = 0; i < 4; i++) {
+    t[i] = (many_thread){c, 0};
+    CHECK(pthread_create(&th[i], NULL, many_thread_fn, &t[i]) == 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(th[i], NULL);
+    CHECK(!t[i].failed);
+  }
+  CHECK(refs_of(c) == 0);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(many, threads_share_a_client) {
+  tdt_start(&d, NULL);
+  publish_n(NKEYS, 4096, 0);
+  cr_assert_eq(tdt_wait(tdt_fork(threads_child, NULL)), 0);
+  release_made(NKEYS);
+}
+
+/* One thread reads the others' replies (it pings without pause) while
+ * another takes a thousand fds in one lookup_many, under an fd limit of 96
+ * more than are open: the reader holds back once the caller has a few
+ * frames queued, so what is in flight stays within the 64 fds the wire
+ * may hold, those frames' 16 and the one being read. */
+static atomic_int pinging;
+
+static void *ping_fn(void *p) {
+  td_client *c = p;
+  intptr_t bad = 0;
+  while (atomic_load(&pinging) && !bad)
+    bad = td_ping(c, NULL) < 0;
+  return (void *)bad;
+}
+
+static int reader_child(void *arg) {
+  (void)arg;
+  td_client *c;
+  CHECK_ERR(NULL, td_connect(d.sock, &c), 0);
+  int open = tdt_open_fds();
+  struct rlimit rl = {(rlim_t)open + 96, (rlim_t)open + 96};
+  CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+  for (int round = 0; round < 5; round++) {
+    pthread_t th;
+    atomic_store(&pinging, 1);
+    CHECK(pthread_create(&th, NULL, ping_fn, c) == 0);
+    int err = td_lookup_many(c, keys, NKEYS, 0, 0, got, views, NULL);
+    atomic_store(&pinging, 0);
+    void *bad;
+    pthread_join(th, &bad);
+    CHECK_ERR(c, err, 0);
+    CHECK(bad == NULL);
+    for (size_t i = 0; i < NKEYS; i++) {
+      CHECK(is_key(got[i], &views[i], i));
+      td_storage_release(got[i]);
+    }
+  }
+  CHECK(refs_of(c) == 0);
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(many, a_thread_reading_for_another_holds_back_its_fds) {
+  tdt_start(&d, NULL);
+  publish_n(NKEYS, 4096, 0);
+  cr_assert_eq(tdt_wait(tdt_fork(reader_child, NULL)), 0);
+  release_made(NKEYS);
 }

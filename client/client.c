@@ -35,12 +35,35 @@
 /* Releases queued behind a request at most (see release_handle). */
 #define DEFER_MAX 64
 
-/* A call waiting for the reply with its seq. */
+/* Frames of a streaming reply (and so at most PARTS_MAX * 4 fds) queued
+ * for a caller that another thread reads for: past this the other readers
+ * wait until the caller has mapped some, so that no thread reads a reply
+ * into more fds than the process may hold. */
+#define PARTS_MAX 4
+
+/* A frame of a reply that comes in several (a LookupMany's), queued for
+ * its caller with its fds. */
+typedef struct part {
+  Tensord__Response *resp;
+  int fds[TD__FRAME_MAX_FDS];
+  unsigned nfds;
+  struct part *next;
+} part;
+
+/* A call waiting for the reply with its seq. A streaming call's frames are
+ * queued in parts (nparts of them) for its owner thread until the one that
+ * ends the reply (done); owner_waits while that thread waits for another
+ * reader, when it cannot be draining them. */
 typedef struct pending {
   uint64_t seq;
   int done;
   Tensord__Response *resp;
   int fd;
+  int stream;
+  part *head, **tail;
+  unsigned nparts;
+  int owner_waits;
+  pthread_t owner;
   struct pending *next;
 } pending;
 
@@ -240,9 +263,11 @@ unlock:
   return err;
 }
 
-/* Reads until one whole reply has arrived and hands it to its caller.
- * Called by the one reader, unlocked; returns 0 or a connection error. */
-static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
+/* Reads until one whole reply frame has arrived and hands it, with its fds
+ * (*nfds of them), to its caller. Called by the one reader, unlocked;
+ * returns 0 or a connection error. */
+static int read_reply(td_client *c, Tensord__Response **resp, int *fds,
+                      unsigned *nfds) {
   for (;;) {
     td__frame f;
     int r = td__wire_frame(&c->wire, &f);
@@ -250,13 +275,12 @@ static int read_reply(td_client *c, Tensord__Response **resp, int *fd) {
       return r;
     if (r == 1) {
       *resp = tensord__response__unpack(NULL, f.len, f.data);
-      *fd = f.nfds > 0 ? f.fds[0] : -1;
-      for (unsigned i = 1; i < f.nfds; i++)
-        close(f.fds[i]);
+      memcpy(fds, f.fds, f.nfds * sizeof(int));
+      *nfds = f.nfds;
       td__wire_consume(&c->wire, &f);
       if (*resp == NULL) {
-        if (*fd >= 0)
-          close(*fd);
+        td__close_fds(fds, *nfds);
+        *nfds = 0;
         return TD_EPROTO;
       }
       return 0;
@@ -297,6 +321,119 @@ static void read_why(td_client *c) {
   }
 }
 
+/* Hands r (with its fds) to the call waiting for it. Locked. */
+static void deliver(td_client *c, Tensord__Response *r, int *fds,
+                    unsigned nfds) {
+  pending *q = c->pending;
+  while (q != NULL && q->seq != r->seq)
+    q = q->next;
+  if (q != NULL && q->stream) {
+    part *pt = malloc(sizeof(*pt));
+    if (pt == NULL) { /* the reply cannot be followed: give up on c */
+      td__close_fds(fds, nfds);
+      tensord__response__free_unpacked(r, NULL);
+      set_broken(c, TD_ENOMEM);
+      return;
+    }
+    pt->resp = r;
+    memcpy(pt->fds, fds, nfds * sizeof(int));
+    pt->nfds = nfds;
+    pt->next = NULL;
+    *q->tail = pt;
+    q->tail = &pt->next;
+    q->nparts++;
+    q->owner_waits = 0; /* woken by this frame, it is free to take it */
+    /* An Error ends the reply as surely as its last frame. */
+    q->done = r->body_case != TENSORD__RESPONSE__BODY_LOOKUP_MANY ||
+              r->lookup_many->last;
+  } else if (q != NULL) {
+    q->resp = r;
+    q->fd = nfds > 0 ? fds[0] : -1;
+    if (nfds > 1)
+      td__close_fds(fds + 1, nfds - 1);
+    q->done = 1;
+  } else if (r->seq == 0 && r->body_case == TENSORD__RESPONSE__BODY_ERROR) {
+    /* About the connection itself (a protocol error, too many clients):
+     * the daemon hangs up next, and every call fails with this. */
+    c->why_code = r->error->code < 0 ? r->error->code : TD_EPROTO;
+    snprintf(c->why, sizeof(c->why), "%s", r->error->message);
+    tensord__response__free_unpacked(r, NULL);
+    td__close_fds(fds, nfds);
+  } else { /* nobody asked: drop it */
+    tensord__response__free_unpacked(r, NULL);
+    td__close_fds(fds, nfds);
+  }
+}
+
+/* Whether another thread's streaming call has PARTS_MAX frames queued
+ * while that thread is free to map them: then reading more would only pile
+ * up fds. Locked. */
+static int backlogged(td_client *c) {
+  for (pending *q = c->pending; q != NULL; q = q->next)
+    if (q->stream && q->nparts >= PARTS_MAX && !q->owner_waits &&
+        !pthread_equal(q->owner, pthread_self()))
+      return 1;
+  return 0;
+}
+
+/* Marks (w 1) or unmarks the streaming calls of this thread as waiting
+ * for another reader, waking the other waiters if that changes what they
+ * may do. Locked. */
+static void mark_waiting(td_client *c, int w) {
+  for (pending *q = c->pending; q != NULL; q = q->next)
+    if (q->stream && pthread_equal(q->owner, pthread_self())) {
+      q->owner_waits = w;
+      if (w && q->nparts >= PARTS_MAX)
+        pthread_cond_broadcast(&c->cv);
+    }
+}
+
+/* Makes progress for the calls waiting on c: reads one reply frame and
+ * hands it out if no other thread is reading, else waits until the reader
+ * has handed one out. A thread that would read waits instead while another
+ * thread's streaming reply is backlogged (that thread wakes it as it takes
+ * its frames); a thread waiting here never holds the others back with its
+ * own, so two callers cannot wait for each other. Locked (the lock is
+ * dropped while reading); on a connection error c is broken. */
+static void pump(td_client *c) {
+  if (c->reader || backlogged(c)) {
+    mark_waiting(c, 1);
+    pthread_cond_wait(&c->cv, &c->mu);
+    mark_waiting(c, 0);
+    return;
+  }
+  c->reader = 1;
+  pthread_mutex_unlock(&c->mu);
+  Tensord__Response *r = NULL;
+  int fds[TD__FRAME_MAX_FDS];
+  unsigned nfds = 0;
+  int rerr = read_reply(c, &r, fds, &nfds);
+  pthread_mutex_lock(&c->mu);
+  c->reader = 0;
+  if (rerr < 0)
+    set_broken(c, c->why_code         ? c->why_code
+                  : rerr == TD_EPROTO ? TD_EPROTO
+                                      : TD_ECONNRESET);
+  else
+    deliver(c, r, fds, nfds);
+  pthread_cond_broadcast(&c->cv); /* a reply, or the reader's role is free */
+}
+
+/* Takes p off c's calls and frees the parts nobody took. Locked. */
+static void pending_unlink(td_client *c, pending *p) {
+  pending **pp = &c->pending;
+  while (*pp != p)
+    pp = &(*pp)->next;
+  *pp = p->next;
+  while (p->head != NULL) {
+    part *pt = p->head;
+    p->head = pt->next;
+    td__close_fds(pt->fds, pt->nfds);
+    tensord__response__free_unpacked(pt->resp, NULL);
+    free(pt);
+  }
+}
+
 static const char *body_name(int body) {
   switch (body) {
   case TENSORD__REQUEST__BODY_HELLO:
@@ -333,7 +470,9 @@ static const char *body_name(int body) {
  * td_last_error. */
 static int call_held(td_client *c, Tensord__Request *req,
                      Tensord__Response **resp, int *fd) {
-  pending p = {0, 0, NULL, -1, NULL};
+  pending p = {0};
+  p.fd = -1;
+  p.tail = &p.head;
   const char *op = body_name(req->body_case);
   char why[sizeof(c->why)] = "";
   int err = 0, closed = 0;
@@ -352,51 +491,9 @@ static int call_held(td_client *c, Tensord__Request *req,
   pthread_mutex_unlock(&c->mu);
   err = send_request(c, req, 1);
   pthread_mutex_lock(&c->mu);
-  while (err == 0 && !p.done && !c->broken) {
-    if (c->reader) {
-      pthread_cond_wait(&c->cv, &c->mu);
-      continue;
-    }
-    c->reader = 1;
-    pthread_mutex_unlock(&c->mu);
-    Tensord__Response *r = NULL;
-    int rfd = -1;
-    int rerr = read_reply(c, &r, &rfd);
-    pthread_mutex_lock(&c->mu);
-    c->reader = 0;
-    if (rerr < 0) {
-      set_broken(c, c->why_code         ? c->why_code
-                    : rerr == TD_EPROTO ? TD_EPROTO
-                                        : TD_ECONNRESET);
-      pthread_cond_broadcast(&c->cv); /* the reader's role is free */
-      break;
-    }
-    pending *q = c->pending;
-    while (q != NULL && q->seq != r->seq)
-      q = q->next;
-    if (q != NULL) {
-      q->resp = r;
-      q->fd = rfd;
-      q->done = 1;
-    } else if (r->seq == 0 && r->body_case == TENSORD__RESPONSE__BODY_ERROR) {
-      /* About the connection itself (a protocol error, too many clients):
-       * the daemon hangs up next, and every call fails with this. */
-      c->why_code = r->error->code < 0 ? r->error->code : TD_EPROTO;
-      snprintf(c->why, sizeof(c->why), "%s", r->error->message);
-      tensord__response__free_unpacked(r, NULL);
-      if (rfd >= 0)
-        close(rfd);
-    } else { /* nobody asked: drop it */
-      tensord__response__free_unpacked(r, NULL);
-      if (rfd >= 0)
-        close(rfd);
-    }
-    pthread_cond_broadcast(&c->cv);
-  }
-  pending **pp = &c->pending;
-  while (*pp != &p)
-    pp = &(*pp)->next;
-  *pp = p.next;
+  while (err == 0 && !p.done && !c->broken)
+    pump(c);
+  pending_unlink(c, &p);
   if (p.done || err == TD_ENOMEM || err == TD_EMSGSIZE)
     goto unlock; /* a reply, or a request that never left */
   err = c->err;
@@ -1270,6 +1367,355 @@ int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
   if (err == 0 && v != NULL)
     *v = view;
   return err;
+}
+
+/* ---- many keys in one round trip ---- */
+
+/* Keys' bytes in one LookupMany request at most: with their framing, a
+ * request stays well under the frame limit (a bigger batch is split). */
+#define MANY_REQ_BYTES (768u * 1024)
+
+/* Starts a call whose reply comes in several frames: registers p (filled
+ * here) and sends req. Returns 0, or a negative code with the reason
+ * recorded (p is then unregistered). */
+static int stream_begin(td_client *c, Tensord__Request *req, pending *p,
+                        const char *op) {
+  memset(p, 0, sizeof(*p));
+  p->fd = -1;
+  p->stream = 1;
+  p->tail = &p->head;
+  p->owner = pthread_self();
+  pthread_mutex_lock(&c->mu);
+  if (c->closed || c->broken) {
+    int err = c->closed ? TD_ENOTCONN : c->why_code ? c->why_code : c->err;
+    pthread_mutex_unlock(&c->mu);
+    return fail(c, err, "%s: %s", op,
+                err == TD_ENOTCONN ? "client is closed"
+                                   : "the connection to tensord failed");
+  }
+  req->seq = p->seq = ++c->next_seq;
+  p->next = c->pending;
+  c->pending = p;
+  pthread_mutex_unlock(&c->mu);
+  int err = send_request(c, req, 1);
+  if (err == 0)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  pending_unlink(c, p);
+  pthread_mutex_unlock(&c->mu);
+  return fail(c, err, "%s: cannot send a request of %zu bytes: %s", op,
+              tensord__request__get_packed_size(req), td_strerror(err));
+}
+
+/* The next frame of p's reply: 1 with *out (the caller frees it and owns
+ * its fds), 0 after the last, or the connection's error with the reason
+ * recorded. */
+static int stream_next(td_client *c, pending *p, part **out, const char *op) {
+  pthread_mutex_lock(&c->mu);
+  while (p->head == NULL && !p->done && !c->broken)
+    pump(c);
+  part *pt = p->head;
+  if (pt != NULL) {
+    p->head = pt->next;
+    if (p->head == NULL)
+      p->tail = &p->head;
+    if (p->nparts-- == PARTS_MAX) /* readers waiting on us may go on */
+      pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    *out = pt;
+    return 1;
+  }
+  int err = p->done ? 0 : c->why_code ? c->why_code : c->err;
+  int closed = c->closed;
+  pthread_mutex_unlock(&c->mu);
+  if (err == 0)
+    return 0;
+  if (closed)
+    return fail(c, err, "%s: client was closed (td_close) during the call", op);
+  return fail(c, err, "%s: connection to tensord at %s lost (%s)", op, c->path,
+              td_strerror(err));
+}
+
+/* Ends p's call, closing the fds of frames it did not take (and of any
+ * still to come) and waking the readers its queue held back. */
+static void stream_end(td_client *c, pending *p) {
+  pthread_mutex_lock(&c->mu);
+  pending_unlink(c, p);
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void part_free(part *pt) {
+  td__close_fds(pt->fds, pt->nfds);
+  tensord__response__free_unpacked(pt->resp, NULL);
+  free(pt);
+}
+
+/* Where td_lookup_many keeps each key's outcome until it returns. */
+typedef struct many_ctx {
+  td_client *c;
+  const char *const *keys;
+  unsigned flags;
+  td_storage **out;
+  td_view *views;
+  int *errs;
+  int first_err; /* the first failing key's code, its index and why */
+  size_t first_i;
+  char first_msg[512];
+} many_ctx;
+
+static void many_fail(many_ctx *x, size_t i, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void many_fail(many_ctx *x, size_t i, int code, const char *fmt, ...) {
+  x->errs[i] = code;
+  if (x->first_err != 0 && x->first_i < i)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(x->first_msg, sizeof(x->first_msg), fmt, ap);
+  va_end(ap);
+  x->first_err = code;
+  x->first_i = i;
+}
+
+/* Makes the handles of one reply frame's items, for keys [lo, hi) of this
+ * request; *next is the index the frame must begin at, moved past it.
+ * Consumes the frame's fds. Returns 0, or TD_EPROTO for a frame that does
+ * not follow (its keys are failed by the caller). */
+static int many_part(many_ctx *x, part *pt, size_t lo, size_t hi,
+                     size_t *next) {
+  td_client *c = x->c;
+  const Tensord__LookupManyReply *rm = pt->resp->lookup_many;
+  if (rm == NULL || lo + rm->first != *next || rm->n_items > hi - *next)
+    return TD_EPROTO;
+  unsigned fdi = 0;
+  for (size_t j = 0; j < rm->n_items; j++) {
+    size_t i = (*next)++;
+    const Tensord__LookupManyItem *it = rm->items[j];
+    const Tensord__LookupReply *lr = it->lookup;
+    const char *key = x->keys[i];
+    if (it->code != 0 && strnlen(key, TD_KEY_MAX + 1) > TD_KEY_MAX) {
+      /* Sent cut short (see many_request): say how long it really is. */
+      many_fail(x, i, TD_EINVAL,
+                "key of %zu bytes (keys[%zu]) is longer than %d", strlen(key),
+                i, TD_KEY_MAX);
+      continue;
+    }
+    if (it->code != 0) {
+      many_fail(x, i, it->code < 0 ? it->code : TD_EPROTO, "%s", it->message);
+      continue;
+    }
+    char msg[128];
+    td_view view;
+    int fd = -1;
+    if (lr != NULL && lr->storage != NULL && lr->storage->fd) {
+      if (fdi == pt->nfds) { /* promised an fd it did not send */
+        send_release(c, lr->storage->id, lr->storage->readonly, 1, 1);
+        many_fail(x, i, TD_EPROTO, "key '%s': malformed reply", key);
+        continue;
+      }
+      fd = pt->fds[fdi];
+      pt->fds[fdi++] = -1;
+    }
+    if (lr == NULL || lr->storage == NULL || lr->view == NULL ||
+        td__view_from_msg(lr->view, &view, msg, sizeof(msg)) < 0) {
+      if (fd >= 0)
+        close(fd);
+      if (lr != NULL && lr->storage != NULL)
+        send_release(c, lr->storage->id, lr->storage->readonly, 1, 1);
+      many_fail(x, i, TD_EPROTO, "key '%s': malformed reply", key);
+      continue;
+    }
+    int err = make_handle(c, lr->storage, fd, x->flags, &x->out[i]);
+    if (err < 0) {
+      many_fail(x, i, err, "key '%s': %s", key, td_last_error(c));
+      continue;
+    }
+    td_storage *s = x->out[i];
+    if (s->device == TD_CUDA && lr->event_handle.len == 64) {
+      s->has_event = 1;
+      memcpy(s->event, lr->event_handle.data, 64);
+    }
+    if (x->views != NULL)
+      x->views[i] = view;
+  }
+  return 0;
+}
+
+/* Looks up keys [lo, hi) in one LookupMany request. Keys it cannot answer
+ * (the connection failed, the daemon refused the request) fail with that
+ * code. */
+static void many_request(many_ctx *x, size_t lo, size_t hi) {
+  td_client *c = x->c;
+  size_t n = hi - lo;
+  ProtobufCBinaryData *kb = malloc(n * sizeof(*kb));
+  if (kb == NULL) {
+    for (size_t i = lo; i < hi; i++)
+      many_fail(x, i, TD_ENOMEM, "lookup_many: out of memory");
+    return;
+  }
+  /* A key longer than TD_KEY_MAX goes cut to TD_KEY_MAX + 1 bytes: the
+   * daemon fails it alone, where the whole key might not fit a frame. */
+  for (size_t i = 0; i < n; i++) {
+    kb[i].data = (uint8_t *)x->keys[lo + i];
+    kb[i].len = strnlen(x->keys[lo + i], TD_KEY_MAX + 1);
+  }
+  Tensord__LookupMany m = TENSORD__LOOKUP_MANY__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.n_keys = n;
+  m.keys = kb;
+  m.readonly = (x->flags & (TD_RDONLY | TD_COW)) != 0;
+  req.body_case = TENSORD__REQUEST__BODY_LOOKUP_MANY;
+  req.lookup_many = &m;
+  pending p;
+  size_t next = lo;
+  int err = stream_begin(c, &req, &p, "lookup_many");
+  free(kb);
+  if (err < 0)
+    goto fail_rest;
+  part *pt = NULL;
+  while ((err = stream_next(c, &p, &pt, "lookup_many")) == 1) {
+    Tensord__Response *r = pt->resp;
+    if (r->body_case == TENSORD__RESPONSE__BODY_ERROR) {
+      err = r->error->code < 0 ? r->error->code : TD_EPROTO;
+      fail(c, err, "%s", r->error->message);
+    } else if (r->body_case != TENSORD__RESPONSE__BODY_LOOKUP_MANY ||
+               many_part(x, pt, lo, hi, &next) < 0) {
+      err = fail(c, TD_EPROTO,
+                 "lookup_many: tensord answered key %zu of %zu out of turn",
+                 next - lo, n);
+    }
+    part_free(pt);
+    if (err < 0)
+      break;
+  }
+  stream_end(c, &p);
+  if (err == 0 && next < hi)
+    err =
+        fail(c, TD_EPROTO, "lookup_many: the reply ended after %zu of %zu keys",
+             next - lo, n);
+fail_rest:
+  if (err < 0) {
+    char why[384];
+    snprintf(why, sizeof(why), "%s", td_last_error(c));
+    for (size_t i = next; i < hi; i++)
+      many_fail(x, i, err, "key '%s': %s", x->keys[i], why);
+  }
+}
+
+static int64_t mono_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+int td_lookup_many(td_client *c, const char *const *keys, size_t n,
+                   unsigned flags, int timeout_ms, td_storage **out,
+                   td_view *views, int *errs) {
+  int err = 0;
+  if (out != NULL)
+    for (size_t i = 0; i < n && i <= TD_LOOKUP_MANY_MAX; i++)
+      out[i] = NULL;
+  if (n == 0)
+    return 0;
+  if (out == NULL || keys == NULL)
+    err = fail(c, TD_EINVAL, "lookup_many: %s is NULL",
+               out == NULL ? "out" : "keys");
+  else if (n > TD_LOOKUP_MANY_MAX)
+    err = fail(c, TD_EINVAL,
+               "lookup_many of %zu keys: at most %d (TD_LOOKUP_MANY_MAX) in "
+               "one call",
+               n, TD_LOOKUP_MANY_MAX);
+  else if (flags & ~(TD_RDONLY | TD_COW | TD_LAZY))
+    err = fail(c, TD_EINVAL,
+               "lookup_many: flags 0x%x (TD_RDONLY, TD_COW and TD_LAZY only; "
+               "take keys one by one with td_lookup)",
+               flags);
+  else if (timeout_ms < -1)
+    err = fail(c, TD_EINVAL,
+               "lookup_many: timeout of %d ms (use -1 to wait forever)",
+               timeout_ms);
+  for (size_t i = 0; err == 0 && i < n; i++)
+    if (keys[i] == NULL)
+      err = fail(c, TD_EINVAL, "lookup_many: keys[%zu] is NULL", i);
+  if (err == 0 && forked(c))
+    err = fail_forked(c, "lookup_many");
+  if (err < 0) {
+    if (errs != NULL)
+      for (size_t i = 0; i < n && i <= TD_LOOKUP_MANY_MAX; i++)
+        errs[i] = err;
+    return err;
+  }
+
+  int64_t start = mono_ms();
+  many_ctx x = {.c = c,
+                .keys = keys,
+                .flags = flags,
+                .out = out,
+                .views = views,
+                .errs = errs};
+  if (errs == NULL && (x.errs = malloc(n * sizeof(int))) == NULL)
+    return fail(c, TD_ENOMEM, "lookup_many: out of memory");
+  memset(x.errs, 0, n * sizeof(int));
+  atomic_fetch_add(&c->refs, 1);
+  /* One request, unless the keys are too many bytes for one frame. */
+  for (size_t lo = 0, hi; lo < n; lo = hi) {
+    size_t bytes = 0;
+    for (hi = lo; hi < n; hi++) {
+      size_t len = strnlen(keys[hi], TD_KEY_MAX + 1) + 4;
+      if (hi > lo && bytes + len > MANY_REQ_BYTES)
+        break;
+      bytes += len;
+    }
+    many_request(&x, lo, hi);
+  }
+  /* Keys not published yet: wait for each in turn, within one deadline. */
+  for (size_t i = 0; timeout_ms != 0 && i < n; i++) {
+    if (x.errs[i] != TD_ENOENT)
+      continue;
+    int64_t left = timeout_ms < 0 ? -1 : start + timeout_ms - mono_ms();
+    if (timeout_ms > 0 && left <= 0) {
+      many_fail(&x, i, TD_ETIMEDOUT, "key '%s': not published (waited %d ms)",
+                keys[i], timeout_ms);
+      continue;
+    }
+    int e = td_lookup(c, keys[i], flags, (int)left, &out[i],
+                      views != NULL ? &views[i] : NULL);
+    x.errs[i] = e;
+    if (e < 0)
+      many_fail(&x, i, e, "%s", td_last_error(c));
+    else if (x.first_err != 0 && x.first_i == i)
+      x.first_err = 0; /* found after all: the first failure is later */
+  }
+  if (x.first_err == 0) { /* waits may have cleared it: look again */
+    for (size_t i = 0; i < n; i++)
+      if (x.errs[i] < 0) {
+        x.first_err = x.errs[i];
+        x.first_i = i;
+        snprintf(x.first_msg, sizeof(x.first_msg), "key '%s': %s", keys[i],
+                 td_strerror(x.errs[i]));
+        break;
+      }
+  }
+  client_unref(c);
+  if (x.first_err == 0) {
+    if (errs == NULL)
+      free(x.errs);
+    return 0;
+  }
+  size_t nfailed = 0;
+  for (size_t i = 0; i < n; i++)
+    nfailed += x.errs[i] < 0;
+  if (errs == NULL) { /* all or nothing */
+    for (size_t i = 0; i < n; i++) {
+      td_storage_release(out[i]);
+      out[i] = NULL;
+    }
+    free(x.errs);
+  }
+  return fail(c, x.first_err, "lookup_many: %s (%zu of %zu keys failed%s)",
+              x.first_msg, nfailed, n, errs == NULL ? "; none was kept" : "");
 }
 
 int td_unpublish(td_client *c, const char *key) {

@@ -1562,15 +1562,31 @@ int td_model_open(td_client *c, const char *name, unsigned flags,
       td_model_close(m);
       return td__fail(c, TD_ENOMEM, "open model: out of memory");
     }
+    /* Every shard in one round trip; a shard gone means a newer version
+     * replaced this one meanwhile: start again. */
     int gone = 0;
-    for (size_t i = 0; i < m->mf.nshards && !gone; i++) {
-      err = td_lookup(c, m->mf.shards[i].key, flags, 0, &m->st[i], NULL);
-      if (err == TD_ENOENT) {
-        gone = 1;
-      } else if (err < 0) {
-        td_model_close(m);
-        return err;
-      } else if (td_storage_nbytes(m->st[i]) != m->mf.shards[i].nbytes) {
+    size_t ns = m->mf.nshards;
+    const char **keys = malloc((ns ? ns : 1) * sizeof(*keys));
+    int *errs = malloc((ns ? ns : 1) * sizeof(*errs));
+    if (keys == NULL || errs == NULL) {
+      free(keys);
+      free(errs);
+      td_model_close(m);
+      return td__fail(c, TD_ENOMEM, "open model: out of memory");
+    }
+    for (size_t i = 0; i < ns; i++)
+      keys[i] = m->mf.shards[i].key;
+    err = td_lookup_many(c, keys, ns, flags, 0, m->st, NULL, errs);
+    for (size_t i = 0; i < ns; i++)
+      gone = gone || errs[i] == TD_ENOENT;
+    free(keys);
+    free(errs);
+    if (err < 0 && !gone) {
+      td_model_close(m);
+      return err;
+    }
+    for (size_t i = 0; i < ns && !gone; i++) {
+      if (td_storage_nbytes(m->st[i]) != m->mf.shards[i].nbytes) {
         err = td__fail(c, TD_EINVAL,
                        "open model '%s': shard %s has %zu bytes, its manifest "
                        "says %" PRIu64,

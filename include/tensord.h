@@ -540,6 +540,50 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
  * the published view. */
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);
+
+/* The most keys one td_lookup_many call may name. */
+#define TD_LOOKUP_MANY_MAX 65536
+/* Looks up n keys in one round trip: what attaching a model published
+ * tensor by tensor ("model/layers.0.wq", ...) wants, where n td_lookup
+ * calls would cost n round trips. An array of keys rather than a prefix:
+ * the caller knows the names it needs (a model's parameter list), gets
+ * them back in its own order, and never picks up a stray key that happens
+ * to share the prefix (use td_watch or tensorctl ls to discover keys).
+ *
+ * Each key is answered as td_lookup(c, keys[i], flags, 0, ...) would be,
+ * all at one instant of the daemon's registry: out[i] is a new handle (and
+ * views[i], if views is not NULL, the published view), with access,
+ * limits and references exactly as for td_lookup; a storage named by
+ * several keys (a checkpoint shard whose tensors are views of it) is
+ * mapped once. flags: TD_RDONLY, TD_COW, TD_LAZY (TD_TAKE and any other
+ * bit are TD_EINVAL).
+ *
+ * Errors per key. With errs not NULL, a key that cannot be looked up
+ * fails alone: errs[i] is its code (0 for a key found), out[i] NULL, and
+ * the others are looked up; the call returns 0 if every key was found,
+ * else the code of the first key that was not, with td_last_error naming
+ * that key, its cause and how many keys failed. With errs NULL the call is
+ * all or nothing: if any key fails, every handle it made is released,
+ * every out[i] is NULL, and the first key's failure is returned.
+ *
+ * Waiting. timeout_ms 0 answers at once (a key not published is
+ * TD_ENOENT). Otherwise keys not published at the first answer are waited
+ * for, one after another, until timeout_ms (-1: forever) has passed since
+ * the call began; a key still missing then is TD_ETIMEDOUT. Only keys that
+ * were missing cost more round trips.
+ *
+ * n 0 returns 0 at once; n above TD_LOOKUP_MANY_MAX, keys or out NULL, or a
+ * NULL keys[i] are TD_EINVAL for the whole call (every out[i] NULL, each
+ * errs[i] that code; of an n too large, only the first TD_LOOKUP_MANY_MAX
+ * + 1 entries are written). A failure of the connection fails every key
+ * not yet answered. Keys of more bytes than one request may carry (about
+ * 768 KiB) go in as many requests as they need, one after another.
+ * Thread-safe as every call on c; a reply's fds are mapped and closed as
+ * they arrive (another thread reading c's replies holds back while a few
+ * of its frames wait), so n is not bounded by the process's fd limit. */
+int td_lookup_many(td_client *c, const char *const *keys, size_t n,
+                   unsigned flags, int timeout_ms, td_storage **out,
+                   td_view *views, int *errs);
 int td_unpublish(td_client *c, const char *key);
 
 /* Scopes: keys in flight from one process to another, which must survive

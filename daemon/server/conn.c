@@ -139,9 +139,9 @@ static int flush(td__conn *c) {
 }
 
 /* Commits a frame of len bytes reserved (and filled) in c's output, with
- * fd, and sends it unless a read batch is in progress. */
-static int commit(td__conn *c, size_t len, int fd) {
-  int err = td__wire_commit(&c->wire, len, &fd, fd >= 0 ? 1 : 0);
+ * its nfds fds, and sends it unless a read batch is in progress. */
+static int commit_fds(td__conn *c, size_t len, const int *fds, unsigned nfds) {
+  int err = td__wire_commit(&c->wire, len, fds, nfds);
   if (err < 0) {
     td__conn_close(c, "out of memory queueing a reply");
     return err;
@@ -151,6 +151,10 @@ static int commit(td__conn *c, size_t len, int fd) {
     update_events(c);
   }
   return err;
+}
+
+static int commit(td__conn *c, size_t len, int fd) {
+  return commit_fds(c, len, &fd, fd >= 0 ? 1 : 0);
 }
 
 /* Reserves room for a reply of len bytes; on failure closes fd and either
@@ -184,6 +188,19 @@ int td__conn_send(td__conn *c, Tensord__Response *r, int fd) {
     return TD_ECONNRESET;
   tensord__response__pack(r, p);
   return commit(c, len, fd);
+}
+
+int td__conn_send_fds(td__conn *c, Tensord__Response *r, const int *fds,
+                      unsigned nfds) {
+  size_t len = tensord__response__get_packed_size(r);
+  uint8_t *p = reserve(c, r->seq, len, -1);
+  if (p == NULL) {
+    for (unsigned i = 0; i < nfds; i++)
+      close(fds[i]);
+    return TD_ECONNRESET;
+  }
+  tensord__response__pack(r, p);
+  return commit_fds(c, len, fds, nfds);
 }
 
 int td__conn_queue(td__conn *c, Tensord__Response *r) {

@@ -81,6 +81,10 @@ void td__conn_close(td__conn *c, const char *why);
  * frame limit (fd closed, an EMSGSIZE Error sent instead, the connection
  * kept). */
 int td__conn_send(td__conn *c, struct Tensord__Response *r, int fd);
+/* td__conn_send with nfds fds (at most TD__FRAME_MAX_FDS), all of whose
+ * ownership it takes. */
+int td__conn_send_fds(td__conn *c, struct Tensord__Response *r, const int *fds,
+                      unsigned nfds);
 /* Queues r (no fd) for a watcher c without sending it: the loop sends it
  * when c's socket is writable. Never closes c, so it may be called from the
  * middle of another connection's request. Returns 0, TD_ECONNRESET if c is

@@ -448,6 +448,123 @@ static int op_lookup(td__conn *c, uint64_t seq, const Tensord__Lookup *m) {
   return 0;
 }
 
+/* ---- many keys in one request ---- */
+
+/* Items per LookupManyReply frame: each is at most about 1 KiB (a message
+ * of up to 640 bytes, or a reply with a 16-dim view, a UUID, an IPC handle
+ * and an event), so a frame stays far below TD__FRAME_MAX. */
+#define MANY_ITEMS 256
+#define MANY_MSG 640
+
+/* One frame of a LookupMany reply in the making: what its items point to. */
+typedef struct many_chunk {
+  Tensord__LookupManyItem item[MANY_ITEMS];
+  Tensord__LookupManyItem *itemp[MANY_ITEMS];
+  Tensord__LookupReply lm[MANY_ITEMS];
+  Tensord__StorageReply sm[MANY_ITEMS];
+  Tensord__View vm[MANY_ITEMS];
+  td_view view[MANY_ITEMS];
+  char msg[MANY_ITEMS][MANY_MSG];
+  int fds[TD__FRAME_MAX_FDS];
+  unsigned nitems, nfds;
+} many_chunk;
+
+/* Answers keys[i] of a LookupMany into the chunk's next item. A key found
+ * gets c one reference (td__grant: access, limits and counts exactly as a
+ * Lookup's) and, when c did not hold the storage in that mode, an fd in the
+ * chunk; any other key gets its own code and message. */
+static void many_item(td__conn *c, many_chunk *ch, const ProtobufCBinaryData *k,
+                      int ro) {
+  unsigned j = ch->nitems++;
+  Tensord__LookupManyItem *it = &ch->item[j];
+  char *msg = ch->msg[j];
+  char why[256], key[TD_KEY_MAX + 1];
+  tensord__lookup_many_item__init(it);
+  ch->itemp[j] = it;
+  int err = td__key_validate((const char *)k->data, k->len, why, sizeof(why));
+  if (err < 0) {
+    it->code = err;
+    snprintf(msg, MANY_MSG, "bad key: %s", why);
+    it->message = msg;
+    return;
+  }
+  key_str(k, key, sizeof(key));
+  td__key *tk = td__key_find(&c->srv->reg, (const char *)k->data, k->len);
+  if (tk == NULL) {
+    it->code = TD_ENOENT;
+    snprintf(msg, MANY_MSG, "key '%s': not published", key);
+    it->message = msg;
+    return;
+  }
+  td__storage *s = tk->storage;
+  int fd = -1;
+  err = td__grant(c, s, ro, 0, 0, &fd, why, sizeof(why));
+  if (err < 0) {
+    it->code = err;
+    snprintf(msg, MANY_MSG, "key '%s' (storage %llu): %s", key,
+             (unsigned long long)s->id, why);
+    it->message = msg;
+    return;
+  }
+  if (fd >= 0)
+    ch->fds[ch->nfds++] = fd;
+  ch->view[j] = tk->view;
+  td__storage_reply(s, ro, fd, &ch->sm[j]);
+  td__view_to_msg(&ch->view[j], &ch->vm[j]);
+  tensord__lookup_reply__init(&ch->lm[j]);
+  ch->lm[j].storage = &ch->sm[j];
+  ch->lm[j].view = &ch->vm[j];
+  if (tk->has_event) {
+    ch->lm[j].event_handle.data = tk->event;
+    ch->lm[j].event_handle.len = sizeof(tk->event);
+  }
+  it->lookup = &ch->lm[j];
+  td__event ev = td__key_event(TD__EV_LOOKUP, tk, &c->hold);
+  td__event_emit(c->srv, &ev);
+}
+
+/* Answers every key of m in this loop turn, so the reply is one instant's
+ * registry; in frames of at most MANY_ITEMS items and TD__FRAME_MAX_FDS
+ * fds. No frame is sent before its items are all granted, and a key's
+ * storage stays alive by c's reference until its frame is read. */
+static int op_lookup_many(td__conn *c, uint64_t seq,
+                          const Tensord__LookupMany *m) {
+  size_t n = m->n_keys;
+  if (n == 0)
+    return reject(c, seq, TD_EINVAL, "lookup_many: no keys");
+  if (n > TD_LOOKUP_MANY_MAX)
+    return reject(c, seq, TD_EINVAL,
+                  "lookup_many of %zu keys: at most %d in one request", n,
+                  TD_LOOKUP_MANY_MAX);
+  many_chunk *ch = malloc(sizeof(*ch));
+  if (ch == NULL)
+    return reject(c, seq, TD_ENOMEM, "lookup_many: out of memory");
+  Tensord__LookupManyReply rm;
+  Tensord__Response r;
+  for (size_t first = 0; first < n;) {
+    ch->nitems = ch->nfds = 0;
+    while (first + ch->nitems < n && ch->nitems < MANY_ITEMS &&
+           ch->nfds < TD__FRAME_MAX_FDS)
+      many_item(c, ch, &m->keys[first + ch->nitems], m->readonly);
+    tensord__lookup_many_reply__init(&rm);
+    rm.first = (uint32_t)first;
+    rm.n_items = ch->nitems;
+    rm.items = ch->itemp;
+    first += ch->nitems;
+    rm.last = first == n;
+    tensord__response__init(&r);
+    r.seq = seq;
+    r.body_case = TENSORD__RESPONSE__BODY_LOOKUP_MANY;
+    r.lookup_many = &rm;
+    /* On failure the connection is closing: the fds are closed, and the
+     * references go with its holdings. */
+    if (td__conn_send_fds(c, &r, ch->fds, ch->nfds) < 0)
+      break;
+  }
+  free(ch);
+  return 0;
+}
+
 static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
   td__registry *reg = &c->srv->reg;
   if (check_key(c, seq, &m->key) < 0)
@@ -1148,6 +1265,8 @@ static int dispatch(td__conn *c, Tensord__Request *req) {
     return op_publish(c, seq, req->publish);
   case TENSORD__REQUEST__BODY_LOOKUP:
     return op_lookup(c, seq, req->lookup);
+  case TENSORD__REQUEST__BODY_LOOKUP_MANY:
+    return op_lookup_many(c, seq, req->lookup_many);
   case TENSORD__REQUEST__BODY_UNPUBLISH:
     return op_unpublish(c, seq, req->unpublish);
   case TENSORD__REQUEST__BODY_LIST:

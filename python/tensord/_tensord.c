@@ -192,9 +192,10 @@ static PyObject *error_class(int err) {
   }
 }
 
-/* Raises the tensord.Error subclass of err, with .code, .name and .message
- * (msg, or td_strerror(err) when msg is empty). Returns NULL. */
-static PyObject *raise_err(int err, const char *msg) {
+/* Returns a new instance of the tensord.Error subclass of err, with .code,
+ * .name and .message (msg, or td_strerror(err) when msg is empty); NULL
+ * with an exception set on failure. */
+static PyObject *err_object(int err, const char *msg) {
   if (msg == NULL || *msg == '\0')
     msg = td_strerror(err);
   PyObject *cls = error_class(err);
@@ -204,15 +205,24 @@ static PyObject *raise_err(int err, const char *msg) {
   PyObject *e = PyObject_CallOneArg(cls, m);
   PyObject *code = PyLong_FromLong(err);
   PyObject *name = PyUnicode_FromString(td_err_name(err));
-  if (e != NULL && code != NULL && name != NULL &&
-      PyObject_SetAttrString(e, "code", code) == 0 &&
-      PyObject_SetAttrString(e, "name", name) == 0 &&
-      PyObject_SetAttrString(e, "message", m) == 0)
-    PyErr_SetObject(cls, e);
-  Py_XDECREF(e);
+  if (e == NULL || code == NULL || name == NULL ||
+      PyObject_SetAttrString(e, "code", code) < 0 ||
+      PyObject_SetAttrString(e, "name", name) < 0 ||
+      PyObject_SetAttrString(e, "message", m) < 0)
+    Py_CLEAR(e);
   Py_XDECREF(code);
   Py_XDECREF(name);
   Py_DECREF(m);
+  return e;
+}
+
+/* Raises err_object(err, msg). Returns NULL. */
+static PyObject *raise_err(int err, const char *msg) {
+  PyObject *e = err_object(err, msg);
+  if (e != NULL) {
+    PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+    Py_DECREF(e);
+  }
   return NULL;
 }
 
@@ -1315,6 +1325,52 @@ static int parse_wait(PyObject *o, const char *what, const char *name,
   return 1;
 }
 
+/* Looks key up with flags as lookup() does, waiting until deadline (a
+ * mono_ms(); forever: no deadline) from start in slices of SLICE_MS, so
+ * that a signal or cancel (an Event-like object, or None) is seen within
+ * one. Returns 0 with *s and *v; a negative code with msg (len bytes) set;
+ * or 1 with a Python exception set (a signal handler's, cancel's). */
+static int lookup_wait(Client *self, const char *key, unsigned flags,
+                       int forever, int64_t start, int64_t deadline,
+                       PyObject *cancel, td_storage **s, td_view *v, char *msg,
+                       size_t len) {
+  for (int first = 1;; first = 0) {
+    int slice = SLICE_MS;
+    if (!forever) {
+      int64_t left = deadline - mono_ms();
+      if (left <= 0 && !first) {
+        snprintf(msg, len, "key '%s': not published (waited %lld ms)", key,
+                 (long long)(mono_ms() - start));
+        return TD_ETIMEDOUT;
+      }
+      slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
+    }
+    call x;
+    int err;
+    *s = NULL;
+    CALL(self, x, err, td_lookup(x.c, key, flags, slice, s, v));
+    if (err == 0)
+      return 0;
+    if (err != TD_ETIMEDOUT || (!forever && deadline <= start)) {
+      snprintf(msg, len, "%s", x.msg);
+      return err;
+    }
+    if (PyErr_CheckSignals() < 0)
+      return 1;
+    if (cancel != Py_None) {
+      PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
+      int set = r ? PyObject_IsTrue(r) : -1;
+      Py_XDECREF(r);
+      if (set < 0)
+        return 1;
+      if (set) {
+        snprintf(msg, len, "lookup '%s': cancelled", key);
+        return TD_ECANCELED;
+      }
+    }
+  }
+}
+
 static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"key",  "timeout", "readonly", "take",
                            "lazy", "_cancel", NULL};
@@ -1333,45 +1389,139 @@ static PyObject *Client_lookup(Client *self, PyObject *args, PyObject *kw) {
   unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (take ? TD_TAKE : 0) |
                    (lazy ? TD_LAZY : 0);
   int64_t start = mono_ms();
-  int64_t deadline = deadline_of(start, timeout);
-  int first = 1;
-  for (;;) {
-    int slice = SLICE_MS;
-    if (!forever) {
-      int64_t left = deadline - mono_ms();
-      if (left <= 0 && !first) {
-        char m[512];
-        snprintf(m, sizeof(m), "key '%s': not published (waited %lld ms)", key,
-                 (long long)(mono_ms() - start));
-        return raise_err(TD_ETIMEDOUT, m);
-      }
-      slice = left < 0 ? 0 : left < SLICE_MS ? (int)left : SLICE_MS;
-    }
-    first = 0;
-    td_storage *s = NULL;
-    td_view v;
-    call x;
-    int err;
-    CALL(self, x, err, td_lookup(x.c, key, flags, slice, &s, &v));
-    if (err == 0)
-      return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
-    if (err != TD_ETIMEDOUT || (!forever && timeout == 0))
-      return raise_err(err, x.msg);
-    if (PyErr_CheckSignals() < 0)
-      return NULL;
-    if (cancel != Py_None) {
-      PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
-      int set = r ? PyObject_IsTrue(r) : -1;
-      Py_XDECREF(r);
-      if (set < 0)
-        return NULL;
-      if (set) {
-        char m[512];
-        snprintf(m, sizeof(m), "lookup '%s': cancelled", key);
-        return raise_err(TD_ECANCELED, m);
-      }
+  td_storage *s;
+  td_view v;
+  char msg[1024];
+  int err = lookup_wait(self, key, flags, forever, start,
+                        deadline_of(start, timeout), cancel, &s, &v, msg,
+                        sizeof(msg));
+  if (err == 0)
+    return tensor_of_handle(s, &v, keyobj, (PyObject *)self);
+  return err > 0 ? NULL : raise_err(err, msg);
+}
+
+/* lookup_many(keys, ...): one td_lookup_many for every key, then, for keys
+ * not yet published, lookup()'s sliced wait within one deadline. */
+static PyObject *Client_lookup_many(Client *self, PyObject *args,
+                                    PyObject *kw) {
+  static char *kwlist[] = {"keys", "timeout",           "readonly",
+                           "lazy", "return_exceptions", NULL};
+  PyObject *keysobj, *timeoutobj = Py_None;
+  int ro = 0, lazy = 0, rexc = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oppp:lookup_many", kwlist,
+                                   &keysobj, &timeoutobj, &ro, &lazy, &rexc))
+    return NULL;
+  if (PyUnicode_Check(keysobj)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "lookup_many: keys must be a sequence of str, not a str");
+    return NULL;
+  }
+  PyObject *seq =
+      PySequence_Fast(keysobj, "lookup_many: keys must be a sequence of str");
+  if (seq == NULL)
+    return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject **items = PySequence_Fast_ITEMS(seq);
+  PyObject *list = NULL;
+  const char **keys = NULL;
+  td_storage **out = NULL;
+  td_view *views = NULL;
+  int *errs = NULL;
+  if (n > TD_LOOKUP_MANY_MAX) {
+    PyErr_Format(PyExc_ValueError,
+                 "lookup_many of %zd keys: at most %d in one call", n,
+                 TD_LOOKUP_MANY_MAX);
+    goto done;
+  }
+  int forever;
+  double timeout;
+  if (!parse_wait(timeoutobj, "lookup_many", "keys", &forever, &timeout))
+    goto done;
+  if (n == 0) {
+    list = PyList_New(0);
+    goto done;
+  }
+  keys = PyMem_Calloc((size_t)n, sizeof(*keys));
+  out = PyMem_Calloc((size_t)n, sizeof(*out));
+  views = PyMem_Calloc((size_t)n, sizeof(*views));
+  errs = PyMem_Calloc((size_t)n, sizeof(*errs));
+  if (keys == NULL || out == NULL || views == NULL || errs == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    if ((keys[i] = key_utf8(items[i])) == NULL)
+      goto done;
+  unsigned flags = (ro ? TD_RDONLY | TD_COW : 0) | (lazy ? TD_LAZY : 0);
+  int64_t start = mono_ms(), deadline = deadline_of(start, timeout);
+  call x;
+  int err;
+  CALL(self, x, err,
+       td_lookup_many(x.c, keys, (size_t)n, flags, 0, out, views, errs));
+  /* The first failure's message: the call's, or a wait's. */
+  char first_msg[1024];
+  Py_ssize_t first = -1;
+  if (err < 0) {
+    snprintf(first_msg, sizeof(first_msg), "%s", x.msg);
+    for (Py_ssize_t i = 0; i < n && first < 0; i++)
+      if (errs[i] < 0)
+        first = i;
+  }
+  for (Py_ssize_t i = 0; i < n && (forever || timeout > 0); i++) {
+    if (errs[i] != TD_ENOENT)
+      continue;
+    char msg[1024];
+    int e = lookup_wait(self, keys[i], flags, forever, start, deadline,
+                        Py_None, &out[i], &views[i], msg, sizeof(msg));
+    if (e > 0)
+      goto done;
+    errs[i] = e;
+    if (i == first) /* this failure is over; a later one comes first */
+      first = -1;
+    if (e < 0 && first < 0) {
+      first = i;
+      snprintf(first_msg, sizeof(first_msg), "%s", msg);
     }
   }
+  if (first < 0) {
+    for (Py_ssize_t i = 0; i < n && first < 0; i++)
+      if (errs[i] < 0) {
+        first = i;
+        snprintf(first_msg, sizeof(first_msg), "key '%s': %s", keys[i],
+                 td_strerror(errs[i]));
+      }
+  }
+  if (first >= 0 && !rexc) {
+    raise_err(errs[first], first_msg);
+    goto done; /* every handle made is released below */
+  }
+  if ((list = PyList_New(n)) == NULL)
+    goto done;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *o;
+    if (out[i] != NULL) {
+      o = tensor_of_handle(out[i], &views[i], items[i], (PyObject *)self);
+      out[i] = NULL; /* the Tensor has it, or it was dropped */
+    } else {
+      char m[512];
+      snprintf(m, sizeof(m), "key '%s': %s", keys[i], td_strerror(errs[i]));
+      o = err_object(errs[i], i == first ? first_msg : m);
+    }
+    if (o == NULL) {
+      Py_CLEAR(list);
+      goto done;
+    }
+    PyList_SET_ITEM(list, i, o);
+  }
+done:
+  for (Py_ssize_t i = 0; out != NULL && i < n; i++)
+    td_storage_release(out[i]);
+  PyMem_Free(keys);
+  PyMem_Free(out);
+  PyMem_Free(views);
+  PyMem_Free(errs);
+  Py_DECREF(seq);
+  return list;
 }
 
 /* ls(): the listing is copied out of the callback (which runs without the
@@ -1846,6 +1996,18 @@ static PyMethodDef Client_methods[] = {
      "each page is mapped when first touched; for weights attached long "
      "before they are all read). A key is a str of 1 to KEY_MAX (255) "
      "bytes of UTF-8."},
+    {"lookup_many", (PyCFunction)(void (*)(void))Client_lookup_many,
+     METH_VARARGS | METH_KEYWORDS,
+     "lookup_many(keys, timeout=None, readonly=False, lazy=False, "
+     "return_exceptions=False) -> list of Tensor: the tensors published "
+     "under keys (a sequence of str, at most 65,536), in their order, in "
+     "one round trip to tensord (td_lookup_many): for attaching a model "
+     "published a key per tensor. readonly and lazy are lookup()'s. Keys "
+     "not published at once are waited for, one after another, until "
+     "timeout seconds have passed since the call (None: forever; 0: not at "
+     "all). A key that fails raises its error (NotFound, PermissionError, "
+     "...) and no Tensor is kept; with return_exceptions=True its place in "
+     "the list holds the exception instead (as asyncio.gather does)."},
     {"load_model", (PyCFunction)(void (*)(void))Client_load_model,
      METH_VARARGS | METH_KEYWORDS,
      "load_model(path, name=None, force=False, mode=0, threads=0, wait=None, "

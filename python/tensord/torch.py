@@ -1737,31 +1737,39 @@ _NO_ID = 2**64 - 1  # a placeholder id of the most digits an id has
 
 
 def _gpu_regions(client, manifest: dict, prefix: str) -> dict:
-    """Looks up (read-only) every GPU region the manifest names; returns
-    {region index: tensord Tensor, uint8 over the whole storage}. Raises
-    _VersionChanged where a key is gone or names another storage than the
-    manifest's (the version was replaced meanwhile); the Tensors looked up
-    so far are released then."""
-    out: dict = {}
+    """Looks up (read-only) every GPU region the manifest names, all in one
+    round trip (lookup_many); returns {region index: tensord Tensor, uint8
+    over the whole storage}. Raises _VersionChanged where a key is gone or
+    names another storage than the manifest's (the version was replaced
+    meanwhile); the Tensors looked up are released then."""
+    regions = manifest["regions"]
+    idx = [i for i, r in enumerate(regions) if r.get("device") == "cuda"]
+    if not idx:
+        return {}
+    if client is None:
+        raise ValueError(
+            "state dict %r has GPU regions: reading it needs the "
+            "client it came from" % prefix
+        )
+    got = client.lookup_many(
+        [regions[i]["key"] for i in idx],
+        timeout=0,
+        readonly=True,
+        return_exceptions=True,
+    )
+    out = {i: t for i, t in zip(idx, got) if not isinstance(t, BaseException)}
     try:
-        for i, r in enumerate(manifest["regions"]):
-            if r.get("device") != "cuda":
-                continue
-            if client is None:
-                raise ValueError(
-                    "state dict %r has GPU regions: reading it needs the "
-                    "client it came from" % prefix
-                )
+        for i, t in zip(idx, got):
+            r = regions[i]
             why = (
                 "state dict %r: region %d (key %r, storage %d) is no longer "
                 "there: a newer version replaced it %d times in a row while "
                 "loading" % (prefix, i, r["key"], r["storage_id"], _RETRIES)
             )
-            try:
-                t = client.lookup(r["key"], timeout=0, readonly=True)
-            except tensord.NotFound:
-                raise _VersionChanged(why) from None
-            out[i] = t
+            if isinstance(t, tensord.NotFound):
+                raise _VersionChanged(why)
+            if isinstance(t, BaseException):
+                raise t
             if t.storage_id != r["storage_id"]:
                 raise _VersionChanged(why)
         return out

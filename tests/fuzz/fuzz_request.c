@@ -212,6 +212,43 @@ static void check_reply(int who, const uint8_t *p, size_t len, int *fds,
       die("a LookupReply (seq %llu) without its storage",
           (unsigned long long)r->seq);
     break;
+  case TENSORD__RESPONSE__BODY_LOOKUP_MANY: {
+    /* One fd per item that says it has one, in item order. */
+    const Tensord__LookupManyReply *lm = r->lookup_many;
+    unsigned k = 0;
+    for (size_t i = 0; i < lm->n_items; i++) {
+      const Tensord__LookupManyItem *x = lm->items[i];
+      const Tensord__StorageReply *m =
+          x->lookup != NULL ? x->lookup->storage : NULL;
+      if (x->code == 0 && m == NULL)
+        die("a LookupManyItem (seq %llu) found without its storage",
+            (unsigned long long)r->seq);
+      if (x->code != 0 && x->lookup != NULL)
+        die("a LookupManyItem (seq %llu) with both an error and a storage",
+            (unsigned long long)r->seq);
+      if (m == NULL || !m->fd)
+        continue;
+      if (k == nfds)
+        die("a LookupManyReply (seq %llu) came with %u fd(s); its items "
+            "announce more",
+            (unsigned long long)r->seq, nfds);
+      check_storage_fd(m, fds[k++]);
+    }
+    if (k != nfds)
+      die("a LookupManyReply (seq %llu) came with %u fd(s); its items "
+          "announce %u",
+          (unsigned long long)r->seq, nfds, k);
+    if (verbose)
+      fprintf(stderr,
+              "fuzz_request: client %d: seq %llu: lookup_many: items "
+              "%u..%zu%s (%u fd(s))\n",
+              who, (unsigned long long)r->seq, lm->first,
+              lm->first + lm->n_items, lm->last ? ", last" : "", nfds);
+    oracle_reply(who, r, len);
+    for (unsigned i = 0; i < nfds; i++)
+      close(fds[i]);
+    return;
+  }
   case TENSORD__RESPONSE__BODY__NOT_SET:
     die("the daemon sent a Response without a body (seq %llu)",
         (unsigned long long)r->seq);

@@ -198,6 +198,23 @@ static void lookup(buf *o, uint64_t seq, const char *k, int ro, int32_t wait,
   add(o, &r);
 }
 
+/* A LookupMany of the n keys (NULL: a key of no bytes). */
+static void lookup_many(buf *o, uint64_t seq, const char *const *k, size_t n,
+                        int ro) {
+  ProtobufCBinaryData kb[16];
+  Tensord__LookupMany m = TENSORD__LOOKUP_MANY__INIT;
+  Tensord__Request r = TENSORD__REQUEST__INIT;
+  for (size_t i = 0; i < n && i < 16; i++)
+    kb[i] = k[i] != NULL ? key(k[i]) : (ProtobufCBinaryData){0, NULL};
+  m.keys = kb;
+  m.n_keys = n < 16 ? n : 16;
+  m.readonly = ro;
+  r.seq = seq;
+  r.body_case = TENSORD__REQUEST__BODY_LOOKUP_MANY;
+  r.lookup_many = &m;
+  add(o, &r);
+}
+
 static void unpublish_bin(buf *o, uint64_t seq, ProtobufCBinaryData k) {
   Tensord__Unpublish m = TENSORD__UNPUBLISH__INIT;
   Tensord__Request r = TENSORD__REQUEST__INIT;
@@ -443,6 +460,26 @@ static void gen_single(void) {
   lookup(&in, 6, "missing", 0, -1, 1, 0);
   stat_(&in, 7);
   write_input("lookup_wait", &in);
+
+  /* Many keys in one request: found, missing and bad keys answered one by
+   * one; six storages new to the client, so the fds span two frames; the
+   * same keys again (no fd: held), read-write, then none at all. */
+  single(0);
+  static const char *const ks[] = {"k0", "k1", "k2", "k3", "k4", "k5"};
+  for (uint64_t i = 0; i < 6; i++) {
+    create(&in, 2 + 2 * i, 64 * (i + 1), 0);
+    publish(&in, 3 + 2 * i, ks[i], i + 1);
+  }
+  for (uint64_t i = 0; i < 6; i++)
+    release(&in, i + 1, 0, 1);
+  static const char *const many1[] = {"k0", "missing", "k1", NULL, "k2",
+                                      "k3", "k0",      "k4", "k5"};
+  lookup_many(&in, 20, many1, 9, 1);
+  lookup_many(&in, 21, many1, 9, 1);
+  lookup_many(&in, 22, ks, 6, 0);
+  lookup_many(&in, 23, NULL, 0, 0);
+  stat_(&in, 24);
+  write_input("lookup_many", &in);
 
   single(0);
   create(&in, 2, 10, 0);

@@ -79,6 +79,11 @@ typedef struct oend {
   mref *refs;
   size_t nrefs, caprefs;
   uint32_t failed_pool; /* thread-pool creates that failed this segment */
+  /* LookupManyReply frames before the one that ends their reply, in the
+   * order they came: the reply is its last frame, and do_lookup_many reads
+   * these from parts_next on. */
+  Tensord__Response **parts;
+  size_t nparts, capparts, parts_next;
   int watching;   /* a Watch succeeded: every request but Release is EBUSY */
   int may_watch;  /* it sent a Watch the model let through */
   size_t nevents; /* Event frames it got (not replies: never matched) */
@@ -222,6 +227,9 @@ static void reset(void) {
     for (size_t j = 0; j < e->nreplies; j++)
       tensord__response__free_unpacked(e->replies[j], NULL);
     free(e->replies);
+    for (size_t j = 0; j < e->nparts; j++)
+      tensord__response__free_unpacked(e->parts[j], NULL);
+    free(e->parts);
     for (size_t j = 0; j < e->nitems; j++)
       if (e->items[j].req)
         tensord__request__free_unpacked(e->items[j].req, NULL);
@@ -284,8 +292,13 @@ void oracle_reply(int end, Tensord__Response *r, size_t len) {
     tensord__response__free_unpacked(r, NULL);
     return;
   }
-  *PUSH(e->replies, e->nreplies, e->capreplies) = r;
   e->reply_bytes += len + TD__FRAME_HDR;
+  if (r->body_case == TENSORD__RESPONSE__BODY_LOOKUP_MANY &&
+      !r->lookup_many->last) {
+    *PUSH(e->parts, e->nparts, e->capparts) = r;
+    return;
+  }
+  *PUSH(e->replies, e->nreplies, e->capreplies) = r;
 }
 
 static void mark(int type, int end) {
@@ -971,6 +984,126 @@ static void do_lookup(oend *e, item *it) {
   looked_up(e, it, k, s);
 }
 
+/* The frame of it's LookupMany reply that begins at key i: the next part
+ * of e if it is that, else the reply's last frame if it begins there; NULL
+ * if neither does. */
+static const Tensord__LookupManyReply *many_frame(oend *e, const item *it,
+                                                  size_t i) {
+  if (e->parts_next < e->nparts) {
+    const Tensord__Response *p = e->parts[e->parts_next];
+    if (p->seq == it->req->seq && p->lookup_many->first == i) {
+      e->parts_next++;
+      return p->lookup_many;
+    }
+  }
+  const Tensord__LookupManyReply *last = it->reply->lookup_many;
+  return last->first == i ? last : NULL;
+}
+
+/* Key name of m, answered with x: checks x against the model (what a
+ * Lookup with wait 0 of that key must get) and applies it. */
+static void many_key(oend *e, const item *it, size_t i,
+                     const Tensord__LookupManyItem *x) {
+  const Tensord__LookupMany *m = it->req->lookup_many;
+  const ProtobufCBinaryData *name = &m->keys[i];
+  char a[200];
+  mkey *k = key_find(name);
+  if (k == NULL) {
+    if (x->code == 0)
+      FAIL("%s: key %zu found, but it is not published",
+           what(e, it, a, sizeof(a)), i);
+    else if (key_sure(name) && x->code != TD_ENOENT)
+      FAIL("%s: key %zu, not published, answered %s, not ENOENT",
+           what(e, it, a, sizeof(a)), i, td_err_name(x->code));
+    return;
+  }
+  mstorage *s = st_find(k->id);
+  if (s == NULL) {
+    lose("a key whose storage the model lost");
+    return;
+  }
+  int want = READ | (m->readonly ? 0 : WRITE);
+  int must = key_sure(name) && !s->unsettled && may(e, s, want) &&
+             under_limit(e, s->id);
+  O.checked += must;
+  if (x->code != 0) {
+    if (must)
+      FAIL("%s: key %zu must be found (published, and the client may have "
+           "it) but got %s: %s",
+           what(e, it, a, sizeof(a)), i, td_err_name(x->code), x->message);
+    return;
+  }
+  const Tensord__LookupReply *lr = x->lookup;
+  const Tensord__StorageReply *sr = lr != NULL ? lr->storage : NULL;
+  if (sr == NULL || lr->view == NULL) {
+    FAIL("%s: key %zu found without its storage or view",
+         what(e, it, a, sizeof(a)), i);
+    return;
+  }
+  mref *r = ref_find(e, s->id);
+  uint32_t had = r == NULL ? 0 : m->readonly ? r->ro : r->rw;
+  if (sr->id != s->id || sr->nbytes != s->nbytes ||
+      sr->readonly != m->readonly ||
+      (k->view_known && !fz_view_eq(&k->view, lr->view)))
+    FAIL("%s: key %zu: the reply names storage %llu (%llu bytes, %s); the "
+         "key names storage %llu (%llu bytes)%s",
+         what(e, it, a, sizeof(a)), i, (unsigned long long)sr->id,
+         (unsigned long long)sr->nbytes,
+         sr->readonly ? "read-only" : "read-write", (unsigned long long)s->id,
+         (unsigned long long)s->nbytes,
+         k->view_known && !fz_view_eq(&k->view, lr->view)
+             ? ", with another view than published"
+             : "");
+  if ((int)sr->fd != (had == 0))
+    FAIL("%s: key %zu: fd %s; the client held %u %s reference(s)",
+         what(e, it, a, sizeof(a)), i, sr->fd ? "sent" : "not sent", had,
+         m->readonly ? "read-only" : "read-write");
+  ref_add(e, s, m->readonly, NULL);
+}
+
+/* A LookupMany: 1 to TD_LOOKUP_MANY_MAX keys answered item by item, in
+ * order, across the reply's frames (the parts, then the last), each key as
+ * a Lookup with wait 0 would be; anything else is EINVAL. */
+static void do_lookup_many(oend *e, item *it) {
+  const Tensord__LookupMany *m = it->req->lookup_many;
+  char a[200], b[1200];
+  if (O.lost)
+    return;
+  if (it->ambiguous || it->reply == NULL) {
+    lose("a lookup_many's outcome is unknown");
+    return;
+  }
+  if (m->n_keys == 0 || m->n_keys > TD_LOOKUP_MANY_MAX) {
+    if (!is_error(it->reply) || it->reply->error->code != TD_EINVAL)
+      FAIL("%s: %zu keys must be refused with EINVAL, not %s",
+           what(e, it, a, sizeof(a)), m->n_keys,
+           reply_str(it->reply, b, sizeof(b)));
+    return;
+  }
+  O.checked++;
+  if (it->reply->body_case != TENSORD__RESPONSE__BODY_LOOKUP_MANY) {
+    refused(e, it, "1 to 65,536 keys are answered key by key");
+    return;
+  }
+  const Tensord__LookupManyReply *fr = NULL;
+  size_t fi = 0;
+  for (size_t i = 0; i < m->n_keys && !O.lost; i++) {
+    if (fr == NULL || fi == fr->n_items) {
+      if (fr == it->reply->lookup_many || (fr = many_frame(e, it, i)) == NULL ||
+          fr->n_items == 0) {
+        FAIL("%s: no frame of the reply answers key %zu of %zu",
+             what(e, it, a, sizeof(a)), i, m->n_keys);
+        return;
+      }
+      fi = 0;
+    }
+    many_key(e, it, i, fr->items[fi++]);
+  }
+  if (!O.lost && (fr != it->reply->lookup_many || fi != fr->n_items))
+    FAIL("%s: the reply answers more than its %zu keys",
+         what(e, it, a, sizeof(a)), m->n_keys);
+}
+
 static void do_unpublish(oend *e, item *it) {
   const Tensord__Unpublish *m = it->req->unpublish;
   if (O.lost)
@@ -1244,6 +1377,9 @@ static void handle(oend *e, item *it) {
   case TENSORD__REQUEST__BODY_LOOKUP:
     do_lookup(e, it);
     return;
+  case TENSORD__REQUEST__BODY_LOOKUP_MANY:
+    do_lookup_many(e, it);
+    return;
   case TENSORD__REQUEST__BODY_UNPUBLISH:
     do_unpublish(e, it);
     return;
@@ -1396,8 +1532,13 @@ void oracle_finish(void) {
       break;
     }
   }
-  for (int i = 0; i < O.s.nends; i++)
+  for (int i = 0; i < O.s.nends; i++) {
     count(&O.e[i]);
+    if (!O.lost && !lenient(&O.e[i]) && O.e[i].parts_next < O.e[i].nparts)
+      FAIL("client %d: %zu LookupManyReply frame(s) that no reply's last "
+           "frame ends",
+           i, O.e[i].nparts - O.e[i].parts_next);
+  }
   if (O.s.verbose)
     fprintf(stderr,
             "fuzz_request: oracle: %u request(s) judged by the "

@@ -1261,3 +1261,73 @@ TDT_TEST(badinput, half_close_still_gets_the_replies_due) {
   raw_close(r);
   expect_daemon_fine();
 }
+
+/* ---- LookupMany ---- */
+
+/* A LookupMany naming a key of a megabyte answers that key alone (a short
+ * message with its length, not the key) and the key beside it, and keeps
+ * the connection; a LookupMany frame that does not decode ends only its
+ * own connection; another client's lookups go on throughout. */
+TDT_TEST(badinput, lookup_many_of_a_huge_key_or_a_garbled_frame_spares_others) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(td_storage_create(c, 64, &s), 0);
+  cr_assert_eq(td_publish(c, "good", s, NULL), 0, "%s", td_last_error(c));
+
+  raw *r = raw_open(1);
+  size_t big = 1000000;
+  uint8_t *huge = malloc(big);
+  cr_assert_not_null(huge);
+  memset(huge, 'h', big);
+  ProtobufCBinaryData k[2] = {{big, huge}, {4, (uint8_t *)"good"}};
+  Tensord__LookupMany m = TENSORD__LOOKUP_MANY__INIT;
+  Tensord__Request req = TENSORD__REQUEST__INIT;
+  m.keys = k;
+  m.n_keys = 2;
+  req.seq = 2;
+  req.body_case = TENSORD__REQUEST__BODY_LOOKUP_MANY;
+  req.lookup_many = &m;
+  raw_send(r, &req);
+  free(huge);
+  Tensord__Response *resp = raw_recv(r, NULL);
+  cr_assert_not_null(resp, "tensord hung up on a huge key");
+  cr_assert_eq(resp->body_case, TENSORD__RESPONSE__BODY_LOOKUP_MANY, "body %d",
+               (int)resp->body_case);
+  Tensord__LookupManyReply *lm = resp->lookup_many;
+  cr_assert(lm->first == 0 && lm->n_items == 2 && lm->last);
+  cr_assert_eq(lm->items[0]->code, TD_EINVAL);
+  cr_assert(strstr(lm->items[0]->message, "1000000 bytes"), "%s",
+            lm->items[0]->message);
+  cr_assert_lt(strlen(lm->items[0]->message), 640);
+  cr_assert_eq(lm->items[1]->code, 0, "%s", lm->items[1]->message);
+  cr_assert_not_null(lm->items[1]->lookup);
+  uint64_t id = lm->items[1]->lookup->storage->id;
+  tensord__response__free_unpacked(resp, NULL);
+  cr_assert_eq(id, td_storage_id(s));
+  expect_usable(r, 3);
+  cr_assert_eq(td_ping(c, NULL), 0, "%s", td_last_error(c));
+
+  raw *g = raw_open(1);
+  /* Field 32 (lookup_many) of 4 bytes, whose key (field 1) claims 127
+   * bytes and has 2. */
+  static const uint8_t junk[] = {0x82, 0x02, 0x04, 0x0a, 0x7f, 0x01, 0x02};
+  raw_send_payload(g, junk, sizeof(junk));
+  expect_error(g, TD_EPROTO, "garbled frame", "7 bytes");
+  expect_closed(g);
+  raw_close(g);
+
+  const char *keys[] = {"good", "good"};
+  td_storage *got[2];
+  cr_assert_eq(td_lookup_many(c, keys, 2, 0, 0, got, NULL, NULL), 0, "%s",
+               td_last_error(c));
+  cr_assert(td_storage_id(got[0]) == td_storage_id(s) &&
+            td_storage_id(got[1]) == td_storage_id(s));
+  td_storage_release(got[0]);
+  td_storage_release(got[1]);
+  expect_usable(r, 4);
+  raw_close(r);
+  cr_assert_eq(td_unpublish(c, "good"), 0);
+  td_storage_release(s);
+  td_close(c);
+  expect_daemon_fine();
+}

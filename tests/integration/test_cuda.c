@@ -1553,3 +1553,91 @@ TDT_TEST(cuda, a_republish_or_unpublish_takes_the_event_off_the_key) {
   cr_assert_eq(td_ping(c, NULL), 0, "the daemon serves on");
   td_close(c);
 }
+
+/* ---- many keys in one round trip (td_lookup_many) ---- */
+
+#define MANY_GPU 8
+#define MANY_VIEWS 50
+#define MANY_KEYS (MANY_GPU + 2 + MANY_VIEWS)
+
+static char many_buf[MANY_KEYS][32];
+static const char *many_keys[MANY_KEYS];
+
+/* Looks up the GPU storages g0.., the CPU storages c0 and c1 and the views
+ * v0.. of g0 in one call: each has its bytes and view, read-only; and the
+ * views share g0's mapping. */
+static int many_child(void *p) {
+  (void)p;
+  td_client *c;
+  CHECK(td_connect(d.sock, &c) == 0);
+  static td_storage *s[MANY_KEYS];
+  static td_view v[MANY_KEYS];
+  int errs[MANY_KEYS];
+  CHECK_ERR(
+      c, td_lookup_many(c, many_keys, MANY_KEYS, TD_RDONLY, 0, s, v, errs), 0);
+  for (size_t i = 0; i < MANY_KEYS; i++) {
+    CHECK(errs[i] == 0 && td_storage_is_readonly(s[i]));
+    const unsigned char *b = td_storage_data(s[i]);
+    if (i < MANY_GPU) {
+      CHECK(td_storage_device(s[i]) == TD_CUDA);
+      CHECK(b[0] == i + 1 && b[td_storage_nbytes(s[i]) - 1] == i + 1);
+    } else if (i < MANY_GPU + 2) {
+      CHECK(td_storage_device(s[i]) == TD_CPU);
+      CHECK(b[0] == 0xc0 + (i - MANY_GPU));
+    } else {
+      CHECK(td_storage_id(s[i]) == td_storage_id(s[0]));
+      CHECK(td_storage_data(s[i]) == td_storage_data(s[0]));
+      CHECK(v[i].offset == (int64_t)(i - MANY_GPU - 2));
+    }
+  }
+  for (size_t i = 0; i < MANY_KEYS; i++)
+    td_storage_release(s[i]);
+  td_close(c);
+  return 0;
+}
+
+/* Publishes the keys many_child looks up, runs it, and frees it all. */
+static void many_gpu_and_cpu(void) {
+  td_client *c = tdt_connect(&d);
+  td_storage *s[MANY_GPU + 2];
+  for (size_t i = 0; i < MANY_GPU + 2; i++) {
+    int gpu = i < MANY_GPU;
+    if (gpu)
+      cr_assert_eq(create_on(c, 0, 1 * MiB, &s[i]), 0, "%s", td_last_error(c));
+    else
+      cr_assert_eq(td_storage_create(c, 4096, &s[i]), 0);
+    memset(td_storage_data(s[i]), gpu ? (int)i + 1 : 0xc0 + (int)(i - MANY_GPU),
+           td_storage_nbytes(s[i]));
+    snprintf(many_buf[i], sizeof(many_buf[i]), gpu ? "g%zu" : "c%zu",
+             gpu ? i : i - MANY_GPU);
+    many_keys[i] = many_buf[i];
+    cr_assert_eq(td_publish(c, many_keys[i], s[i], NULL), 0, "%s",
+                 td_last_error(c));
+  }
+  for (size_t j = 0; j < MANY_VIEWS; j++) {
+    size_t i = MANY_GPU + 2 + j;
+    int64_t shape[1] = {16};
+    td_view v;
+    cr_assert_eq(td_view_contiguous(TD_UINT8, 1, shape, &v), 0);
+    v.offset = (int64_t)j;
+    snprintf(many_buf[i], sizeof(many_buf[i]), "v%zu", j);
+    many_keys[i] = many_buf[i];
+    cr_assert_eq(td_publish(c, many_keys[i], s[0], &v), 0, "%s",
+                 td_last_error(c));
+  }
+  cr_assert_eq(tdt_wait(tdt_fork(many_child, NULL)), 0);
+  for (size_t i = 0; i < MANY_GPU + 2; i++)
+    td_storage_release(s[i]);
+  td_close(c);
+}
+
+TDT_TEST(cuda, lookup_many_attaches_gpu_and_cpu_keys_in_one_call) {
+  tdt_start(&d, NULL);
+  many_gpu_and_cpu();
+}
+
+/* Legacy handles travel in the items, with no fd. */
+TDT_TEST(cuda, lookup_many_attaches_legacy_gpu_keys) {
+  start_legacy();
+  many_gpu_and_cpu();
+}

@@ -1077,8 +1077,8 @@ uint64_t td__client_instance(const td_client *c) {
   return c->instance;
 }
 
-int td__storage_from_reply(td_client *c, const Tensord__StorageReply *m,
-                           int fd, td_storage **out) {
+int td__storage_from_reply(td_client *c, const Tensord__StorageReply *m, int fd,
+                           td_storage **out) {
   return make_handle(c, m, fd, 0, out);
 }
 
@@ -1529,6 +1529,8 @@ int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
     out[i].bytes_used = d->bytes_used;
     out[i].capacity = d->capacity;
     out[i].storages = d->storages;
+    out[i].pool_bytes = d->pool_bytes;
+    out[i].pool_allocs = d->pool_allocs;
   }
   *n = st->n_devices;
   tensord__response__free_unpacked(r, NULL);

@@ -529,8 +529,8 @@ int td_publish(td_client *c, const char *key, const td_storage *s,
                const td_view *v);
 /* Looks key up; waits up to timeout_ms for it to be published (0: do not
  * wait; -1: wait forever). flags: TD_RDONLY, TD_TAKE, TD_COW, TD_LAZY (any
- * other bit is TD_EINVAL). On success *s is a new handle and *v (if not NULL) the
- * published view. */
+ * other bit is TD_EINVAL). On success *s is a new handle and *v (if not NULL)
+ * the published view. */
 int td_lookup(td_client *c, const char *key, unsigned flags, int timeout_ms,
               td_storage **s, td_view *v);
 int td_unpublish(td_client *c, const char *key);
@@ -682,7 +682,11 @@ typedef struct td_device_stat {
   uint64_t bytes_used; /* allocated: sizes rounded up to the granularity */
   uint64_t capacity;   /* --cuda-capacity, or the device's total memory */
   uint64_t storages;
-  uint64_t reserved[4]; /* zero (see ABI above) */
+  /* Freed allocations the daemon keeps for its uid's next create of that
+   * size (--cuda-recycle-bytes), counted against capacity too. */
+  uint64_t pool_bytes;
+  uint64_t pool_allocs;
+  uint64_t reserved[2]; /* zero (see ABI above) */
 } td_device_stat;
 /* Fills out[0..max) with the daemon's GPUs, in its ordinal order, and sets
  * *n to how many it has (which may exceed max). A daemon lists GPUs once its
@@ -789,8 +793,8 @@ typedef struct td_load_result {
   uint64_t version; /* NAME's version now */
   uint64_t tensors, bytes;
   uint32_t shards;
-  int unchanged; /* NAME already held this source: nothing was loaded */
-  int waited;    /* another process held NAME's load lock first */
+  int unchanged;  /* NAME already held this source: nothing was loaded */
+  int waited;     /* another process held NAME's load lock first */
   double seconds; /* wall time of the reads and the publishes */
 } td_load_result;
 
@@ -1045,8 +1049,8 @@ const char *td_event_type_name(int type);
  * receive. A td_chan may be used from several threads at once. */
 typedef struct td_chan td_chan;
 
-#define TD_CHAN_SEND 0x1u /* this end sends (loan, send) */
-#define TD_CHAN_RECV 0x2u /* this end receives */
+#define TD_CHAN_SEND 0x1u           /* this end sends (loan, send) */
+#define TD_CHAN_RECV 0x2u           /* this end receives */
 #define TD_CHAN_CAPACITY_MAX 65536u /* entries a ring holds, at most */
 #define TD_CHAN_SLOTS_MAX 1024u     /* slots a channel owns, at most */
 
@@ -1128,7 +1132,7 @@ typedef struct td_chan_info {
   uint32_t slots_loaned;
   uint32_t slots_queued;
   uint32_t slots_held;
-  uint32_t senders;   /* ends open on each side now */
+  uint32_t senders; /* ends open on each side now */
   uint32_t receivers;
   uint32_t mode;
   uint64_t slot_bytes;
@@ -1137,7 +1141,7 @@ typedef struct td_chan_info {
   uint64_t in_flight; /* storages sent (not slots) that no one received yet */
   int corrupt;        /* closed: its ring was found corrupt */
   uint32_t reserved32;
-  uint64_t sent;      /* entries pushed and popped since it was created */
+  uint64_t sent; /* entries pushed and popped since it was created */
   uint64_t received;
   size_t nends; /* td_chan_list only */
   const td_chan_end_info *ends;

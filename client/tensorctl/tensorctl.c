@@ -437,9 +437,8 @@ static int ls_chan(const td_chan_info *ch, void *arg) {
   char name[TD_KEY_MAX + 1], depth[32], slots[48], size[32], ends[512];
   snprintf(depth, sizeof(depth), "%u/%u", ch->depth, ch->capacity);
   if (ch->slots)
-    snprintf(slots, sizeof(slots), "%u: %u/%u/%u/%u", ch->slots,
-             ch->slots_free, ch->slots_loaned, ch->slots_queued,
-             ch->slots_held);
+    snprintf(slots, sizeof(slots), "%u: %u/%u/%u/%u", ch->slots, ch->slots_free,
+             ch->slots_loaned, ch->slots_queued, ch->slots_held);
   else
     snprintf(slots, sizeof(slots), "-");
   join_list(ends, sizeof(ends), ch->nends, ch->nends, end_at, ch);
@@ -523,9 +522,11 @@ static int cmd_stat(td_client *c) {
            st.pool_misses);
     for (size_t i = 0; i < ngpus; i++)
       printf("%s{\"device\":\"cuda:%d\",\"uuid\":\"%s\",\"bytes_used\":%" PRIu64
-             ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64 "}",
+             ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64
+             ",\"pool_bytes\":%" PRIu64 ",\"pool_allocs\":%" PRIu64 "}",
              i ? "," : "", gpus[i].index, uuid_str(gpus[i].uuid, u, sizeof(u)),
-             gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages);
+             gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages,
+             gpus[i].pool_bytes, gpus[i].pool_allocs);
     printf("]}\n");
     return 0;
   }
@@ -567,11 +568,16 @@ static int cmd_stat(td_client *c) {
   } else {
     printf("pool      off (--recycle-bytes 0)\n");
   }
-  for (size_t i = 0; i < ngpus; i++)
+  for (size_t i = 0; i < ngpus; i++) {
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
            td__cli_bytes(gpus[i].bytes_used, a, sizeof(a)),
            td__cli_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
            uuid_str(gpus[i].uuid, u, sizeof(u)));
+    if (gpus[i].pool_allocs)
+      printf("          pool %" PRIu64 " allocation(s), %s\n",
+             gpus[i].pool_allocs,
+             td__cli_bytes(gpus[i].pool_bytes, a, sizeof(a)));
+  }
   if (st.quota)
     printf("quota     %s per uid\n", td__cli_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)
@@ -942,9 +948,9 @@ static void draw_bar(const td_load_progress *p, void *arg) {
   double rate = t > 0 ? (double)p->bytes_done / t : 0;
   char done[32], total[32], eta[32] = "?";
   if (rate > 0)
-    td__cli_age((int64_t)((double)(p->bytes_total - p->bytes_done) / rate *
-                          1e3),
-                eta, sizeof(eta));
+    td__cli_age(
+        (int64_t)((double)(p->bytes_total - p->bytes_done) / rate * 1e3), eta,
+        sizeof(eta));
   int w = (int)(frac * 30);
   fprintf(stderr, "\r[%.*s%*s] %s / %s  %.2f GB/s  ETA %s  shards %u/%u ", w,
           "##############################", 30 - w, "",
@@ -961,10 +967,10 @@ static long long option_count(const char *opt, const char *v, long long lo,
   char *end = NULL;
   errno = 0;
   long long n = v ? strtoll(v, &end, base) : 0;
-  if (v == NULL || end == v || *end != '\0' || errno != 0 || n < lo ||
-      n > hi) {
-    fprintf(stderr, "tensorctl load: %s '%s': not a%s number from %lld to "
-                    "%lld\n",
+  if (v == NULL || end == v || *end != '\0' || errno != 0 || n < lo || n > hi) {
+    fprintf(stderr,
+            "tensorctl load: %s '%s': not a%s number from %lld to "
+            "%lld\n",
             opt, v ? v : "", base == 8 ? "n octal" : "", lo, hi);
     return -1;
   }
@@ -1017,8 +1023,7 @@ static int cmd_load(const char *socket, int argc, char **argv) {
           o.device = TD_CUDA;
           o.device_index = n;
         } else {
-          fprintf(stderr, "tensorctl load: --device '%s': cpu or cuda:K\n",
-                  v);
+          fprintf(stderr, "tensorctl load: --device '%s': cpu or cuda:K\n", v);
           return 2;
         }
       } else if (strcmp(a, "--mode") == 0) {
@@ -1035,8 +1040,9 @@ static int cmd_load(const char *socket, int argc, char **argv) {
         o.threads = (uint32_t)n;
       }
     } else {
-      fprintf(stderr, "tensorctl load: unknown option '%s' (tensorctl load "
-                      "--help)\n",
+      fprintf(stderr,
+              "tensorctl load: unknown option '%s' (tensorctl load "
+              "--help)\n",
               a);
       return 2;
     }
@@ -1076,13 +1082,13 @@ static int cmd_load(const char *socket, int argc, char **argv) {
   char real[PATH_MAX];
   if (realpath(path, real) == NULL)
     snprintf(real, sizeof(real), "%s", path);
-  double gbs = r.seconds > 0 && !r.unchanged ? (double)r.bytes / r.seconds / 1e9
-                                             : 0;
+  double gbs =
+      r.seconds > 0 && !r.unchanged ? (double)r.bytes / r.seconds / 1e9 : 0;
   if (json) {
     printf("{\"name\":");
     td__cli_json_str(name);
-    printf(",\"version\":%" PRIu64 ",\"tensors\":%" PRIu64
-           ",\"bytes\":%" PRIu64 ",\"shards\":%u,\"seconds\":%.6f,"
+    printf(",\"version\":%" PRIu64 ",\"tensors\":%" PRIu64 ",\"bytes\":%" PRIu64
+           ",\"shards\":%u,\"seconds\":%.6f,"
            "\"gb_per_s\":%.3f,\"unchanged\":%s,\"waited\":%s}\n",
            r.version, r.tensors, r.bytes, r.shards, r.seconds, gbs,
            r.unchanged ? "true" : "false", r.waited ? "true" : "false");
@@ -1275,8 +1281,10 @@ int main(int argc, char **argv) {
   int needs_arg = strcmp(cmd, "info") == 0 || strcmp(cmd, "rm") == 0 ||
                   strcmp(cmd, "save") == 0 || strcmp(cmd, "unload") == 0;
   if (strcmp(cmd, "save") == 0 && arg != NULL && arg2 == NULL) {
-    fprintf(stderr, "tensorctl save: needs NAME and OUT (usage: tensorctl "
-                    "%s)\n", known->synopsis);
+    fprintf(stderr,
+            "tensorctl save: needs NAME and OUT (usage: tensorctl "
+            "%s)\n",
+            known->synopsis);
     return 2;
   }
   int watch = strcmp(cmd, "watch") == 0;

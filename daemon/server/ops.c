@@ -111,7 +111,7 @@ static void create_finish(td__segment_req *req) {
     td__event ev = {.type = TD__EV_CREATE, .s = s, .by = &c->hold};
     td__event_emit(srv, &ev);
     td__send_storage(c, cr->seq, s, 0,
-                 (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
+                     (cr->client_zeroes && req->reused) || cr->gpu_dirty, fd);
   }
   if (c != NULL)
     td__metrics_observe(&srv->metrics, uv_hrtime() - cr->start_ns);
@@ -505,8 +505,8 @@ static int op_publish(td__conn *c, uint64_t seq, const Tensord__Publish *m) {
                     key, (unsigned long long)m->scope,
                     (unsigned long long)k->storage->id);
   }
-  if (k != NULL && td__check_access(c, k->storage, TD__MAY_WRITE, "replacing it",
-                                msg, sizeof(msg)) < 0)
+  if (k != NULL && td__check_access(c, k->storage, TD__MAY_WRITE,
+                                    "replacing it", msg, sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "publish '%s' (storage %llu): %s", key,
                   (unsigned long long)k->storage->id, msg);
   /* Keys outlive connections: they count against the uid that published
@@ -566,7 +566,7 @@ static int op_unpublish(td__conn *c, uint64_t seq,
                   key_str(&m->key, key, sizeof(key)));
   char msg[256];
   if (td__check_access(c, k->storage, TD__MAY_WRITE, "unpublish", msg,
-                   sizeof(msg)) < 0)
+                       sizeof(msg)) < 0)
     return reject(c, seq, TD_EACCES, "key '%s' (storage %llu): %s", k->name,
                   (unsigned long long)k->storage->id, msg);
   if (k->scope == NULL && td__state_del(c->srv->state, k->name, k->len) < 0) {
@@ -817,6 +817,8 @@ static int op_stat(td__conn *c, uint64_t seq) {
     ds[i].bytes_used = cs[i].bytes_used;
     ds[i].capacity = cs[i].capacity;
     ds[i].storages = cs[i].storages;
+    ds[i].pool_bytes = cs[i].pool_bytes;
+    ds[i].pool_allocs = cs[i].pool_allocs;
     ds[i].index = cs[i].index;
     dp[i] = &ds[i];
   }

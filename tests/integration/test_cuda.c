@@ -1368,7 +1368,7 @@ static void pool_is(uint64_t n) {
             (unsigned long long)n);
 }
 
-TDT_TEST(cuda, a_pooled_create_makes_no_allocation) {
+TDT_TEST(cuda, a_pooled_create_and_attach_makes_no_allocation_and_no_import) {
   start_logged(NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
@@ -1381,11 +1381,15 @@ TDT_TEST(cuda, a_pooled_create_makes_no_allocation) {
   cr_assert_eq(g.pool_bytes, 4 * MiB);
   cr_assert_eq(g.bytes_used, 0);
   cr_assert_eq(g.storages, 0);
+  int imports = calls(getpid(), "cuMemImportFromShareableHandle");
+  cr_assert_eq(imports, 1);
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 1);
 
   /* The same uid, GPU and rounded size: the pooled allocation serves it. */
   cr_assert_eq(create_on(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 1, "the daemon made a fresh one");
+  cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), imports,
+               "the client imported the recycled allocation again");
   /* Still zeroed, as a recycled CPU segment is (the client clears it). */
   const unsigned char *b = td_storage_data(s);
   for (size_t i = 0; i < 4 * MiB; i += 4093)
@@ -1518,5 +1522,30 @@ TDT_TEST(cuda, pooled_device_memory_never_crosses_uids) {
   run_as(
       (pool_job){.uid = UID_B, .flags = TD_UNINIT, .fill = -1, .expect = 0xb2});
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 2);
+  end_logged();
+}
+
+/* A client's warm mapping is known by the daemon instance, the allocation's
+ * identity and the exported file: another daemon's allocation 1 is never
+ * taken for it. */
+TDT_TEST(cuda, a_warm_mapping_never_serves_another_daemons_allocation) {
+  start_logged(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  memset(td_storage_data(s), 0x77, 2 * MiB);
+  td_storage_release(s);
+  td_close(c);
+  tdt_stop(&d);
+  tdt_start(&d, NULL);
+  c = tdt_connect(&d);
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), 2,
+               "the first daemon's mapping served the second's allocation");
+  const unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < 2 * MiB; i += 4093)
+    cr_assert_eq(b[i], 0);
+  td_storage_release(s);
+  td_close(c);
   end_logged();
 }

@@ -113,7 +113,10 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_device_stat, bytes_used, 24);
   FIELD(td_device_stat, capacity, 32);
   FIELD(td_device_stat, storages, 40);
-  FIELD(td_device_stat, reserved, 48);
+  /* 0.x: pool_bytes and pool_allocs took two of the reserved words. */
+  FIELD(td_device_stat, pool_bytes, 48);
+  FIELD(td_device_stat, pool_allocs, 56);
+  FIELD(td_device_stat, reserved, 64);
 
   SIZE(td_upgrade_info, 104, 8);
   FIELD(td_upgrade_info, old_pid, 0);

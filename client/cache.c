@@ -274,9 +274,9 @@ out:
 }
 
 int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
-                         const uint8_t uuid[16], uint64_t alloc_size, int fd,
-                         const uint8_t *ipc_handle, td__mapping **out,
-                         char *msg, size_t len) {
+                         const uint8_t uuid[16], uint64_t alloc_size,
+                         uint64_t alloc_id, int fd, const uint8_t *ipc_handle,
+                         td__mapping **out, char *msg, size_t len) {
   pthread_once(&once, cache_init);
   mkey k = {instance, id, mode};
   uint64_t h = mhash(&k);
@@ -300,8 +300,8 @@ int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
   }
   err = ipc_handle != NULL
             ? td__cumap_open_ipc(uuid, ipc_handle, alloc_size, &m->cu, msg, len)
-            : td__cumap_open(uuid, fd, alloc_size, mode != TD__MAP_RW, &m->cu,
-                             msg, len);
+            : td__cumap_open(instance, alloc_id, uuid, fd, alloc_size,
+                             mode != TD__MAP_RW, &m->cu, msg, len);
   if (err < 0) {
     free(m);
     goto out;

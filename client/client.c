@@ -201,6 +201,10 @@ static void client_unref(td_client *c) {
    * child's copy of the socket. */
   if (forked(c))
     return;
+  /* Its storages are gone: no recycled allocation comes back through it,
+   * and with the process's last client of that daemon, none at all. */
+  if (c->instance != 0)
+    td__cumap_client_leave(c->instance);
   if (c->wire.fd >= 0)
     close(c->wire.fd);
   td__wire_free(&c->wire);
@@ -748,6 +752,8 @@ int td_connect_ex(const char *socket_path, const td_connect_opts *o,
   }
   c->instance = r->hello->instance;
   c->daemon_pid = r->hello->pid;
+  if (c->instance != 0)
+    td__cumap_client_join(c->instance);
   tensord__response__free_unpacked(r, NULL);
   *out = c;
   return 0;
@@ -898,12 +904,13 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     return fail(c, TD_ENOMEM, "out of memory");
   }
   char why[512] = "";
-  int err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
-                                        m->device_uuid.data, m->alloc_size, fd,
-                                        legacy ? m->ipc_handle.data : NULL,
-                                        &s->map, why, sizeof(why))
-                 : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd,
-                                   lazy, &s->map);
+  int err =
+      cuda ? td__map_acquire_cuda(c->instance, m->id, mode, m->device_uuid.data,
+                                  m->alloc_size, m->alloc_id, fd,
+                                  legacy ? m->ipc_handle.data : NULL, &s->map,
+                                  why, sizeof(why))
+           : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd, lazy,
+                             &s->map);
   if (err == TD_ENOENT) {
     /* Our last mapping went with another thread's release after the daemon
      * saw our reference: ask for an fd with a second reference, then give
@@ -913,8 +920,9 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
     err = open_call(c, m->id, m->readonly, 1, &r, &fd2);
     if (err == 0) {
       err = cuda ? td__map_acquire_cuda(c->instance, m->id, mode,
-                                        m->device_uuid.data, m->alloc_size, fd2,
-                                        NULL, &s->map, why, sizeof(why))
+                                        m->device_uuid.data, m->alloc_size,
+                                        m->alloc_id, fd2, NULL, &s->map, why,
+                                        sizeof(why))
                  : td__map_acquire(c->instance, m->id, mode, m->nbytes, fd2,
                                    lazy, &s->map);
       tensord__response__free_unpacked(r, NULL);
@@ -1977,6 +1985,8 @@ int td_stat_devices(td_client *c, td_device_stat *out, size_t max, size_t *n) {
     out[i].capacity = d->capacity;
     out[i].storages = d->storages;
     out[i].mig = d->mig;
+    out[i].pool_bytes = d->pool_bytes;
+    out[i].pool_allocs = d->pool_allocs;
   }
   *n = st->n_devices;
   tensord__response__free_unpacked(r, NULL);

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #if TD_HAVE_CUDA
@@ -56,7 +58,69 @@ struct td__cumap {
   size_t size;
   ipc_open *ipc;  /* a legacy handle's open, or NULL for a VMM mapping */
   lib_stream *ls; /* this GPU's library stream record */
+  /* A VMM mapping's allocation, for a warm reuse: the daemon's identity of
+   * it (alloc_id 0: none given, never kept warm) and the exported file it
+   * was imported from. */
+  uint64_t instance, alloc_id;
+  dev_t st_dev;
+  ino_t st_ino;
+  int ro;
 };
+
+/* Warm mappings. tensord keeps a freed VMM allocation in its pool for the
+ * same uid's next create of that size, and sends it again with the same
+ * alloc_id (never reused within a daemon instance) and the same exported
+ * file. So a mapping whose last handle goes is kept here a moment, warm,
+ * and a reference to the same allocation in the same mode takes it back:
+ * no import, no address reserve, no map, no access change. The identity
+ * alone is not trusted: the fd that comes with the new reference must be
+ * the very file that was imported (st_dev, st_ino). Bounded: at most
+ * TD__CUWARM_MAX mappings and TENSORD_CUDA_WARM_BYTES bytes (default
+ * 1 GiB; 0 turns it off), none kept past TD__CUWARM_MS, checked at every
+ * open and close. A warm mapping keeps the device memory alive (the driver
+ * frees an allocation with its last mapping), so an allocation the daemon
+ * has really released stays allocated that long at most while the process
+ * uses libtensord. A forked child starts with none. */
+#define TD__CUWARM_MAX 8
+#define TD__CUWARM_MS 5000
+#define TD__CUWARM_BYTES ((size_t)1 << 30)
+
+typedef struct cuwarm {
+  struct cuwarm *next; /* newest first */
+  td__cumap *m;
+  int64_t since_ms;
+} cuwarm;
+
+static pthread_mutex_t warm_mu = PTHREAD_MUTEX_INITIALIZER;
+static cuwarm *cuwarms; /* warm_mu */
+static size_t ncuwarm, cuwarm_bytes;
+static size_t cuwarm_max = TD__CUWARM_BYTES;
+static pthread_once_t warm_once = PTHREAD_ONCE_INIT;
+
+/* This process's clients per daemon instance (warm_mu). */
+typedef struct instance_users {
+  struct instance_users *next;
+  uint64_t instance;
+  unsigned clients;
+} instance_users;
+
+static instance_users *instances; /* warm_mu */
+
+static void warm_init(void) {
+  const char *s = getenv("TENSORD_CUDA_WARM_BYTES");
+  uint64_t v;
+  if (s != NULL && strcmp(s, "off") == 0)
+    cuwarm_max = 0;
+  else if (s != NULL && *s != '\0' && td__parse_size(s, &v) == 0 &&
+           v <= SIZE_MAX)
+    cuwarm_max = (size_t)v;
+}
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 /* Loads the driver. Returns it, or NULL with msg saying why. */
 static const td__cu *load(char *msg, size_t len) {
@@ -75,6 +139,10 @@ static void atfork_child(void) {
   ipc_opens = NULL;
   pthread_mutex_init(&stream_mu, NULL);
   lib_streams = NULL;
+  pthread_mutex_init(&warm_mu, NULL);
+  cuwarms = NULL; /* the parent's: left mapped, never used here */
+  ncuwarm = cuwarm_bytes = 0;
+  instances = NULL;
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
@@ -317,6 +385,145 @@ static void undo(td__cumap *m, int mapped, int reserved) {
   cu->DevicePrimaryCtxRelease(m->dev);
 }
 
+/* Takes off, onto *gone, the warm mappings past their time, then the
+ * oldest while the bounds leave no room for one more of extra bytes (0:
+ * none to add). Called with warm_mu held. */
+static void warm_trim(size_t extra, cuwarm **gone) {
+  int64_t now = mono_ms();
+  for (;;) {
+    cuwarm **p = &cuwarms, **last = NULL;
+    for (cuwarm *w; (w = *p) != NULL; p = &w->next)
+      last = p;
+    if (last == NULL)
+      return;
+    cuwarm *w = *last; /* the oldest */
+    if (now - w->since_ms < TD__CUWARM_MS &&
+        (extra == 0 ||
+         (ncuwarm < TD__CUWARM_MAX && cuwarm_bytes + extra <= cuwarm_max)))
+      return;
+    *last = NULL;
+    ncuwarm--;
+    cuwarm_bytes -= w->m->size;
+    w->next = *gone;
+    *gone = w;
+  }
+}
+
+/* Unmaps the next-linked warm mappings and frees them. */
+static void warm_free(cuwarm *list) {
+  for (cuwarm *w = list, *next; w != NULL; w = next) {
+    next = w->next;
+    undo(w->m, 1, 1);
+    free(w->m);
+    free(w);
+  }
+}
+
+/* Takes back the warm mapping of allocation alloc_id of instance, in mode
+ * ro, of size bytes and imported from the file st names. Returns it, or
+ * NULL. */
+static td__cumap *warm_take(uint64_t instance, uint64_t alloc_id, int ro,
+                            uint64_t size, const struct stat *st) {
+  cuwarm *gone = NULL, *hit = NULL;
+  pthread_once(&warm_once, warm_init);
+  pthread_mutex_lock(&warm_mu);
+  warm_trim(0, &gone);
+  for (cuwarm **p = &cuwarms, *w; (w = *p) != NULL; p = &w->next) {
+    const td__cumap *m = w->m;
+    if (m->instance == instance && m->alloc_id == alloc_id && m->ro == ro &&
+        m->size == size && m->st_dev == st->st_dev && m->st_ino == st->st_ino) {
+      *p = w->next;
+      ncuwarm--;
+      cuwarm_bytes -= m->size;
+      hit = w;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&warm_mu);
+  warm_free(gone);
+  td__cumap *m = hit ? hit->m : NULL;
+  free(hit);
+  return m;
+}
+
+/* Keeps m warm if it may be. Returns 1 if it did (m is the cache's now),
+ * else 0. */
+static int warm_keep(td__cumap *m) {
+  pthread_once(&warm_once, warm_init);
+  if (m->ipc != NULL || m->alloc_id == 0 || m->size > cuwarm_max)
+    return 0;
+  cuwarm *w = malloc(sizeof(*w));
+  if (w == NULL)
+    return 0;
+  /* The library's own work on the memory ends here, as before an unmap. */
+  const td__cu *cu = m->cu;
+  CUcontext popped;
+  if (m->ls != NULL && cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
+    pthread_mutex_lock(&stream_mu);
+    if (m->ls->s != NULL)
+      cu->StreamSynchronize(m->ls->s);
+    pthread_mutex_unlock(&stream_mu);
+    cu->CtxPopCurrent(&popped);
+  }
+  cuwarm *gone = NULL;
+  w->m = m;
+  w->since_ms = mono_ms();
+  pthread_mutex_lock(&warm_mu);
+  warm_trim(m->size, &gone);
+  w->next = cuwarms;
+  cuwarms = w;
+  ncuwarm++;
+  cuwarm_bytes += m->size;
+  pthread_mutex_unlock(&warm_mu);
+  warm_free(gone);
+  return 1;
+}
+
+void td__cumap_client_join(uint64_t instance) {
+  pthread_once(&fork_once, fork_init);
+  pthread_mutex_lock(&warm_mu);
+  instance_users *u = instances;
+  while (u != NULL && u->instance != instance)
+    u = u->next;
+  if (u == NULL && (u = calloc(1, sizeof(*u))) != NULL) {
+    u->instance = instance;
+    u->next = instances;
+    instances = u;
+  }
+  if (u != NULL) /* else: its warm mappings go with any client's end */
+    u->clients++;
+  pthread_mutex_unlock(&warm_mu);
+}
+
+void td__cumap_client_leave(uint64_t instance) {
+  cuwarm *gone = NULL;
+  pthread_mutex_lock(&warm_mu);
+  instance_users **up = &instances, *u;
+  while ((u = *up) != NULL && u->instance != instance)
+    up = &u->next;
+  if (u != NULL && --u->clients > 0) {
+    pthread_mutex_unlock(&warm_mu);
+    return;
+  }
+  if (u != NULL) {
+    *up = u->next;
+    free(u);
+  }
+  for (cuwarm **p = &cuwarms, *w; (w = *p) != NULL;) {
+    if (w->m->instance != instance) {
+      p = &w->next;
+      continue;
+    }
+    *p = w->next;
+    ncuwarm--;
+    cuwarm_bytes -= w->m->size;
+    w->next = gone;
+    gone = w;
+  }
+  pthread_mutex_unlock(&warm_mu);
+  warm_free(gone);
+}
+
 /* Allocates a mapping record of size bytes on the GPU with uuid, which
  * this process must see. Returns 0, TD_ENOMEM or TD_ENODEV (with msg). */
 static int cumap_new(const td__cu *cu, const uint8_t uuid[16], uint64_t size,
@@ -341,17 +548,30 @@ static int cumap_new(const td__cu *cu, const uint8_t uuid[16], uint64_t size,
   return 0;
 }
 
-int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
-                   td__cumap **out, char *msg, size_t len) {
+int td__cumap_open(uint64_t instance, uint64_t alloc_id, const uint8_t uuid[16],
+                   int fd, uint64_t size, int ro, td__cumap **out, char *msg,
+                   size_t len) {
   *out = NULL;
   const td__cu *cu = load(msg, len);
   if (cu == NULL)
     return TD_ENODEV;
+  ro = ro != 0;
+  struct stat st;
+  int known = alloc_id != 0 && fstat(fd, &st) == 0;
+  if (known && (*out = warm_take(instance, alloc_id, ro, size, &st)) != NULL)
+    return 0;
   char u[48], e[128];
   td__cumap *m;
   int err = cumap_new(cu, uuid, size, &m, msg, len);
   if (err < 0)
     return err;
+  if (known) {
+    m->instance = instance;
+    m->alloc_id = alloc_id;
+    m->st_dev = st.st_dev;
+    m->st_ino = st.st_ino;
+  }
+  m->ro = ro;
   const char *what = "cuDevicePrimaryCtxRetain";
   CUresult r = cu->DevicePrimaryCtxRetain(&m->ctx, m->dev);
   if (r != CUDA_SUCCESS)
@@ -802,7 +1022,7 @@ int td__custage_close(td__custage *g, char *msg, size_t len) {
 }
 
 void td__cumap_close(td__cumap *m) {
-  if (m == NULL)
+  if (m == NULL || warm_keep(m))
     return;
   undo(m, 1, 1);
   free(m);
@@ -827,8 +1047,9 @@ int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
   return no_cuda(msg, len);
 }
 
-int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
-                   td__cumap **out, char *msg, size_t len) {
+int td__cumap_open(uint64_t instance, uint64_t alloc_id, const uint8_t uuid[16],
+                   int fd, uint64_t size, int ro, td__cumap **out, char *msg,
+                   size_t len) {
   *out = NULL;
   return no_cuda(msg, len);
 }
@@ -867,6 +1088,10 @@ int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
 }
 
 void td__cumap_close(td__cumap *m) {}
+
+void td__cumap_client_join(uint64_t instance) {}
+
+void td__cumap_client_leave(uint64_t instance) {}
 
 int td__custage_open(td__cumap *m, size_t slot, unsigned nslots,
                      td__custage **out, char *msg, size_t len) {

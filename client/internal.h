@@ -91,11 +91,20 @@ typedef struct td__cumap td__cumap;
  * TD_ENODEV (no driver, no such device) with msg saying why. */
 int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len);
 /* Maps the exported VMM allocation fd (of size bytes) on the GPU with that
- * UUID, read-only if ro, in its primary context. Does not close fd.
- * Returns 0, or TD_ENODEV naming the UUID if this process cannot see that
- * GPU, or the driver's failure, with msg saying why. */
-int td__cumap_open(const uint8_t uuid[16], int fd, uint64_t size, int ro,
-                   td__cumap **out, char *msg, size_t len);
+ * UUID, read-only if ro, in its primary context; or takes back the warm
+ * mapping of the same allocation (alloc_id of daemon instance, not 0, and
+ * the same exported file as fd) that td__cumap_close kept. Does not close
+ * fd. Returns 0, or TD_ENODEV naming the UUID if this process cannot see
+ * that GPU, or the driver's failure, with msg saying why. */
+int td__cumap_open(uint64_t instance, uint64_t alloc_id, const uint8_t uuid[16],
+                   int fd, uint64_t size, int ro, td__cumap **out, char *msg,
+                   size_t len);
+/* Counts a client of daemon instance in this process, and its end (after
+ * its last storage): with the last, the warm mappings (td__cumap_close
+ * kept) of that daemon's allocations are unmapped, since none can come
+ * back without a connection. */
+void td__cumap_client_join(uint64_t instance);
+void td__cumap_client_leave(uint64_t instance);
 /* The device pointer. */
 /* Opens the legacy IPC handle (a CUipcMemHandle) of size bytes on the GPU
  * with that UUID, or shares this process's open of it: a legacy handle
@@ -186,9 +195,9 @@ int td__storage_fd(struct td_storage *s, int *fd);
  * TD_ENOENT if there is no mapping and neither fd nor ipc_handle, or
  * td__cumap_open's failure with msg filled. */
 int td__map_acquire_cuda(uint64_t instance, uint64_t id, int mode,
-                         const uint8_t uuid[16], uint64_t alloc_size, int fd,
-                         const uint8_t *ipc_handle, td__mapping **out,
-                         char *msg, size_t len);
+                         const uint8_t uuid[16], uint64_t alloc_size,
+                         uint64_t alloc_id, int fd, const uint8_t *ipc_handle,
+                         td__mapping **out, char *msg, size_t len);
 /* The mapping's CUDA side, or NULL for a CPU storage's. */
 td__cumap *td__map_cumap(const td__mapping *m);
 

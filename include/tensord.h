@@ -735,9 +735,13 @@ typedef struct td_device_stat {
   uint64_t bytes_used; /* allocated: sizes rounded up to the granularity */
   uint64_t capacity;   /* --cuda-capacity, or the device's total memory */
   uint64_t storages;
-  uint32_t mig;         /* 1: a MIG instance (td_gpu_uuid_str) */
-  uint32_t reserved32;  /* zero */
-  uint64_t reserved[3]; /* zero (see ABI above) */
+  uint32_t mig;        /* 1: a MIG instance (td_gpu_uuid_str) */
+  uint32_t reserved32; /* zero */
+  /* Freed allocations the daemon keeps for its uid's next create of that
+   * size (--cuda-recycle-bytes), counted against capacity too. */
+  uint64_t pool_bytes;
+  uint64_t pool_allocs;
+  uint64_t reserved[1]; /* zero (see ABI above) */
 } td_device_stat;
 /* Fills out[0..max) with the daemon's GPUs, in its ordinal order, and sets
  * *n to how many it has (which may exceed max). A daemon lists GPUs once its

@@ -512,10 +512,12 @@ static int cmd_stat(td_client *c) {
            st.pool_misses);
     for (size_t i = 0; i < ngpus; i++)
       printf("%s{\"device\":\"cuda:%d\",\"uuid\":\"%s\",\"bytes_used\":%" PRIu64
-             ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64 "}",
+             ",\"capacity\":%" PRIu64 ",\"storages\":%" PRIu64
+             ",\"pool_bytes\":%" PRIu64 ",\"pool_allocs\":%" PRIu64 "}",
              i ? "," : "", gpus[i].index,
              td_gpu_uuid_str(gpus[i].uuid, (int)gpus[i].mig, u, sizeof(u)),
-             gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages);
+             gpus[i].bytes_used, gpus[i].capacity, gpus[i].storages,
+             gpus[i].pool_bytes, gpus[i].pool_allocs);
     printf("]}\n");
     return 0;
   }
@@ -557,11 +559,16 @@ static int cmd_stat(td_client *c) {
   } else {
     printf("pool      off (--recycle-bytes 0)\n");
   }
-  for (size_t i = 0; i < ngpus; i++)
+  for (size_t i = 0; i < ngpus; i++) {
     printf("cuda:%-4d %s / %s, %" PRIu64 " storage(s) (%s)\n", gpus[i].index,
            td__cli_bytes(gpus[i].bytes_used, a, sizeof(a)),
            td__cli_bytes(gpus[i].capacity, b, sizeof(b)), gpus[i].storages,
            td_gpu_uuid_str(gpus[i].uuid, (int)gpus[i].mig, u, sizeof(u)));
+    if (gpus[i].pool_allocs)
+      printf("          pool %" PRIu64 " allocation(s), %s\n",
+             gpus[i].pool_allocs,
+             td__cli_bytes(gpus[i].pool_bytes, a, sizeof(a)));
+  }
   if (st.quota)
     printf("quota     %s per uid\n", td__cli_bytes(st.quota, a, sizeof(a)));
   if (st.max_clients)

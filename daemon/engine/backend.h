@@ -14,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /* Segment names are "/tensord.<instance>.<id>-<tail>" on every backend, so
  * that one prefix names everything an instance made; the tail is 16 random
@@ -38,6 +39,10 @@ typedef struct td__created {
   uint64_t alloc_size;
   int legacy;             /* no fd: ipc_handle names the memory */
   uint8_t ipc_handle[64]; /* a CUipcMemHandle */
+  /* The allocation's identity: never the same for two allocations of one
+   * daemon, and the same when a pooled allocation serves this create. */
+  uint64_t alloc_id;
+  int reused; /* served from the backend's own pool: the bytes are old */
 } td__created;
 
 /* Decides, for td__backend.unlink_prefix, whether segment name stays. */
@@ -53,14 +58,15 @@ typedef struct td__backend {
   int (*create)(const char *name, uint64_t nbytes, char *msg, size_t len);
   /* Makes segment name of nbytes on the device whose UUID is uuid (a GPU),
    * for backends of devices that come in several (NULL for the CPU's, and
-   * create then unused). Sets out->alloc_size to the bytes really allocated
-   * (nbytes rounded up to the device's granularity). Returns a read-write
-   * fd the caller owns; or, for memory exported without an fd (a legacy
-   * CUDA IPC handle, out->legacy set and out->ipc_handle filled), 0 and no
-   * fd; or a negative code with msg filled; nothing is left behind on
+   * create then unused), for uid: an allocation uid freed may serve it
+   * (out->reused set), never another uid's. Sets out->alloc_size to the bytes
+   * really allocated (nbytes rounded up to the device's granularity). Returns a
+   * read-write fd the caller owns; or, for memory exported without an fd (a
+   * legacy CUDA IPC handle, out->legacy set and out->ipc_handle filled), 0 and
+   * no fd; or a negative code with msg filled; nothing is left behind on
    * failure. */
   int (*create_on)(const char *name, const uint8_t uuid[16], uint64_t nbytes,
-                   struct td__created *out, char *msg, size_t len);
+                   uid_t uid, struct td__created *out, char *msg, size_t len);
   /* Opens a new fd on an existing segment for export to a client: read-only
    * (the kernel refuses writable mappings) if readonly. Returns the fd or a
    * negative code. */
@@ -68,6 +74,11 @@ typedef struct td__backend {
   /* Frees the segment's name; its bytes go when no process maps them. A
    * segment already gone is not an error. */
   void (*unlink)(const char *name);
+  /* Frees segment name, whose bytes no uid but uid has been given, as
+   * unlink does, or keeps them in the backend's own pool for a later
+   * create_on by uid (NULL: the backend has no pool of its own). Calls the
+   * driver: runs on the thread pool. */
+  void (*retire)(const char *name, uid_t uid);
   /* Gives segment from the name to, bytes and all: how a freed segment
    * enters the recycling pool. A file under to is never replaced. Returns 0
    * or a negative code (from unchanged): td__name_taken for a to that is

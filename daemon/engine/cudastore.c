@@ -5,6 +5,8 @@
  * driver is loaded, and each device's primary context retained, at the
  * first create on it; every call here that reaches the driver runs on the
  * thread pool (segment.c never runs a CUDA create or unlink on the loop).
+ * A freed VMM allocation may wait in a pool of its own for its owner uid's
+ * next create of that size (below, "the recycling pool").
  *
  * Read-only is advisory on this path: an importer picks its own access
  * flags (cuMemSetAccess), so a hostile client given a read-only reference
@@ -18,11 +20,13 @@
 #include "htab.h"
 #include "log.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #if TD_HAVE_CUDA
@@ -47,6 +51,18 @@ static sel allowed[MAX_DEVS];
 static size_t nallowed;
 static sel caps[MAX_CAPS];
 static size_t ncaps;
+/* The recycling pool's bounds: --cuda-recycle-bytes (per GPU; unset: a
+ * quarter of the GPU's capacity; 0: off) and --recycle-idle. */
+static int pool_set;
+static uint64_t pool_bytes_opt;
+static int64_t pool_idle_ms = 30000;
+
+void td__cuda_configure_pool(int set, uint64_t bytes, int64_t idle_ms) {
+  pool_set = set;
+  pool_bytes_opt = bytes;
+  if (idle_ms > 0)
+    pool_idle_ms = idle_ms;
+}
 
 /* Returns 1 if s names a device: an ordinal or a UUID, "GPU-..." or (a
  * MIG instance's) "MIG-...". */
@@ -138,12 +154,21 @@ typedef struct dev {
   uint64_t total; /* device memory */
   uint64_t capacity, cap_set;
   int legacy; /* no POSIX-fd handles: cuMemAlloc and legacy IPC handles */
-  uint64_t used, storages; /* mu */
+  uint64_t used, storages;         /* mu; used counts pooled allocations too */
+  uint64_t pool_limit;             /* set with capacity */
+  uint64_t pool_bytes, pool_count; /* mu */
+  uint64_t pool_hits, pool_misses; /* mu */
 } dev;
 
-/* One allocation, by segment name (in allocs, under mu). */
+/* One allocation: a storage's, by segment name (in allocs, under mu), or
+ * a pooled one (in the pool list, under mu), which keeps its hold on the
+ * context, its fd and its charge against the capacity. */
 typedef struct alloc {
   td__hnode node;
+  struct alloc *prev, *next; /* pooled: oldest first */
+  uid_t uid;                 /* pooled: whose bytes these are */
+  int64_t since_ms;          /* pooled: when */
+  uint64_t id;               /* never reused (td__created.alloc_id) */
   dev *d;
   CUmemGenericAllocationHandle h;
   int fd;          /* the exported POSIX fd, kept for opens to dup */
@@ -159,6 +184,19 @@ static char load_msg[256];
 static dev devs[MAX_DEVS];
 static size_t ndevs; /* mu */
 static td__htab allocs;
+static uint64_t next_alloc_id = 1; /* mu */
+/* The pool, every GPU's, oldest first (mu); its ageing thread. */
+static alloc *pool_oldest, *pool_newest;
+static int pool_stopping; /* mu: the daemon stops; nothing more is pooled */
+static pthread_cond_t pool_cv;
+static pthread_t pool_thread;
+static int pool_thread_on; /* mu */
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 static int name_eq(const td__hnode *n, const void *key) {
   return strcmp(td__container_of(n, alloc, node)->name, key) == 0;
@@ -288,6 +326,9 @@ static int dev_read(dev *d, CUcontext ctx, char *msg, size_t len) {
   d->total = total;
   if (!d->cap_set)
     d->capacity = total;
+  d->pool_limit = pool_set ? pool_bytes_opt : d->capacity / 4;
+  if (d->pool_limit > d->capacity)
+    d->pool_limit = d->capacity;
   d->legacy = legacy;
   pthread_mutex_unlock(&mu);
   d->opened = 1;
@@ -394,6 +435,126 @@ static CUresult mem_free(const dev *d, CUdeviceptr p) {
   return r;
 }
 
+/* ---- the recycling pool ----
+ *
+ * A freed storage's VMM allocation, seen by no uid but its owner's, waits
+ * here for the next create of the same rounded size by that uid on that
+ * GPU: no cuMemCreate, no export, and the same fd and allocation id, so a
+ * client that kept its import (cumap.c) maps nothing anew. It keeps its
+ * charge against the capacity and its hold on the context; a create that
+ * would not fit beside the pool evicts the GPU's oldest entries first.
+ * Bounded per GPU (pool_limit bytes, TD__CUDA_POOL_MAX entries), aged out
+ * after pool_idle_ms by a thread of its own, all released at the stop.
+ * Legacy (cuMemAlloc) allocations are never pooled. */
+
+#define TD__CUDA_POOL_MAX 1024
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_init(void) {
+  pthread_condattr_t a;
+  pthread_condattr_init(&a);
+  pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+  pthread_cond_init(&pool_cv, &a);
+  pthread_condattr_destroy(&a);
+}
+
+/* Takes m out of the pool, still charged. Called with mu held. */
+static void pool_unlist(alloc *m) {
+  if (m->prev != NULL)
+    m->prev->next = m->next;
+  else
+    pool_oldest = m->next;
+  if (m->next != NULL)
+    m->next->prev = m->prev;
+  else
+    pool_newest = m->prev;
+  m->prev = m->next = NULL;
+  m->d->pool_bytes -= m->size;
+  m->d->pool_count--;
+}
+
+/* Takes m out of the pool and its bytes off the capacity, and appends it
+ * to the list whose end is *tail. Returns the new end. Called with mu
+ * held. */
+static alloc **pool_evict(alloc *m, alloc **tail) {
+  pool_unlist(m);
+  m->d->used -= m->size;
+  *tail = m;
+  return &m->next;
+}
+
+/* Evicts d's oldest pooled allocation onto *tail. Returns the new end, or
+ * NULL if d has none. Called with mu held. */
+static alloc **pool_evict_oldest(dev *d, alloc **tail) {
+  for (alloc *m = pool_oldest; m != NULL; m = m->next)
+    if (m->d == d)
+      return pool_evict(m, tail);
+  return NULL;
+}
+
+/* Releases the next-linked evicted allocations: their fds, their memory
+ * and their holds on the context. Called without mu. */
+static void pool_free(alloc *list) {
+  for (alloc *m = list, *next; m != NULL; m = next) {
+    next = m->next;
+    close(m->fd);
+    CUresult r = release(m->d, m->h);
+    if (r != CUDA_SUCCESS) {
+      char e[128];
+      td__error("cuda:%d: cuMemRelease of pooled allocation %llu: %s",
+                m->d->index, (unsigned long long)m->id,
+                td__cu_strerror(cu, r, e, sizeof(e)));
+    }
+    dev_drop(m->d);
+    free(m);
+  }
+}
+
+/* The ageing thread: releases each pooled allocation idle for
+ * pool_idle_ms, until the stop. */
+static void *pool_ager(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&mu);
+  while (!pool_stopping) {
+    if (pool_oldest == NULL) {
+      pthread_cond_wait(&pool_cv, &mu);
+      continue;
+    }
+    int64_t now = mono_ms(), due = pool_oldest->since_ms + pool_idle_ms;
+    if (now < due) {
+      struct timespec ts = {.tv_sec = due / 1000,
+                            .tv_nsec = (due % 1000) * 1000000};
+      pthread_cond_timedwait(&pool_cv, &mu, &ts);
+      continue;
+    }
+    alloc *idle = NULL, **tail = &idle;
+    while (pool_oldest != NULL && now - pool_oldest->since_ms >= pool_idle_ms)
+      tail = pool_evict(pool_oldest, tail);
+    pthread_mutex_unlock(&mu);
+    for (alloc *m = idle; m != NULL; m = m->next)
+      td__debug("cuda:%d: pooled allocation %llu idle for %lld ms; released",
+                m->d->index, (unsigned long long)m->id,
+                (long long)(now - m->since_ms));
+    pool_free(idle);
+    pthread_mutex_lock(&mu);
+  }
+  pthread_mutex_unlock(&mu);
+  return NULL;
+}
+
+/* Takes the newest pooled allocation of uid on d of exactly size bytes.
+ * Returns it out of the pool, still charged, or NULL. Called with mu
+ * held. */
+static alloc *pool_take(dev *d, uid_t uid, uint64_t size) {
+  for (alloc *m = pool_newest; m != NULL; m = m->prev)
+    if (m->d == d && m->uid == uid && m->size == size) {
+      pool_unlist(m);
+      return m;
+    }
+  return NULL;
+}
+
 /* The legacy path: makes m's memory with cuMemAlloc in d's context and its
  * IPC handle into out. Returns the driver's result (nothing left behind on
  * failure) and what failed in *what. */
@@ -422,9 +583,11 @@ static CUresult legacy_make(const dev *d, alloc *m, td__created *out,
 _Static_assert(sizeof(CUipcMemHandle) == sizeof(((td__created *)0)->ipc_handle),
                "a legacy IPC handle is not 64 bytes");
 
+static void cuda_unlink(const char *name);
+
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
-                          uint64_t nbytes, td__created *out, char *msg,
-                          size_t len) {
+                          uint64_t nbytes, uid_t uid, td__created *out,
+                          char *msg, size_t len) {
   char u[48], e[128], a[32], b[32], c[32];
   /* The lazy start: the driver, then the device's context. */
   pthread_mutex_lock(&init_mu);
@@ -450,9 +613,34 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   }
   uint64_t size = (nbytes + d->gran - 1) / d->gran * d->gran;
   /* The capacity is charged before the driver is asked, so that creates in
-   * flight count. */
+   * flight count. A pooled allocation of this uid and size is charged
+   * already; else the pool gives way first if a fresh one would not fit. */
   pthread_mutex_lock(&mu);
-  if (size > d->capacity || d->used > d->capacity - size) {
+  alloc *pooled = d->legacy ? NULL : pool_take(d, uid, size);
+  alloc *gone = NULL, **tail = &gone, **t;
+  if (pooled != NULL) {
+    d->pool_hits++;
+    d->storages++;
+    snprintf(pooled->name, sizeof(pooled->name), "%s", name);
+    err = td__htab_insert(&allocs, &pooled->node,
+                          td__hash_bytes(name, strlen(name)));
+    if (err < 0) { /* no memory: it goes, and the create fails */
+      d->storages--;
+      pooled->d->used -= pooled->size;
+      *tail = pooled;
+      pooled = NULL;
+      err = td__msg(msg, len, TD_ENOMEM, "out of memory");
+    }
+  } else {
+    if (!d->legacy && d->pool_limit > 0)
+      d->pool_misses++;
+    while (size <= d->capacity && d->used > d->capacity - size &&
+           (t = pool_evict_oldest(d, tail)) != NULL)
+      tail = t;
+  }
+  if (err < 0 || pooled != NULL) {
+    /* answered below */
+  } else if (size > d->capacity || d->used > d->capacity - size) {
     uint64_t avail = d->used < d->capacity ? d->capacity - d->used : 0;
     err = td__msg(msg, len, TD_ENOMEM,
                   "%s (%llu bytes, %llu allocated) on cuda:%d (%s) exceeds "
@@ -467,6 +655,21 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     d->storages++;
   }
   pthread_mutex_unlock(&mu);
+  pool_free(gone); /* before a fresh allocation needs their memory */
+  if (pooled != NULL) {
+    dev_drop(d); /* the pooled allocation holds the context already */
+    int fd = fcntl(pooled->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      err = td__msg(msg, len, -errno, "dup of the exported fd: %s",
+                    strerror(errno));
+      cuda_unlink(name);
+      return err;
+    }
+    out->alloc_size = size;
+    out->alloc_id = pooled->id;
+    out->reused = 1;
+    return fd;
+  }
   if (err < 0) {
     dev_drop(d);
     return err;
@@ -493,6 +696,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     snprintf(m->name, sizeof(m->name), "%s", name);
     m->d = d;
     pthread_mutex_lock(&mu);
+    m->id = next_alloc_id++;
     err =
         td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name)));
     pthread_mutex_unlock(&mu);
@@ -503,6 +707,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
       goto uncharge;
     }
     out->alloc_size = size;
+    out->alloc_id = m->id;
     out->legacy = 1;
     return 0;
   }
@@ -543,6 +748,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   m->d = d;
   m->size = size;
   pthread_mutex_lock(&mu);
+  m->id = next_alloc_id++;
   err = td__htab_insert(&allocs, &m->node, td__hash_bytes(name, strlen(name)));
   pthread_mutex_unlock(&mu);
   if (err < 0) {
@@ -551,6 +757,7 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     goto unmake;
   }
   out->alloc_size = size;
+  out->alloc_id = m->id;
   return fd;
 
 unmake:
@@ -612,6 +819,74 @@ static void cuda_unlink(const char *name) {
   free(m);
 }
 
+static void cuda_retire(const char *name, uid_t uid) {
+  pthread_once(&pool_once, pool_init);
+  pthread_mutex_lock(&mu);
+  alloc *m = alloc_find(name);
+  dev *d = m ? m->d : NULL;
+  int keep = m != NULL && !m->legacy && !pool_stopping && d->pool_limit > 0 &&
+             m->size <= d->pool_limit;
+  if (keep && !pool_thread_on) {
+    if (pthread_create(&pool_thread, NULL, pool_ager, NULL) == 0)
+      pool_thread_on = 1;
+    else
+      keep = 0;
+  }
+  if (!keep) {
+    pthread_mutex_unlock(&mu);
+    cuda_unlink(name);
+    return;
+  }
+  td__htab_remove(&allocs, &m->node);
+  d->storages--;
+  m->uid = uid;
+  m->since_ms = mono_ms();
+  m->name[0] = '\0';
+  m->next = NULL;
+  m->prev = pool_newest;
+  if (pool_newest != NULL)
+    pool_newest->next = m;
+  else
+    pool_oldest = m;
+  pool_newest = m;
+  d->pool_bytes += m->size;
+  d->pool_count++;
+  alloc *gone = NULL, **tail = &gone, **t;
+  while ((d->pool_bytes > d->pool_limit || d->pool_count > TD__CUDA_POOL_MAX) &&
+         (t = pool_evict_oldest(d, tail)) != NULL)
+    tail = t;
+  td__debug("cuda:%d: %s's allocation %llu pooled (%llu allocation(s), "
+            "%llu bytes)",
+            d->index, name, (unsigned long long)m->id,
+            (unsigned long long)d->pool_count,
+            (unsigned long long)d->pool_bytes);
+  pthread_cond_signal(&pool_cv);
+  pthread_mutex_unlock(&mu);
+  pool_free(gone);
+}
+
+void td__cuda_pool_drain(void) {
+  pthread_once(&pool_once, pool_init);
+  pthread_mutex_lock(&mu);
+  pool_stopping = 1;
+  alloc *all = NULL, **tail = &all;
+  uint64_t n = 0;
+  while (pool_oldest != NULL) {
+    tail = pool_evict(pool_oldest, tail);
+    n++;
+  }
+  int on = pool_thread_on;
+  pool_thread_on = 0;
+  pthread_cond_signal(&pool_cv);
+  pthread_mutex_unlock(&mu);
+  if (on)
+    pthread_join(pool_thread, NULL);
+  if (n > 0)
+    td__info("cuda: releasing %llu pooled allocation(s)",
+             (unsigned long long)n);
+  pool_free(all);
+}
+
 size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
   size_t n = 0;
   pthread_mutex_lock(&mu);
@@ -622,9 +897,14 @@ size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
       out[n].index = devs[i].index;
       memcpy(out[n].uuid, devs[i].uuid, 16);
       out[n].mig = td__cu_uuid_is_mig(devs[i].uuid);
-      out[n].bytes_used = devs[i].used;
+      out[n].bytes_used = devs[i].used - devs[i].pool_bytes;
       out[n].capacity = devs[i].capacity;
       out[n].storages = devs[i].storages;
+      out[n].pool_bytes = devs[i].pool_bytes;
+      out[n].pool_allocs = devs[i].pool_count;
+      out[n].pool_limit = devs[i].pool_limit;
+      out[n].pool_hits = devs[i].pool_hits;
+      out[n].pool_misses = devs[i].pool_misses;
     }
     n++;
   }
@@ -639,8 +919,8 @@ int td__cuda_is_mig(const uint8_t uuid[16]) {
 #else /* !TD_HAVE_CUDA */
 
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
-                          uint64_t nbytes, td__created *out, char *msg,
-                          size_t len) {
+                          uint64_t nbytes, uid_t uid, td__created *out,
+                          char *msg, size_t len) {
   return td__msg(msg, len, TD_ENODEV, "this tensord was built without CUDA");
 }
 
@@ -649,6 +929,10 @@ static int cuda_open(const char *name, int readonly) {
 }
 
 static void cuda_unlink(const char *name) {}
+
+static void cuda_retire(const char *name, uid_t uid) {}
+
+void td__cuda_pool_drain(void) {}
 
 size_t td__cuda_stats(td__cuda_stat *out, size_t max) {
   return 0;
@@ -687,7 +971,8 @@ const td__backend td__cuda_backend = {
     .create_on = cuda_create_on,
     .open = cuda_open,
     .unlink = cuda_unlink,
-    .rename = NULL, /* no recycling: an allocation is freed, not pooled */
+    .retire = cuda_retire, /* pooled here, not by segment.c's pool */
+    .rename = NULL,
     .reuse = NULL,
     .unlink_prefix = cuda_unlink_prefix,
     .space = cuda_space,

@@ -83,6 +83,9 @@ struct td__storage {
    * (nbytes rounded up to the granularity; set by the create). */
   uint8_t uuid[16];
   uint64_t alloc_size;
+  /* TD_CUDA: the allocation's identity (td__created.alloc_id), which a
+   * client's mapping cache knows a recycled allocation by. */
+  uint64_t alloc_id;
   /* TD_CUDA on a GPU without POSIX-fd handles: no fd is ever sent; every
    * reply carries ipc_handle (a CUipcMemHandle), which a client opens once
    * per process. Set by the create. */

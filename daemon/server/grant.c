@@ -82,7 +82,7 @@ int td__grant(td__conn *c, td__storage *s, int ro, int take, int force_fd,
 }
 
 void td__storage_reply(const td__storage *s, int ro, int fd,
-                          Tensord__StorageReply *m) {
+                       Tensord__StorageReply *m) {
   tensord__storage_reply__init(m);
   m->id = s->id;
   m->nbytes = s->nbytes;
@@ -93,6 +93,7 @@ void td__storage_reply(const td__storage *s, int ro, int fd,
     m->device_uuid.data = (uint8_t *)s->uuid;
     m->device_uuid.len = 16;
     m->alloc_size = s->alloc_size;
+    m->alloc_id = s->alloc_id;
     m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_POSIX_FD;
     if (s->legacy) {
       m->handle = TENSORD__CUDA_HANDLE__CUDA_HANDLE_LEGACY_IPC;
@@ -105,7 +106,7 @@ void td__storage_reply(const td__storage *s, int ro, int fd,
 /* Answers seq with s (dirty: a create's recycled bytes, for the client to
  * zero) and fd, if >= 0. */
 int td__send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
-                        int dirty, int fd) {
+                     int dirty, int fd) {
   Tensord__StorageReply m;
   Tensord__Response r = TENSORD__RESPONSE__INIT;
   td__storage_reply(s, ro, fd, &m);
@@ -116,4 +117,3 @@ int td__send_storage(td__conn *c, uint64_t seq, const td__storage *s, int ro,
   td__conn_send(c, &r, fd);
   return 0;
 }
-

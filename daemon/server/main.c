@@ -67,6 +67,12 @@ static void usage(FILE *f) {
       "  --cuda-capacity K=SIZE most bytes of CUDA storages on GPU K (an\n"
       "                         ordinal or a UUID); repeat per GPU (default:\n"
       "                         the GPU's total memory)\n"
+      "  --cuda-recycle-bytes SIZE\n"
+      "                         per GPU, keep up to this many bytes of freed\n"
+      "                         CUDA allocations to serve later creates of\n"
+      "                         the same uid and size; 0 turns it off\n"
+      "                         (default: a quarter of the GPU's capacity;\n"
+      "                         --recycle-idle ages them out too)\n"
       "  --metrics PATH|ADDR    serve the metrics text (tensorctl metrics)\n"
       "                         over HTTP on a Unix socket PATH (one with\n"
       "                         a '/', mode as --socket-mode, else 0600) or\n"
@@ -165,6 +171,7 @@ int main(int argc, char **argv) {
     OPT_HUGE_PAGES,
     OPT_CUDA_DEVICES,
     OPT_CUDA_CAPACITY,
+    OPT_CUDA_RECYCLE_BYTES,
     OPT_METRICS,
     OPT_UPGRADE,
   };
@@ -186,6 +193,7 @@ int main(int argc, char **argv) {
       {"huge-pages", required_argument, NULL, OPT_HUGE_PAGES},
       {"cuda-devices", required_argument, NULL, OPT_CUDA_DEVICES},
       {"cuda-capacity", required_argument, NULL, OPT_CUDA_CAPACITY},
+      {"cuda-recycle-bytes", required_argument, NULL, OPT_CUDA_RECYCLE_BYTES},
       {"metrics", required_argument, NULL, OPT_METRICS},
       {"upgrade", no_argument, NULL, OPT_UPGRADE},
       {"log-level", required_argument, NULL, 'l'},
@@ -198,6 +206,8 @@ int main(int argc, char **argv) {
   const char *cuda_devices = NULL;
   const char *cuda_caps[64];
   size_t ncuda_caps = 0;
+  int cuda_recycle_set = 0;
+  uint64_t cuda_recycle = 0;
   o.socket_mode = -1;
   uint64_t n;
   int ch;
@@ -287,6 +297,12 @@ int main(int argc, char **argv) {
     case OPT_UPGRADE:
       upgrade = 1;
       break;
+    case OPT_CUDA_RECYCLE_BYTES:
+      if (strcmp(optarg, "0") != 0 &&
+          parse_bytes("--cuda-recycle-bytes", optarg, &cuda_recycle) < 0)
+        return 2;
+      cuda_recycle_set = 1;
+      break;
     case OPT_CUDA_CAPACITY:
       if (ncuda_caps == sizeof(cuda_caps) / sizeof(cuda_caps[0])) {
         fprintf(stderr, "tensord: --cuda-capacity: more than %zu given\n",
@@ -341,6 +357,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tensord: %s\n", msg);
     return 2;
   }
+  td__cuda_configure_pool(cuda_recycle_set, cuda_recycle,
+                          (int64_t)o.recycle_idle_ms);
 
   signal(SIGPIPE, SIG_IGN);
   raise_nofile();

@@ -171,6 +171,29 @@ char *td__metrics_render(td__server *srv, size_t *len) {
   for (size_t i = 0; i < nd; i++)
     put(&t, "tensord_capacity_bytes{device=\"cuda:%d\"} %llu\n", cs[i].index,
         (unsigned long long)cs[i].capacity);
+  if (nd > 0) {
+    family(&t, "tensord_cuda_pool_bytes", "gauge",
+           "Bytes of freed GPU allocations kept for reuse, by device "
+           "(counted against its capacity).");
+    for (size_t i = 0; i < nd; i++)
+      put(&t, "tensord_cuda_pool_bytes{device=\"cuda:%d\"} %llu\n", cs[i].index,
+          (unsigned long long)cs[i].pool_bytes);
+    family(&t, "tensord_cuda_pool_allocations", "gauge",
+           "Freed GPU allocations kept for reuse, by device.");
+    for (size_t i = 0; i < nd; i++)
+      put(&t, "tensord_cuda_pool_allocations{device=\"cuda:%d\"} %llu\n",
+          cs[i].index, (unsigned long long)cs[i].pool_allocs);
+    family(&t, "tensord_cuda_pool_hits_total", "counter",
+           "GPU creates served from the pool, by device.");
+    for (size_t i = 0; i < nd; i++)
+      put(&t, "tensord_cuda_pool_hits_total{device=\"cuda:%d\"} %llu\n",
+          cs[i].index, (unsigned long long)cs[i].pool_hits);
+    family(&t, "tensord_cuda_pool_misses_total", "counter",
+           "GPU creates the pool could not serve, by device.");
+    for (size_t i = 0; i < nd; i++)
+      put(&t, "tensord_cuda_pool_misses_total{device=\"cuda:%d\"} %llu\n",
+          cs[i].index, (unsigned long long)cs[i].pool_misses);
+  }
 
   gauge(&t, "tensord_keys", "Published keys.", srv->reg.keys.count);
   gauge(&t, "tensord_clients", "Connected clients.", srv->nconns);

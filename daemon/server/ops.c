@@ -936,6 +936,8 @@ static int op_stat(td__conn *c, uint64_t seq) {
     ds[i].bytes_used = cs[i].bytes_used;
     ds[i].capacity = cs[i].capacity;
     ds[i].storages = cs[i].storages;
+    ds[i].pool_bytes = cs[i].pool_bytes;
+    ds[i].pool_allocs = cs[i].pool_allocs;
     ds[i].index = cs[i].index;
     ds[i].mig = cs[i].mig;
     dp[i] = &ds[i];

@@ -70,10 +70,12 @@ static void make_fresh(td__segment_req *req, const td__backend *b) {
   for (int tries = 1;; tries++) {
     if (b->create_on != NULL) {
       td__created out = {0};
-      req->fd = b->create_on(s->name, s->uuid, s->nbytes, &out, req->msg,
-                             sizeof(req->msg));
+      req->fd = b->create_on(s->name, s->uuid, s->nbytes, s->owner.uid, &out,
+                             req->msg, sizeof(req->msg));
       if (req->fd >= 0) {
         s->alloc_size = out.alloc_size;
+        s->alloc_id = out.alloc_id;
+        req->reused = out.reused;
         if (out.legacy) { /* made, but no fd: create_finish knows by s */
           s->legacy = 1;
           memcpy(s->ipc_handle, out.ipc_handle, sizeof(s->ipc_handle));
@@ -177,6 +179,8 @@ struct td__unlink_batch {
   size_t n, max;
   struct {
     const td__backend *backend;
+    int retire; /* backend->retire(name, uid) rather than unlink */
+    uid_t uid;
     char name[TD__SEGMENT_NAME_MAX];
   } seg[];
 };
@@ -185,7 +189,10 @@ static void batch_work(uv_work_t *w) {
   struct td__unlink_batch *u =
       td__container_of(w, struct td__unlink_batch, work);
   for (size_t i = 0; i < u->n; i++)
-    u->seg[i].backend->unlink(u->seg[i].name);
+    if (u->seg[i].retire)
+      u->seg[i].backend->retire(u->seg[i].name, u->seg[i].uid);
+    else
+      u->seg[i].backend->unlink(u->seg[i].name);
 }
 
 static void batch_after(uv_work_t *w, int status) {
@@ -212,6 +219,7 @@ static struct td__unlink_batch *batch_new(td__server *srv, size_t max) {
 static void batch_put(struct td__unlink_batch *u, const td__backend *b,
                       const char *name) {
   u->seg[u->n].backend = b;
+  u->seg[u->n].retire = 0;
   snprintf(u->seg[u->n].name, sizeof(u->seg[u->n].name), "%s", name);
   u->n++;
 }
@@ -278,6 +286,23 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
     b->unlink(name);
 }
 
+/* Gives s's segment to its backend's own pool, on the thread pool, if the
+ * backend has one and tensord serves on. Returns 1 if it did, else 0 (the
+ * caller unlinks it). */
+static int retire(td__server *srv, const td__storage *s) {
+  const td__backend *b = td__backend_for(s->device);
+  if (b == NULL || b->retire == NULL || !srv->listening || srv->stopping)
+    return 0;
+  struct td__unlink_batch *u = batch_new(srv, 1);
+  if (u == NULL)
+    return 0;
+  batch_put(u, b, s->name);
+  u->seg[0].retire = 1;
+  u->seg[0].uid = s->owner.uid;
+  batch_queue(srv, u);
+  return 1;
+}
+
 void td__storage_gone(td__storage *s, void *arg) {
   td__server *srv = arg;
   /* Caused by the request being handled, if any; else (a connection's
@@ -294,8 +319,10 @@ void td__storage_gone(td__storage *s, void *arg) {
   /* A key change not yet on disk may be what freed s, and the journal on
    * disk may still name it: the segment stays until the change is durable,
    * so that a crash now finds every segment the journal names. A foreign
-   * segment is never pooled. */
+   * segment is never pooled. A backend with a pool of its own (CUDA's)
+   * keeps it there: its driver is called off the loop. */
   if (td__state_hold_unlink(srv->state, s) == 0 &&
+      (s->foreign || !retire(srv, s)) &&
       (s->foreign ||
        !td__segment_pool(srv, s->device, s->name, s->nbytes, s->owner.uid))) {
     td__debug("storage %llu: last reference dropped; unlinking %s",

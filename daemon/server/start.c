@@ -4,6 +4,7 @@
 
 #include "chanops.h"
 #include "common.h"
+#include "cudastore.h"
 #include "conn.h"
 #include "drain.h"
 #include "log.h"
@@ -245,7 +246,8 @@ static void warn_unreachable(const char *path, mode_t mode, gid_t gid) {
                "socket's group and chmod g+x)",
                (unsigned)mode, oth ? "everyone" : "the socket's group", path,
                at, (unsigned)(st.st_mode & 07777),
-               td__uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid, at);
+               td__uid_name(st.st_uid, who, sizeof(who)), (unsigned)st.st_gid,
+               at);
       return;
     }
   }
@@ -509,6 +511,9 @@ static void on_listen_closed(uv_handle_t *h) {
 /* The second half of td__server_stop, once no job is in flight. */
 static void stop_finish(td__server *srv) {
   srv->stopped = 1;
+  /* Pooled device memory never outlives tensord either; every job that
+   * could pool more is done by now. */
+  td__cuda_pool_drain();
   uint64_t storages = srv->reg.storages.count;
   uint64_t keys = srv->reg.keys.count;
   if (srv->state != NULL) {

@@ -572,6 +572,20 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
 
 /* ---- contexts ---- */
 
+/* Appends "<pid> <call>" to $TDCUDA_CALL_LOG, if set (read at each call),
+ * for each cuMemCreate, cuMemRelease and cuMemImportFromShareableHandle
+ * that succeeds: tests count what a process asked of the driver. */
+static void call_log(const char *call) {
+  const char *path = getenv("TDCUDA_CALL_LOG");
+  if (path == NULL || path[0] == '\0')
+    return;
+  FILE *f = fopen(path, "a");
+  if (f == NULL)
+    return;
+  fprintf(f, "%d %s\n", (int)getpid(), call);
+  fclose(f);
+}
+
 /* Appends "<pid> <what> <physical device>" to $TDCUDA_CTX_LOG, if set
  * (read at each call): tests watch when a process makes and destroys a
  * primary context. */
@@ -814,6 +828,7 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
     goto out;
   }
   used[phys] += size;
+  call_log("cuMemCreate");
 out:
   pthread_mutex_unlock(&mu);
   return r;
@@ -833,6 +848,7 @@ API CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle_) {
   *h = handles[--nhandles];
   a->handles--;
   alloc_unref(a);
+  call_log("cuMemRelease");
 out:
   pthread_mutex_unlock(&mu);
   return r;
@@ -948,6 +964,8 @@ API CUresult CUDAAPI cuMemImportFromShareableHandle(
   }
   if ((r = new_handle(a, handle_)) != CUDA_SUCCESS)
     alloc_unref(a);
+  else
+    call_log("cuMemImportFromShareableHandle");
 out:
   pthread_mutex_unlock(&mu);
   return r;

@@ -17,6 +17,15 @@
  *                    the reply, this process's import + map, and its
  *                    zeroing of the bytes (cuMemsetD8 and a synchronise).
  *   td create uninit the same with TD_UNINIT: no zeroing.
+ *   td create fresh  td create while every earlier one is still held, so
+ *                    that none is recycled: the daemon's cuMemCreate and
+ *                    export and this process's import + map every time.
+ *   td create pooled td create right after the release of one of the same
+ *                    size: the daemon's pool serves it (no cuMemCreate) and
+ *                    this process's warm mapping (no import), zeroing
+ *                    included; then "pooled/fresh", the ratio of the p50s.
+ *                    (The td create rows above recycle in the same way
+ *                    after their first round.)
  *   td open+map      the consumer's td_storage_open(id, TD_RDONLY) and
  *                    td_storage_data of a storage the producer holds, then
  *                    its release (the mapping goes with it, so each open
@@ -487,6 +496,41 @@ int main(int argc, char **argv) {
     row(sz, "td create", &tcreate);
     row(sz, "td create uninit", &tuninit);
     row(sz, "td open+map", &topen);
+
+    /* Fresh against pooled: the fresh ones are all held at once, so only
+     * as many as the device holds beside the rest. */
+    ck(cu, cu->MemGetInfo(&fr, &total), "cuMemGetInfo");
+    int fresh_n = reps;
+    if ((uint64_t)fresh_n * alloc + 256 * MiB > fr)
+      fresh_n = fr > 256 * MiB ? (int)((fr - 256 * MiB) / alloc) : 0;
+    if (fresh_n >= 3) {
+      td_storage **held = calloc((size_t)fresh_n, sizeof(*held));
+      if (held == NULL)
+        bench_die("out of memory");
+      bench_samples tfresh = {0}, tpooled = {0};
+      for (int i = 0; i < fresh_n; i++) {
+        uint64_t t0 = bench_now_ns();
+        held[i] = create(c, n, 0);
+        bench_samples_add(&tfresh, bench_now_ns() - t0);
+      }
+      for (int i = 0; i < fresh_n; i++)
+        td_storage_release(held[i]);
+      free(held);
+      for (int i = 0; i < reps; i++) {
+        uint64_t t0 = bench_now_ns();
+        td_storage *s = create(c, n, 0);
+        bench_samples_add(&tpooled, bench_now_ns() - t0);
+        td_storage_release(s);
+      }
+      double f50 = bench_pct(&tfresh, 50), p50 = bench_pct(&tpooled, 50);
+      row(sz, "td create fresh", &tfresh);
+      row(sz, "td create pooled", &tpooled);
+      printf("%-9s %-17s %10.2f\n", sz, "pooled/fresh",
+             f50 > 0 ? p50 / f50 : 0);
+    } else {
+      printf("%-9s (fresh/pooled skipped: %s free on the device)\n", sz,
+             bench_size(fr, b1, sizeof(b1)));
+    }
     fflush(stdout);
   }
 

@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <grp.h>
 #include <dlpack/dlpack.h>
 #include <pthread.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -321,7 +323,11 @@ static int ctx_destroyed_once(const tdt_daemon *dd) {
 TDT_TEST(cuda, the_daemon_holds_a_context_only_while_it_has_storages) {
   snprintf(ctx_log, sizeof(ctx_log), "/tmp/tdt-ctxlog.%d", (int)getpid());
   unlink(ctx_log);
-  start_with("TDCUDA_CTX_LOG", ctx_log);
+  /* Pooled allocations are device memory too: they hold it until they
+   * age out (--recycle-idle). */
+  setenv("TDCUDA_CTX_LOG", ctx_log, 1);
+  tdt_start(&d, (const char *const[]){"--recycle-idle", "300", NULL});
+  unsetenv("TDCUDA_CTX_LOG");
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
@@ -1640,4 +1646,240 @@ TDT_TEST(cuda, lookup_many_attaches_gpu_and_cpu_keys_in_one_call) {
 TDT_TEST(cuda, lookup_many_attaches_legacy_gpu_keys) {
   start_legacy();
   many_gpu_and_cpu();
+}
+
+/* ---- the recycling pool ---- */
+
+/* The double's TDCUDA_CALL_LOG: "<pid> <call>" lines. */
+static char call_log[64];
+
+static int calls(pid_t pid, const char *call) {
+  FILE *f = fopen(call_log, "r");
+  if (f == NULL)
+    return 0;
+  int p, n = 0;
+  char w[64];
+  while (fscanf(f, "%d %63s", &p, w) == 2)
+    n += p == (int)pid && strcmp(w, call) == 0;
+  fclose(f);
+  return n;
+}
+
+/* Starts tensord with args and the double's call log. */
+static void start_logged(const char *const *args) {
+  snprintf(call_log, sizeof(call_log), "/tmp/tdt-calllog.%d", (int)getpid());
+  unlink(call_log);
+  setenv("TDCUDA_CALL_LOG", call_log, 1);
+  tdt_start(&d, args);
+}
+
+static void end_logged(void) {
+  unsetenv("TDCUDA_CALL_LOG");
+  unlink(call_log);
+}
+
+/* The pool as the daemon counts it on this process's cuda:0. */
+static uint8_t pool_uuid[16];
+static uint64_t pool_want;
+
+static td_device_stat pool_stat(const tdt_daemon *dd) {
+  td_client *c = tdt_connect(dd);
+  td_device_stat g = gpu_stat(c, pool_uuid);
+  td_close(c);
+  return g;
+}
+
+static int pool_has_want(const tdt_daemon *dd) {
+  return pool_stat(dd).pool_allocs == pool_want;
+}
+
+/* Waits until the daemon's pool on pool_uuid holds n allocations. */
+static void pool_is(uint64_t n) {
+  pool_want = n;
+  cr_assert(tdt_until(pool_has_want, &d, 10000),
+            "the pool holds %llu allocation(s), not %llu",
+            (unsigned long long)pool_stat(&d).pool_allocs,
+            (unsigned long long)n);
+}
+
+TDT_TEST(cuda, a_pooled_create_and_attach_makes_no_allocation_and_no_import) {
+  start_logged(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
+  memset(td_storage_data(s), 0x5c, 3 * MiB); /* the double's memory is ours */
+  td_storage_release(s);
+  pool_is(1);
+  td_device_stat g = pool_stat(&d);
+  cr_assert_eq(g.pool_bytes, 4 * MiB);
+  cr_assert_eq(g.bytes_used, 0);
+  cr_assert_eq(g.storages, 0);
+  int imports = calls(getpid(), "cuMemImportFromShareableHandle");
+  cr_assert_eq(imports, 1);
+  cr_assert_eq(calls(d.pid, "cuMemCreate"), 1);
+
+  /* The same uid, GPU and rounded size: the pooled allocation serves it. */
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(calls(d.pid, "cuMemCreate"), 1, "the daemon made a fresh one");
+  cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), imports,
+               "the client imported the recycled allocation again");
+  /* Still zeroed, as a recycled CPU segment is (the client clears it). */
+  const unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < 4 * MiB; i += 4093)
+    cr_assert_eq(b[i], 0, "byte %zu of a recycled storage is %u", i, b[i]);
+  g = pool_stat(&d);
+  cr_assert_eq(g.pool_allocs, 0);
+  cr_assert_eq(g.bytes_used, 4 * MiB);
+  /* Another size is another class: a fresh allocation. */
+  td_storage *t;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(calls(d.pid, "cuMemCreate"), 2);
+  td_storage_release(t);
+  td_storage_release(s);
+  td_close(c);
+  pool_is(2);
+  end_logged();
+}
+
+TDT_TEST(cuda, pooled_bytes_count_against_the_capacity) {
+  start_logged((const char *const[]){"--cuda-capacity", "0=8M",
+                                     "--cuda-recycle-bytes", "8M", NULL});
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
+  td_storage_release(s);
+  pool_is(1);
+  /* 8 MiB fit only once the pooled 4 MiB give way. */
+  cr_assert_eq(create_on(c, 0, 8 * MiB, &s), 0, "%s", td_last_error(c));
+  td_device_stat g = pool_stat(&d);
+  cr_assert_eq(g.pool_allocs, 0, "the pool kept its allocation");
+  cr_assert_eq(g.bytes_used, 8 * MiB);
+  cr_assert_eq(calls(d.pid, "cuMemRelease"), 1);
+  /* A pooled allocation is charged: with 8 MiB pooled nothing else fits
+   * beside a live storage, so 2 MiB more evicts it. */
+  td_storage_release(s);
+  pool_is(1);
+  cr_assert_eq(pool_stat(&d).pool_bytes, 8 * MiB);
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  g = pool_stat(&d);
+  cr_assert_eq(g.pool_bytes, 0);
+  cr_assert_eq(g.bytes_used, 2 * MiB);
+  td_storage_release(s);
+  td_close(c);
+  end_logged();
+}
+
+TDT_TEST(cuda, pooled_allocations_age_out_and_none_outlive_tensord) {
+  start_logged((const char *const[]){"--recycle-idle", "300", NULL});
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
+  td_storage_release(s);
+  pool_is(1);
+  pool_is(0); /* aged out */
+  cr_assert_eq(calls(d.pid, "cuMemRelease"), 1);
+  /* At the stop, everything pooled is released. */
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_storage_release(t);
+  td_close(c);
+  pool_is(2);
+  pid_t pid = d.pid;
+  tdt_stop(&d);
+  cr_assert_eq(calls(pid, "cuMemCreate"), 3);
+  cr_assert_eq(calls(pid, "cuMemRelease"), 3,
+               "tensord exited holding pooled allocations");
+  end_logged();
+}
+
+#define UID_A 4311
+#define UID_B 4312
+
+typedef struct pool_job {
+  uid_t uid;
+  unsigned flags;
+  int fill;   /* written to every byte, or -1 */
+  int expect; /* every byte read first, or -1 */
+} pool_job;
+
+/* As uid j->uid: creates 2 MiB on cuda:0 (never touched by the parent, so
+ * the driver is fresh here), checks and fills it, releases it. */
+static int as_uid(void *arg) {
+  const pool_job *j = arg;
+  if (setgroups(0, NULL) < 0 || setgid(j->uid) < 0 || setuid(j->uid) < 0)
+    return 2;
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  td_create_opts o = {0};
+  o.nbytes = 2 * MiB;
+  o.device = TD_CUDA;
+  o.flags = j->flags;
+  td_storage *s;
+  CHECK_ERR(c, td_storage_create_ex(c, &o, &s), 0);
+  unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; j->expect >= 0 && i < 2 * MiB; i++)
+    CHECK(b[i] == (unsigned char)j->expect);
+  if (j->fill >= 0)
+    memset(b, j->fill, 2 * MiB);
+  td_storage_release(s);
+  td_close(c);
+  return 0;
+}
+
+static void run_as(pool_job j) {
+  int st = tdt_wait(tdt_fork(as_uid, &j));
+  cr_assert_eq(st, 0, "job as uid %u exited %d", (unsigned)j.uid, st);
+}
+
+TDT_TEST(cuda, pooled_device_memory_never_crosses_uids) {
+  if (geteuid() != 0)
+    cr_skip_test("switching identities needs root");
+  start_logged((const char *const[]){"--socket-mode", "0666", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0, "chmod %s: %s", d.dir, strerror(errno));
+  memcpy(pool_uuid, "tdcudadouble", 12); /* device 0's (tests/cuda/README) */
+  memset(pool_uuid + 12, 0, 4);
+  run_as((pool_job){.uid = UID_A, .fill = 0xa1, .expect = -1});
+  pool_is(1);
+  /* B asks for uninitialised bytes of the size A's pooled allocation has:
+   * it must get a fresh one, never A's. */
+  run_as(
+      (pool_job){.uid = UID_B, .flags = TD_UNINIT, .fill = 0xb2, .expect = -1});
+  cr_assert_eq(calls(d.pid, "cuMemCreate"), 2, "uid B was served A's memory");
+  pool_is(2);
+  /* Each gets its own back, as it left it (TD_UNINIT). */
+  run_as(
+      (pool_job){.uid = UID_A, .flags = TD_UNINIT, .fill = -1, .expect = 0xa1});
+  run_as(
+      (pool_job){.uid = UID_B, .flags = TD_UNINIT, .fill = -1, .expect = 0xb2});
+  cr_assert_eq(calls(d.pid, "cuMemCreate"), 2);
+  end_logged();
+}
+
+/* A client's warm mapping is known by the daemon instance, the allocation's
+ * identity and the exported file: another daemon's allocation 1 is never
+ * taken for it. */
+TDT_TEST(cuda, a_warm_mapping_never_serves_another_daemons_allocation) {
+  start_logged(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  memset(td_storage_data(s), 0x77, 2 * MiB);
+  td_storage_release(s);
+  td_close(c);
+  tdt_stop(&d);
+  tdt_start(&d, NULL);
+  c = tdt_connect(&d);
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), 2,
+               "the first daemon's mapping served the second's allocation");
+  const unsigned char *b = td_storage_data(s);
+  for (size_t i = 0; i < 2 * MiB; i += 4093)
+    cr_assert_eq(b[i], 0);
+  td_storage_release(s);
+  td_close(c);
+  end_logged();
 }

@@ -115,7 +115,10 @@ Test(abi, struct_layouts_are_those_released) {
   FIELD(td_device_stat, capacity, 32);
   FIELD(td_device_stat, storages, 40);
   FIELD(td_device_stat, mig, 48); /* was reserved[0] (MIG) */
-  FIELD(td_device_stat, reserved, 56);
+  /* pool_bytes and pool_allocs took two more of the reserved words. */
+  FIELD(td_device_stat, pool_bytes, 56);
+  FIELD(td_device_stat, pool_allocs, 64);
+  FIELD(td_device_stat, reserved, 72);
 
   SIZE(td_upgrade_info, 104, 8);
   FIELD(td_upgrade_info, old_pid, 0);

@@ -2241,24 +2241,36 @@ static queued row(uintptr_t dst, const void *src, size_t n) {
                   .height = 1};
 }
 
-API CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost,
-                                  size_t ByteCount) {
-  if (srcHost == NULL && ByteCount > 0)
+/* A host-to-device or device-to-host copy of ByteCount bytes on stream
+ * (legacy: the call without a stream, on the legacy stream). */
+static CUresult htod(CUstream stream, int legacy, CUdeviceptr dst,
+                     const void *src, size_t ByteCount) {
+  if (src == NULL && ByteCount > 0)
     return CUDA_ERROR_INVALID_VALUE;
   if (ByteCount == 0)
     return check_range(0, 0, PROT_NONE);
-  return issue(NULL, 1, SIDE_DEVICE, SIDE_HOST,
-               row((uintptr_t)dstDevice, srcHost, ByteCount));
+  return issue(stream, legacy, SIDE_DEVICE, SIDE_HOST,
+               row((uintptr_t)dst, src, ByteCount));
+}
+
+static CUresult dtoh(CUstream stream, int legacy, void *dst, CUdeviceptr src,
+                     size_t ByteCount) {
+  if (dst == NULL && ByteCount > 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  return issue(stream, legacy, SIDE_HOST, SIDE_DEVICE,
+               row((uintptr_t)dst, (const void *)src, ByteCount));
+}
+
+API CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost,
+                                  size_t ByteCount) {
+  return htod(NULL, 1, dstDevice, srcHost, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice,
                                   size_t ByteCount) {
-  if (dstHost == NULL && ByteCount > 0)
-    return CUDA_ERROR_INVALID_VALUE;
-  if (ByteCount == 0)
-    return check_range(0, 0, PROT_NONE);
-  return issue(NULL, 1, SIDE_HOST, SIDE_DEVICE,
-               row((uintptr_t)dstHost, (const void *)srcDevice, ByteCount));
+  return dtoh(NULL, 1, dstHost, srcDevice, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
@@ -2278,22 +2290,12 @@ API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
 API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
                                        const void *srcHost, size_t ByteCount,
                                        CUstream hStream) {
-  if (srcHost == NULL && ByteCount > 0)
-    return CUDA_ERROR_INVALID_VALUE;
-  if (ByteCount == 0)
-    return check_range(0, 0, PROT_NONE);
-  return issue(hStream, 0, SIDE_DEVICE, SIDE_HOST,
-               row((uintptr_t)dstDevice, srcHost, ByteCount));
+  return htod(hStream, 0, dstDevice, srcHost, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice,
                                        size_t ByteCount, CUstream hStream) {
-  if (dstHost == NULL && ByteCount > 0)
-    return CUDA_ERROR_INVALID_VALUE;
-  if (ByteCount == 0)
-    return check_range(0, 0, PROT_NONE);
-  return issue(hStream, 0, SIDE_HOST, SIDE_DEVICE,
-               row((uintptr_t)dstHost, (const void *)srcDevice, ByteCount));
+  return dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc,

@@ -687,11 +687,9 @@ static void start_with(const char *name, const char *value) {
   unsetenv(name);
 }
 
-/* A GPU without virtual memory management (the cuMem* VMM calls all
- * CUDA_ERROR_NOT_SUPPORTED, cuMemGetAllocationGranularity included) is
- * served by the legacy path, never asked for a VMM granularity. */
-TDT_TEST(cuda, legacy_ipc_on_a_gpu_without_vmm) {
-  start_with("TDCUDA_NO_VMM", "1");
+/* On a daemon that takes the legacy path: a storage made with no fd
+ * travelling, shared both ways, and freed when its holders go. */
+static void legacy_round_trip(void) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 4 * MiB + 1;
@@ -704,20 +702,19 @@ TDT_TEST(cuda, legacy_ipc_on_a_gpu_without_vmm) {
             daemon_allocations());
 }
 
+/* A GPU without virtual memory management (the cuMem* VMM calls all
+ * CUDA_ERROR_NOT_SUPPORTED, cuMemGetAllocationGranularity included) is
+ * served by the legacy path, never asked for a VMM granularity. */
+TDT_TEST(cuda, legacy_ipc_on_a_gpu_without_vmm) {
+  start_with("TDCUDA_NO_VMM", "1");
+  legacy_round_trip();
+}
+
 /* TENSORD_CUDA_LEGACY=1 (a test switch, run by tests/gpu/run.sh too) makes
  * a daemon whose GPUs have VMM and POSIX fds take the legacy path. */
 TDT_TEST(cuda, legacy_ipc_forced_by_the_test_switch) {
   start_with("TENSORD_CUDA_LEGACY", "1");
-  td_client *c = tdt_connect(&d);
-  td_storage *s;
-  size_t n = 4 * MiB + 1;
-  int fds = fds_of(getpid(), 0);
-  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
-  cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
-  cr_assert_eq(daemon_allocations(), 1);
-  shared_both_ways(c, s, n);
-  cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
-            daemon_allocations());
+  legacy_round_trip();
 }
 
 /* cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's daemons still

@@ -254,13 +254,36 @@ const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
     if (cu->GetErrorString(r, &text) != CUDA_SUCCESS)
       text = NULL;
   }
+  const char *sticky = td__cu_sticky(r)
+                           ? ": this process's CUDA context on that GPU is "
+                             "unusable (a sticky error: every later CUDA call "
+                             "there fails), so the process must restart"
+                           : "";
   if (name != NULL && text != NULL)
-    snprintf(buf, len, "%s (%s)", name, text);
+    snprintf(buf, len, "%s (%s)%s", name, text, sticky);
   else if (name != NULL)
-    snprintf(buf, len, "%s", name);
+    snprintf(buf, len, "%s%s", name, sticky);
   else
-    snprintf(buf, len, "CUresult %d", (int)r);
+    snprintf(buf, len, "CUresult %d%s", (int)r, sticky);
   return buf;
+}
+
+int td__cu_sticky(CUresult r) {
+  switch (r) {
+  case CUDA_ERROR_ILLEGAL_ADDRESS:
+  case CUDA_ERROR_HARDWARE_STACK_ERROR:
+  case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+  case CUDA_ERROR_MISALIGNED_ADDRESS:
+  case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+  case CUDA_ERROR_INVALID_PC:
+  case CUDA_ERROR_LAUNCH_FAILED:
+  case CUDA_ERROR_LAUNCH_TIMEOUT:
+  case CUDA_ERROR_ASSERT:
+  case CUDA_ERROR_ECC_UNCORRECTABLE:
+    return 1;
+  default:
+    return 0;
+  }
 }
 
 int td__cu_device_by_uuid(const td__cu *cu, const uint8_t uuid[16],

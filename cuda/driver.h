@@ -119,9 +119,18 @@ int td__cu_load_transient(void);
  * NOT_SUPPORTED -> TD_ENOSYS, INVALID_VALUE -> TD_EINVAL, else TD_EIO. */
 int td__cu_code(CUresult r);
 
+/* 1 if r is one of the driver's sticky errors (an illegal address, a
+ * failed launch, an uncorrectable ECC error, ...): the context that met it
+ * is unusable, every later call on it fails the same way, and only
+ * destroying it (restarting the process, for the primary context that
+ * tensord shares with the program) recovers. */
+int td__cu_sticky(CUresult r);
+
 /* Writes "CUDA_ERROR_OUT_OF_MEMORY (out of memory)" into buf (len > 0) and
- * returns buf. cu may be NULL, and the driver may not know r: the number
- * then stands in for the name ("CUresult 12345"). */
+ * returns buf; for a sticky error (td__cu_sticky) it adds that the
+ * context is unusable and the process must restart. cu may be NULL, and the
+ * driver may not know r: the number then stands in for the name ("CUresult
+ * 12345"). */
 const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
                             size_t len);
 

@@ -583,6 +583,92 @@ static CUresult legacy_make(const dev *d, alloc *m, td__created *out,
 _Static_assert(sizeof(CUipcMemHandle) == sizeof(((td__created *)0)->ipc_handle),
                "a legacy IPC handle is not 64 bytes");
 
+/* The VMM path: makes m's memory with cuMemCreate in d's context and
+ * exports it as a POSIX fd into m->fd. Returns the driver's result
+ * (nothing left behind on failure) and what failed in *what. */
+static CUresult vmm_make(const dev *d, alloc *m, uint64_t size,
+                         const char **what) {
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = d->cu;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  *what = "cuCtxPushCurrent";
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r != CUDA_SUCCESS)
+    return r;
+  *what = "cuMemCreate";
+  r = cu->MemCreate(&m->h, size, &prop, 0);
+  if (r == CUDA_SUCCESS) {
+    *what = "cuMemExportToShareableHandle";
+    r = cu->MemExportToShareableHandle(
+        &m->fd, m->h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != CUDA_SUCCESS) {
+      cu->MemRelease(m->h);
+      m->fd = -1;
+    }
+  }
+  CUcontext popped;
+  cu->CtxPopCurrent(&popped);
+  return r;
+}
+
+/* Makes m's memory, size bytes, on d's path. A GPU's memory is shared with
+ * every process on it, so the driver may be out of memory well inside
+ * --cuda-capacity: then the pool gives way (all of d's pooled allocations,
+ * whatever their uid, are released) and the driver is asked once more. */
+static CUresult mem_make(dev *d, alloc *m, uint64_t size, td__created *out,
+                         const char **what) {
+  CUresult r =
+      d->legacy ? legacy_make(d, m, out, what) : vmm_make(d, m, size, what);
+  if (r != CUDA_ERROR_OUT_OF_MEMORY)
+    return r;
+  alloc *gone = NULL, **tail = &gone, **t;
+  uint64_t bytes = 0, n = 0;
+  pthread_mutex_lock(&mu);
+  while ((t = pool_evict_oldest(d, tail)) != NULL) {
+    bytes += (*tail)->size;
+    n++;
+    tail = t;
+  }
+  pthread_mutex_unlock(&mu);
+  if (gone == NULL)
+    return r;
+  td__info("cuda:%d: the GPU is out of memory: released %llu pooled "
+           "allocation(s) (%llu bytes) and asked again",
+           d->index, (unsigned long long)n, (unsigned long long)bytes);
+  pool_free(gone);
+  return d->legacy ? legacy_make(d, m, out, what) : vmm_make(d, m, size, what);
+}
+
+/* For a driver's out-of-memory: "the GPU has 4 MiB free of 16 MiB, tensord
+ * holding 8 MiB of it: other processes hold the rest" into buf. */
+static const char *oom_detail(const dev *d, uint64_t charged, char *buf,
+                              size_t len) {
+  size_t free_b = 0, total = 0;
+  CUresult r = cu->CtxPushCurrent(d->ctx);
+  if (r == CUDA_SUCCESS) {
+    r = cu->MemGetInfo(&free_b, &total);
+    CUcontext popped;
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r != CUDA_SUCCESS) {
+    snprintf(buf, len, "the GPU's free memory is unknown");
+    return buf;
+  }
+  pthread_mutex_lock(&mu);
+  uint64_t mine = d->used > charged ? d->used - charged : 0;
+  pthread_mutex_unlock(&mu);
+  char f[32], t[32], h[32];
+  snprintf(buf, len,
+           "the GPU has %s free of %s, tensord holding %s of it: other "
+           "processes hold the rest",
+           td__human_bytes(free_b, f, sizeof(f)),
+           td__human_bytes(total, t, sizeof(t)),
+           td__human_bytes(mine, h, sizeof(h)));
+  return buf;
+}
+
 static void cuda_unlink(const char *name);
 
 static int cuda_create_on(const char *name, const uint8_t uuid[16],
@@ -681,17 +767,23 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     goto uncharge;
   }
   m->fd = -1;
+  m->size = size;
+  const char *what;
+  CUresult r = mem_make(d, m, size, out, &what);
+  if (r != CUDA_SUCCESS) {
+    char detail[160] = "";
+    if (r == CUDA_ERROR_OUT_OF_MEMORY)
+      oom_detail(d, size, detail, sizeof(detail));
+    err = td__msg(msg, len, td__cu_code(r),
+                  "%s of %s (%llu bytes) on cuda:%d (%s): %s%s%s", what,
+                  td__human_bytes(size, a, sizeof(a)), (unsigned long long)size,
+                  d->index, td__cu_uuid_str(d->uuid, u, sizeof(u)),
+                  td__cu_strerror(cu, r, e, sizeof(e)),
+                  detail[0] != '\0' ? ": " : "", detail);
+    free(m);
+    goto uncharge;
+  }
   if (d->legacy) {
-    const char *what;
-    m->size = size;
-    CUresult r = legacy_make(d, m, out, &what);
-    if (r != CUDA_SUCCESS) {
-      err = td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on cuda:%d: %s",
-                    what, (unsigned long long)size, d->index,
-                    td__cu_strerror(cu, r, e, sizeof(e)));
-      free(m);
-      goto uncharge;
-    }
     m->legacy = 1;
     snprintf(m->name, sizeof(m->name), "%s", name);
     m->d = d;
@@ -710,32 +802,6 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
     out->alloc_id = m->id;
     out->legacy = 1;
     return 0;
-  }
-  CUmemAllocationProp prop = {0};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = d->cu;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  const char *what = "cuCtxPushCurrent";
-  int made = 0;
-  CUresult r = cu->CtxPushCurrent(d->ctx);
-  if (r == CUDA_SUCCESS) {
-    what = "cuMemCreate";
-    r = cu->MemCreate(&m->h, size, &prop, 0);
-    made = r == CUDA_SUCCESS;
-    if (made) {
-      what = "cuMemExportToShareableHandle";
-      r = cu->MemExportToShareableHandle(
-          &m->fd, m->h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-    }
-    CUcontext popped;
-    cu->CtxPopCurrent(&popped);
-  }
-  if (r != CUDA_SUCCESS) {
-    err = td__msg(msg, len, td__cu_code(r), "%s of %llu bytes on cuda:%d: %s",
-                  what, (unsigned long long)size, d->index,
-                  td__cu_strerror(cu, r, e, sizeof(e)));
-    goto unmake;
   }
   fcntl(m->fd, F_SETFD, FD_CLOEXEC);
   int fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0);
@@ -761,10 +827,8 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   return fd;
 
 unmake:
-  if (m->fd >= 0)
-    close(m->fd);
-  if (made)
-    release(d, m->h);
+  close(m->fd);
+  release(d, m->h);
   free(m);
 uncharge:
   pthread_mutex_lock(&mu);

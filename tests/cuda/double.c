@@ -19,6 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -83,21 +85,27 @@ struct CUctx_st {
   int ordinal;
   int refs; /* retains not yet released: usable while > 0 */
   int excl; /* EXCLUSIVE_PROCESS: the socket that claims the device */
+  /* A sticky error (a fault in work run on it, or tdcudaDoubleFault):
+   * every call that needs the context returns it until the context is
+   * destroyed (its last retain released). */
+  CUresult sticky;
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
-static int nphys;                /* TDCUDA_DEVICES */
-static size_t mem_total;         /* TDCUDA_MEM, per device */
-static int no_posix_fd;          /* TDCUDA_NO_POSIX_FD=1 */
-static int no_vmm;               /* TDCUDA_NO_VMM=1 */
-static unsigned long not_ready;  /* TDCUDA_INIT_NOT_READY: cuInits to fail */
-static int mig;                  /* TDCUDA_MIG=1 */
-static int compute_mode;         /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
-static int sync_all;             /* TDCUDA_SYNC=1: no asynchronous work */
-static int nvis;                 /* devices this process sees */
-static int vis[MAX_DEVICES];     /* ordinal -> physical device */
-static size_t used[MAX_DEVICES]; /* bytes created here, per physical device */
+static int nphys;                 /* TDCUDA_DEVICES */
+static size_t mem_total;          /* TDCUDA_MEM, per device */
+static int no_posix_fd;           /* TDCUDA_NO_POSIX_FD=1 */
+static int no_vmm;                /* TDCUDA_NO_VMM=1 */
+static unsigned long not_ready;   /* TDCUDA_INIT_NOT_READY: cuInits to fail */
+static int mig;                   /* TDCUDA_MIG=1 */
+static int compute_mode;          /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
+static int sync_all;              /* TDCUDA_SYNC=1: no asynchronous work */
+static unsigned long fault_after; /* TDCUDA_FAULT_AFTER: work runs to fault */
+static int nvis;                  /* devices this process sees */
+static int vis[MAX_DEVICES];      /* ordinal -> physical device */
+static size_t used[MAX_DEVICES];  /* bytes created here, per physical device */
+static char state_dir[PATH_MAX];  /* TDCUDA_STATE_DIR: memory device-wide */
 static struct CUctx_st ctxs[MAX_DEVICES]; /* by ordinal */
 
 static handle *handles;
@@ -276,12 +284,106 @@ static void junk_fill(int fd, size_t size) {
   }
 }
 
+/* ---- memory shared by every process on a device ----
+ *
+ * A GPU's memory is the device's, whoever allocates it: a process's
+ * cuMemCreate fails CUDA_ERROR_OUT_OF_MEMORY when others filled the GPU,
+ * and cuMemGetInfo counts everyone's allocations. With TDCUDA_STATE_DIR
+ * the double keeps, per physical device, a file per process in that
+ * directory (mem.<device>.<pid>) holding the bytes the process created
+ * there; a device's use is the sum over the processes alive (a dead
+ * process's file is removed by the next reader, as the driver frees what a
+ * process allocated when it exits). Creates check and charge under an
+ * flock on mem.<device>.lock. Without it, each process counts only its
+ * own. Called with mu held. */
+
+static int ledger_lock(int phys) {
+  if (state_dir[0] == '\0')
+    return -1;
+  char path[PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/mem.%d.lock", state_dir, phys);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd >= 0 && flock(fd, LOCK_EX) != 0) {
+    close(fd);
+    fd = -1;
+  }
+  return fd;
+}
+
+static void ledger_unlock(int fd) {
+  if (fd >= 0)
+    close(fd); /* drops the flock */
+}
+
+/* Bytes the other live processes created on phys. */
+static size_t others_used(int phys) {
+  if (state_dir[0] == '\0')
+    return 0;
+  DIR *dir = opendir(state_dir);
+  if (dir == NULL)
+    return 0;
+  size_t sum = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL) {
+    int dev, pid, end = 0;
+    if (sscanf(e->d_name, "mem.%d.%d%n", &dev, &pid, &end) != 2 ||
+        e->d_name[end] != '\0' || dev != phys || pid == (int)getpid())
+      continue;
+    char path[PATH_MAX + 300];
+    snprintf(path, sizeof path, "%s/%s", state_dir, e->d_name);
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+      unlink(path); /* gone: the driver freed its memory */
+      continue;
+    }
+    FILE *f = fopen(path, "re");
+    unsigned long long n = 0;
+    if (f != NULL) {
+      if (fscanf(f, "%llu", &n) != 1)
+        n = 0;
+      fclose(f);
+    }
+    sum += (size_t)n;
+  }
+  closedir(dir);
+  return sum;
+}
+
+/* Records this process's bytes on phys (written aside and renamed, so a
+ * reader sees the old figure or the new one). */
+static void ledger_write(int phys) {
+  if (state_dir[0] == '\0')
+    return;
+  char path[PATH_MAX + 32], tmp[PATH_MAX + 40];
+  snprintf(path, sizeof path, "%s/mem.%d.%d", state_dir, phys, (int)getpid());
+  if (used[phys] == 0) {
+    unlink(path);
+    return;
+  }
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "we");
+  if (f == NULL)
+    return;
+  fprintf(f, "%zu\n", used[phys]);
+  if (fclose(f) == 0)
+    rename(tmp, path);
+  else
+    unlink(tmp);
+}
+
+/* The bytes free on phys for a new allocation. */
+static size_t device_free(int phys) {
+  size_t u = used[phys] + others_used(phys);
+  return u < mem_total ? mem_total - u : 0;
+}
+
 static void alloc_unref(alloc *a) {
   if (a->handles > 0 || a->maps > 0)
     return;
   close(a->fd);
-  if (a->created)
+  if (a->created) {
     used[a->phys] -= a->size;
+    ledger_write(a->phys);
+  }
   free(a);
 }
 
@@ -443,8 +545,12 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
   }
+  s = getenv("TDCUDA_STATE_DIR");
+  snprintf(state_dir, sizeof state_dir, "%s", s != NULL ? s : "");
   s = getenv("TDCUDA_SYNC");
   sync_all = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_FAULT_AFTER");
+  fault_after = s != NULL ? strtoul(s, NULL, 10) : 0;
   s = getenv("TDCUDA_MIG");
   mig = s != NULL && strcmp(s, "1") == 0;
   parse_visible();
@@ -629,7 +735,11 @@ static CUresult ctx_make(CUdevice dev) {
 }
 
 /* The last release destroys it. Called with mu held. */
+static void streams_drop(CUdevice dev);
+
 static void ctx_destroy(CUdevice dev) {
+  ctxs[dev].sticky = CUDA_SUCCESS; /* the next retain makes a new one */
+  streams_drop(dev);
   if (ctxs[dev].excl >= 0) {
     close(ctxs[dev].excl);
     ctxs[dev].excl = -1;
@@ -699,6 +809,8 @@ static CUresult current(int *ordinal) {
   CUcontext c = ctx_stack[ctx_depth - 1];
   if (c->refs == 0)
     return CUDA_ERROR_INVALID_CONTEXT;
+  if (c->sticky != CUDA_SUCCESS)
+    return c->sticky;
   if (ordinal != NULL)
     *ordinal = c->ordinal;
   return CUDA_SUCCESS;
@@ -721,6 +833,21 @@ API CUresult CUDAAPI cuCtxSynchronize(void) {
   return r;
 }
 
+/* Not the driver's: a test's stand-in for a kernel of its own that writes
+ * out of bounds. The current context takes CUDA_ERROR_ILLEGAL_ADDRESS, a
+ * sticky error: every later call that needs it fails so, until its last
+ * retain is released. Exported for tests, which find it with dlsym. */
+API CUresult tdcudaDoubleFault(void);
+API CUresult tdcudaDoubleFault(void) {
+  pthread_mutex_lock(&mu);
+  int ord;
+  CUresult r = current(&ord);
+  if (r == CUDA_SUCCESS)
+    ctxs[ord].sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
 API CUresult CUDAAPI cuMemGetInfo(size_t *free_, size_t *total) {
   if (free_ == NULL || total == NULL)
     return CUDA_ERROR_INVALID_VALUE;
@@ -728,9 +855,8 @@ API CUresult CUDAAPI cuMemGetInfo(size_t *free_, size_t *total) {
   int ord;
   CUresult r = current(&ord);
   if (r == CUDA_SUCCESS) {
-    size_t u = used[vis[ord]];
     *total = mem_total;
-    *free_ = u < mem_total ? mem_total - u : 0;
+    *free_ = device_free(vis[ord]);
   }
   pthread_mutex_unlock(&mu);
   return r;
@@ -777,6 +903,7 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
   alloc *a = NULL;
+  int lock = -1;
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
@@ -793,7 +920,8 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
     goto out;
   }
   int phys = vis[prop->location.id];
-  if (size > mem_total - used[phys]) {
+  lock = ledger_lock(phys);
+  if (size > device_free(phys)) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
@@ -828,8 +956,10 @@ API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
     goto out;
   }
   used[phys] += size;
+  ledger_write(phys);
   call_log("cuMemCreate");
 out:
+  ledger_unlock(lock);
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1240,7 +1370,7 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   if (dptr == NULL || bytesize == 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
-  int ord;
+  int ord, lock = -1;
   alloc *a = NULL;
   CUresult r = current_checked(CHECK_UNSAFE, &ord);
   if (r != CUDA_SUCCESS)
@@ -1248,7 +1378,8 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   int phys = vis[ord];
   /* The driver rounds small sizes up too; the double counts what it maps. */
   size_t size = (bytesize + 4095) & ~(size_t)4095;
-  if (size > mem_total - used[phys]) {
+  lock = ledger_lock(phys);
+  if (size > device_free(phys)) {
     r = CUDA_ERROR_OUT_OF_MEMORY;
     goto out;
   }
@@ -1281,9 +1412,11 @@ API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
   a->st_ino = st.st_ino;
   junk_fill(a->fd, size);
   used[phys] += size;
+  ledger_write(phys);
   if ((r = legacy_map(a, LEGACY_ALLOC, dptr)) != CUDA_SUCCESS)
     alloc_unref(a); /* no handle, no mapping: goes */
 out:
+  ledger_unlock(lock);
   pthread_mutex_unlock(&mu);
   return r;
 }
@@ -1750,6 +1883,7 @@ typedef struct {
   size_t spitch;
   uint8_t *staged; /* a pageable source's bytes, taken at the call */
   size_t width, height;
+  int ord; /* the device of the context that issued it */
 } queued;
 
 struct CUstream_st {
@@ -1919,10 +2053,16 @@ static int covers(CUstream s, CUstream t) {
 static void run(CUstream s, queued *c) {
   size_t dspan = (c->height - 1) * c->dpitch + c->width;
   size_t sspan = (c->height - 1) * c->spitch + c->width;
+  static unsigned long runs;
   if ((!c->dst_host && !accessible(c->dst, dspan, PROT_READ | PROT_WRITE)) ||
-      (c->src_dev && !accessible((uintptr_t)c->src, sspan, PROT_READ)))
+      (c->src_dev && !accessible((uintptr_t)c->src, sspan, PROT_READ)) ||
+      (fault_after > 0 && ++runs == fault_after)) {
+    /* An illegal address is sticky: the context is unusable from now on,
+     * for every stream and every call, as the driver's is. */
     s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-  else if (s->sticky == CUDA_SUCCESS)
+    if (c->ord >= 0 && c->ord < nvis && ctxs[c->ord].refs > 0)
+      ctxs[c->ord].sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+  } else if (s->sticky == CUDA_SUCCESS)
     for (size_t i = 0; i < c->height; i++) {
       void *d = (void *)(c->dst + i * c->dpitch);
       if (c->set)
@@ -2099,7 +2239,8 @@ API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   if (phStream == NULL || Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
-  CUresult r = current(NULL);
+  int ord = 0;
+  CUresult r = current(&ord);
   CUstream s = NULL;
   if (r == CUDA_SUCCESS &&
       (grow((void **)&streams, &capstreams, nstreams, sizeof *streams) != 0 ||
@@ -2108,11 +2249,30 @@ API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   if (r == CUDA_SUCCESS) {
     s->flags = Flags;
     s->pid = getpid();
+    s->ordinal = ord;
     streams[nstreams++] = s;
     *phStream = s;
   }
   pthread_mutex_unlock(&mu);
   return r;
+}
+
+/* A destroyed context takes its streams with it, and their work not yet
+ * run (as after a sticky error, the reason to destroy one). Called with mu
+ * held. */
+static void streams_drop(CUdevice dev) {
+  for (size_t i = 0; i < nstreams;) {
+    CUstream s = streams[i];
+    if (s->pid != getpid() || s->ordinal != dev) {
+      i++;
+      continue;
+    }
+    for (size_t j = s->head; j < s->nq; j++)
+      free(s->q[j].staged);
+    streams[i] = streams[--nstreams];
+    free(s->q);
+    free(s);
+  }
 }
 
 /* The driver completes a destroyed stream's work before it goes. */
@@ -2196,6 +2356,7 @@ static CUresult issue(CUstream hStream, int sync, int dst, int src, queued c) {
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
   }
+  c.ord = ord;
   c.set = src == SIDE_NONE;
   c.dst_host = dst == SIDE_HOST;
   c.src_dev = src == SIDE_DEVICE;

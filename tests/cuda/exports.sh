@@ -2,7 +2,8 @@
 # exports.sh LIB: the driver's test double exports exactly the driver entry
 # points cuda/driver.c resolves, under the versioned names cuda.h maps them
 # to (cuMemGetInfo_v2, ...), plus the stream-capture entries its tests call
-# directly (cuStreamBeginCapture_v2, cuStreamEndCapture), and nothing else.
+# directly (cuStreamBeginCapture_v2, cuStreamEndCapture) and the fault a
+# test injects (tdcudaDoubleFault), and nothing else.
 # Exits 1 naming the difference.
 [ $# -eq 1 ] || { echo "usage: exports.sh LIB" >&2; exit 2; }
 want=$(cat <<'LIST' | sort
@@ -49,6 +50,7 @@ cuMemcpy2DAsync_v2
 cuMemsetD8Async
 cuStreamBeginCapture_v2
 cuStreamEndCapture
+tdcudaDoubleFault
 cuMemFreeHost
 cuMemHostAlloc
 cuMemSetAccess

@@ -894,15 +894,67 @@ Test(double_semantics, device_writes_land_only_at_a_synchronisation) {
   CU_OK(cu->CtxSynchronize());
   cr_expect(raw[0] == 0x66 && raw[64] == 0x77);
 
-  /* Work whose memory was unmapped before it ran faults, and the stream
-   * says so from then on (the double's sticky error). */
+  /* Work whose memory was unmapped before it ran faults: an illegal
+   * address, a sticky error that leaves the whole context unusable, for
+   * every stream and every call, until the context is destroyed. */
   CU_OK(cu->MemsetD8Async(dev, 0x88, 64, nb));
   CU_OK(cu->StreamDestroy(bl));
   CU_OK(unmap(cu, dev, 2 * MiB));
   cr_expect_eq(cu->StreamSynchronize(nb), CUDA_ERROR_ILLEGAL_ADDRESS);
   cr_expect_eq(cu->StreamSynchronize(nb), CUDA_ERROR_ILLEGAL_ADDRESS);
-  CU_OK(cu->StreamDestroy(nb));
+  size_t fr, tot;
+  cr_expect_eq(cu->MemGetInfo(&fr, &tot), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->MemRelease(h), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->StreamDestroy(nb), CUDA_ERROR_ILLEGAL_ADDRESS);
+  CUcontext popped;
+  CU_OK(cu->CtxPopCurrent(&popped));
+  CU_OK(cu->DevicePrimaryCtxRelease(0));
+  /* A new context works; the old one's streams went with it. */
+  enter(cu, 0);
+  CU_OK(cu->MemGetInfo(&fr, &tot));
+  cr_expect_eq(cu->StreamSynchronize(nb), CUDA_ERROR_INVALID_HANDLE);
   CU_OK(cu->MemRelease(h));
+}
+
+/* A fault injected by a test (tdcudaDoubleFault, a kernel of its own
+ * writing out of bounds) or the N-th piece of work run
+ * (TDCUDA_FAULT_AFTER) makes the context's error sticky. */
+Test(double_semantics, sticky_errors_end_the_context) {
+  setenv("TDCUDA_FAULT_AFTER", "2", 1);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  CU_OK(cu->MemsetD8(dev, 1, 64));
+  CU_OK(cu->CtxSynchronize()); /* the first piece of work runs */
+  CU_OK(cu->MemsetD8(dev, 2, 64));
+  cr_expect_eq(cu->CtxSynchronize(), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->MemsetD8(dev, 3, 64), CUDA_ERROR_ILLEGAL_ADDRESS);
+  CUmemGenericAllocationHandle h2;
+  cr_expect_eq(cu->MemCreate(&h2, 2 * MiB, &p, 0), CUDA_ERROR_ILLEGAL_ADDRESS);
+  /* Another device's context is not touched. */
+  enter(cu, 1);
+  CU_OK(cu->MemGetInfo(&(size_t){0}, &(size_t){0}));
+  CUcontext popped;
+  CU_OK(cu->CtxPopCurrent(&popped));
+  CU_OK(cu->DevicePrimaryCtxRelease(1));
+  CU_OK(cu->CtxPopCurrent(&popped));
+  CU_OK(cu->DevicePrimaryCtxRelease(0));
+  enter(cu, 0);
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+  /* The test's own fault. */
+  void *lib = dlopen(TDCUDA_DOUBLE, RTLD_NOW | RTLD_NOLOAD);
+  cr_assert_not_null(lib);
+  CUresult (*fault)(void) = (CUresult(*)(void))dlsym(lib, "tdcudaDoubleFault");
+  cr_assert_not_null(fault);
+  CU_OK(fault());
+  cr_expect_eq(cu->MemGetInfo(&(size_t){0}, &(size_t){0}),
+               CUDA_ERROR_ILLEGAL_ADDRESS);
 }
 
 /* TDCUDA_SYNC=1 turns the deferral off: every call's work is done when it
@@ -1027,4 +1079,72 @@ Test(double_semantics, capture_modes_and_their_rules) {
   CU_OK(cu->StreamDestroy(s));
   CU_OK(unmap(cu, dev, 2 * MiB));
   CU_OK(cu->MemRelease(h));
+}
+
+/* ---- device-wide memory ---- */
+
+/* With TDCUDA_STATE_DIR, a GPU's memory is shared by every process: what
+ * another process holds is not free here, and comes back when it exits. */
+Test(double_semantics, memory_is_the_devices_whoever_allocates_it) {
+  char dir[] = "/tmp/tdcuda-state.XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  setenv("TDCUDA_STATE_DIR", dir, 1);
+  setenv("TDCUDA_MEM", "8M", 1);
+  int ready[2], done[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(done), 0);
+  /* Forked before either process initialises the driver. */
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    const td__cu *cu = load();
+    enter(cu, 0);
+    CUmemAllocationProp p = prop_for(0, 0);
+    CUmemGenericAllocationHandle h;
+    CHILD_CHECK(cu->MemCreate(&h, 6 * MiB, &p, 0) == CUDA_SUCCESS);
+    CHILD_CHECK(write(ready[1], "x", 1) == 1);
+    char c;
+    CHILD_CHECK(read(done[0], &c, 1) == 1);
+    _exit(0); /* without freeing: the driver frees at exit */
+  }
+  char c;
+  cr_assert_eq(read(ready[0], &c, 1), 1);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  size_t fr, tot;
+  CU_OK(cu->MemGetInfo(&fr, &tot));
+  cr_expect_eq(tot, 8 * MiB);
+  cr_expect_eq(fr, 2 * MiB, "free %zu: the other process's 6 MiB not seen",
+               fr);
+  CUmemAllocationProp p = prop_for(0, 0);
+  CUmemGenericAllocationHandle h;
+  cr_expect_eq(cu->MemCreate(&h, 4 * MiB, &p, 0), CUDA_ERROR_OUT_OF_MEMORY);
+  CUdeviceptr legacy;
+  cr_expect_eq(cu->MemAlloc(&legacy, 3 * MiB), CUDA_ERROR_OUT_OF_MEMORY);
+  /* Another device is not that one. */
+  enter(cu, 1);
+  CU_OK(cu->MemGetInfo(&fr, &tot));
+  cr_expect_eq(fr, 8 * MiB);
+  CUcontext popped;
+  CU_OK(cu->CtxPopCurrent(&popped));
+  CU_OK(cu->DevicePrimaryCtxRelease(1));
+  cr_assert_eq(write(done[1], "x", 1), 1);
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  CU_OK(cu->MemGetInfo(&fr, &tot));
+  cr_expect_eq(fr, 8 * MiB, "a dead process's memory was not freed");
+  CU_OK(cu->MemCreate(&h, 4 * MiB, &p, 0));
+  CU_OK(cu->MemGetInfo(&fr, &tot));
+  cr_expect_eq(fr, 4 * MiB);
+  CU_OK(cu->MemRelease(h));
+  /* Nothing of this process is left in the directory once it freed all. */
+  char path[64];
+  snprintf(path, sizeof path, "%s/mem.0.%d", dir, (int)getpid());
+  cr_expect_neq(access(path, F_OK), 0, "%s is left", path);
+  snprintf(path, sizeof path, "%s/mem.0.lock", dir);
+  unlink(path);
+  snprintf(path, sizeof path, "%s/mem.1.lock", dir);
+  unlink(path);
+  cr_expect_eq(rmdir(dir), 0, "%s: %s", dir, strerror(errno));
 }

@@ -40,6 +40,8 @@ static char state_dir[64];
 static uint64_t first_instance;
 /* The double's log of cuMemcpy2D calls, while a test uses one. */
 static char memcpy2d_log[64];
+/* The double's TDCUDA_STATE_DIR, while a test shares a GPU's memory. */
+static char mem_dir[64];
 
 static void teardown(void) {
   tdt_cleanup();
@@ -50,6 +52,10 @@ static void teardown(void) {
   if (memcpy2d_log[0] != '\0') {
     unlink(memcpy2d_log);
     memcpy2d_log[0] = '\0';
+  }
+  if (mem_dir[0] != '\0') {
+    tdt_rmdir(mem_dir);
+    mem_dir[0] = '\0';
   }
 }
 
@@ -1879,4 +1885,177 @@ TDT_TEST(cuda, a_warm_mapping_never_serves_another_daemons_allocation) {
   td_storage_release(s);
   td_close(c);
   end_logged();
+}
+
+/* ---- sticky errors ---- */
+
+/* In a process of its own: maps a storage, then its context on cuda:0
+ * faults (tdcudaDoubleFault: a kernel of the program's writing out of
+ * bounds). Every later CUDA call of the library there fails TD_EIO, saying
+ * that the context is unusable; releasing still gives the references back. */
+static int faulting_client(void *p) {
+  const char *sock = p;
+  td_client *c;
+  td_storage *s, *t;
+  CHECK(td_connect(sock, &c) == 0);
+  CHECK_ERR(c, create_on(c, 0, 2 * MiB, &s), 0);
+  CHECK_ERR(c, td_publish(c, "pre-fault", s, NULL), 0);
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
+  CHECK(lib != NULL);
+  CUresult (*get)(CUdevice *, int), (*retain)(CUcontext *, CUdevice),
+      (*push)(CUcontext), (*pop)(CUcontext *), (*release)(CUdevice),
+      (*fault)(void);
+  *(void **)&get = dlsym(lib, "cuDeviceGet");
+  *(void **)&retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&pop = dlsym(lib, "cuCtxPopCurrent_v2");
+  *(void **)&release = dlsym(lib, "cuDevicePrimaryCtxRelease_v2");
+  *(void **)&fault = dlsym(lib, "tdcudaDoubleFault");
+  CHECK(get && retain && push && pop && release && fault);
+  CUdevice dev;
+  CUcontext ctx;
+  CHECK(get(&dev, 0) == CUDA_SUCCESS);
+  CHECK(retain(&ctx, dev) == CUDA_SUCCESS);
+  CHECK(push(ctx) == CUDA_SUCCESS);
+  CHECK(fault() == CUDA_SUCCESS);
+  CHECK(pop(&ctx) == CUDA_SUCCESS);
+
+  td_view v;
+  CHECK(td_view_contiguous(TD_UINT8, 1, (int64_t[]){4096}, &v) == 0);
+  td_storage *h;
+  CHECK_ERR(c, td_storage_create(c, 4096, &h), 0);
+  int err = td_copy(s, &v, h, &v);
+  if (err != TD_EIO || strstr(td_view_last_error(), "unusable") == NULL ||
+      strstr(td_view_last_error(), "CUDA_ERROR_ILLEGAL_ADDRESS") == NULL) {
+    fprintf(stderr, "td_copy after the fault: %d: %s\n", err,
+            td_view_last_error());
+    return 1;
+  }
+  /* A new storage: the daemon makes it, this process cannot map it, and
+   * the reference it was given goes back. */
+  CHECK_ERR(c, create_on(c, 0, 2 * MiB, &t), TD_EIO);
+  CHECK_MSG(c, "unusable");
+  /* Another GPU's context is not this one. */
+  CHECK_ERR(c, create_on(c, 1, 2 * MiB, &t), 0);
+  td_storage_release(t);
+  td_storage_release(h);
+  td_storage_release(s);
+  CHECK_ERR(c, td_unpublish(c, "pre-fault"), 0);
+  td_close(c);
+  release(dev);
+  return 0;
+}
+
+/* A fault in one process's context ends that process's use of the GPU and
+ * nothing else: its references come back, the daemon and other processes
+ * go on using the same GPU. */
+TDT_TEST(cuda, a_sticky_fault_in_one_process_leaves_the_others_working) {
+  tdt_start(&d, NULL);
+  /* Forked before this process touches CUDA, as the driver requires. */
+  cr_assert_eq(tdt_wait(tdt_fork(faulting_client, (void *)d.sock)), 0);
+  cr_assert_eq(tdt_storages(&d), 0, "the faulted process's storages stay");
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  td_view v;
+  cr_assert_eq(td_view_contiguous(TD_UINT8, 1, (int64_t[]){4096}, &v), 0);
+  td_storage *h;
+  cr_assert_eq(td_storage_create(c, 4096, &h), 0);
+  memset(td_storage_data(h), 0x3d, 4096);
+  cr_assert_eq(td_copy(s, &v, h, &v), 0, "%s", td_view_last_error());
+  cr_assert_eq(((unsigned char *)td_storage_data(s))[4095], 0x3d);
+  td_storage_release(h);
+  td_storage_release(s);
+  td_close(c);
+}
+
+/* ---- the GPU's memory is everyone's ---- */
+
+typedef struct {
+  size_t bytes;
+  int ready;  /* write end: a byte once the memory is held */
+  int done;   /* read end: its write end closed when it may exit */
+  int done_w; /* that write end, which the hog closes at once */
+} hog_arg;
+
+/* Another program on the GPU: holds bytes of cuda:0 through the driver
+ * itself, until told to go. */
+static int gpu_hog(void *p) {
+  hog_arg *a = p;
+  close(a->done_w);
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
+  CHECK(lib != NULL);
+  CUresult (*init)(unsigned), (*get)(CUdevice *, int),
+      (*retain)(CUcontext *, CUdevice), (*push)(CUcontext),
+      (*create)(CUmemGenericAllocationHandle *, size_t,
+                const CUmemAllocationProp *, unsigned long long);
+  *(void **)&init = dlsym(lib, "cuInit");
+  *(void **)&get = dlsym(lib, "cuDeviceGet");
+  *(void **)&retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+  *(void **)&push = dlsym(lib, "cuCtxPushCurrent_v2");
+  *(void **)&create = dlsym(lib, "cuMemCreate");
+  CHECK(init && get && retain && push && create);
+  CUdevice dev;
+  CUcontext ctx;
+  CHECK(init(0) == CUDA_SUCCESS && get(&dev, 0) == CUDA_SUCCESS);
+  CHECK(retain(&ctx, dev) == CUDA_SUCCESS && push(ctx) == CUDA_SUCCESS);
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  CUmemGenericAllocationHandle h;
+  CHECK(create(&h, a->bytes, &prop, 0) == CUDA_SUCCESS);
+  CHECK(write(a->ready, "x", 1) == 1);
+  char c;
+  CHECK(read(a->done, &c, 1) == 0);
+  return 0; /* the driver frees what it held */
+}
+
+/* A GPU that another program filled: tensord's create fails with the
+ * driver's out-of-memory and says how the GPU's memory stands; its pool
+ * gives way before a create fails; and the memory is tensord's again once
+ * the other program exits. */
+TDT_TEST(cuda, a_gpu_filled_by_another_program_is_out_of_memory_for_tensord) {
+  snprintf(mem_dir, sizeof(mem_dir), "/tmp/tdt-gpumem.XXXXXX");
+  cr_assert_not_null(mkdtemp(mem_dir));
+  setenv("TDCUDA_STATE_DIR", mem_dir, 1);
+  setenv("TDCUDA_MEM", "16M", 1);
+  tdt_start(&d, NULL);
+  int ready[2], done[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(done), 0);
+  hog_arg a = {12 * MiB, ready[1], done[0], done[1]};
+  pid_t hog = tdt_fork(gpu_hog, &a);
+  close(ready[1]);
+  close(done[0]);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "the other program got no memory");
+
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *t;
+  cr_assert_eq(create_on(c, 0, 8 * MiB, &s), TD_ENOMEM);
+  const char *m = td_last_error(c);
+  cr_assert(strstr(m, "cuda:0 (GPU-") != NULL &&
+                strstr(m, "CUDA_ERROR_OUT_OF_MEMORY") != NULL &&
+                strstr(m, "4.0 MiB free of 16.0 MiB") != NULL &&
+                strstr(m, "other processes hold the rest") != NULL,
+            "message: %s", m);
+
+  /* 2 MiB fits; released, it waits in the pool, where a 4 MiB storage
+   * cannot use it and the GPU has no room beside it: the pool gives way. */
+  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert(tdt_log_has(&d, "released 1 pooled allocation(s)"));
+  td_storage_release(t);
+
+  close(done[1]);
+  cr_assert_eq(tdt_wait(hog), 0);
+  close(ready[0]);
+  cr_assert_eq(create_on(c, 0, 14 * MiB, &s), 0, "%s", td_last_error(c));
+  td_storage_release(s);
+  td_close(c);
+  tdt_stop(&d);
+  unsetenv("TDCUDA_STATE_DIR");
+  unsetenv("TDCUDA_MEM");
 }

@@ -74,6 +74,11 @@ typedef struct td__backend {
   /* Frees the segment's name; its bytes go when no process maps them. A
    * segment already gone is not an error. */
   void (*unlink)(const char *name);
+  /* Notes that name's unlink or retire is queued (called on the loop just
+   * before), so that a create that would not fit beside it waits for its
+   * bytes rather than fail; unlink and retire end the note. NULL: the
+   * backend makes no such wait. */
+  void (*releasing)(const char *name);
   /* Frees segment name, whose bytes no uid but uid has been given, as
    * unlink does, or keeps them in the backend's own pool for a later
    * create_on by uid (NULL: the backend has no pool of its own). Calls the

@@ -157,6 +157,7 @@ typedef struct dev {
   uint64_t used, storages;         /* mu; used counts pooled allocations too */
   uint64_t pool_limit;             /* set with capacity */
   uint64_t pool_bytes, pool_count; /* mu */
+  uint64_t releasing; /* mu: storages whose unlink or retire is queued */
   uint64_t pool_hits, pool_misses; /* mu */
 } dev;
 
@@ -174,6 +175,7 @@ typedef struct alloc {
   int fd;          /* the exported POSIX fd, kept for opens to dup */
   CUdeviceptr ptr; /* legacy: cuMemAlloc's memory (h and fd unused) */
   int legacy;
+  int releasing; /* its unlink or retire is queued (cuda_releasing) */
   uint64_t size;
   char name[TD__SEGMENT_NAME_MAX];
 } alloc;
@@ -189,8 +191,13 @@ static uint64_t next_alloc_id = 1; /* mu */
 static alloc *pool_oldest, *pool_newest;
 static int pool_stopping; /* mu: the daemon stops; nothing more is pooled */
 static pthread_cond_t pool_cv;
+/* Broadcast when a storage whose release was queued is released. */
+static pthread_cond_t released_cv;
 static pthread_t pool_thread;
 static int pool_thread_on; /* mu */
+
+/* How long a create at the capacity waits for releases already queued. */
+#define RELEASE_WAIT_MS 2000
 
 static int64_t mono_ms(void) {
   struct timespec ts;
@@ -456,6 +463,7 @@ static void pool_init(void) {
   pthread_condattr_init(&a);
   pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
   pthread_cond_init(&pool_cv, &a);
+  pthread_cond_init(&released_cv, &a);
   pthread_condattr_destroy(&a);
 }
 
@@ -701,9 +709,26 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   /* The capacity is charged before the driver is asked, so that creates in
    * flight count. A pooled allocation of this uid and size is charged
    * already; else the pool gives way first if a fresh one would not fit. */
+  pthread_once(&pool_once, pool_init);
   pthread_mutex_lock(&mu);
   alloc *pooled = d->legacy ? NULL : pool_take(d, uid, size);
   alloc *gone = NULL, **tail = &gone, **t;
+  /* A release queued just before this create (a client releasing, then
+   * creating, at the capacity) frees its bytes, or pools them, in a
+   * moment on another thread: wait for it rather than fail. */
+  int64_t deadline = mono_ms() + RELEASE_WAIT_MS;
+  while (pooled == NULL && d->releasing > 0 &&
+         (size > d->capacity || d->used > d->capacity - size) &&
+         mono_ms() < deadline) {
+    struct timespec ts = {.tv_sec = deadline / 1000,
+                          .tv_nsec = (deadline % 1000) * 1000000};
+    pthread_cond_timedwait(&released_cv, &mu, &ts);
+    pooled = d->legacy ? NULL : pool_take(d, uid, size);
+    while (pooled == NULL && size <= d->capacity &&
+           d->used > d->capacity - size &&
+           (t = pool_evict_oldest(d, tail)) != NULL)
+      tail = t;
+  }
   if (pooled != NULL) {
     d->pool_hits++;
     d->storages++;
@@ -852,6 +877,26 @@ static int cuda_open(const char *name, int readonly) {
   return fd;
 }
 
+/* m's queued release has happened (it is unlinked, or in the pool): a
+ * create waiting for room may look again. Called with mu held. */
+static void released(alloc *m) {
+  if (!m->releasing)
+    return;
+  m->releasing = 0;
+  m->d->releasing--;
+  pthread_cond_broadcast(&released_cv);
+}
+
+static void cuda_releasing(const char *name) {
+  pthread_mutex_lock(&mu);
+  alloc *m = alloc_find(name);
+  if (m != NULL && !m->releasing) {
+    m->releasing = 1;
+    m->d->releasing++;
+  }
+  pthread_mutex_unlock(&mu);
+}
+
 static void cuda_unlink(const char *name) {
   pthread_mutex_lock(&mu);
   alloc *m = alloc_find(name);
@@ -859,6 +904,7 @@ static void cuda_unlink(const char *name) {
     td__htab_remove(&allocs, &m->node);
     m->d->used -= m->size;
     m->d->storages--;
+    released(m);
   }
   pthread_mutex_unlock(&mu);
   if (m == NULL)
@@ -903,6 +949,7 @@ static void cuda_retire(const char *name, uid_t uid) {
   }
   td__htab_remove(&allocs, &m->node);
   d->storages--;
+  released(m);
   m->uid = uid;
   m->since_ms = mono_ms();
   m->name[0] = '\0';
@@ -994,6 +1041,8 @@ static int cuda_open(const char *name, int readonly) {
 
 static void cuda_unlink(const char *name) {}
 
+static void cuda_releasing(const char *name) {}
+
 static void cuda_retire(const char *name, uid_t uid) {}
 
 void td__cuda_pool_drain(void) {}
@@ -1035,6 +1084,7 @@ const td__backend td__cuda_backend = {
     .create_on = cuda_create_on,
     .open = cuda_open,
     .unlink = cuda_unlink,
+    .releasing = cuda_releasing,
     .retire = cuda_retire, /* pooled here, not by segment.c's pool */
     .rename = NULL,
     .reuse = NULL,

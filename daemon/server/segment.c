@@ -280,6 +280,8 @@ void td__segment_unlink(td__server *srv, td_device device, const char *name,
    * grows with bytes, so large segments go to the thread pool. */
   struct td__unlink_batch *u = job ? batch_new(srv, 1) : NULL;
   if (u != NULL) {
+    if (b->releasing != NULL)
+      b->releasing(name);
     batch_put(u, b, name);
     batch_queue(srv, u);
   } else
@@ -296,6 +298,8 @@ static int retire(td__server *srv, const td__storage *s) {
   struct td__unlink_batch *u = batch_new(srv, 1);
   if (u == NULL)
     return 0;
+  if (b->releasing != NULL)
+    b->releasing(s->name);
   batch_put(u, b, s->name);
   u->seg[0].retire = 1;
   u->seg[0].uid = s->owner.uid;

@@ -315,6 +315,25 @@ static void ledger_unlock(int fd) {
     close(fd); /* drops the flock */
 }
 
+/* Whether pid is a process that has not exited: an exited one that its
+ * parent has not reaped yet (a zombie) holds no device memory any more. */
+static int alive(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH)
+    return 0;
+  char path[32], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return errno != ENOENT;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0)
+    return 1;
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the state follows the name */
+  return p == NULL || p[1] != ' ' || (p[2] != 'Z' && p[2] != 'X');
+}
+
 /* Bytes the other live processes created on phys. */
 static size_t others_used(int phys) {
   if (state_dir[0] == '\0')
@@ -331,7 +350,7 @@ static size_t others_used(int phys) {
       continue;
     char path[PATH_MAX + 300];
     snprintf(path, sizeof path, "%s/%s", state_dir, e->d_name);
-    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+    if (!alive((pid_t)pid)) {
       unlink(path); /* gone: the driver freed its memory */
       continue;
     }

@@ -2059,3 +2059,33 @@ TDT_TEST(cuda, a_gpu_filled_by_another_program_is_out_of_memory_for_tensord) {
   unsetenv("TDCUDA_STATE_DIR");
   unsetenv("TDCUDA_MEM");
 }
+
+/* A release and then a create at the capacity, back to back on one
+ * connection: the release is queued to a thread ahead of the create, which
+ * waits for its bytes rather than fail (with or without the pool). */
+static void release_then_create(const char *const *args) {
+  tdt_start(&d, args);
+  td_client *c = tdt_connect(&d);
+  td_storage *a, *b;
+  cr_assert_eq(create_on(c, 0, 8 * MiB, &a), 0, "%s", td_last_error(c));
+  for (int i = 0; i < 50; i++) {
+    td_storage_release(a);
+    /* Another size, so that the pool cannot serve it. */
+    cr_assert_eq(create_on(c, 0, (size_t)(i % 2 ? 8 : 6) * MiB, &a), 0,
+                 "round %d: %s", i, td_last_error(c));
+  }
+  cr_assert_eq(create_on(c, 0, 4 * MiB, &b), TD_ENOMEM,
+               "the capacity is not full");
+  td_storage_release(a);
+  td_close(c);
+}
+
+TDT_TEST(cuda, a_create_waits_for_the_release_queued_before_it) {
+  release_then_create((const char *const[]){
+      "--cuda-capacity", "0=8M", "--cuda-recycle-bytes", "8M", NULL});
+}
+
+TDT_TEST(cuda, a_create_waits_for_the_release_queued_before_it_unpooled) {
+  release_then_create((const char *const[]){"--cuda-capacity", "0=8M",
+                                            "--cuda-recycle-bytes", "0", NULL});
+}

@@ -1929,6 +1929,7 @@ typedef struct fork_arg {
   const char *sock;
   pid_t parent;
   td_storage *inherited; /* the parent's, mapped before the fork */
+  td_client *pc;         /* the parent's client, holding it */
 } fork_arg;
 
 /* Whether msg names this process and its parent as a fork() child. */
@@ -1942,8 +1943,8 @@ static int names_the_fork(const char *msg, pid_t parent) {
 
 /* In a child forked after its parent used CUDA: its own client attaches
  * and creates nothing on a GPU, with TD_EFORKED and a message naming both
- * processes; the storage it inherited is released without a driver call;
- * CPU storages still work. */
+ * processes; the storage and client it inherited are released without a
+ * driver call; CPU storages still work. */
 static int forked_child_may_not_use_cuda(void *p) {
   fork_arg *a = p;
   td_client *c;
@@ -1972,6 +1973,7 @@ static int forked_child_may_not_use_cuda(void *p) {
   td_storage_release(cpu);
   CHECK(td_storage_release(a->inherited) == 0);
   td_close(c);
+  td_close(a->pc); /* the parent's: the child's copy of its socket only */
   return 0;
 }
 
@@ -1988,7 +1990,7 @@ TDT_TEST(cuda,
   cr_assert_eq(td_publish(c, "cpu", cpu, NULL), 0, "%s", td_last_error(c));
   int before = calls(getpid(), NULL);
   cr_assert_gt(before, 0, "the double logged nothing of this process");
-  fork_arg a = {d.sock, getpid(), s};
+  fork_arg a = {d.sock, getpid(), s, c};
   pid_t pid = tdt_fork(forked_child_may_not_use_cuda, &a);
   cr_assert_eq(tdt_wait(pid), 0);
   cr_assert_eq(calls(pid, NULL), 0,
@@ -2032,7 +2034,7 @@ TDT_TEST(cuda, the_double_refuses_a_forked_child_as_the_driver_does) {
   td_storage *s;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "g", s, NULL), 0, "%s", td_last_error(c));
-  fork_arg a = {d.sock, getpid(), NULL};
+  fork_arg a = {d.sock, getpid(), NULL, NULL};
   pid_t pid = tdt_fork(child_asks_the_driver, &a);
   cr_assert_eq(tdt_wait(pid), 0);
   cr_assert_eq(calls(pid, "cuInit"), 1, "the refused cuInit is not logged");

@@ -932,6 +932,9 @@ static int make_handle(td_client *c, const Tensord__StorageReply *m, int fd,
   if (err < 0) {
     free(s);
     send_release(c, m->id, m->readonly, 1, 1);
+    if (err == TD_EFORKED) /* not the mapping's fault: the process's */
+      return fail(c, err, "CUDA storage %llu: %s", (unsigned long long)m->id,
+                  why);
     return fail(c, err, "storage %llu: cannot map %llu bytes: %s",
                 (unsigned long long)m->id, (unsigned long long)m->nbytes,
                 why[0] ? why : td_strerror(err));

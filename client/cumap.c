@@ -122,13 +122,25 @@ static int64_t mono_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Loads the driver. Returns it, or NULL with msg saying why. */
-static const td__cu *load(char *msg, size_t len) {
+/* Loads the driver into *out. Returns 0, TD_EFORKED in a child of fork()
+ * that inherited a loaded driver (td__cu_forked: the driver refuses the
+ * child every call, so the library says why before it asks), or TD_ENODEV;
+ * with msg saying why on failure. */
+static int load(const td__cu **out, char *msg, size_t len) {
   char why[256];
-  const td__cu *cu = td__cu_load(why, sizeof(why));
-  if (cu == NULL)
-    td__msg(msg, len, TD_ENODEV, "%s", why);
-  return cu;
+  int err = td__cu_forked(msg, len);
+  if (err < 0)
+    return err;
+  if ((*out = td__cu_load(why, sizeof(why))) == NULL)
+    return td__msg(msg, len, TD_ENODEV, "%s", why);
+  return 0;
+}
+
+/* 1 in a child of fork() that inherited the driver: nothing of the
+ * parent's contexts, streams or mappings may be handed to the driver there
+ * (every call fails), so releases only forget their bookkeeping. */
+static int in_forked_child(void) {
+  return td__cu_forked(NULL, 0) < 0;
 }
 
 /* A forked child has its parent's opens and streams in its address space
@@ -210,9 +222,10 @@ static CUresult stream_get(td__cumap *m, CUstream *out) {
 }
 
 int td__cu_resolve(int64_t index, uint8_t uuid[16], char *msg, size_t len) {
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
+  const td__cu *cu = NULL;
+  int lerr = load(&cu, msg, len);
+  if (lerr < 0)
+    return lerr;
   int n = 0;
   char e[128];
   CUresult r = cu->DeviceGetCount(&n);
@@ -284,9 +297,10 @@ static CUevent own_find(const uint8_t handle[64]) {
 }
 
 int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
+  const td__cu *cu = NULL;
+  int lerr = load(&cu, msg, len);
+  if (lerr < 0)
+    return lerr;
   CUipcEventHandle h;
   char e[128];
   CUresult r = cu->IpcGetEventHandle(&h, (CUevent)event);
@@ -303,9 +317,10 @@ int td__cuevent_export(void *event, uint8_t out[64], char *msg, size_t len) {
 
 int td__cuevent_wait(const uint8_t uuid[16], const uint8_t handle[64],
                      void *stream, char *msg, size_t len) {
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
+  const td__cu *cu = NULL;
+  int lerr = load(&cu, msg, len);
+  if (lerr < 0)
+    return lerr;
   char u[48], e[128];
   CUdevice dev;
   if (td__cu_device_by_uuid(cu, uuid, &dev) < 0)
@@ -348,10 +363,14 @@ fail:
                  td__cu_strerror(cu, r, e, sizeof(e)));
 }
 
-/* Undoes what td__cumap_open did, as far as it got. */
+/* Undoes what td__cumap_open did, as far as it got. In a forked child the
+ * mapping is the parent's: nothing is undone (the driver would refuse it),
+ * and the caller frees the record. */
 static void undo(td__cumap *m, int mapped, int reserved) {
   const td__cu *cu = m->cu;
   CUcontext popped;
+  if (in_forked_child())
+    return;
   if (m->ls != NULL && cu->CtxPushCurrent(m->ctx) == CUDA_SUCCESS) {
     stream_leave(m);
     cu->CtxPopCurrent(&popped);
@@ -552,9 +571,10 @@ int td__cumap_open(uint64_t instance, uint64_t alloc_id, const uint8_t uuid[16],
                    int fd, uint64_t size, int ro, td__cumap **out, char *msg,
                    size_t len) {
   *out = NULL;
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
+  const td__cu *cu = NULL;
+  int lerr = load(&cu, msg, len);
+  if (lerr < 0)
+    return lerr;
   ro = ro != 0;
   struct stat st;
   int known = alloc_id != 0 && fstat(fd, &st) == 0;
@@ -649,9 +669,10 @@ int td__cumap_open_ipc(const uint8_t uuid[16], const uint8_t handle[64],
                        uint64_t size, td__cumap **out, char *msg, size_t len) {
   *out = NULL;
   pthread_once(&fork_once, fork_init);
-  const td__cu *cu = load(msg, len);
-  if (cu == NULL)
-    return TD_ENODEV;
+  const td__cu *cu = NULL;
+  int lerr = load(&cu, msg, len);
+  if (lerr < 0)
+    return lerr;
   char u[48], e[128];
   td__cumap *m;
   int err = cumap_new(cu, uuid, size, &m, msg, len);
@@ -717,6 +738,9 @@ int td__cumap_index(const td__cumap *m) {
 }
 
 int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   const td__cu *cu = m->cu;
   CUcontext popped;
   CUstream s;
@@ -744,6 +768,9 @@ int td__cumap_zero(td__cumap *m, size_t nbytes, char *msg, size_t len) {
 
 int td__cumap_copy(td__cumap *m, int to_device, size_t off, void *host,
                    size_t n, char *msg, size_t len) {
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   const td__cu *cu = m->cu;
   CUcontext popped;
   CUstream s;
@@ -788,6 +815,9 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
                      uintptr_t src, size_t spitch, size_t width, size_t height,
                      char *msg, size_t len) {
   td__cumap *m = dm != NULL ? dm : sm;
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   const td__cu *cu = m->cu;
   CUDA_MEMCPY2D p;
   memset(&p, 0, sizeof(p));
@@ -821,6 +851,9 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
 }
 
 int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   const td__cu *cu = m->cu;
   CUcontext popped;
   CUstream s;
@@ -875,6 +908,9 @@ static CUresult slot_sync(td__custage *g, unsigned i) {
 int td__custage_open(td__cumap *m, size_t slot, unsigned nslots,
                      td__custage **out, char *msg, size_t len) {
   *out = NULL;
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   const td__cu *cu = m->cu;
   char e[128];
   const char *what = "out of memory";
@@ -942,6 +978,9 @@ size_t td__custage_slot(const td__custage *g) {
 
 int td__custage_take(td__custage *g, unsigned *slot, void **host, char *msg,
                      size_t len) {
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
   pthread_mutex_lock(&g->mu);
   while (g->count == 0)
     pthread_cond_wait(&g->cv, &g->mu);
@@ -966,7 +1005,8 @@ int td__custage_take(td__custage *g, unsigned *slot, void **host, char *msg,
 int td__custage_put(td__custage *g, unsigned slot, td__cumap *dst, size_t off,
                     size_t n, char *msg, size_t len) {
   CUresult r = CUDA_SUCCESS;
-  if (dst != NULL && n > 0) {
+  int ferr = dst != NULL && n > 0 ? td__cu_forked(msg, len) : 0;
+  if (ferr == 0 && dst != NULL && n > 0) {
     CUcontext popped;
     if ((r = g->cu->CtxPushCurrent(g->ctx)) == CUDA_SUCCESS) {
       r = g->cu->MemcpyHtoDAsync(
@@ -980,6 +1020,8 @@ int td__custage_put(td__custage *g, unsigned slot, td__cumap *dst, size_t off,
   g->count++;
   pthread_cond_signal(&g->cv);
   pthread_mutex_unlock(&g->mu);
+  if (ferr < 0)
+    return ferr;
   if (r != CUDA_SUCCESS) {
     char e[128];
     return td__msg(msg, len, td__cu_code(r),
@@ -994,6 +1036,17 @@ int td__custage_close(td__custage *g, char *msg, size_t len) {
     return 0;
   const td__cu *cu = g->cu;
   CUresult first = CUDA_SUCCESS;
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0) {
+    /* The parent's buffer and streams: forgotten, never handed back. */
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+    free(g->streams);
+    free(g->busy);
+    free(g->ring);
+    free(g);
+    return ferr;
+  }
   for (unsigned i = 0; i < g->nslots; i++) {
     CUresult r = slot_sync(g, i);
     if (first == CUDA_SUCCESS)
@@ -1022,7 +1075,16 @@ int td__custage_close(td__custage *g, char *msg, size_t len) {
 }
 
 void td__cumap_close(td__cumap *m) {
-  if (m == NULL || warm_keep(m))
+  if (m == NULL)
+    return;
+  if (in_forked_child()) {
+    /* Inherited: the driver allows the child neither to keep nor to
+     * unmap it. The bookkeeping goes; the address range stays as fork()
+     * left it, until exit or exec. */
+    free(m);
+    return;
+  }
+  if (warm_keep(m))
     return;
   undo(m, 1, 1);
   free(m);

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* The symbol cuda.h maps an entry point's name to: cuMemGetInfo is a macro
  * for cuMemGetInfo_v2, and the driver exports both, with the old ABI under
@@ -88,6 +89,7 @@ _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static td__cu table;
 static const td__cu *_Atomic loaded; /* &table once loaded, else NULL */
+static _Atomic pid_t loaded_pid;     /* the process whose cuInit it was */
 static void *lib;                    /* load_mu: dlopen'd, kept on retry */
 static int given_up;                 /* load_mu: failed for good */
 static int transient;                /* load_mu: the last failure may pass */
@@ -183,6 +185,7 @@ static void load(void) {
   if (r == CUDA_SUCCESS) {
     transient = 0;
     read_mig();
+    atomic_store(&loaded_pid, getpid());
     atomic_store(&loaded, &table);
     return;
   }
@@ -218,6 +221,21 @@ const td__cu *td__cu_load(char *msg, size_t len) {
   }
   pthread_mutex_unlock(&load_mu);
   return t;
+}
+
+int td__cu_forked(char *msg, size_t len) {
+  /* loaded_pid is written before loaded is published. */
+  if (atomic_load(&loaded) == NULL)
+    return 0;
+  pid_t by = atomic_load(&loaded_pid), self = getpid();
+  if (by == self)
+    return 0;
+  return td__msg(msg, len, TD_EFORKED,
+                 "this process (pid %d) is a fork() %s of pid %d, which had "
+                 "initialised CUDA, and the driver allows a child no CUDA: "
+                 "use CUDA in a process that did not inherit it (spawn, or "
+                 "fork before the first CUDA call)",
+                 (int)self, getppid() == by ? "child" : "descendant", (int)by);
 }
 
 int td__cu_load_transient(void) {

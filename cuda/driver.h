@@ -100,10 +100,18 @@ typedef struct td__cu {
  * of the process, except cuInit's CUDA_ERROR_SYSTEM_NOT_READY (the driver's
  * own daemons still starting, at boot): then the first call a second or
  * more later calls cuInit again (td__cu_load_transient says so meanwhile).
- * A child of fork() inherits the table; what the driver allows in the child
- * is the driver's rule (the real one: nothing that touches a context made
- * before the fork). */
+ * A child of fork() inherits the table, and the driver allows it nothing:
+ * every call fails (CUDA_ERROR_NOT_INITIALIZED, cuInit included) once the
+ * parent has initialised CUDA. Callers ask td__cu_forked first. */
 const td__cu *td__cu_load(char *msg, size_t len);
+
+/* Returns 0 if this process may call the driver: it is not loaded, or this
+ * very process loaded it. In a child of fork() (or its descendant) that
+ * inherited a loaded driver, returns TD_EFORKED with msg naming both pids:
+ * the driver would refuse every call there, and the inherited contexts and
+ * mappings are unusable. Safe in a child whatever locks the parent held:
+ * it takes none. */
+int td__cu_forked(char *msg, size_t len);
 
 /* 1 if the driver is not loaded and the last td__cu_load failed in a way a
  * later call may not (see above), else 0. */

@@ -96,7 +96,8 @@ const char *td_version_string(void);
   XX(ECANCELED, -ECANCELED, "operation canceled")                              \
   XX(ENAMETOOLONG, -ENAMETOOLONG, "name too long")                             \
   XX(EEXIST, -EEXIST, "already exists")                                        \
-  XX(EFORKED, -4001, "client was connected by the parent of a fork")
+  XX(EFORKED, -4001,                                                           \
+     "used in a fork() child: its parent's client, channel or CUDA")
 
 typedef enum {
 #define XX(name, code, _) TD_##name = code,
@@ -372,7 +373,13 @@ typedef struct td_storage td_storage;
  * fork frees the handle and sends nothing (the parent's reference is
  * untouched; the inherited mapping stays until the child exits or execs),
  * and td_close of an inherited client closes the child's copy of the socket
- * only. The client's socket is close-on-exec. */
+ * only. The client's socket is close-on-exec. CUDA does not survive fork():
+ * once the process has initialised the driver (mapped or created a CUDA
+ * storage), the driver allows a child nothing, so in the child every CUDA
+ * operation (attach, create, td_copy with a CUDA side, td_storage_wait, a
+ * model load onto a GPU) fails with TD_EFORKED, even on the child's own
+ * client, and releasing an inherited CUDA storage calls no driver. Fork
+ * before the first CUDA call, or spawn. */
 
 #define TD_RDONLY 0x1u /* open or look up for reading only */
 #define TD_TAKE 0x2u   /* lookup: unpublish the key atomically */

@@ -761,3 +761,40 @@ def test_load_state_dict_with_gpu_regions_starts_again_when_replaced(
         client.unpublish(k)
     gc.collect()
     assert wait_storages(daemon, lambda ls: not ls) == []
+
+
+def test_a_child_forked_after_cuda_use_gets_eforked(
+    client: tensord.Client, daemon: str
+) -> None:
+    """The driver allows a child of fork() nothing once its parent has used
+    CUDA: libtensord says so (tensord.Error EFORKED, naming both pids)
+    instead of failing in the driver; the inherited tensor's release is
+    quiet. Use spawn (multiprocessing's 'spawn' context) for CUDA peers."""
+    t = client.empty(64, "uint8", device="cuda:0")
+    client.publish("forked", t)
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with tensord.connect(daemon) as c:
+                try:
+                    c.lookup("forked", timeout=0)
+                except tensord.Error as e:
+                    code = 0 if (
+                        e.name == "EFORKED"
+                        and f"pid {os.getpid()}" in e.message
+                        and f"pid {parent}" in e.message
+                    ) else 3
+                    if code:
+                        print(f"child: {e.name}: {e.message}", flush=True)
+            t.release()
+        except BaseException as e:  # never return into pytest
+            print(f"child: {type(e).__name__}: {e}", flush=True)
+            code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    client.unpublish("forked")
+    t.release()

@@ -14,6 +14,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -92,6 +93,49 @@ struct CUctx_st {
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The driver allows a child of fork() nothing once its parent has
+ * initialised CUDA: every call in the child, cuInit included, fails with
+ * CUDA_ERROR_NOT_INITIALIZED, and the contexts and mappings it inherited
+ * are unusable. The double does the same: init_pid is the process whose
+ * cuInit succeeded, and in any other process that inherited it every
+ * entry point but cuGetErrorName and cuGetErrorString refuses, before it
+ * looks at any state (mu may have been held by another of the parent's
+ * threads at the fork). A child forked before the parent's first cuInit
+ * inherits init_pid 0: a fresh process, which may cuInit. */
+static _Atomic pid_t init_pid;
+
+static void call_log(const char *call);
+
+static int forked_child(void) {
+  pid_t p = atomic_load(&init_pid);
+  return p != 0 && p != getpid();
+}
+
+/* Logs the refused call (TDCUDA_CALL_LOG) and returns what the driver
+ * does. */
+static CUresult refused(const char *call) {
+  char line[96];
+  snprintf(line, sizeof line, "%s refused", call);
+  call_log(line);
+  return CUDA_ERROR_NOT_INITIALIZED;
+}
+
+#define REFUSE_IN_FORKED_CHILD()                                               \
+  do {                                                                         \
+    if (forked_child())                                                        \
+      return refused(__func__);                                                \
+  } while (0)
+
+/* A child forked before cuInit while another thread held mu (a cuInit of
+ * its own, say) would find it locked forever: it starts with mu free. */
+static void atfork_child(void) {
+  pthread_mutex_init(&mu, NULL);
+}
+
+__attribute__((constructor)) static void register_atfork(void) {
+  pthread_atfork(NULL, NULL, atfork_child);
+}
 static int initialized;
 static int nphys;                 /* TDCUDA_DEVICES */
 static size_t mem_total;          /* TDCUDA_MEM, per device */
@@ -509,6 +553,7 @@ static void parse_visible(void) {
 }
 
 API CUresult CUDAAPI cuInit(unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (Flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -584,6 +629,7 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   for (int i = 0; i < nvis; i++)
     ctxs[i] = (struct CUctx_st){.ordinal = i, .refs = 0, .excl = -1};
   initialized = 1;
+  atomic_store(&init_pid, getpid());
 out:
   pthread_mutex_unlock(&mu);
   return r;
@@ -601,6 +647,7 @@ static CUresult check_device(CUdevice dev) {
 }
 
 API CUresult CUDAAPI cuDeviceGetCount(int *count) {
+  REFUSE_IN_FORKED_CHILD();
   if (!initialized)
     return CUDA_ERROR_NOT_INITIALIZED;
   if (count == NULL)
@@ -610,6 +657,7 @@ API CUresult CUDAAPI cuDeviceGetCount(int *count) {
 }
 
 API CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal) {
+  REFUSE_IN_FORKED_CHILD();
   if (!initialized)
     return CUDA_ERROR_NOT_INITIALIZED;
   if (device == NULL)
@@ -621,6 +669,7 @@ API CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal) {
 }
 
 API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -635,6 +684,7 @@ API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
 #undef cuDeviceGetUuid
 API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -645,6 +695,7 @@ API CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
 }
 
 API CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -656,6 +707,7 @@ API CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev) {
 
 API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
                                           CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -698,8 +750,10 @@ API CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib,
 /* ---- contexts ---- */
 
 /* Appends "<pid> <call>" to $TDCUDA_CALL_LOG, if set (read at each call),
- * for each cuMemCreate, cuMemRelease and cuMemImportFromShareableHandle
- * that succeeds: tests count what a process asked of the driver. */
+ * for each cuMemCreate, cuMemRelease, cuMemImportFromShareableHandle and
+ * cuMemUnmap that succeeds, and "<pid> <call> refused" for every call
+ * refused in a forked child (see init_pid): tests count what a process
+ * asked of the driver. */
 static void call_log(const char *call) {
   const char *path = getenv("TDCUDA_CALL_LOG");
   if (path == NULL || path[0] == '\0')
@@ -767,6 +821,7 @@ static void ctx_destroy(CUdevice dev) {
 }
 
 API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -784,6 +839,7 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 }
 
 API CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
+  REFUSE_IN_FORKED_CHILD();
   CUresult r = check_device(dev);
   if (r != CUDA_SUCCESS)
     return r;
@@ -797,6 +853,7 @@ API CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
 }
 
 API CUresult CUDAAPI cuCtxPushCurrent(CUcontext ctx) {
+  REFUSE_IN_FORKED_CHILD();
   if (!initialized)
     return CUDA_ERROR_NOT_INITIALIZED;
   if (ctx == NULL || ctx < &ctxs[0] || ctx >= &ctxs[nvis])
@@ -808,6 +865,7 @@ API CUresult CUDAAPI cuCtxPushCurrent(CUcontext ctx) {
 }
 
 API CUresult CUDAAPI cuCtxPopCurrent(CUcontext *pctx) {
+  REFUSE_IN_FORKED_CHILD();
   if (!initialized)
     return CUDA_ERROR_NOT_INITIALIZED;
   if (ctx_depth == 0)
@@ -844,6 +902,7 @@ static CUresult current_checked(int what, int *ordinal);
 /* Runs every stream's queued work (below): the context's work is done. Not
  * while a stream of the context captures. */
 API CUresult CUDAAPI cuCtxSynchronize(void) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current_checked(CHECK_CONTEXT, NULL);
   if (r == CUDA_SUCCESS)
@@ -858,6 +917,7 @@ API CUresult CUDAAPI cuCtxSynchronize(void) {
  * retain is released. Exported for tests, which find it with dlsym. */
 API CUresult tdcudaDoubleFault(void);
 API CUresult tdcudaDoubleFault(void) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   int ord;
   CUresult r = current(&ord);
@@ -868,6 +928,7 @@ API CUresult tdcudaDoubleFault(void) {
 }
 
 API CUresult CUDAAPI cuMemGetInfo(size_t *free_, size_t *total) {
+  REFUSE_IN_FORKED_CHILD();
   if (free_ == NULL || total == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -895,6 +956,7 @@ static CUresult check_prop(const CUmemAllocationProp *prop) {
 API CUresult CUDAAPI cuMemGetAllocationGranularity(
     size_t *granularity, const CUmemAllocationProp *prop,
     CUmemAllocationGranularity_flags option) {
+  REFUSE_IN_FORKED_CHILD();
   if (!initialized)
     return CUDA_ERROR_NOT_INITIALIZED;
   if (granularity == NULL || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
@@ -918,6 +980,7 @@ static CUresult new_handle(alloc *a, CUmemGenericAllocationHandle *out) {
 API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle_,
                                  size_t size, const CUmemAllocationProp *prop,
                                  unsigned long long flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (handle_ == NULL || flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -984,6 +1047,7 @@ out:
 }
 
 API CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle_) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
@@ -1006,6 +1070,7 @@ out:
 API CUresult CUDAAPI cuMemExportToShareableHandle(
     void *shareableHandle, CUmemGenericAllocationHandle handle_,
     CUmemAllocationHandleType handleType, unsigned long long flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (shareableHandle == NULL || flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -1059,6 +1124,7 @@ static int memfd_device(int fd) {
 API CUresult CUDAAPI cuMemImportFromShareableHandle(
     CUmemGenericAllocationHandle *handle_, void *osHandle,
     CUmemAllocationHandleType shHandleType) {
+  REFUSE_IN_FORKED_CHILD();
   if (handle_ == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
@@ -1125,6 +1191,7 @@ out:
 API CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size,
                                          size_t alignment, CUdeviceptr addr,
                                          unsigned long long flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (ptr == NULL || flags != 0 || size == 0 || size % GRANULARITY != 0 ||
       (alignment & (alignment - 1)) != 0)
     return CUDA_ERROR_INVALID_VALUE;
@@ -1176,6 +1243,7 @@ out:
 }
 
 API CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
@@ -1201,6 +1269,7 @@ out:
 API CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                               CUmemGenericAllocationHandle handle_,
                               unsigned long long flags) {
+  REFUSE_IN_FORKED_CHILD();
   uintptr_t p = (uintptr_t)ptr;
   if (flags != 0 || offset != 0 || size == 0 || size % GRANULARITY != 0 ||
       p % GRANULARITY != 0)
@@ -1236,6 +1305,7 @@ out:
 }
 
 API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  REFUSE_IN_FORKED_CHILD();
   uintptr_t p = (uintptr_t)ptr;
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
@@ -1262,6 +1332,7 @@ API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
       i++;
     }
   }
+  call_log("cuMemUnmap");
 out:
   pthread_mutex_unlock(&mu);
   return r;
@@ -1269,6 +1340,7 @@ out:
 
 API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size,
                                     const CUmemAccessDesc *desc, size_t count) {
+  REFUSE_IN_FORKED_CHILD();
   uintptr_t p = (uintptr_t)ptr;
   if (desc == NULL || count == 0)
     return CUDA_ERROR_INVALID_VALUE;
@@ -1386,6 +1458,7 @@ static CUresult legacy_map(alloc *a, int kind, CUdeviceptr *out) {
 }
 
 API CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
+  REFUSE_IN_FORKED_CHILD();
   if (dptr == NULL || bytesize == 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -1441,6 +1514,7 @@ out:
 }
 
 API CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current_checked(CHECK_UNSAFE, NULL);
   if (r == CUDA_SUCCESS) {
@@ -1456,6 +1530,7 @@ API CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
 
 API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle,
                                        CUdeviceptr dptr) {
+  REFUSE_IN_FORKED_CHILD();
   if (pHandle == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -1481,6 +1556,7 @@ API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle,
 
 API CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle ipc,
                                         unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (pdptr == NULL || Flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
     return CUDA_ERROR_INVALID_VALUE;
   ipc_handle h;
@@ -1548,6 +1624,7 @@ out:
 }
 
 API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r == CUDA_SUCCESS) {
@@ -1627,6 +1704,7 @@ static CUresult event_make(unsigned flags, int fd, uint64_t tag, int opened,
 }
 
 API CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (phEvent == NULL ||
       Flags & ~(unsigned)(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING |
                           CU_EVENT_INTERPROCESS))
@@ -1663,6 +1741,7 @@ static void event_recorded(CUevent ev, CUstream s);
 static CUresult event_wait(CUevent ev);
 
 API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   if (r == CUDA_SUCCESS && !event_live(hEvent))
@@ -1676,6 +1755,7 @@ API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
 }
 
 API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = event_live(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
   if (r == CUDA_SUCCESS) {
@@ -1688,6 +1768,7 @@ API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
 }
 
 API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = CUDA_ERROR_INVALID_HANDLE;
   for (size_t i = 0; i < nevents; i++)
@@ -1709,6 +1790,7 @@ API CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
 
 API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
                                        unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (Flags != 0)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -1818,6 +1900,7 @@ static void event_check_exporter(const char *call, CUevent ev) {
 
 API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
                                          CUevent event) {
+  REFUSE_IN_FORKED_CHILD();
   if (pHandle == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -1839,6 +1922,7 @@ API CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle,
 
 API CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent,
                                           CUipcEventHandle handle_) {
+  REFUSE_IN_FORKED_CHILD();
   if (phEvent == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   ipc_event h;
@@ -1943,6 +2027,7 @@ static void log_hostalloc(size_t n) {
 
 API CUresult CUDAAPI cuMemHostAlloc(void **pp, size_t bytesize,
                                     unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (pp == NULL || bytesize == 0 ||
       Flags & ~(unsigned)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP |
                           CU_MEMHOSTALLOC_WRITECOMBINED))
@@ -1997,6 +2082,7 @@ static int queued_on_host(uintptr_t base, size_t size) {
 }
 
 API CUresult CUDAAPI cuMemFreeHost(void *p) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = CUDA_ERROR_INVALID_VALUE;
   for (size_t i = 0; i < npins; i++)
@@ -2203,6 +2289,7 @@ static CUresult current_checked(int what, int *ordinal) {
 
 API CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream,
                                           CUstreamCaptureMode mode) {
+  REFUSE_IN_FORKED_CHILD();
   if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL &&
       mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
       mode != CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -2230,6 +2317,7 @@ API CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream,
 
 /* Ends the capture. The double makes no graph: *phGraph is NULL. */
 API CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+  REFUSE_IN_FORKED_CHILD();
   if (phGraph == NULL)
     return CUDA_ERROR_INVALID_VALUE;
   *phGraph = NULL;
@@ -2255,6 +2343,7 @@ API CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
 /* ---- streams ---- */
 
 API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+  REFUSE_IN_FORKED_CHILD();
   if (phStream == NULL || Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -2296,6 +2385,7 @@ static void streams_drop(CUdevice dev) {
 
 /* The driver completes a destroyed stream's work before it goes. */
 API CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   CUresult r = current(NULL);
   CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
@@ -2318,6 +2408,7 @@ API CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
 /* A capturing stream cannot be synchronised; the legacy stream cannot be
  * while a blocking stream captures. */
 API CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   pthread_mutex_lock(&mu);
   int ord;
   CUresult r = current(&ord);
@@ -2445,16 +2536,19 @@ static CUresult dtoh(CUstream stream, int legacy, void *dst, CUdeviceptr src,
 
 API CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost,
                                   size_t ByteCount) {
+  REFUSE_IN_FORKED_CHILD();
   return htod(NULL, 1, dstDevice, srcHost, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice,
                                   size_t ByteCount) {
+  REFUSE_IN_FORKED_CHILD();
   return dtoh(NULL, 1, dstHost, srcDevice, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
                                 size_t N) {
+  REFUSE_IN_FORKED_CHILD();
   if (N == 0)
     return check_range(0, 0, PROT_NONE);
   queued c = row((uintptr_t)dstDevice, NULL, N);
@@ -2470,16 +2564,19 @@ API CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc,
 API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
                                        const void *srcHost, size_t ByteCount,
                                        CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   return htod(hStream, 0, dstDevice, srcHost, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice,
                                        size_t ByteCount, CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   return dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
 }
 
 API CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc,
                                      size_t N, CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   if (N == 0)
     return check_range(0, 0, PROT_NONE);
   queued c = row((uintptr_t)dstDevice, NULL, N);
@@ -2562,11 +2659,13 @@ static CUresult copy2d(const CUDA_MEMCPY2D *c, CUstream hStream, int sync) {
 }
 
 API CUresult CUDAAPI cuMemcpy2D(const CUDA_MEMCPY2D *pCopy) {
+  REFUSE_IN_FORKED_CHILD();
   return copy2d(pCopy, NULL, 1);
 }
 
 API CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D *pCopy,
                                      CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
   return copy2d(pCopy, hStream, 0);
 }
 

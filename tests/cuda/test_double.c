@@ -1114,8 +1114,7 @@ Test(double_semantics, memory_is_the_devices_whoever_allocates_it) {
   size_t fr, tot;
   CU_OK(cu->MemGetInfo(&fr, &tot));
   cr_expect_eq(tot, 8 * MiB);
-  cr_expect_eq(fr, 2 * MiB, "free %zu: the other process's 6 MiB not seen",
-               fr);
+  cr_expect_eq(fr, 2 * MiB, "free %zu: the other process's 6 MiB not seen", fr);
   CUmemAllocationProp p = prop_for(0, 0);
   CUmemGenericAllocationHandle h;
   cr_expect_eq(cu->MemCreate(&h, 4 * MiB, &p, 0), CUDA_ERROR_OUT_OF_MEMORY);
@@ -1147,4 +1146,91 @@ Test(double_semantics, memory_is_the_devices_whoever_allocates_it) {
   snprintf(path, sizeof path, "%s/mem.1.lock", dir);
   unlink(path);
   cr_expect_eq(rmdir(dir), 0, "%s: %s", dir, strerror(errno));
+}
+
+/* ---- fork ---- */
+
+/* The child of a process that initialised the driver: every call fails
+ * CUDA_ERROR_NOT_INITIALIZED, cuInit too, whatever it inherited; only the
+ * error strings answer. */
+static void child_after_init(int sock) {
+  const td__cu *cu = load(); /* the parent's table, inherited */
+  CHILD_CHECK(cu->Init(0) == CUDA_ERROR_NOT_INITIALIZED);
+  int n = -1;
+  CHILD_CHECK(cu->DeviceGetCount(&n) == CUDA_ERROR_NOT_INITIALIZED);
+  CHILD_CHECK(n == -1);
+  CUcontext ctx = NULL;
+  CHILD_CHECK(cu->DevicePrimaryCtxRetain(&ctx, 0) ==
+              CUDA_ERROR_NOT_INITIALIZED);
+  size_t fr = 0, total = 0;
+  CHILD_CHECK(cu->MemGetInfo(&fr, &total) == CUDA_ERROR_NOT_INITIALIZED);
+  /* The parent's mapping, inherited: neither unmapped nor released here. */
+  uint64_t v = 0, h = 0;
+  CHILD_CHECK(read(sock, &v, sizeof v) == sizeof v);
+  CHILD_CHECK(read(sock, &h, sizeof h) == sizeof h);
+  CHILD_CHECK(cu->MemUnmap((CUdeviceptr)v, 2 * MiB) ==
+              CUDA_ERROR_NOT_INITIALIZED);
+  CHILD_CHECK(cu->MemRelease((CUmemGenericAllocationHandle)h) ==
+              CUDA_ERROR_NOT_INITIALIZED);
+  CHILD_CHECK(cu->StreamSynchronize(NULL) == CUDA_ERROR_NOT_INITIALIZED);
+  const char *name = NULL;
+  CHILD_CHECK(cu->GetErrorName(CUDA_ERROR_NOT_INITIALIZED, &name) ==
+                  CUDA_SUCCESS &&
+              strcmp(name, "CUDA_ERROR_NOT_INITIALIZED") == 0);
+  send_byte(sock, 'n');
+}
+
+Test(double_semantics, a_child_forked_after_cuinit_may_call_nothing) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 0);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr v =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(v, 0);
+  int sv[2];
+  pid_t pid = fork_child(sv, child_after_init);
+  uint64_t vv = v, hh = h;
+  cr_assert_eq(write(sv[0], &vv, sizeof vv), (ssize_t)sizeof vv);
+  cr_assert_eq(write(sv[0], &hh, sizeof hh), (ssize_t)sizeof hh);
+  cr_expect_eq(recv_byte(sv[0]), 'n');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: status %#x", st);
+  /* The child's refusals changed nothing here. */
+  CU_OK(cu->MemsetD8(v, 0x11, 2 * MiB));
+  CU_OK(unmap(cu, v, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+  close(sv[0]);
+}
+
+/* Forked before its parent's first cuInit, and initialising after it: a
+ * process of its own, as far as the driver knows. */
+static void child_before_init(int sock) {
+  CHILD_CHECK(recv_byte(sock) == 'i'); /* the parent has initialised */
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p = prop_for(0, 0);
+  CUmemGenericAllocationHandle h;
+  CHILD_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr v =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CHILD_CHECK(v != 0);
+  CHILD_OK(cu->MemsetD8(v, 0x22, 2 * MiB));
+  CHILD_OK(unmap(cu, v, 2 * MiB));
+  CHILD_OK(cu->MemRelease(h));
+  send_byte(sock, 'k');
+}
+
+Test(double_semantics, a_child_forked_before_cuinit_is_a_process_of_its_own) {
+  int sv[2];
+  pid_t pid = fork_child(sv, child_before_init);
+  const td__cu *cu = load();
+  int n = 0;
+  CU_OK(cu->DeviceGetCount(&n));
+  send_byte(sv[0], 'i');
+  cr_expect_eq(recv_byte(sv[0]), 'k');
+  int st = wait_child(pid);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: status %#x", st);
+  close(sv[0]);
 }

@@ -5,7 +5,8 @@
  * skipped where no driver or no device is found). Where both pass, the
  * double imitates the driver on these points; the gpu build has not yet run
  * on a GPU (see tests/cuda/README.md). Each test forks before any driver
- * call, since the driver does not survive fork(). */
+ * call, since the driver does not survive fork() (the last test checks
+ * exactly that). */
 #include "cutest.h"
 
 #include <sys/resource.h>
@@ -500,4 +501,37 @@ Test(fidelity, a_private_stream_works_during_another_threads_global_capture) {
   cr_expect_eq(ended, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
   CU_OK(unmap(cu, v, size));
   CU_OK(cu->MemRelease(h));
+}
+
+/* ---- fork after cuInit ---- */
+
+/* The child of a process that initialised the driver: the driver allows
+ * it nothing, cuInit included (the double's rule, tests/cuda/README.md;
+ * libtensord's TD_EFORKED relies on it). */
+static void forked_child(int sock) {
+  const td__cu *cu = load(NULL, 0); /* the parent's table, inherited */
+  CHILD_CHECK(cu != NULL);
+  CHILD_CHECK(cu->Init(0) == CUDA_ERROR_NOT_INITIALIZED);
+  int n = -1;
+  CHILD_CHECK(cu->DeviceGetCount(&n) == CUDA_ERROR_NOT_INITIALIZED);
+  CUcontext ctx;
+  CHILD_CHECK(cu->DevicePrimaryCtxRetain(&ctx, 0) ==
+              CUDA_ERROR_NOT_INITIALIZED);
+  send_byte(sock, 'n');
+}
+
+Test(fidelity, a_child_forked_after_cuinit_is_not_initialized) {
+  char msg[512] = "";
+  const td__cu *cu = load(msg, sizeof msg);
+  if (cu == NULL)
+    cr_skip_test("no CUDA device to test against: %s", msg);
+  enter(cu, 0);
+  int sv[2];
+  pid_t pid = fork_child(sv, forked_child);
+  cr_expect_eq(recv_byte(sv[0]), 'n');
+  expect_child_ok(pid);
+  /* The parent's driver is unaffected. */
+  int n = 0;
+  CU_OK(cu->DeviceGetCount(&n));
+  close(sv[0]);
 }

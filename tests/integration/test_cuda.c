@@ -129,11 +129,22 @@ static int peer_rw(void *p) {
   return 0;
 }
 
+/* The peer of shared_both_ways, forked held (tdt_fork_held) before this
+ * process's first CUDA call: the driver allows a child forked after it
+ * nothing. */
+static peer_arg rw_arg;
+
+static pid_t hold_peer_rw(void) {
+  rw_arg = (peer_arg){d.sock, "w", 0, -1};
+  return tdt_fork_held(peer_rw, &rw_arg, 0);
+}
+
 /* The body both handle kinds share: s (n bytes, on a GPU, held by c) reads
- * as zeros, is published as "w", a forked peer writes it and this process
- * sees the writes; then c lets go of everything (c is closed) and the GPU's
- * bytes and storages are back to none. */
-static void shared_both_ways(td_client *c, td_storage *s, size_t n) {
+ * as zeros, is published as "w", the peer (hold_peer_rw) writes it and
+ * this process sees the writes; then c lets go of everything (c is closed)
+ * and the GPU's bytes and storages are back to none. */
+static void shared_both_ways(td_client *c, td_storage *s, size_t n,
+                             pid_t peer) {
   cr_assert_eq(td_storage_device(s), TD_CUDA);
   cr_assert_eq(td_storage_nbytes(s), n);
   uint8_t uuid[16];
@@ -151,8 +162,7 @@ static void shared_both_ways(td_client *c, td_storage *s, size_t n) {
   cr_assert_eq(g.bytes_used, 6 * MiB);
   cr_assert_eq(g.storages, 1);
 
-  peer_arg a = {d.sock, "w", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_rw, &a)), 0);
+  cr_assert_eq(tdt_wait(tdt_go(peer)), 0);
   cr_assert_eq(b[0], 0xa5, "the other process's write is not seen here");
   cr_assert_eq(b[n - 1], 0x5a);
 
@@ -173,11 +183,12 @@ static void shared_both_ways(td_client *c, td_storage *s, size_t n) {
 
 TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
   tdt_start(&d, NULL);
+  pid_t peer = hold_peer_rw();
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 4 * MiB + 1;
   cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
-  shared_both_ways(c, s, n);
+  shared_both_ways(c, s, n, peer);
 }
 
 static int peer_ro_write(void *p) {
@@ -196,15 +207,21 @@ static int peer_ro_write(void *p) {
 
 TDT_TEST(cuda, readonly_lookup_maps_read_only) {
   tdt_start(&d, NULL);
+  /* The peers are forked before this process's first CUDA call. */
+  unsigned flags[] = {TD_RDONLY, TD_COW};
+  peer_arg a[2];
+  pid_t peer[2];
+  for (size_t i = 0; i < 2; i++) {
+    a[i] = (peer_arg){d.sock, "ro", flags[i], -1};
+    peer[i] = tdt_fork_held(peer_ro_write, &a[i], 0);
+  }
   td_client *c = tdt_connect(&d);
   td_storage *s;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   ((unsigned char *)td_storage_data(s))[10] = 42;
   cr_assert_eq(td_publish(c, "ro", s, NULL), 0);
-  unsigned flags[] = {TD_RDONLY, TD_COW};
   for (size_t i = 0; i < 2; i++) {
-    peer_arg a = {d.sock, "ro", flags[i], -1};
-    cr_assert_eq(tdt_wait(tdt_fork(peer_ro_write, &a)), 128 + SIGSEGV,
+    cr_assert_eq(tdt_wait(tdt_go(peer[i])), 128 + SIGSEGV,
                  "a write through a read-only mapping (flags 0x%x) did not "
                  "fault",
                  flags[i]);
@@ -601,6 +618,7 @@ static int freed_all(const tdt_daemon *dd) {
 
 TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
   start_legacy();
+  pid_t peer = hold_peer_rw();
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 4 * MiB + 1;
@@ -612,7 +630,7 @@ TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
                fds_of(getpid(), 0) - fds);
   cr_assert_eq(fds_of(getpid(), 1), 1);
   cr_assert_eq(daemon_allocations(), 1);
-  shared_both_ways(c, s, n);
+  shared_both_ways(c, s, n, peer);
   /* cuMemFree'd: the daemon holds the allocation no more. */
   cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
             daemon_allocations());
@@ -696,6 +714,7 @@ static void start_with(const char *name, const char *value) {
 /* On a daemon that takes the legacy path: a storage made with no fd
  * travelling, shared both ways, and freed when its holders go. */
 static void legacy_round_trip(void) {
+  pid_t peer = hold_peer_rw();
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 4 * MiB + 1;
@@ -703,7 +722,7 @@ static void legacy_round_trip(void) {
   cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
   cr_assert_eq(daemon_allocations(), 1);
-  shared_both_ways(c, s, n);
+  shared_both_ways(c, s, n, peer);
   cr_assert(tdt_until(freed_all, &d, 10000), "%d allocation(s) left",
             daemon_allocations());
 }
@@ -1080,6 +1099,10 @@ static int peer_sees_pattern(void *p) {
  * staged, and a device-to-device copy at once). */
 TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
   tdt_start(&d, NULL);
+  /* The consumers, forked before this process's first CUDA call. */
+  peer_arg a = {d.sock, "copied", 0, -1}, a2 = {d.sock, "copied2", 0, -1};
+  pid_t peer = tdt_fork_held(peer_sees_pattern, &a, 0);
+  pid_t peer2 = tdt_fork_held(peer_sees_pattern, &a2, 0);
   td_client *c = tdt_connect(&d);
   td_storage *h, *g, *g2;
   size_t n = 3 * 4096;
@@ -1096,15 +1119,13 @@ TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
   /* Host to device, one copy. */
   cr_assert_eq(td_copy(g, &v, h, &v), 0, "%s", td_view_last_error());
   cr_assert_eq(td_publish(c, "copied", g, NULL), 0, "%s", td_last_error(c));
-  peer_arg a = {d.sock, "copied", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a)), 0,
+  cr_assert_eq(tdt_wait(tdt_go(peer)), 0,
                "td_copy host to device returned before the device held the "
                "bytes");
   /* Device to device, rows (cuMemcpy2D), on one GPU. */
   cr_assert_eq(td_copy(g2, &r, g, &r), 0, "%s", td_view_last_error());
   cr_assert_eq(td_publish(c, "copied2", g2, NULL), 0, "%s", td_last_error(c));
-  peer_arg a2 = {d.sock, "copied2", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_pattern, &a2)), 0,
+  cr_assert_eq(tdt_wait(tdt_go(peer2)), 0,
                "td_copy device to device returned before the device held "
                "the bytes");
   cr_assert_eq(td_unpublish(c, "copied"), 0);
@@ -1137,12 +1158,15 @@ static int peer_sees_zeros(void *p) {
  * unfinished zeroing would leave. */
 TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
   tdt_start(&d, NULL);
+  /* The readers, forked before this process's first CUDA call. */
+  peer_arg a = {d.sock, "zeroed", 0, -1}, a2 = {d.sock, "uninit", 0, -1};
+  pid_t peer = tdt_fork_held(peer_sees_zeros, &a, 0);
+  pid_t peer2 = tdt_fork_held(peer_sees_zeros, &a2, 0);
   td_client *c = tdt_connect(&d);
   td_storage *z, *u;
   cr_assert_eq(create_on(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "zeroed", z, NULL), 0, "%s", td_last_error(c));
-  peer_arg a = {d.sock, "zeroed", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a)), 0,
+  cr_assert_eq(tdt_wait(tdt_go(peer)), 0,
                "a zeroed storage is not zeros in another process");
   td_create_opts o = {0};
   o.nbytes = 4 * MiB;
@@ -1150,8 +1174,7 @@ TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
   o.flags = TD_UNINIT;
   cr_assert_eq(td_storage_create_ex(c, &o, &u), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "uninit", u, NULL), 0, "%s", td_last_error(c));
-  peer_arg a2 = {d.sock, "uninit", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_sees_zeros, &a2)), 2,
+  cr_assert_eq(tdt_wait(tdt_go(peer2)), 2,
                "an uninitialised storage does not show the double's junk");
   cr_assert_eq(td_unpublish(c, "zeroed"), 0);
   cr_assert_eq(td_unpublish(c, "uninit"), 0);
@@ -1320,6 +1343,11 @@ static int peer_wait(void *p) {
 
 TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
   tdt_start(&d, NULL);
+  /* The consumers, forked before this process's first CUDA call: one
+   * while the event lives, one after its producer destroyed it. */
+  peer_arg a = {d.sock, "ev", 0, -1};
+  pid_t live = tdt_fork_held(peer_wait, &a, 0);
+  pid_t late = tdt_fork_held(peer_wait, &a, 0);
   td_client *c = tdt_connect(&d);
   td_storage *s, *h;
   cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
@@ -1334,8 +1362,7 @@ TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
   td_publish_opts o = {0};
   o.event = ev;
   cr_assert_eq(td_publish_ex(c, "ev", s, NULL, &o), 0, "%s", td_last_error(c));
-  peer_arg a = {d.sock, "ev", 0, -1};
-  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 0);
+  cr_assert_eq(tdt_wait(tdt_go(live)), 0);
 
   /* A key published without one: nothing to wait for. */
   cr_assert_eq(td_publish(c, "plain", s, NULL), 0);
@@ -1347,7 +1374,7 @@ TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
    * while the key names it and it stays connected: a consumer's open of a
    * destroyed one is undefined on a real driver, and the double stops it. */
   cr_assert_eq(cu.EventDestroy(ev), CUDA_SUCCESS);
-  cr_assert_eq(tdt_wait(tdt_fork(peer_wait, &a)), 128 + SIGABRT);
+  cr_assert_eq(tdt_wait(tdt_go(late)), 128 + SIGABRT);
 
   cr_assert_eq(td_unpublish(c, "ev"), 0);
   cr_assert_eq(td_unpublish(c, "plain"), 0);
@@ -1605,8 +1632,25 @@ static int many_child(void *p) {
   return 0;
 }
 
-/* Publishes the keys many_child looks up, runs it, and frees it all. */
+/* Names the keys many_child looks up. */
+static void many_names(void) {
+  for (size_t i = 0; i < MANY_KEYS; i++) {
+    if (i < MANY_GPU)
+      snprintf(many_buf[i], sizeof(many_buf[i]), "g%zu", i);
+    else if (i < MANY_GPU + 2)
+      snprintf(many_buf[i], sizeof(many_buf[i]), "c%zu", i - MANY_GPU);
+    else
+      snprintf(many_buf[i], sizeof(many_buf[i]), "v%zu", i - MANY_GPU - 2);
+    many_keys[i] = many_buf[i];
+  }
+}
+
+/* Publishes the keys many_child looks up, runs it, and frees it all. The
+ * child is forked, with the keys' names, before this process's first CUDA
+ * call (the driver allows a child forked after it nothing). */
 static void many_gpu_and_cpu(void) {
+  many_names();
+  pid_t peer = tdt_fork_held(many_child, NULL, 0);
   td_client *c = tdt_connect(&d);
   td_storage *s[MANY_GPU + 2];
   for (size_t i = 0; i < MANY_GPU + 2; i++) {
@@ -1617,9 +1661,6 @@ static void many_gpu_and_cpu(void) {
       cr_assert_eq(td_storage_create(c, 4096, &s[i]), 0);
     memset(td_storage_data(s[i]), gpu ? (int)i + 1 : 0xc0 + (int)(i - MANY_GPU),
            td_storage_nbytes(s[i]));
-    snprintf(many_buf[i], sizeof(many_buf[i]), gpu ? "g%zu" : "c%zu",
-             gpu ? i : i - MANY_GPU);
-    many_keys[i] = many_buf[i];
     cr_assert_eq(td_publish(c, many_keys[i], s[i], NULL), 0, "%s",
                  td_last_error(c));
   }
@@ -1629,12 +1670,10 @@ static void many_gpu_and_cpu(void) {
     td_view v;
     cr_assert_eq(td_view_contiguous(TD_UINT8, 1, shape, &v), 0);
     v.offset = (int64_t)j;
-    snprintf(many_buf[i], sizeof(many_buf[i]), "v%zu", j);
-    many_keys[i] = many_buf[i];
     cr_assert_eq(td_publish(c, many_keys[i], s[0], &v), 0, "%s",
                  td_last_error(c));
   }
-  cr_assert_eq(tdt_wait(tdt_fork(many_child, NULL)), 0);
+  cr_assert_eq(tdt_wait(tdt_go(peer)), 0);
   for (size_t i = 0; i < MANY_GPU + 2; i++)
     td_storage_release(s[i]);
   td_close(c);
@@ -1653,17 +1692,20 @@ TDT_TEST(cuda, lookup_many_attaches_legacy_gpu_keys) {
 
 /* ---- the recycling pool ---- */
 
-/* The double's TDCUDA_CALL_LOG: "<pid> <call>" lines. */
+/* The double's TDCUDA_CALL_LOG: "<pid> <call>" lines ("<pid> <call>
+ * refused" for a call refused in a forked child). */
 static char call_log[64];
 
+/* How many of pid's lines name call (NULL: any call). */
 static int calls(pid_t pid, const char *call) {
   FILE *f = fopen(call_log, "r");
   if (f == NULL)
     return 0;
   int p, n = 0;
-  char w[64];
-  while (fscanf(f, "%d %63s", &p, w) == 2)
-    n += p == (int)pid && strcmp(w, call) == 0;
+  char line[256], w[64];
+  while (fgets(line, sizeof(line), f) != NULL)
+    if (sscanf(line, "%d %63s", &p, w) == 2)
+      n += p == (int)pid && (call == NULL || strcmp(w, call) == 0);
   fclose(f);
   return n;
 }
@@ -2088,4 +2130,128 @@ TDT_TEST(cuda, a_create_waits_for_the_release_queued_before_it) {
 TDT_TEST(cuda, a_create_waits_for_the_release_queued_before_it_unpooled) {
   release_then_create((const char *const[]){"--cuda-capacity", "0=8M",
                                             "--cuda-recycle-bytes", "0", NULL});
+}
+
+/* ---- fork ---- */
+
+typedef struct fork_arg {
+  const char *sock;
+  pid_t parent;
+  td_storage *inherited; /* the parent's, mapped before the fork */
+  td_client *pc;         /* the parent's client, holding it */
+} fork_arg;
+
+/* Whether msg names this process and its parent as a fork() child. */
+static int names_the_fork(const char *msg, pid_t parent) {
+  char self[64], par[64];
+  snprintf(self, sizeof(self), "this process (pid %d)", (int)getpid());
+  snprintf(par, sizeof(par), "fork() child of pid %d", (int)parent);
+  return strstr(msg, self) != NULL && strstr(msg, par) != NULL &&
+         strstr(msg, "initialised CUDA") != NULL;
+}
+
+/* In a child forked after its parent used CUDA: its own client attaches
+ * and creates nothing on a GPU, with TD_EFORKED and a message naming both
+ * processes; the storage and client it inherited are released without a
+ * driver call; CPU storages still work. */
+static int forked_child_may_not_use_cuda(void *p) {
+  fork_arg *a = p;
+  td_client *c;
+  td_storage *s = NULL;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, "g", 0, 0, &s, NULL), TD_EFORKED);
+  CHECK(s == NULL);
+  CHECK(strstr(td_last_error(c), "CUDA storage ") != NULL);
+  CHECK(names_the_fork(td_last_error(c), a->parent));
+  CHECK_ERR(c, create_on(c, 0, 1 * MiB, &s), TD_EFORKED);
+  CHECK(names_the_fork(td_last_error(c), a->parent));
+  /* td_copy into the inherited mapping is refused too. */
+  td_storage *h;
+  CHECK_ERR(c, td_storage_create(c, 1 * MiB, &h), 0);
+  memset(td_storage_data(h), 3, 1 * MiB);
+  int64_t n = (int64_t)MiB;
+  td_view v;
+  CHECK(td_view_contiguous(TD_UINT8, 1, &n, &v) == 0);
+  CHECK(td_copy(a->inherited, &v, h, &v) == TD_EFORKED);
+  CHECK(names_the_fork(td_view_last_error(), a->parent));
+  td_storage_release(h);
+  /* Nothing asked of the daemon is left held. */
+  td_storage *cpu;
+  CHECK_ERR(c, td_lookup(c, "cpu", 0, 0, &cpu, NULL), 0);
+  CHECK(((unsigned char *)td_storage_data(cpu))[0] == 8);
+  td_storage_release(cpu);
+  CHECK(td_storage_release(a->inherited) == 0);
+  td_close(c);
+  td_close(a->pc); /* the parent's: the child's copy of its socket only */
+  return 0;
+}
+
+TDT_TEST(cuda,
+         a_child_forked_after_cuda_use_is_refused_cuda_and_releases_quietly) {
+  start_logged(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s, *cpu;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  ((unsigned char *)td_storage_data(s))[0] = 7;
+  cr_assert_eq(td_publish(c, "g", s, NULL), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_storage_create(c, 64, &cpu), 0, "%s", td_last_error(c));
+  ((unsigned char *)td_storage_data(cpu))[0] = 8;
+  cr_assert_eq(td_publish(c, "cpu", cpu, NULL), 0, "%s", td_last_error(c));
+  int before = calls(getpid(), NULL);
+  cr_assert_gt(before, 0, "the double logged nothing of this process");
+  fork_arg a = {d.sock, getpid(), s, c};
+  pid_t pid = tdt_fork(forked_child_may_not_use_cuda, &a);
+  cr_assert_eq(tdt_wait(pid), 0);
+  cr_assert_eq(calls(pid, NULL), 0,
+               "the forked child called the driver %d time(s)",
+               calls(pid, NULL));
+  /* The parent's storage and mapping are as they were. */
+  cr_assert_eq(((unsigned char *)td_storage_data(s))[0], 7);
+  cr_assert_eq(tdt_storages(&d), 2,
+               "the child's refused lookup kept a "
+               "reference, or its release dropped ours");
+  cr_assert_eq(td_unpublish(c, "g"), 0);
+  cr_assert_eq(td_unpublish(c, "cpu"), 0);
+  td_storage_release(cpu);
+  td_storage_release(s);
+  td_close(c);
+  end_logged();
+}
+
+/* The double refuses a forked child every call, cuInit included: what it
+ * logs is what the child asked. */
+static int child_asks_the_driver(void *p) {
+  fork_arg *a = p;
+  td_client *c;
+  td_storage *s = NULL;
+  CHECK(td_connect(a->sock, &c) == 0);
+  CHECK_ERR(c, td_lookup(c, "g", 0, 0, &s, NULL), TD_EFORKED);
+  td_close(c);
+  /* The driver's answer, asked directly through the inherited library. */
+  void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
+  CHECK(lib != NULL);
+  CUresult (*init)(unsigned);
+  *(void **)&init = dlsym(lib, "cuInit");
+  CHECK(init != NULL && init(0) == CUDA_ERROR_NOT_INITIALIZED);
+  dlclose(lib);
+  return 0;
+}
+
+TDT_TEST(cuda, the_double_refuses_a_forked_child_as_the_driver_does) {
+  start_logged(NULL);
+  td_client *c = tdt_connect(&d);
+  td_storage *s;
+  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(td_publish(c, "g", s, NULL), 0, "%s", td_last_error(c));
+  fork_arg a = {d.sock, getpid(), NULL, NULL};
+  pid_t pid = tdt_fork(child_asks_the_driver, &a);
+  cr_assert_eq(tdt_wait(pid), 0);
+  cr_assert_eq(calls(pid, "cuInit"), 1, "the refused cuInit is not logged");
+  cr_assert_eq(calls(pid, NULL), 1,
+               "libtensord called the driver in the "
+               "child");
+  cr_assert_eq(td_unpublish(c, "g"), 0);
+  td_storage_release(s);
+  td_close(c);
+  end_logged();
 }

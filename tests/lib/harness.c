@@ -453,6 +453,85 @@ pid_t tdt_fork(int (*fn)(void *), void *arg) {
   return pid;
 }
 
+/* The children tdt_fork_held forked and tdt_go has not let go: the write
+ * end of the pipe each waits on, and what it sends. */
+#define MAX_HELD 16
+static struct {
+  pid_t pid;
+  int fd;
+  void *arg;
+  size_t size;
+} held[MAX_HELD];
+
+/* Reads exactly n bytes from fd into buf. Returns 0, or -1 at EOF or on an
+ * error other than EINTR. */
+static int read_all(int fd, void *buf, size_t n) {
+  for (size_t got = 0; got < n;) {
+    ssize_t k = read(fd, (char *)buf + got, n - got);
+    if (k < 0 && errno == EINTR)
+      continue;
+    if (k <= 0)
+      return -1;
+    got += (size_t)k;
+  }
+  return 0;
+}
+
+pid_t tdt_fork_held(int (*fn)(void *), void *arg, size_t size) {
+  int slot = 0;
+  while (slot < MAX_HELD && held[slot].pid != 0)
+    slot++;
+  cr_assert_lt(slot, MAX_HELD, "more than %d children held", MAX_HELD);
+  int pfd[2];
+  /* Close-on-exec: a tensord started later must not hold it. */
+  cr_assert_eq(pipe2(pfd, O_CLOEXEC), 0, "pipe2: %s", strerror(errno));
+  fflush(NULL);
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  cr_assert(pid >= 0, "fork: %s", strerror(errno));
+  if (pid == 0) {
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
+      _exit(125);
+    close(pfd[1]);
+    char go;
+    /* EOF: the parent closed it without tdt_go (it failed): give up. */
+    if (read_all(pfd[0], &go, 1) < 0 ||
+        (size > 0 && read_all(pfd[0], arg, size) < 0))
+      _exit(124);
+    close(pfd[0]);
+    _exit(fn(arg));
+  }
+  close(pfd[0]);
+  held[slot].pid = pid;
+  held[slot].fd = pfd[1];
+  held[slot].arg = arg;
+  held[slot].size = size;
+  return pid;
+}
+
+pid_t tdt_go(pid_t pid) {
+  int slot = 0;
+  while (slot < MAX_HELD && held[slot].pid != pid)
+    slot++;
+  cr_assert_lt(slot, MAX_HELD, "pid %d is not held", (int)pid);
+  int fd = held[slot].fd;
+  /* One byte, then the argument: a pipe takes 64 KiB without a reader. */
+  char go = 'g';
+  cr_assert_eq(write(fd, &go, 1), 1, "tdt_go: %s", strerror(errno));
+  const char *p = held[slot].arg;
+  for (size_t put = 0; put < held[slot].size;) {
+    ssize_t k = write(fd, p + put, held[slot].size - put);
+    if (k < 0 && errno == EINTR)
+      continue;
+    cr_assert_gt(k, 0, "tdt_go: %s", strerror(errno));
+    put += (size_t)k;
+  }
+  close(fd);
+  held[slot].pid = 0;
+  held[slot].fd = -1;
+  return pid;
+}
+
 void tdt_preload(const char *lib) {
   static char *asan_was; /* ASAN_OPTIONS before, or NULL */
   static int preloading;
@@ -473,8 +552,8 @@ void tdt_preload(const char *lib) {
     const char *was = getenv("ASAN_OPTIONS");
     asan_was = was != NULL ? strdup(was) : NULL;
     char asan[1024];
-    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0",
-             was ? was : "", was && *was ? ":" : "");
+    snprintf(asan, sizeof(asan), "%s%sverify_asan_link_order=0", was ? was : "",
+             was && *was ? ":" : "");
     setenv("ASAN_OPTIONS", asan, 1);
     preloading = 1;
   }

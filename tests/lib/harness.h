@@ -131,6 +131,18 @@ int tdt_log_has(const tdt_daemon *d, const char *needle);
  * test's process ends first, so a failing test leaves no child behind. Use
  * CHECK in fn, not cr_assert. */
 pid_t tdt_fork(int (*fn)(void *), void *arg);
+/* Forks as tdt_fork does, but the child waits before fn(arg) until the
+ * parent calls tdt_go(pid). For CUDA: the driver allows a child of fork()
+ * nothing once its parent has initialised CUDA, so a test whose peers use
+ * CUDA forks them with this before its own first CUDA call and lets each go
+ * when its turn comes. At tdt_go the child's *arg (size bytes; 0: as at the
+ * fork) is overwritten with the parent's *arg as it is then, so a peer
+ * sees what the parent filled in since (an id, a flag); a pointer in it
+ * must still point to what the child inherited (a string literal, a
+ * buffer filled before the fork). At most 16 children held at once. */
+pid_t tdt_fork_held(int (*fn)(void *), void *arg, size_t size);
+/* Lets pid, a child of tdt_fork_held, run; returns pid, for tdt_wait. */
+pid_t tdt_go(pid_t pid);
 /* Waits for pid; returns its exit status, or 128 + the signal that ended
  * it. */
 int tdt_wait(pid_t pid);

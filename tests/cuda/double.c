@@ -2310,9 +2310,14 @@ API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
   return htod(hStream, 0, dstDevice, srcHost, ByteCount);
 }
 
+/* Logged (TDCUDA_CALL_LOG): the library's staged td_copy reads the device
+ * with it, so tests see a copy staged. */
 API CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice,
                                        size_t ByteCount, CUstream hStream) {
-  return dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
+  CUresult r = dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
+  if (r == CUDA_SUCCESS)
+    call_log("cuMemcpyDtoHAsync");
+  return r;
 }
 
 API CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc,

@@ -1654,10 +1654,13 @@ static int calls(pid_t pid, const char *call) {
   FILE *f = fopen(call_log, "r");
   if (f == NULL)
     return 0;
+  /* A line at a time: some lines name more than a call
+   * ("cuLaunchKernel td_copy_strided"). */
   int p, n = 0;
-  char w[64];
-  while (fscanf(f, "%d %63s", &p, w) == 2)
-    n += p == (int)pid && strcmp(w, call) == 0;
+  char line[256], w[64];
+  while (fgets(line, sizeof(line), f) != NULL)
+    n += sscanf(line, "%d %63s", &p, w) == 2 && p == (int)pid &&
+         strcmp(w, call) == 0;
   fclose(f);
   return n;
 }

@@ -53,11 +53,13 @@ typedef struct lib_stream {
   CUdevice dev;
   CUstream s;     /* NULL until first needed */
   unsigned users; /* mappings on dev */
-  /* The copy kernel's module in the primary context (it goes with the
-   * context, which outlives this record): 0 not tried yet, 1 loaded, -1
-   * failed (no image, no binary for this GPU, ...), remembered so that
-   * every td_copy after the first takes the staged path at once. */
+  /* The copy kernel's module in the primary context, unloaded with the
+   * record (the application may keep the context alive): 0 not tried yet,
+   * 1 loaded, -1 failed (no image, no binary for this GPU, ...),
+   * remembered so that every td_copy after the first takes the staged path
+   * at once. */
   int kstate;
+  CUmodule kmod;
   CUfunction kfn;
   int sms; /* multiprocessors, for the launch's grid */
 } lib_stream;
@@ -201,6 +203,8 @@ static void stream_leave(td__cumap *m) {
   if (--l->users == 0) {
     if (l->s != NULL)
       cu->StreamDestroy(l->s);
+    if (l->kmod != NULL && cu->ModuleUnload != NULL)
+      cu->ModuleUnload(l->kmod);
     for (lib_stream **p = &lib_streams; *p != NULL; p = &(*p)->next)
       if (*p == l) {
         *p = l->next;
@@ -869,12 +873,12 @@ static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
   lib_stream *l = m->ls;
   pthread_mutex_lock(&stream_mu);
   if (l->kstate == 0) {
-    CUmodule mod;
     l->kstate = -1;
     if (td__kcopy_image_len > 0 && cu->ModuleLoadData != NULL &&
         cu->ModuleGetFunction != NULL && cu->LaunchKernel != NULL &&
-        cu->ModuleLoadData(&mod, td__kcopy_image) == CUDA_SUCCESS &&
-        cu->ModuleGetFunction(&l->kfn, mod, TD_KCOPY_NAME) == CUDA_SUCCESS) {
+        cu->ModuleLoadData(&l->kmod, td__kcopy_image) == CUDA_SUCCESS &&
+        cu->ModuleGetFunction(&l->kfn, l->kmod, TD_KCOPY_NAME) ==
+            CUDA_SUCCESS) {
       l->kstate = 1;
       if (cu->DeviceGetAttribute(&l->sms,
                                  CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -966,11 +970,17 @@ int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
       /* The driver copies directly where the GPUs can reach each other
        * (NVLink, PCIe P2P) and stages through the host where not: either
        * way one call. */
-      what = "cuMemcpyPeerAsync";
       r = cu->MemcpyPeerAsync(dm->ptr + doff, dm->ctx, sm->ptr + soff, sm->ctx,
                               n, s);
+      if (r != CUDA_SUCCESS) {
+        /* Refused at the call (nothing issued): a pair of GPUs, or
+         * mappings, the driver will not copy between. The staged path
+         * still can. */
+        cu->CtxPopCurrent(&popped);
+        return 1;
+      }
       CUresult w = cu->StreamSynchronize(s);
-      if (r == CUDA_SUCCESS && w != CUDA_SUCCESS) {
+      if (w != CUDA_SUCCESS) {
         what = "cuStreamSynchronize after cuMemcpyPeerAsync";
         r = w;
       }

@@ -167,8 +167,9 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     size_t len);
 /* Copies n bytes from soff bytes into sm to doff bytes into dm, mappings on
  * two different GPUs, with cuMemcpyPeerAsync on dm's library stream, and
- * waits for it. Returns 0; 1 if the driver lacks the call (nothing done);
- * or a negative code with msg filled. */
+ * waits for it. Returns 0; 1 if the driver lacks the call or refuses it
+ * when issued (nothing done: the caller stages the copy instead); or a
+ * negative code with msg filled (the copy failed on the device). */
 int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                    size_t n, char *msg, size_t len);
 /* Waits for the library's work on m's GPU, then unmaps and frees m. NULL

@@ -80,6 +80,7 @@ static const struct {
     ENTRY(Memcpy2DAsync, cuMemcpy2DAsync),
     OPTIONAL(ModuleLoadData, cuModuleLoadData),
     OPTIONAL(ModuleGetFunction, cuModuleGetFunction),
+    OPTIONAL(ModuleUnload, cuModuleUnload),
     OPTIONAL(LaunchKernel, cuLaunchKernel),
     OPTIONAL(MemcpyPeerAsync, cuMemcpyPeerAsync),
     OPTIONAL(DeviceCanAccessPeer, cuDeviceCanAccessPeer),

@@ -2513,6 +2513,19 @@ API CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
   return r;
 }
 
+/* The module stays usable by launches already queued, as on the driver,
+ * which completes them first; the double's modules hold nothing to free. */
+API CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
+  if (hmod == NULL || hmod < &modules[0] || hmod >= &modules[MAX_DEVICES])
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS)
+    call_log("cuModuleUnload");
+  return r;
+}
+
 API CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod,
                                          const char *name) {
   if (hfunc == NULL || name == NULL)

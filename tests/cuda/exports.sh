@@ -60,6 +60,7 @@ cuMemsetD8_v2
 cuStreamWaitEvent
 cuModuleLoadData
 cuModuleGetFunction
+cuModuleUnload
 cuLaunchKernel
 cuMemcpyPeerAsync
 cuDeviceCanAccessPeer

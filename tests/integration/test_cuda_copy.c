@@ -196,6 +196,25 @@ TDT_TEST(cuda_copy, kernel_copies_strided_views_on_one_gpu) {
   td_close(c);
 }
 
+/* The module goes with the library's last mapping on its GPU (an
+ * application may keep the primary context alive, which would otherwise
+ * hold every module ever loaded), and comes back with the next copy. */
+TDT_TEST(cuda_copy, module_is_unloaded_with_the_last_mapping) {
+  if (!TD_HAVE_KCOPY)
+    cr_skip_test("built without nvcc (TD_HAVE_KCOPY=0): no module to load");
+  /* No warm mappings: a released storage is unmapped at once. */
+  td_client *c = start("TENSORD_CUDA_WARM_BYTES=off");
+  transpose(c, 8, 9);
+  cr_assert_eq(calls("cuModuleLoadData"), 1);
+  cr_assert_eq(calls("cuModuleUnload"), 1,
+               "the module outlived the GPU's last mapping");
+  transpose(c, 9, 8);
+  cr_assert_eq(calls("cuModuleLoadData"), 2);
+  cr_assert_eq(calls("cuModuleUnload"), 2);
+  cr_assert_eq(calls("cuLaunchKernel td_copy_strided"), 2);
+  td_close(c);
+}
+
 /* Views of one storage that do not overlap take the kernel; views that
  * overlap keep the staged path, which reads the source whole first. */
 TDT_TEST(cuda_copy, overlapping_views_of_one_storage_are_staged) {

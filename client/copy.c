@@ -451,12 +451,38 @@ static int copy_rows(td__cumap *dm, td_storage *dst, const td_view *dv,
   }
 }
 
+/* Copies dv of dst from sv of src, two storages on one GPU whose views do
+ * not overlap, with the copy kernel over the reduced plan. Returns 1 if
+ * the kernel cannot run here (nothing copied), else 0 or a negative code
+ * (reason in td_view_last_error). */
+static int copy_kernel(td__cumap *dm, td_storage *dst, const td_view *dv,
+                       td__cumap *sm, const td_storage *src,
+                       const td_view *sv) {
+  plan p;
+  make_plan(dv, sv, &p);
+  if (p.path == TD__COPY_NONE)
+    return 0;
+  char why[256];
+  int64_t es = (int64_t)p.es;
+  int err = td__cumap_kcopy(dm, (size_t)(dv->offset * es), sm,
+                            (size_t)(sv->offset * es), p.nd, p.size, p.ds, p.ss,
+                            p.es, td_view_numel(dv), why, sizeof(why));
+  if (err < 0)
+    return td__view_fail(err, "copy: storages %llu and %llu: %s",
+                         (unsigned long long)td_storage_id(dst),
+                         (unsigned long long)td_storage_id(src), why);
+  return err;
+}
+
 /* td_copy where either side is a GPU's: a straight cuMemcpy when both views
  * are contiguous and the host side is a CPU storage; cuMemcpy2D slabs when
  * both views are runs of contiguous rows and they do not overlap (between
- * two GPU storages, only when both are on one GPU); else through host copies of
- * the spans the views reach (the destination's span is fetched first, so
- * that its bytes between the view's elements are kept). */
+ * two GPU storages, only when both are on one GPU); the copy kernel for
+ * other views between two storages on one GPU that do not overlap; one
+ * cuMemcpyPeerAsync between dense views of one layout on two GPUs; else
+ * through host copies of the spans the views reach (the destination's span
+ * is fetched first, so that its bytes between the view's elements are
+ * kept). See docs/cuda.md, "td_copy on GPUs". */
 static int copy_device(td_storage *dst, const td_view *dv,
                        const td_storage *src, const td_view *sv, int alias) {
   int ok = copy_check(dv, sv);
@@ -486,17 +512,35 @@ static int copy_device(td_storage *dst, const td_view *dv,
     }
   }
   int overlap = alias && dlo < shi && slo < dhi;
-  if (!overlap && (dm == NULL || sm == NULL ||
-                   td__cumap_index(dm) == td__cumap_index(sm))) {
+  int one_gpu =
+      dm != NULL && sm != NULL && td__cumap_index(dm) == td__cumap_index(sm);
+  if (!overlap && (dm == NULL || sm == NULL || one_gpu)) {
     err = copy_rows(dm, dst, dv, sm, src, sv, why, sizeof(why));
     /* A pitch the driver refuses (real GPUs cap it) leaves the copy to the
-     * staged path below, which rewrites every element. */
+     * kernel or the staged path below, which rewrite every element. */
     if (err == 0)
       return 0;
     if (err < 0 && err != TD_EINVAL)
       return td__view_fail(err, "copy: storages %llu and %llu: %s",
                            (unsigned long long)td_storage_id(dst),
                            (unsigned long long)td_storage_id(src), why);
+    /* Element-strided or transposed on one GPU: the kernel, where it can
+     * run (else the staged path). */
+    if (one_gpu && (err = copy_kernel(dm, dst, dv, sm, src, sv)) <= 0)
+      return err;
+  }
+  if (dm != NULL && sm != NULL && !one_gpu &&
+      td__copy_plan_path(dv, sv) == TD__COPY_MEMCPY && dhi - dlo == shi - slo) {
+    /* Dense views of one layout on two GPUs: one peer copy, device to
+     * device (the driver stages it itself where the GPUs have no P2P). */
+    err = td__cumap_peer(dm, dlo, sm, slo, dhi - dlo, why, sizeof(why));
+    if (err <= 0) {
+      if (err < 0)
+        return td__view_fail(err, "copy: storages %llu and %llu: %s",
+                             (unsigned long long)td_storage_id(dst),
+                             (unsigned long long)td_storage_id(src), why);
+      return 0;
+    }
   }
   char *dbase, *dbuf, *sbase, *sbuf = NULL;
   if ((err = host_span(dst, dlo, dhi, 1, &dbase, &dbuf)) < 0)

@@ -17,6 +17,14 @@
 
 #if TD_HAVE_CUDA
 #include "driver.h"
+#include "kcopy.h"
+
+/* The copy kernel's fatbin, built by nvcc (cuda/CMakeLists.txt); of length
+ * 0 in a build without nvcc. */
+extern const unsigned char td__kcopy_image[];
+extern const size_t td__kcopy_image_len;
+_Static_assert(TD_KCOPY_MAX_DIMS == TD_MAX_DIMS,
+               "cuda/kcopy.h and tensord.h disagree on the dims");
 
 /* One legacy IPC handle open in this process. A legacy handle opens once
  * per process (the driver counts a second open in the same context, but
@@ -45,6 +53,15 @@ typedef struct lib_stream {
   CUdevice dev;
   CUstream s;     /* NULL until first needed */
   unsigned users; /* mappings on dev */
+  /* The copy kernel's module in the primary context, unloaded with the
+   * record (the application may keep the context alive): 0 not tried yet,
+   * 1 loaded, -1 failed (no image, no binary for this GPU, ...),
+   * remembered so that every td_copy after the first takes the staged path
+   * at once. */
+  int kstate;
+  CUmodule kmod;
+  CUfunction kfn;
+  int sms; /* multiprocessors, for the launch's grid */
 } lib_stream;
 
 static pthread_mutex_t stream_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -65,6 +82,7 @@ struct td__cumap {
   dev_t st_dev;
   ino_t st_ino;
   int ro;
+  uint32_t peers; /* devices (bits by ordinal) given access for peer copies */
 };
 
 /* Warm mappings. tensord keeps a freed VMM allocation in its pool for the
@@ -198,6 +216,8 @@ static void stream_leave(td__cumap *m) {
   if (--l->users == 0) {
     if (l->s != NULL)
       cu->StreamDestroy(l->s);
+    if (l->kmod != NULL && cu->ModuleUnload != NULL)
+      cu->ModuleUnload(l->kmod);
     for (lib_stream **p = &lib_streams; *p != NULL; p = &(*p)->next)
       if (*p == l) {
         *p = l->next;
@@ -871,6 +891,191 @@ int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
   return 0;
 }
 
+/* 0 when TENSORD_CUDA_COPY_KERNEL=0 asks for the staged path (benchmarks
+ * and tests compare the two), read at each copy so that a process may
+ * switch. */
+static int kernel_wanted(void) {
+  const char *e = getenv("TENSORD_CUDA_COPY_KERNEL");
+  return e == NULL || strcmp(e, "0") != 0;
+}
+
+/* The copy kernel on m's GPU, its module loaded at the first call (m's
+ * context current). Returns 1 and sets *fn, or 0 if the kernel cannot run
+ * here; a failure is kept for the life of the library stream record. */
+static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
+  const td__cu *cu = m->cu;
+  lib_stream *l = m->ls;
+  pthread_mutex_lock(&stream_mu);
+  if (l->kstate == 0) {
+    l->kstate = -1;
+    if (td__kcopy_image_len > 0 && cu->ModuleLoadData != NULL &&
+        cu->ModuleGetFunction != NULL && cu->LaunchKernel != NULL &&
+        cu->ModuleLoadData(&l->kmod, td__kcopy_image) == CUDA_SUCCESS &&
+        cu->ModuleGetFunction(&l->kfn, l->kmod, TD_KCOPY_NAME) ==
+            CUDA_SUCCESS) {
+      l->kstate = 1;
+      if (cu->DeviceGetAttribute(&l->sms,
+                                 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                 m->dev) != CUDA_SUCCESS ||
+          l->sms <= 0)
+        l->sms = 32;
+    }
+  }
+  *fn = l->kfn;
+  *sms = l->sms;
+  int ok = l->kstate == 1;
+  pthread_mutex_unlock(&stream_mu);
+  return ok;
+}
+
+int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                    int nd, const int64_t *size, const int64_t *ds,
+                    const int64_t *ss, size_t es, int64_t numel, char *msg,
+                    size_t len) {
+  const td__cu *cu = dm->cu;
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
+  if (!kernel_wanted() || nd > TD_KCOPY_MAX_DIMS || es > INT32_MAX ||
+      numel <= 0)
+    return 1;
+  td_kcopy p;
+  memset(&p, 0, sizeof(p));
+  p.nd = nd;
+  p.es = (int32_t)es;
+  p.numel = numel;
+  p.dst = dm->ptr + doff;
+  p.src = sm->ptr + soff;
+  for (int i = 0; i < nd; i++) {
+    p.size[i] = size[i];
+    p.ds[i] = ds[i];
+    p.ss[i] = ss[i];
+  }
+  CUcontext popped;
+  CUstream s;
+  CUfunction fn;
+  int sms;
+  char e[128];
+  const char *what = "cuCtxPushCurrent";
+  CUresult r = cu->CtxPushCurrent(dm->ctx);
+  if (r != CUDA_SUCCESS)
+    goto fail;
+  if (!kernel_get(dm, &fn, &sms)) {
+    cu->CtxPopCurrent(&popped);
+    return 1;
+  }
+  what = "cuStreamCreate";
+  if ((r = stream_get(dm, &s)) == CUDA_SUCCESS) {
+    /* Grid-stride: enough blocks to fill every multiprocessor a few times
+     * over, fewer for a small copy. */
+    int64_t blocks = (numel + 255) / 256, cap = (int64_t)sms * 8;
+    if (blocks > cap)
+      blocks = cap;
+    void *args[] = {&p};
+    what = "cuLaunchKernel " TD_KCOPY_NAME;
+    r = cu->LaunchKernel(fn, (unsigned)blocks, 1, 1, 256, 1, 1, 0, s, args,
+                         NULL);
+    /* Done when the stream is; a fault in the kernel shows here. */
+    CUresult w = cu->StreamSynchronize(s);
+    if (r == CUDA_SUCCESS && w != CUDA_SUCCESS) {
+      what = "cuStreamSynchronize after " TD_KCOPY_NAME;
+      r = w;
+    }
+  }
+  cu->CtxPopCurrent(&popped);
+  if (r == CUDA_SUCCESS)
+    return 0;
+fail:
+  return td__msg(
+      msg, len, TD_EIO, "%s (%lld elements of %zu bytes, %d dims): %s", what,
+      (long long)numel, es, nd, td__cu_strerror(cu, r, e, sizeof(e)));
+}
+
+/* Gives device peer access to VMM mapping m (its own device keeps its
+ * own), once per mapping and device: a VMM mapping is reachable only by the
+ * devices cuMemSetAccess named, and a peer copy between GPUs that reach
+ * each other is one GPU's DMA into or out of the other's memory. Legacy
+ * memory needs none (opened with LAZY_ENABLE_PEER_ACCESS). A current
+ * context is needed. */
+static CUresult peer_grant(td__cumap *m, CUdevice peer) {
+  if (m->ipc != NULL || peer < 0 || peer >= 32 || (m->peers & (1u << peer)))
+    return CUDA_SUCCESS;
+  CUmemAccessDesc a[2];
+  memset(a, 0, sizeof(a));
+  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a[0].location.id = m->dev;
+  a[1].location.id = peer;
+  a[0].flags = a[1].flags = m->ro ? CU_MEM_ACCESS_FLAGS_PROT_READ
+                                  : CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUresult r = m->cu->MemSetAccess(m->ptr, m->size, a, 2);
+  if (r == CUDA_SUCCESS)
+    m->peers |= 1u << peer;
+  return r;
+}
+
+int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                   size_t n, char *msg, size_t len) {
+  const td__cu *cu = dm->cu;
+  int ferr = td__cu_forked(msg, len);
+  if (ferr < 0)
+    return ferr;
+  if (cu->MemcpyPeerAsync == NULL)
+    return 1;
+  /* GPUs that reach each other copy directly: each mapping must let the
+   * other GPU in. Where they do not, the driver stages the copy through
+   * the host with each GPU's own engine, which needs no access. */
+  int can = 0;
+  if (cu->DeviceCanAccessPeer != NULL &&
+      cu->DeviceCanAccessPeer(&can, dm->dev, sm->dev) != CUDA_SUCCESS)
+    can = 0;
+  if (can) {
+    CUcontext popped;
+    CUresult g = cu->CtxPushCurrent(dm->ctx);
+    if (g == CUDA_SUCCESS) {
+      g = peer_grant(sm, dm->dev);
+      if (g == CUDA_SUCCESS)
+        g = peer_grant(dm, sm->dev);
+      cu->CtxPopCurrent(&popped);
+    }
+    if (g != CUDA_SUCCESS)
+      return 1; /* the staged path still can */
+  }
+  CUcontext popped;
+  CUstream s;
+  char e[128];
+  const char *what = "cuCtxPushCurrent";
+  CUresult r = cu->CtxPushCurrent(dm->ctx);
+  if (r == CUDA_SUCCESS) {
+    what = "cuStreamCreate";
+    if ((r = stream_get(dm, &s)) == CUDA_SUCCESS) {
+      /* The driver copies directly where the GPUs can reach each other
+       * (NVLink, PCIe P2P) and stages through the host where not: either
+       * way one call. */
+      r = cu->MemcpyPeerAsync(dm->ptr + doff, dm->ctx, sm->ptr + soff, sm->ctx,
+                              n, s);
+      if (r != CUDA_SUCCESS) {
+        /* Refused at the call (nothing issued): a pair of GPUs, or
+         * mappings, the driver will not copy between. The staged path
+         * still can. */
+        cu->CtxPopCurrent(&popped);
+        return 1;
+      }
+      CUresult w = cu->StreamSynchronize(s);
+      if (w != CUDA_SUCCESS) {
+        what = "cuStreamSynchronize after cuMemcpyPeerAsync";
+        r = w;
+      }
+    }
+    cu->CtxPopCurrent(&popped);
+  }
+  if (r != CUDA_SUCCESS)
+    return td__msg(msg, len, td__cu_code(r) == TD_ENOMEM ? TD_ENOMEM : TD_EIO,
+                   "%s of %zu bytes from GPU %d to GPU %d: %s", what, n,
+                   (int)sm->dev, (int)dm->dev,
+                   td__cu_strerror(cu, r, e, sizeof(e)));
+  return 0;
+}
+
 /* A pinned staging buffer cut into slots, each with a stream of its own:
  * a slot is filled on the host, its bytes copied to the device
  * asynchronously on its stream, and the slot given out again only after
@@ -1147,6 +1352,18 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
 
 int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
   return no_cuda(msg, len);
+}
+
+int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                    int nd, const int64_t *size, const int64_t *ds,
+                    const int64_t *ss, size_t es, int64_t numel, char *msg,
+                    size_t len) {
+  return 1;
+}
+
+int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                   size_t n, char *msg, size_t len) {
+  return 1;
 }
 
 void td__cumap_close(td__cumap *m) {}

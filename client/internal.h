@@ -152,6 +152,26 @@ int td__cumap_copy2d(td__cumap *dm, uintptr_t dst, size_t dpitch, td__cumap *sm,
 /* Waits for the work the library issued on m's GPU. Returns 0 or the
  * driver's failure with msg filled. */
 int td__cumap_sync(td__cumap *m, char *msg, size_t len);
+/* Copies numel elements of es bytes between two mappings on one GPU with
+ * the copy kernel (cuda/kernels/copy.cu), on the library's stream, and
+ * waits for it: the plan's nd dims (outermost first, at most TD_MAX_DIMS)
+ * of size[] elements, ds[] and ss[] bytes apart in dm and sm, from doff and
+ * soff bytes into them. Returns 0; 1 if the kernel cannot run here (built
+ * without nvcc, TENSORD_CUDA_COPY_KERNEL=0, a driver without modules, no
+ * binary for this GPU: remembered per GPU), nothing done, for the caller's
+ * fall-back; or TD_EIO with msg naming the driver's reason (a launch that
+ * failed, a fault in the kernel). */
+int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                    int nd, const int64_t *size, const int64_t *ds,
+                    const int64_t *ss, size_t es, int64_t numel, char *msg,
+                    size_t len);
+/* Copies n bytes from soff bytes into sm to doff bytes into dm, mappings on
+ * two different GPUs, with cuMemcpyPeerAsync on dm's library stream, and
+ * waits for it. Returns 0; 1 if the driver lacks the call or refuses it
+ * when issued (nothing done: the caller stages the copy instead); or a
+ * negative code with msg filled (the copy failed on the device). */
+int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
+                   size_t n, char *msg, size_t len);
 /* Waits for the library's work on m's GPU, then unmaps and frees m. NULL
  * ok. */
 void td__cumap_close(td__cumap *m);

@@ -20,11 +20,15 @@
 #define STR_(x) #x
 #define STR(x) STR_(x)
 #define ENTRY(field, fn)                                                       \
-  { STR(fn), offsetof(td__cu, field) }
+  { STR(fn), offsetof(td__cu, field), 0 }
+/* An entry a driver may lack: left NULL, and what needs it is skipped. */
+#define OPTIONAL(field, fn)                                                    \
+  { STR(fn), offsetof(td__cu, field), 1 }
 
 static const struct {
   const char *name;
   size_t offset;
+  int optional;
 } entries[] = {
     ENTRY(Init, cuInit),
     ENTRY(GetErrorName, cuGetErrorName),
@@ -75,6 +79,12 @@ static const struct {
     ENTRY(MemcpyDtoHAsync, cuMemcpyDtoHAsync),
     ENTRY(MemsetD8Async, cuMemsetD8Async),
     ENTRY(Memcpy2DAsync, cuMemcpy2DAsync),
+    OPTIONAL(ModuleLoadData, cuModuleLoadData),
+    OPTIONAL(ModuleGetFunction, cuModuleGetFunction),
+    OPTIONAL(ModuleUnload, cuModuleUnload),
+    OPTIONAL(LaunchKernel, cuLaunchKernel),
+    OPTIONAL(MemcpyPeerAsync, cuMemcpyPeerAsync),
+    OPTIONAL(DeviceCanAccessPeer, cuDeviceCanAccessPeer),
 };
 /* Every field of td__cu has an entry above. */
 _Static_assert(sizeof entries / sizeof entries[0] * sizeof(void (*)(void)) ==
@@ -135,6 +145,10 @@ static int open_lib(void) {
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
     dlerror();
     void *sym = dlsym(h, entries[i].name);
+    if (sym == NULL && entries[i].optional) {
+      dlerror();
+      continue; /* the field stays NULL */
+    }
     if (sym == NULL) {
       const char *e = dlerror();
       snprintf(failure, sizeof failure,

@@ -84,6 +84,19 @@ typedef struct td__cu {
   CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
   CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *, CUstream);
+  /* Optional (NULL where the driver lacks one): td_copy's kernel for
+   * element-strided views on one GPU and its peer copies between GPUs
+   * (client/cumap.c). A driver without them only loses those paths: td_copy
+   * then stages through host memory as before. */
+  CUresult (*ModuleLoadData)(CUmodule *, const void *);
+  CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
+  CUresult (*ModuleUnload)(CUmodule);
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, unsigned, unsigned, CUstream, void **,
+                           void **);
+  CUresult (*MemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext,
+                              size_t, CUstream);
+  CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
 } td__cu;
 
 /* The environment variable naming the library to load instead of

@@ -9,6 +9,8 @@
  * bookkeeping, never that tensord works on a GPU. See tests/cuda/README.md. */
 #include <cuda.h>
 
+#include "kcopy.h" /* the copy kernel's parameters, which it emulates */
+
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -72,6 +74,10 @@ typedef struct {
   size_t size;
   alloc *a;
   int prot; /* PROT_NONE, PROT_READ or PROT_READ | PROT_WRITE */
+  /* A VMM mapping's access per device (ordinal), as cuMemSetAccess set it:
+   * prot is their union, since device pointers are this process's
+   * addresses whichever device uses them. */
+  unsigned char access[MAX_DEVICES];
   /* 0: a VMM mapping (cuMemMap); LEGACY_ALLOC: cuMemAlloc's memory;
    * LEGACY_OPEN: a legacy IPC handle opened here (cuIpcOpenMemHandle). */
   int legacy;
@@ -146,6 +152,8 @@ static int mig;                   /* TDCUDA_MIG=1 */
 static int compute_mode;          /* TDCUDA_COMPUTE_MODE, a CUcomputemode */
 static int sync_all;              /* TDCUDA_SYNC=1: no asynchronous work */
 static unsigned long fault_after; /* TDCUDA_FAULT_AFTER: work runs to fault */
+static int no_module;             /* TDCUDA_NO_MODULE=1 */
+static int no_peer;               /* TDCUDA_NO_PEER=1 */
 static int nvis;                  /* devices this process sees */
 static int vis[MAX_DEVICES];      /* ordinal -> physical device */
 static size_t used[MAX_DEVICES];  /* bytes created here, per physical device */
@@ -615,6 +623,10 @@ API CUresult CUDAAPI cuInit(unsigned int Flags) {
   sync_all = s != NULL && strcmp(s, "1") == 0;
   s = getenv("TDCUDA_FAULT_AFTER");
   fault_after = s != NULL ? strtoul(s, NULL, 10) : 0;
+  s = getenv("TDCUDA_NO_MODULE");
+  no_module = s != NULL && strcmp(s, "1") == 0;
+  s = getenv("TDCUDA_NO_PEER");
+  no_peer = s != NULL && strcmp(s, "1") == 0;
   s = getenv("TDCUDA_MIG");
   mig = s != NULL && strcmp(s, "1") == 0;
   parse_visible();
@@ -1348,7 +1360,6 @@ API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size,
   CUresult r = current(NULL);
   if (r != CUDA_SUCCESS)
     goto out;
-  int prot = PROT_NONE;
   for (size_t i = 0; i < count; i++) {
     if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
       r = CUDA_ERROR_INVALID_VALUE;
@@ -1356,16 +1367,9 @@ API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size,
     }
     if ((r = check_device(desc[i].location.id)) != CUDA_SUCCESS)
       goto out;
-    switch (desc[i].flags) {
-    case CU_MEM_ACCESS_FLAGS_PROT_NONE:
-      break;
-    case CU_MEM_ACCESS_FLAGS_PROT_READ:
-      prot |= PROT_READ;
-      break;
-    case CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
-      prot |= PROT_READ | PROT_WRITE;
-      break;
-    default:
+    if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE &&
+        desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+        desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) {
       r = CUDA_ERROR_INVALID_VALUE;
       goto out;
     }
@@ -1374,12 +1378,21 @@ API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size,
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
   }
-  if (mprotect((void *)p, size, prot) != 0) {
-    r = CUDA_ERROR_OPERATING_SYSTEM;
-    goto out;
-  }
+  /* The devices named get the access given; the others keep theirs. */
   for (uintptr_t q = p; q < p + size;) {
     mapping *m = map_at(q);
+    for (size_t i = 0; i < count; i++)
+      m->access[desc[i].location.id] = (unsigned char)desc[i].flags;
+    int prot = PROT_NONE;
+    for (int d = 0; d < MAX_DEVICES; d++)
+      prot |= m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                  ? PROT_READ | PROT_WRITE
+              : m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READ ? PROT_READ
+                                                              : PROT_NONE;
+    if (mprotect((void *)m->base, m->size, prot) != 0) {
+      r = CUDA_ERROR_OPERATING_SYSTEM;
+      goto out;
+    }
     m->prot = prot;
     q += m->size;
   }
@@ -1986,7 +1999,9 @@ typedef struct {
   size_t spitch;
   uint8_t *staged; /* a pageable source's bytes, taken at the call */
   size_t width, height;
-  int ord; /* the device of the context that issued it */
+  int ord;         /* the device of the context that issued it */
+  int doomed;      /* faults when it runs (a peer copy without peer access) */
+  td_kcopy *kcopy; /* a launch of the copy kernel: its parameters */
 } queued;
 
 struct CUstream_st {
@@ -2155,19 +2170,35 @@ static int covers(CUstream s, CUstream t) {
  * mapped, else s's work fails with CUDA_ERROR_ILLEGAL_ADDRESS from then
  * on, as a kernel's fault makes the driver's context fail. Called with mu
  * held. */
+static void run_kcopy(CUstream s, queued *c);
+
+/* Whether the work about to run is the TDCUDA_FAULT_AFTER-th. */
+static int fault_due(void) {
+  static unsigned long runs;
+  return fault_after > 0 && ++runs == fault_after;
+}
+
+/* c, queued on s, faults: an illegal address, sticky: the context that
+ * issued it is unusable from now on, for every stream and every call, as
+ * the driver's is. */
+static void fault(CUstream s, const queued *c) {
+  s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+  if (c->ord >= 0 && c->ord < nvis && ctxs[c->ord].refs > 0)
+    ctxs[c->ord].sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
 static void run(CUstream s, queued *c) {
+  if (c->kcopy != NULL) {
+    run_kcopy(s, c);
+    return;
+  }
   size_t dspan = (c->height - 1) * c->dpitch + c->width;
   size_t sspan = (c->height - 1) * c->spitch + c->width;
-  static unsigned long runs;
   if ((!c->dst_host && !accessible(c->dst, dspan, PROT_READ | PROT_WRITE)) ||
       (c->src_dev && !accessible((uintptr_t)c->src, sspan, PROT_READ)) ||
-      (fault_after > 0 && ++runs == fault_after)) {
-    /* An illegal address is sticky: the context is unusable from now on,
-     * for every stream and every call, as the driver's is. */
-    s->sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-    if (c->ord >= 0 && c->ord < nvis && ctxs[c->ord].refs > 0)
-      ctxs[c->ord].sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-  } else if (s->sticky == CUDA_SUCCESS)
+      c->doomed || fault_due())
+    fault(s, c);
+  else if (s->sticky == CUDA_SUCCESS)
     for (size_t i = 0; i < c->height; i++) {
       void *d = (void *)(c->dst + i * c->dpitch);
       if (c->set)
@@ -2216,6 +2247,7 @@ static CUresult enqueue(CUstream s, queued c) {
   c.seq = ++next_seq;
   if (s->capturing) {
     free(c.staged); /* into the graph being captured, which is not run */
+    free(c.kcopy);
     return CUDA_SUCCESS;
   }
   if (sync_all) {
@@ -2225,6 +2257,7 @@ static CUresult enqueue(CUstream s, queued c) {
   }
   if (grow((void **)&s->q, &s->capq, s->nq, sizeof *s->q) != 0) {
     free(c.staged);
+    free(c.kcopy);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   s->q[s->nq++] = c;
@@ -2568,10 +2601,15 @@ API CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice,
   return htod(hStream, 0, dstDevice, srcHost, ByteCount);
 }
 
+/* Logged (TDCUDA_CALL_LOG): the library's staged td_copy reads the device
+ * with it, so tests see a copy staged. */
 API CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice,
                                        size_t ByteCount, CUstream hStream) {
   REFUSE_IN_FORKED_CHILD();
-  return dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
+  CUresult r = dtoh(hStream, 0, dstHost, srcDevice, ByteCount);
+  if (r == CUDA_SUCCESS)
+    call_log("cuMemcpyDtoHAsync");
+  return r;
 }
 
 API CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc,
@@ -2720,4 +2758,286 @@ static CUresult event_wait(CUevent ev) {
       return CUDA_SUCCESS;
     }
   return CUDA_SUCCESS;
+}
+
+/* ---- modules and the copy kernel ----
+ *
+ * The double runs no device code: it takes a fatbin (an image that starts
+ * with the fatbin magic, as nvcc -fatbin writes it) for what it is and
+ * knows the kernels by name, emulating each on the host when its launch
+ * runs (at the stream's synchronisation, as any queued work). */
+
+#define FATBIN_MAGIC 0xBA55ED50u
+
+struct CUmod_st {
+  int ordinal; /* the context's device it was loaded in */
+};
+
+struct CUfunc_st {
+  int ordinal;
+  const char *name;
+};
+
+static struct CUmod_st modules[MAX_DEVICES];
+static struct CUfunc_st kcopy_fns[MAX_DEVICES];
+
+/* Loads into the current context. TDCUDA_NO_MODULE=1: no image has code
+ * for this "GPU" (CUDA_ERROR_NO_BINARY_FOR_GPU), as on a GPU newer than
+ * the fatbin's PTX or older than its oldest SASS. */
+API CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
+  REFUSE_IN_FORKED_CHILD();
+  if (module == NULL || image == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int ord;
+  CUresult r = current(&ord);
+  uint32_t magic;
+  if (r == CUDA_SUCCESS) {
+    memcpy(&magic, image, sizeof magic);
+    if (magic != FATBIN_MAGIC)
+      r = CUDA_ERROR_INVALID_IMAGE;
+    else if (no_module)
+      r = CUDA_ERROR_NO_BINARY_FOR_GPU;
+  }
+  if (r == CUDA_SUCCESS) {
+    modules[ord].ordinal = ord;
+    *module = &modules[ord];
+  }
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS)
+    call_log("cuModuleLoadData");
+  return r;
+}
+
+/* The module stays usable by launches already queued, as on the driver,
+ * which completes them first; the double's modules hold nothing to free. */
+API CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
+  REFUSE_IN_FORKED_CHILD();
+  if (hmod == NULL || hmod < &modules[0] || hmod >= &modules[MAX_DEVICES])
+    return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  CUresult r = current(NULL);
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS)
+    call_log("cuModuleUnload");
+  return r;
+}
+
+API CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod,
+                                         const char *name) {
+  REFUSE_IN_FORKED_CHILD();
+  if (hfunc == NULL || name == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (hmod == NULL || hmod < &modules[0] || hmod >= &modules[MAX_DEVICES])
+    return CUDA_ERROR_INVALID_HANDLE;
+  if (strcmp(name, TD_KCOPY_NAME) != 0)
+    return CUDA_ERROR_NOT_FOUND;
+  struct CUfunc_st *f = &kcopy_fns[hmod->ordinal];
+  f->ordinal = hmod->ordinal;
+  f->name = TD_KCOPY_NAME;
+  *hfunc = f;
+  return CUDA_SUCCESS;
+}
+
+/* The byte range [*lo, *hi) one side of a copy kernel's launch reaches. */
+static void kcopy_extent(const td_kcopy *p, uint64_t base, const int64_t *st,
+                         uintptr_t *lo, size_t *n) {
+  uint64_t last = base;
+  for (int i = 0; i < p->nd; i++)
+    last += (uint64_t)(p->size[i] - 1) * (uint64_t)st[i];
+  *lo = (uintptr_t)base;
+  *n = (size_t)(last - base) + (size_t)p->es;
+}
+
+/* Runs a queued launch of the copy kernel: every byte of both extents must
+ * be mapped with the access needed, else the stream's work fails with
+ * CUDA_ERROR_ILLEGAL_ADDRESS from then on, as a fault in a kernel does.
+ * The same walk as the kernel's: the linear index decomposed with the last
+ * dim fastest. Called with mu held. */
+static void run_kcopy(CUstream s, queued *c) {
+  td_kcopy *p = c->kcopy;
+  uintptr_t dlo, slo;
+  size_t dn, sn;
+  kcopy_extent(p, p->dst, p->ds, &dlo, &dn);
+  kcopy_extent(p, p->src, p->ss, &slo, &sn);
+  if (!accessible(dlo, dn, PROT_READ | PROT_WRITE) ||
+      !accessible(slo, sn, PROT_READ) || fault_due())
+    fault(s, c);
+  else if (s->sticky == CUDA_SUCCESS)
+    for (int64_t i = 0; i < p->numel; i++) {
+      int64_t rest = i, doff = 0, soff = 0;
+      for (int k = p->nd - 1; k >= 0; k--) {
+        int64_t ik = rest % p->size[k];
+        rest /= p->size[k];
+        doff += ik * p->ds[k];
+        soff += ik * p->ss[k];
+      }
+      memcpy((char *)(uintptr_t)p->dst + doff,
+             (const char *)(uintptr_t)p->src + soff, (size_t)p->es);
+    }
+  free(c->kcopy);
+  c->kcopy = NULL;
+}
+
+/* Queues the kernel's run on hStream, as the driver does: its parameters
+ * are copied at the call (the caller may reuse them at once), the memory
+ * it touches is checked only when it runs. The launch configuration is
+ * checked now: a grid and block of positive dims, at most 1024 threads a
+ * block, at most 48 KiB of dynamic shared memory (without the opt-in
+ * attribute), kernelParams and no extra. */
+API CUresult CUDAAPI cuLaunchKernel(
+    CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+    unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+    unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+    void **kernelParams, void **extra) {
+  REFUSE_IN_FORKED_CHILD();
+  pthread_mutex_lock(&mu);
+  int ord;
+  CUresult r = current(&ord);
+  CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
+  if (r == CUDA_SUCCESS && s == NULL)
+    r = CUDA_ERROR_INVALID_HANDLE;
+  if (r == CUDA_SUCCESS && (f == NULL || f < &kcopy_fns[0] ||
+                            f >= &kcopy_fns[MAX_DEVICES] || f->name == NULL))
+    r = CUDA_ERROR_INVALID_HANDLE;
+  else if (r == CUDA_SUCCESS && f->ordinal != ord)
+    r = CUDA_ERROR_INVALID_CONTEXT; /* a module of another context */
+  if (r == CUDA_SUCCESS &&
+      (gridDimX == 0 || gridDimY == 0 || gridDimZ == 0 || blockDimX == 0 ||
+       blockDimY == 0 || blockDimZ == 0 ||
+       (uint64_t)blockDimX * blockDimY * blockDimZ > 1024 || gridDimY > 65535 ||
+       gridDimZ > 65535))
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS && sharedMemBytes > 48 * 1024)
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS &&
+      (kernelParams == NULL || kernelParams[0] == NULL || extra != NULL))
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS)
+    r = capture_check(ord, s == &null_stream ? CHECK_LEGACY : 0);
+  td_kcopy *p = NULL;
+  if (r == CUDA_SUCCESS && (p = malloc(sizeof *p)) == NULL)
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  if (r == CUDA_SUCCESS) {
+    memcpy(p, kernelParams[0], sizeof *p);
+    if (p->nd < 0 || p->nd > TD_KCOPY_MAX_DIMS || p->es <= 0 || p->numel < 0) {
+      free(p);
+      r = CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  if (r == CUDA_SUCCESS)
+    /* Device memory only: src_dev keeps it out of the pinned-host checks. */
+    r = enqueue(s, (queued){.src_dev = 1,
+                            .dst = (uintptr_t)p->dst,
+                            .src = (const uint8_t *)(uintptr_t)p->src,
+                            .width = 1,
+                            .height = 1,
+                            .ord = ord,
+                            .kcopy = p});
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS) {
+    char line[64];
+    snprintf(line, sizeof line, "cuLaunchKernel %s", f->name);
+    call_log(line);
+  }
+  return r;
+}
+
+/* ---- peer access and peer copies ---- */
+
+/* The physical device whose memory [p, p + n) is, or -1 if it is not all
+ * mapped device memory of one device. Called with mu held. */
+static int device_of(uintptr_t p, size_t n) {
+  int phys = -1;
+  uintptr_t end = p + n;
+  while (p < end) {
+    mapping *m = map_at(p);
+    if (m == NULL || (phys >= 0 && m->a->phys != phys))
+      return -1;
+    phys = m->a->phys;
+    p = m->base + m->size;
+  }
+  return phys;
+}
+
+/* Whether device ordinal ord may use [p, p + n) with access need (a
+ * CU_MEM_ACCESS_FLAGS value): a VMM mapping must have given it that much
+ * (cuMemSetAccess); legacy memory is open to peers (cuIpcOpenMemHandle's
+ * LAZY_ENABLE_PEER_ACCESS, cuMemAlloc's unified addressing). Called with
+ * mu held. */
+static int reaches(int ord, uintptr_t p, size_t n, int need) {
+  uintptr_t end = p + n;
+  while (p < end) {
+    mapping *m = map_at(p);
+    if (m == NULL)
+      return 0;
+    if (!m->legacy && m->access[ord] < need)
+      return 0;
+    p = m->base + m->size;
+  }
+  return 1;
+}
+
+/* Every two different devices can reach each other, unless
+ * TDCUDA_NO_PEER=1 (as GPUs on different PCIe root complexes without
+ * NVLink). */
+API CUresult CUDAAPI cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev,
+                                           CUdevice peerDev) {
+  REFUSE_IN_FORKED_CHILD();
+  if (canAccessPeer == NULL)
+    return CUDA_ERROR_INVALID_VALUE;
+  CUresult r = check_device(dev);
+  if (r == CUDA_SUCCESS)
+    r = check_device(peerDev);
+  if (r == CUDA_SUCCESS)
+    *canAccessPeer = dev != peerDev && !no_peer;
+  return r;
+}
+
+/* A device-to-device copy between the memory of two contexts' devices,
+ * queued on hStream like any device-to-device copy. Each pointer must lie
+ * in memory of its context's device (CUDA_ERROR_INVALID_VALUE otherwise);
+ * the driver copies whether or not the devices have peer access (staging
+ * it itself where they do not), so TDCUDA_NO_PEER changes nothing here. */
+API CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice,
+                                       CUcontext dstContext,
+                                       CUdeviceptr srcDevice,
+                                       CUcontext srcContext, size_t ByteCount,
+                                       CUstream hStream) {
+  REFUSE_IN_FORKED_CHILD();
+  if (dstContext == NULL || dstContext < &ctxs[0] ||
+      dstContext >= &ctxs[MAX_DEVICES] || srcContext == NULL ||
+      srcContext < &ctxs[0] || srcContext >= &ctxs[MAX_DEVICES])
+    return CUDA_ERROR_INVALID_CONTEXT;
+  if (ByteCount == 0)
+    return check_range(0, 0, PROT_NONE);
+  pthread_mutex_lock(&mu);
+  CUresult r = CUDA_SUCCESS;
+  if (dstContext->refs == 0 || srcContext->refs == 0)
+    r = CUDA_ERROR_INVALID_CONTEXT;
+  else if (device_of((uintptr_t)dstDevice, ByteCount) !=
+               vis[dstContext->ordinal] ||
+           device_of((uintptr_t)srcDevice, ByteCount) !=
+               vis[srcContext->ordinal])
+    r = CUDA_ERROR_INVALID_VALUE;
+  /* Between GPUs that reach each other the copy is one device's DMA into
+   * or out of the other's memory, which a VMM mapping allows only to the
+   * devices cuMemSetAccess named: without it the copy faults when it runs
+   * (sticky, as any illegal address). The double does not say which
+   * engine copies, so it asks each device for access to the other's
+   * range; between GPUs that do not reach each other the driver stages
+   * through the host with each device's own engine, which needs nothing. */
+  queued c =
+      row((uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+  if (r == CUDA_SUCCESS && dstContext != srcContext && !no_peer)
+    c.doomed = !reaches(dstContext->ordinal, (uintptr_t)srcDevice, ByteCount,
+                        CU_MEM_ACCESS_FLAGS_PROT_READ) ||
+               !reaches(srcContext->ordinal, (uintptr_t)dstDevice, ByteCount,
+                        CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS)
+    r = issue(hStream, 0, SIDE_DEVICE, SIDE_DEVICE, c);
+  if (r == CUDA_SUCCESS)
+    call_log("cuMemcpyPeerAsync");
+  return r;
 }

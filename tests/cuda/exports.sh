@@ -60,6 +60,12 @@ cuMemcpyDtoH_v2
 cuMemcpyHtoD_v2
 cuMemsetD8_v2
 cuStreamWaitEvent
+cuModuleLoadData
+cuModuleGetFunction
+cuModuleUnload
+cuLaunchKernel
+cuMemcpyPeerAsync
+cuDeviceCanAccessPeer
 LIST
 )
 got=$(nm -D --defined-only "$1" | awk '$2 == "T" || $2 == "W" { print $3 }' |

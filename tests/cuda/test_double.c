@@ -6,6 +6,7 @@
  * not the driver (README.md): these tests are what makes it a fair stand-in
  * for the protocol and bookkeeping tests that use it. */
 #include "cutest.h"
+#include "kcopy.h"
 
 #include <dlfcn.h>
 #include <signal.h>
@@ -1233,4 +1234,205 @@ Test(double_semantics, a_child_forked_before_cuinit_is_a_process_of_its_own) {
   int st = wait_child(pid);
   cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: status %#x", st);
   close(sv[0]);
+}
+
+/* ---- the copy kernel and peer copies ---- */
+
+/* An image the double takes for a fatbin: the magic nvcc's fatbins start
+ * with, and nothing else. */
+static const uint32_t fake_fatbin[4] = {0xBA55ED50u, 0, 0, 0};
+
+/* cuLaunchKernel checks its configuration at the call, copies the
+ * parameters then, and the copy runs only at the stream's synchronisation;
+ * memory it reaches that is not mapped fails the stream, stickily, as a
+ * fault in a kernel does. */
+Test(double_semantics, copy_kernel_launch_is_checked_and_runs_at_the_sync) {
+  const td__cu *cu = load();
+  cr_assert_not_null(cu->ModuleLoadData);
+  enter(cu, 0);
+  CUmodule mod;
+  CUfunction fn;
+  static const char not_fatbin[16] = "\x7f"
+                                     "ELF";
+  cr_expect_eq(cu->ModuleLoadData(&mod, not_fatbin), CUDA_ERROR_INVALID_IMAGE);
+  CU_OK(cu->ModuleLoadData(&mod, fake_fatbin));
+  cr_expect_eq(cu->ModuleGetFunction(&fn, mod, "td_other"),
+               CUDA_ERROR_NOT_FOUND);
+  CU_OK(cu->ModuleGetFunction(&fn, mod, TD_KCOPY_NAME));
+
+  CUmemAllocationProp p = prop_for(0, 1);
+  CUmemGenericAllocationHandle h;
+  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
+  CUdeviceptr dev =
+      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(dev, 0);
+  CU_OK(cu->MemsetD8(dev, 0, 2 * MiB));
+  CU_OK(cu->StreamSynchronize(NULL));
+  /* A 4 x 8 int32 source at dev, its transpose into dev + 4096. */
+  int32_t *src = (int32_t *)(uintptr_t)dev;
+  int32_t *dst = (int32_t *)(uintptr_t)(dev + 4096);
+  for (int i = 0; i < 32; i++)
+    src[i] = i + 1;
+  td_kcopy k;
+  memset(&k, 0, sizeof k);
+  k.nd = 2;
+  k.es = 4;
+  k.numel = 32;
+  k.dst = dev + 4096;
+  k.src = dev;
+  k.size[0] = 8; /* dst rows: src columns */
+  k.size[1] = 4;
+  k.ds[0] = 16;
+  k.ds[1] = 4;
+  k.ss[0] = 4;
+  k.ss[1] = 32;
+  void *args[] = {&k};
+  CUstream s;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  cr_expect_eq(cu->LaunchKernel(fn, 1, 1, 1, 1025, 1, 1, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "a block of 1025 threads");
+  cr_expect_eq(cu->LaunchKernel(fn, 0, 1, 1, 256, 1, 1, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "an empty grid");
+  cr_expect_eq(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 0, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "an empty block");
+  cr_expect_eq(
+      cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 48 * 1024 + 1, s, args, NULL),
+      CUDA_ERROR_INVALID_VALUE, "more than 48 KiB of shared memory");
+  cr_expect_eq(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, NULL, NULL),
+               CUDA_ERROR_INVALID_VALUE, "no parameters");
+  cr_expect_eq(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, args),
+               CUDA_ERROR_INVALID_VALUE, "extra with kernelParams");
+  cr_expect_eq(cu->LaunchKernel(NULL, 1, 1, 1, 256, 1, 1, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_HANDLE);
+  CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
+  /* The parameters were taken at the call. */
+  k.numel = 0;
+  cr_expect_eq(dst[1], 0, "the kernel ran before the stream's sync");
+  CU_OK(cu->StreamSynchronize(s));
+  for (int r = 0; r < 8; r++)
+    for (int c = 0; c < 4; c++)
+      cr_expect_eq(dst[r * 4 + c], src[c * 8 + r], "element (%d, %d)", r, c);
+  /* Past the end of the mapping: launched, then the stream fails. */
+  k.numel = 32;
+  k.dst = dev + 2 * MiB - 64;
+  CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
+  cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_ILLEGAL_ADDRESS,
+               "a fault in a kernel is sticky");
+  CUcontext popped;
+  CU_OK(cu->CtxPopCurrent(&popped));
+  cr_expect_eq(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_CONTEXT);
+  cr_expect_eq(cu->ModuleLoadData(&mod, fake_fatbin),
+               CUDA_ERROR_INVALID_CONTEXT);
+  /* The context is unusable until it is destroyed; a new one works. */
+  CU_OK(cu->CtxPushCurrent(popped));
+  cr_expect_eq(cu->StreamDestroy(s), CUDA_ERROR_ILLEGAL_ADDRESS);
+  CU_OK(cu->CtxPopCurrent(&popped));
+  CU_OK(cu->DevicePrimaryCtxRelease(0));
+  enter(cu, 0);
+  CU_OK(unmap(cu, dev, 2 * MiB));
+  CU_OK(cu->MemRelease(h));
+}
+
+Test(double_semantics, no_module_refuses_every_image) {
+  setenv("TDCUDA_NO_MODULE", "1", 1);
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmodule mod;
+  cr_expect_eq(cu->ModuleLoadData(&mod, fake_fatbin),
+               CUDA_ERROR_NO_BINARY_FOR_GPU);
+}
+
+/* Peer copies: each pointer in its context's device's memory, queued like
+ * any device-to-device copy; peer access is reported between two devices
+ * unless TDCUDA_NO_PEER=1, and never changes whether the copy works. */
+static void peer_copy(int no_peer) {
+  if (no_peer)
+    setenv("TDCUDA_NO_PEER", "1", 1);
+  const td__cu *cu = load();
+  int can = -1;
+  CU_OK(cu->DeviceCanAccessPeer(&can, 0, 1));
+  cr_expect_eq(can, !no_peer);
+  CU_OK(cu->DeviceCanAccessPeer(&can, 0, 0));
+  cr_expect_eq(can, 0);
+  CUcontext c1 = enter(cu, 1);
+  CUmemAllocationProp p1 = prop_for(1, 1);
+  CUmemGenericAllocationHandle h1, h0;
+  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
+  CUdeviceptr d1 =
+      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUcontext c0 = enter(cu, 0);
+  CUmemAllocationProp p0 = prop_for(0, 1);
+  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
+  CUdeviceptr d0 =
+      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert(d0 != 0 && d1 != 0);
+  CU_OK(cu->MemsetD8(d1, 0, 4096));
+  CU_OK(cu->MemsetD8(d0, 0x5a, 4096));
+  CU_OK(cu->CtxSynchronize());
+  CUstream s;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  cr_expect_eq(cu->MemcpyPeerAsync(d1, c0, d0, c1, 4096, s),
+               CUDA_ERROR_INVALID_VALUE, "pointers of the other contexts");
+  const uint8_t *b1 = (const uint8_t *)(uintptr_t)d1;
+  if (!no_peer) {
+    /* GPUs that reach each other copy by DMA into the other's memory: a
+     * VMM mapping must give the peer access first (below: else the copy
+     * faults). */
+    CUmemAccessDesc a[2];
+    memset(a, 0, sizeof a);
+    a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a[0].location.id = 0;
+    a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    a[1].location.id = 1;
+    a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+    CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2)); /* device 1 reads d0 */
+    a[0].location.id = 1;
+    a[1].location.id = 0;
+    a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_OK(cu->MemSetAccess(d1, 2 * MiB, a, 2)); /* device 0 writes d1 */
+  }
+  CU_OK(cu->MemcpyPeerAsync(d1, c1, d0, c0, 4096, s));
+  cr_expect_eq(b1[0], 0, "the peer copy landed before the sync");
+  CU_OK(cu->StreamSynchronize(s));
+  cr_expect_eq(b1[0], 0x5a);
+  cr_expect_eq(b1[4095], 0x5a);
+  cu->StreamDestroy(s);
+  CU_OK(unmap(cu, d0, 2 * MiB));
+  CU_OK(unmap(cu, d1, 2 * MiB));
+  CU_OK(cu->MemRelease(h0));
+  CU_OK(cu->MemRelease(h1));
+}
+
+Test(double_semantics, peer_copies_check_their_devices_and_run_at_the_sync) {
+  peer_copy(0);
+}
+
+Test(double_semantics, peer_copies_work_without_peer_access) {
+  peer_copy(1);
+}
+
+/* Between GPUs that reach each other, a peer copy of VMM memory that did
+ * not give the other device access faults when it runs, and the fault is
+ * the context's, sticky. */
+Test(double_semantics, a_peer_copy_without_peer_access_faults) {
+  const td__cu *cu = load();
+  CUcontext c1 = enter(cu, 1);
+  CUmemAllocationProp p1 = prop_for(1, 1);
+  CUmemGenericAllocationHandle h1, h0;
+  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
+  CUdeviceptr d1 =
+      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUcontext c0 = enter(cu, 0);
+  CUmemAllocationProp p0 = prop_for(0, 1);
+  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
+  CUdeviceptr d0 =
+      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUstream s;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CU_OK(cu->MemcpyPeerAsync(d1, c1, d0, c0, 4096, s)); /* issued */
+  cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_ILLEGAL_ADDRESS);
+  cr_expect_eq(cu->MemsetD8(d0, 1, 64), CUDA_ERROR_ILLEGAL_ADDRESS,
+               "the fault is the context's");
 }

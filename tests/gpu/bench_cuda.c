@@ -57,6 +57,18 @@
  * a load that reads as fast as it copies would reach. Printed, never
  * asserted.
  *
+ * td_copy on the GPU: a float32 transpose of 64 MiB (4096 x 4096; 4 MiB on
+ * the double, which runs the kernel as host code) between two storages on
+ * cuda:0, through the copy kernel and through the staged fall-back
+ * (TENSORD_CUDA_COPY_KERNEL=0), against one cuMemcpy2D device to device of
+ * the same bytes, dense (the device's copy bandwidth); and, with two GPUs
+ * visible, td_copy of 64 MiB dense from cuda:0 to cuda:1 (one
+ * cuMemcpyPeerAsync), with whether the driver reports peer access. GB/s of
+ * the bytes copied at the p50 and the p99 time (nearest rank), and the
+ * ratio of the p50 to cuMemcpy2D's. Targets (docs/cuda.md): the kernel at
+ * least 50% of cuMemcpy2D on an H100; the peer copy near the link's
+ * bandwidth. Printed, never asserted.
+ *
  * CUDA does not survive fork(), so the consumer is forked before this
  * process touches the driver. Usage: bench_cuda SOCKET (or
  * $TENSORD_SOCKET). Without a GPU it says "no GPU: skipped" and exits 0.
@@ -395,6 +407,130 @@ static void model_load(const td__cu *cu, td_client *c) {
   fflush(stdout);
 }
 
+/* One copy-row: GB/s of bytes at the p50 and p99 times of s, and the
+ * p50's ratio to base (GB/s; 0: none). Returns the p50's GB/s. */
+static double copy_row(const char *what, uint64_t bytes, bench_samples *s,
+                       double base) {
+  double g50 = (double)bytes / (double)bench_pct(s, 50);
+  double g99 = (double)bytes / (double)bench_pct(s, 99);
+  if (base > 0)
+    printf("%-34s %9.2f %9.2f %6.2f %5zu\n", what, g50, g99, g50 / base, s->n);
+  else
+    printf("%-34s %9.2f %9.2f %6s %5zu\n", what, g50, g99, "-", s->n);
+  bench_samples_free(s);
+  return g50;
+}
+
+/* Creates n bytes on cuda:index; dies on failure. */
+static td_storage *create_on(td_client *c, int index, uint64_t n) {
+  td_create_opts o;
+  memset(&o, 0, sizeof(o));
+  o.nbytes = n;
+  o.device = TD_CUDA;
+  o.device_index = index;
+  td_storage *s = NULL;
+  if (td_storage_create_ex(c, &o, &s) < 0)
+    bench_die("td_storage_create_ex(cuda:%d, %llu bytes): %s", index,
+              (unsigned long long)n, td_last_error(c));
+  if (td_storage_data(s) == NULL)
+    bench_die("td_storage_data of a new CUDA storage: NULL");
+  return s;
+}
+
+/* reps td_copy of dv from sv, timed one by one. */
+static void time_copies(td_storage *dst, const td_view *dv, td_storage *src,
+                        const td_view *sv, int reps, bench_samples *out) {
+  if (td_copy(dst, dv, src, sv) < 0) /* warm-up: the module's load */
+    bench_die("td_copy: %s", td_view_last_error());
+  for (int i = 0; i < reps; i++) {
+    uint64_t t0 = bench_now_ns();
+    if (td_copy(dst, dv, src, sv) < 0)
+      bench_die("td_copy: %s", td_view_last_error());
+    bench_samples_add(out, bench_now_ns() - t0);
+  }
+}
+
+/* The td_copy rows (see the top of the file). */
+static void copy_rows(const td__cu *cu, td_client *c) {
+  int64_t edge = on_double ? 1024 : 4096;
+  uint64_t n = (uint64_t)(edge * edge) * 4;
+  size_t fr = 0, total = 0;
+  char b1[32];
+  ck(cu, cu->MemGetInfo(&fr, &total), "cuMemGetInfo");
+  if (2 * n + 256 * MiB > fr) {
+    printf("td_copy: skipped (%s free on the device)\n",
+           bench_size(fr, b1, sizeof(b1)));
+    return;
+  }
+  int reps = (int)((on_double ? 5 : 50) * bench_scale());
+  reps = reps < 3 ? 3 : reps;
+  td_storage *gs = create_on(c, 0, n), *gd = create_on(c, 0, n);
+  int64_t shape[2] = {edge, edge};
+  td_view sv, dv;
+  if (td_view_contiguous(TD_FLOAT32, 2, shape, &sv) < 0 ||
+      td_view_contiguous(TD_FLOAT32, 2, shape, &dv) < 0 ||
+      td_view_transpose(&sv, 0, 1) < 0)
+    bench_die("views: %s", td_view_last_error());
+  /* The device's own bandwidth for the same bytes: one dense cuMemcpy2D,
+   * device to device, 64 KiB rows. */
+  CUDA_MEMCPY2D m2;
+  memset(&m2, 0, sizeof(m2));
+  m2.srcMemoryType = m2.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  m2.srcDevice = (CUdeviceptr)(uintptr_t)td_storage_data(gs);
+  m2.dstDevice = (CUdeviceptr)(uintptr_t)td_storage_data(gd);
+  m2.WidthInBytes = m2.srcPitch = m2.dstPitch = 64 * 1024;
+  m2.Height = n / (64 * 1024);
+  bench_samples dense = {0}, kern = {0}, staged = {0};
+  ck(cu, cu->Memcpy2D(&m2), "cuMemcpy2D (warm-up)");
+  ck(cu, cu->CtxSynchronize(), "cuCtxSynchronize");
+  for (int i = 0; i < reps; i++) {
+    uint64_t t0 = bench_now_ns();
+    ck(cu, cu->Memcpy2D(&m2), "cuMemcpy2D");
+    ck(cu, cu->CtxSynchronize(), "cuCtxSynchronize");
+    bench_samples_add(&dense, bench_now_ns() - t0);
+  }
+  time_copies(gd, &dv, gs, &sv, reps, &kern);
+  setenv("TENSORD_CUDA_COPY_KERNEL", "0", 1);
+  int sreps = reps / 5 < 3 ? 3 : reps / 5; /* through the host: slow */
+  time_copies(gd, &dv, gs, &sv, sreps, &staged);
+  unsetenv("TENSORD_CUDA_COPY_KERNEL");
+  printf("td_copy on the GPU, %s float32 (%lld x %lld)%s\n",
+         bench_size(n, b1, sizeof(b1)), (long long)edge, (long long)edge,
+         on_double ? " (the test double: host code, not a GPU)" : "");
+  printf("%-34s %9s %9s %6s %5s\n", "what", "GB/s p50", "GB/s p99", "ratio",
+         "n");
+  double base = copy_row("cuMemcpy2D DtoD dense (same bytes)", n, &dense, 0);
+  copy_row("td_copy transpose, kernel", n, &kern, base);
+  copy_row("td_copy transpose, staged", n, &staged, base);
+  td_storage_release(gd);
+  /* Peer: dense from cuda:0 to cuda:1, where a second GPU is visible. */
+  int ngpu = 0;
+  ck(cu, cu->DeviceGetCount(&ngpu), "cuDeviceGetCount");
+  if (ngpu < 2) {
+    printf("td_copy peer cuda:0 -> cuda:1: skipped (one GPU visible)\n");
+  } else {
+    int can = -1;
+    if (cu->DeviceCanAccessPeer != NULL)
+      cu->DeviceCanAccessPeer(&can, 1, 0);
+    td_storage *g1 = create_on(c, 1, n);
+    td_view flat;
+    int64_t all = edge * edge;
+    if (td_view_contiguous(TD_FLOAT32, 1, &all, &flat) < 0)
+      bench_die("views: %s", td_view_last_error());
+    bench_samples pc = {0};
+    time_copies(g1, &flat, gs, &flat, reps, &pc);
+    char what[64];
+    snprintf(what, sizeof(what), "td_copy peer 0->1 (P2P %s)",
+             can < 0 ? "?"
+             : can   ? "yes"
+                     : "no");
+    copy_row(what, n, &pc, base);
+    td_storage_release(g1);
+  }
+  td_storage_release(gs);
+  fflush(stdout);
+}
+
 int main(int argc, char **argv) {
   bench_init("bench_cuda");
   sock = bench_socket(argc, argv);
@@ -602,6 +738,7 @@ int main(int argc, char **argv) {
     td_storage_release(s);
   }
   model_load(cu, c);
+  copy_rows(cu, c);
   msg q = {.op = OP_QUIT};
   bench_send_fd(peer, &q, sizeof(q), -1);
   if (bench_wait(cpid) != 0)

@@ -693,3 +693,121 @@ TDT_TEST(gpu, a_model_loaded_onto_the_gpu_is_its_files_in_every_process) {
   cr_expect_eq(daemon_gpu_bytes(), 0);
   tdt_rmdir(model_dir);
 }
+
+/* ---- td_copy on the GPU: the copy kernel and peer copies ---- */
+
+/* Fills n bytes of CPU storage s from a seed. */
+static void fill_host(td_storage *s, size_t n, unsigned seed) {
+  unsigned char *p = td_storage_data(s);
+  for (size_t i = 0; i < n; i++) {
+    seed = seed * 1103515245u + 12345u;
+    p[i] = (unsigned char)(seed >> 16);
+  }
+}
+
+/* Copies sv into dv between storages on cuda:sgpu and cuda:dgpu, both
+ * filled from CPU storages first, reads the destination back and compares
+ * it, whole, with td_copy of the same views between CPU storages. */
+static int copy_matches_cpu(td_client *c, int dgpu, const td_view *dv,
+                            size_t dn, int sgpu, const td_view *sv, size_t sn) {
+  td_storage *hs, *hd, *ref, *gs, *gd;
+  td_create_opts o = {0};
+  o.device = TD_CUDA;
+  CHECK_ERR(c, td_storage_create(c, sn, &hs), 0);
+  CHECK_ERR(c, td_storage_create(c, dn, &hd), 0);
+  CHECK_ERR(c, td_storage_create(c, dn, &ref), 0);
+  o.nbytes = sn;
+  o.device_index = sgpu;
+  CHECK_ERR(c, td_storage_create_ex(c, &o, &gs), 0);
+  o.nbytes = dn;
+  o.device_index = dgpu;
+  CHECK_ERR(c, td_storage_create_ex(c, &o, &gd), 0);
+  fill_host(hs, sn, 11);
+  fill_host(ref, dn, 12);
+  td_view whole_s, whole_d;
+  int64_t ns = (int64_t)sn, nd = (int64_t)dn;
+  CHECK(td_view_contiguous(TD_UINT8, 1, &ns, &whole_s) == 0);
+  CHECK(td_view_contiguous(TD_UINT8, 1, &nd, &whole_d) == 0);
+  CHECK(td_copy(gs, &whole_s, hs, &whole_s) == 0);
+  CHECK(td_copy(gd, &whole_d, ref, &whole_d) == 0);
+  CHECK(td_copy(ref, dv, hs, sv) == 0);
+  if (td_copy(gd, dv, gs, sv) != 0) {
+    fprintf(stderr, "td_copy on the GPU: %s\n", td_view_last_error());
+    return 0;
+  }
+  CHECK(td_copy(hd, &whole_d, gd, &whole_d) == 0);
+  int same = memcmp(td_storage_data(hd), td_storage_data(ref), dn) == 0;
+  if (!same)
+    fprintf(stderr,
+            "td_copy cuda:%d -> cuda:%d: the bytes differ from a CPU "
+            "copy's\n",
+            sgpu, dgpu);
+  td_storage_release(hs);
+  td_storage_release(hd);
+  td_storage_release(ref);
+  td_storage_release(gs);
+  td_storage_release(gd);
+  return same;
+}
+
+/* Transposes and element-strided views of 1, 2, 4, 8 and 16-byte elements
+ * on cuda:0, with the kernel and with it switched off; a dense and a
+ * transposed copy to cuda:1 where there is one. In a child: the test's own
+ * process never loads the driver. */
+static int kernel_copier(void *arg) {
+  (void)arg;
+  die_with_parent();
+  td_client *c = NULL;
+  CHECK(td_connect(d.sock, &c) == 0);
+  static const td_dtype dts[] = {TD_UINT8, TD_INT16, TD_FLOAT32, TD_INT64,
+                                 TD_COMPLEX128};
+  for (int off = 0; off < 2; off++) {
+    if (off)
+      setenv("TENSORD_CUDA_COPY_KERNEL", "0", 1);
+    for (size_t k = 0; k < sizeof(dts) / sizeof(dts[0]); k++) {
+      size_t es = td_dtype_size(dts[k]);
+      int64_t s[3] = {37, 61, 3}, t[3] = {3, 61, 37};
+      td_view sv, dv;
+      CHECK(td_view_contiguous(dts[k], 3, s, &sv) == 0);
+      CHECK(td_view_transpose(&sv, 0, 2) == 0);
+      CHECK(td_view_contiguous(dts[k], 3, t, &dv) == 0);
+      size_t n = (size_t)(37 * 61 * 3) * es;
+      CHECK(copy_matches_cpu(c, 0, &dv, n, 0, &sv, n));
+      /* Every other column into every third element, offset. */
+      int64_t s2[2] = {50, 40};
+      CHECK(td_view_contiguous(dts[k], 2, s2, &sv) == 0);
+      CHECK(td_view_slice(&sv, 1, 1, 40, 2) == 0);
+      dv = sv;
+      dv.offset = 5;
+      dv.stride[0] = 20 * 3;
+      dv.stride[1] = 3;
+      CHECK(copy_matches_cpu(c, 0, &dv, (size_t)(5 + 50 * 60) * es, 0, &sv,
+                             (size_t)(50 * 40) * es));
+    }
+  }
+  unsetenv("TENSORD_CUDA_COPY_KERNEL");
+  int64_t big[2] = {1024, 768}, bigt[2] = {768, 1024};
+  td_view sv, dv;
+  CHECK(td_view_contiguous(TD_FLOAT32, 2, big, &sv) == 0);
+  dv = sv;
+  size_t n = 1024 * 768 * 4;
+  const td__cu *cu = gpu_enter(NULL, NULL);
+  int ngpu = 0;
+  if (cu != NULL)
+    cu->DeviceGetCount(&ngpu);
+  if (ngpu >= 2) {
+    CHECK(copy_matches_cpu(c, 1, &dv, n, 0, &sv, n)); /* one peer copy */
+    CHECK(td_view_transpose(&sv, 0, 1) == 0);
+    CHECK(td_view_contiguous(TD_FLOAT32, 2, bigt, &dv) == 0);
+    CHECK(copy_matches_cpu(c, 1, &dv, n, 0, &sv, n)); /* staged */
+  }
+  td_close(c);
+  return 0;
+}
+
+TDT_TEST(gpu, td_copy_kernel_and_peer_copies_match_the_cpu) {
+  need_gpu();
+  tdt_start(&d, NULL);
+  cr_assert_eq(tdt_wait(tdt_fork(kernel_copier, NULL)), 0,
+               "a GPU copy differs from the CPU's (see its stderr)");
+}

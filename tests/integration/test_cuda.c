@@ -1701,6 +1701,8 @@ static int calls(pid_t pid, const char *call) {
   FILE *f = fopen(call_log, "r");
   if (f == NULL)
     return 0;
+  /* A line at a time: some lines name more than a call
+   * ("cuLaunchKernel td_copy_strided"). */
   int p, n = 0;
   char line[256], w[64];
   while (fgets(line, sizeof(line), f) != NULL)

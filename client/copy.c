@@ -464,9 +464,10 @@ static int copy_kernel(td__cumap *dm, td_storage *dst, const td_view *dv,
     return 0;
   char why[256];
   int64_t es = (int64_t)p.es;
-  int err = td__cumap_kcopy(dm, (size_t)(dv->offset * es), sm,
-                            (size_t)(sv->offset * es), p.nd, p.size, p.ds, p.ss,
-                            p.es, td_view_numel(dv), why, sizeof(why));
+  int err = td__cumap_kcopy(
+      dm, (size_t)(dv->offset * es), sm, (size_t)(sv->offset * es), p.nd,
+      p.size, p.ds, p.ss, p.es, td_view_numel(dv),
+      p.path == TD__COPY_TILED ? p.tile : -1, why, sizeof(why));
   if (err < 0)
     return td__view_fail(err, "copy: storages %llu and %llu: %s",
                          (unsigned long long)td_storage_id(dst),

@@ -60,8 +60,9 @@ typedef struct lib_stream {
    * at once. */
   int kstate;
   CUmodule kmod;
-  CUfunction kfn;
-  int sms; /* multiprocessors, for the launch's grid */
+  CUfunction kfn;   /* the element walk */
+  CUfunction ktile; /* the tiled kernel, NULL if the image lacks it */
+  int sms;          /* multiprocessors, for the launch's grid */
 } lib_stream;
 
 static pthread_mutex_t stream_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -902,7 +903,8 @@ static int kernel_wanted(void) {
 /* The copy kernel on m's GPU, its module loaded at the first call (m's
  * context current). Returns 1 and sets *fn, or 0 if the kernel cannot run
  * here; a failure is kept for the life of the library stream record. */
-static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
+static int kernel_get(td__cumap *m, CUfunction *fn, CUfunction *tiled,
+                      int *sms) {
   const td__cu *cu = m->cu;
   lib_stream *l = m->ls;
   pthread_mutex_lock(&stream_mu);
@@ -914,6 +916,9 @@ static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
         cu->ModuleGetFunction(&l->kfn, l->kmod, TD_KCOPY_NAME) ==
             CUDA_SUCCESS) {
       l->kstate = 1;
+      if (cu->ModuleGetFunction(&l->ktile, l->kmod, TD_KCOPY_TILED_NAME) !=
+          CUDA_SUCCESS)
+        l->ktile = NULL;
       if (cu->DeviceGetAttribute(&l->sms,
                                  CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                  m->dev) != CUDA_SUCCESS ||
@@ -922,6 +927,7 @@ static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
     }
   }
   *fn = l->kfn;
+  *tiled = l->ktile;
   *sms = l->sms;
   int ok = l->kstate == 1;
   pthread_mutex_unlock(&stream_mu);
@@ -930,8 +936,8 @@ static int kernel_get(td__cumap *m, CUfunction *fn, int *sms) {
 
 int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     int nd, const int64_t *size, const int64_t *ds,
-                    const int64_t *ss, size_t es, int64_t numel, char *msg,
-                    size_t len) {
+                    const int64_t *ss, size_t es, int64_t numel, int tile,
+                    char *msg, size_t len) {
   const td__cu *cu = dm->cu;
   int ferr = td__cu_forked(msg, len);
   if (ferr < 0)
@@ -943,6 +949,7 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
   memset(&p, 0, sizeof(p));
   p.nd = nd;
   p.es = (int32_t)es;
+  p.tile = -1;
   p.numel = numel;
   p.dst = dm->ptr + doff;
   p.src = sm->ptr + soff;
@@ -953,28 +960,45 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
   }
   CUcontext popped;
   CUstream s;
-  CUfunction fn;
+  CUfunction fn, tiled;
   int sms;
   char e[128];
   const char *what = "cuCtxPushCurrent";
   CUresult r = cu->CtxPushCurrent(dm->ctx);
   if (r != CUDA_SUCCESS)
     goto fail;
-  if (!kernel_get(dm, &fn, &sms)) {
+  if (!kernel_get(dm, &fn, &tiled, &sms)) {
     cu->CtxPopCurrent(&popped);
     return 1;
   }
   what = "cuStreamCreate";
   if ((r = stream_get(dm, &s)) == CUDA_SUCCESS) {
-    /* Grid-stride: enough blocks to fill every multiprocessor a few times
-     * over, fewer for a small copy. */
-    int64_t blocks = (numel + 255) / 256, cap = (int64_t)sms * 8;
-    if (blocks > cap)
-      blocks = cap;
     void *args[] = {&p};
-    what = "cuLaunchKernel " TD_KCOPY_NAME;
-    r = cu->LaunchKernel(fn, (unsigned)blocks, 1, 1, 256, 1, 1, 0, s, args,
-                         NULL);
+    if (tiled != NULL && tile >= 0 && tile < nd - 1 && es <= 16 &&
+        (es & (es - 1)) == 0) {
+      /* A transpose: tiles of (tile dim, innermost dim) over x and y,
+       * the other dims over z, each grid-stride within the driver's
+       * limits. */
+      p.tile = tile;
+      int64_t gx = (size[nd - 1] + TD_KCOPY_TILE - 1) / TD_KCOPY_TILE;
+      int64_t gy = (size[tile] + TD_KCOPY_TILE - 1) / TD_KCOPY_TILE;
+      int64_t gz = numel / (size[nd - 1] * size[tile]);
+      gx = gx > INT32_MAX ? INT32_MAX : gx;
+      gy = gy > 65535 ? 65535 : gy;
+      gz = gz > 65535 ? 65535 : gz;
+      what = "cuLaunchKernel " TD_KCOPY_TILED_NAME;
+      r = cu->LaunchKernel(tiled, (unsigned)gx, (unsigned)gy, (unsigned)gz,
+                           TD_KCOPY_TILE, TD_KCOPY_ROWS, 1, 0, s, args, NULL);
+    } else {
+      /* Grid-stride: enough blocks to fill every multiprocessor a few
+       * times over, fewer for a small copy. */
+      int64_t blocks = (numel + 255) / 256, cap = (int64_t)sms * 8;
+      if (blocks > cap)
+        blocks = cap;
+      what = "cuLaunchKernel " TD_KCOPY_NAME;
+      r = cu->LaunchKernel(fn, (unsigned)blocks, 1, 1, 256, 1, 1, 0, s, args,
+                           NULL);
+    }
     /* Done when the stream is; a fault in the kernel shows here. */
     CUresult w = cu->StreamSynchronize(s);
     if (r == CUDA_SUCCESS && w != CUDA_SUCCESS) {
@@ -1356,8 +1380,8 @@ int td__cumap_sync(td__cumap *m, char *msg, size_t len) {
 
 int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     int nd, const int64_t *size, const int64_t *ds,
-                    const int64_t *ss, size_t es, int64_t numel, char *msg,
-                    size_t len) {
+                    const int64_t *ss, size_t es, int64_t numel, int tile,
+                    char *msg, size_t len) {
   return 1;
 }
 

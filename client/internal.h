@@ -163,8 +163,8 @@ int td__cumap_sync(td__cumap *m, char *msg, size_t len);
  * failed, a fault in the kernel). */
 int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     int nd, const int64_t *size, const int64_t *ds,
-                    const int64_t *ss, size_t es, int64_t numel, char *msg,
-                    size_t len);
+                    const int64_t *ss, size_t es, int64_t numel, int tile,
+                    char *msg, size_t len);
 /* Copies n bytes from soff bytes into sm to doff bytes into dm, mappings on
  * two different GPUs, with cuMemcpyPeerAsync on dm's library stream, and
  * waits for it. Returns 0; 1 if the driver lacks the call or refuses it

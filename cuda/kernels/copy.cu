@@ -65,6 +65,87 @@ template <typename I> __device__ void dispatch(const td_kcopy &p) {
   }
 }
 
+/* One tile of the tiled kernel: the elements (b, a) for b in [b0, b0 +
+ * TILE) along the source's fastest dim and a in [a0, a0 + TILE) along the
+ * destination's, read with threadIdx.x along b (coalesced in the source),
+ * kept in shared memory, written with threadIdx.x along a (coalesced in the
+ * destination). The row of TILE + 1 keeps the column reads off one bank. */
+template <typename T>
+__device__ void tile_move(T (*t)[TD_KCOPY_TILE + 1], char *dst,
+                          const char *src, int64_t na, int64_t nb, int64_t a0,
+                          int64_t b0, int64_t dsa, int64_t dsb, int64_t ssa,
+                          int64_t ssb) {
+  for (int j = threadIdx.y; j < TD_KCOPY_TILE; j += TD_KCOPY_ROWS) {
+    int64_t a = a0 + j, b = b0 + threadIdx.x;
+    if (a < na && b < nb)
+      t[j][threadIdx.x] =
+          *reinterpret_cast<const T *>(src + a * ssa + b * ssb);
+  }
+  __syncthreads();
+  for (int j = threadIdx.y; j < TD_KCOPY_TILE; j += TD_KCOPY_ROWS) {
+    int64_t b = b0 + j, a = a0 + threadIdx.x;
+    if (a < na && b < nb)
+      *reinterpret_cast<T *>(dst + a * dsa + b * dsb) = t[threadIdx.x][j];
+  }
+  __syncthreads();
+}
+
+/* The tiled walk: tiles of (tile dim, innermost dim) over grid x and y,
+ * every combination of the other dims over grid z, each grid-stride. */
+template <typename T>
+__device__ void tiled(const td_kcopy &p, unsigned char *raw) {
+  T(*t)[TD_KCOPY_TILE + 1] = reinterpret_cast<T(*)[TD_KCOPY_TILE + 1]>(raw);
+  int in = p.nd - 1, k = p.tile;
+  int64_t na = p.size[in], nb = p.size[k];
+  int64_t nouter = p.numel / (na * nb);
+  for (int64_t o = blockIdx.z; o < nouter; o += gridDim.z) {
+    int64_t rest = o, doff = 0, soff = 0;
+    for (int d = p.nd - 1; d >= 0; d--) {
+      if (d == in || d == k)
+        continue;
+      int64_t id = rest % p.size[d];
+      rest /= p.size[d];
+      doff += id * p.ds[d];
+      soff += id * p.ss[d];
+    }
+    char *dst = reinterpret_cast<char *>(p.dst) + doff;
+    const char *src = reinterpret_cast<const char *>(p.src) + soff;
+    for (int64_t b0 = (int64_t)blockIdx.y * TD_KCOPY_TILE; b0 < nb;
+         b0 += (int64_t)gridDim.y * TD_KCOPY_TILE)
+      for (int64_t a0 = (int64_t)blockIdx.x * TD_KCOPY_TILE; a0 < na;
+           a0 += (int64_t)gridDim.x * TD_KCOPY_TILE)
+        tile_move<T>(t, dst, src, na, nb, a0, b0, p.ds[in], p.ds[k],
+                     p.ss[in], p.ss[k]);
+  }
+}
+
+/* One shared tile, sized for the largest element, for every element size
+ * (a __shared__ array per instantiation would take all five at once); at
+ * most 64 registers a thread, so that four blocks fit on a multiprocessor. */
+extern "C" __global__ void
+__launch_bounds__(TD_KCOPY_TILE *TD_KCOPY_ROWS, 4)
+    td_copy_tiled(const td_kcopy p) {
+  __shared__ __align__(16) unsigned char
+      raw[TD_KCOPY_TILE * (TD_KCOPY_TILE + 1) * 16];
+  switch (p.es) { /* the launcher sends only these sizes */
+  case 1:
+    tiled<uint8_t>(p, raw);
+    break;
+  case 2:
+    tiled<uint16_t>(p, raw);
+    break;
+  case 4:
+    tiled<uint32_t>(p, raw);
+    break;
+  case 8:
+    tiled<uint64_t>(p, raw);
+    break;
+  case 16:
+    tiled<uint4>(p, raw);
+    break;
+  }
+}
+
 extern "C" __global__ void td_copy_strided(const td_kcopy p) {
   /* The last index a thread reaches is below numel + the grid's size. */
   if (p.numel + (int64_t)gridDim.x * blockDim.x <= (int64_t)UINT32_MAX)

@@ -2779,7 +2779,11 @@ struct CUfunc_st {
 };
 
 static struct CUmod_st modules[MAX_DEVICES];
-static struct CUfunc_st kcopy_fns[MAX_DEVICES];
+/* The kernels the double emulates, per device: the element walk and the
+ * tiled one (whose result is the same walk's). */
+static const char *const kernel_names[] = {TD_KCOPY_NAME, TD_KCOPY_TILED_NAME};
+#define NKERNELS 2
+static struct CUfunc_st kcopy_fns[MAX_DEVICES * NKERNELS];
 
 /* Loads into the current context. TDCUDA_NO_MODULE=1: no image has code
  * for this "GPU" (CUDA_ERROR_NO_BINARY_FOR_GPU), as on a GPU newer than
@@ -2830,13 +2834,15 @@ API CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod,
     return CUDA_ERROR_INVALID_VALUE;
   if (hmod == NULL || hmod < &modules[0] || hmod >= &modules[MAX_DEVICES])
     return CUDA_ERROR_INVALID_HANDLE;
-  if (strcmp(name, TD_KCOPY_NAME) != 0)
-    return CUDA_ERROR_NOT_FOUND;
-  struct CUfunc_st *f = &kcopy_fns[hmod->ordinal];
-  f->ordinal = hmod->ordinal;
-  f->name = TD_KCOPY_NAME;
-  *hfunc = f;
-  return CUDA_SUCCESS;
+  for (int k = 0; k < NKERNELS; k++)
+    if (strcmp(name, kernel_names[k]) == 0) {
+      struct CUfunc_st *f = &kcopy_fns[hmod->ordinal * NKERNELS + k];
+      f->ordinal = hmod->ordinal;
+      f->name = kernel_names[k];
+      *hfunc = f;
+      return CUDA_SUCCESS;
+    }
+  return CUDA_ERROR_NOT_FOUND;
 }
 
 /* The byte range [*lo, *hi) one side of a copy kernel's launch reaches. */
@@ -2897,8 +2903,9 @@ API CUresult CUDAAPI cuLaunchKernel(
   CUstream s = r == CUDA_SUCCESS ? stream_of(hStream) : NULL;
   if (r == CUDA_SUCCESS && s == NULL)
     r = CUDA_ERROR_INVALID_HANDLE;
-  if (r == CUDA_SUCCESS && (f == NULL || f < &kcopy_fns[0] ||
-                            f >= &kcopy_fns[MAX_DEVICES] || f->name == NULL))
+  if (r == CUDA_SUCCESS &&
+      (f == NULL || f < &kcopy_fns[0] ||
+       f >= &kcopy_fns[MAX_DEVICES * NKERNELS] || f->name == NULL))
     r = CUDA_ERROR_INVALID_HANDLE;
   else if (r == CUDA_SUCCESS && f->ordinal != ord)
     r = CUDA_ERROR_INVALID_CONTEXT; /* a module of another context */
@@ -2920,7 +2927,16 @@ API CUresult CUDAAPI cuLaunchKernel(
     r = CUDA_ERROR_OUT_OF_MEMORY;
   if (r == CUDA_SUCCESS) {
     memcpy(p, kernelParams[0], sizeof *p);
-    if (p->nd < 0 || p->nd > TD_KCOPY_MAX_DIMS || p->es <= 0 || p->numel < 0) {
+    /* The tiled kernel: a tile dim below the innermost, blocks of
+     * TD_KCOPY_TILE x TD_KCOPY_ROWS threads, an element size it has a
+     * type for (the kernel would copy nothing else). */
+    int tiled = strcmp(f->name, TD_KCOPY_TILED_NAME) == 0;
+    if (p->nd < 0 || p->nd > TD_KCOPY_MAX_DIMS || p->es <= 0 || p->numel < 0 ||
+        p->reserved != 0 ||
+        (tiled ? p->tile < 0 || p->tile >= p->nd - 1 || p->es > 16 ||
+                     (p->es & (p->es - 1)) != 0 || blockDimX != TD_KCOPY_TILE ||
+                     blockDimY != TD_KCOPY_ROWS
+               : p->tile != -1)) {
       free(p);
       r = CUDA_ERROR_INVALID_VALUE;
     }

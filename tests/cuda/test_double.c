@@ -1277,6 +1277,7 @@ Test(double_semantics, copy_kernel_launch_is_checked_and_runs_at_the_sync) {
   memset(&k, 0, sizeof k);
   k.nd = 2;
   k.es = 4;
+  k.tile = -1; /* the element walk */
   k.numel = 32;
   k.dst = dev + 4096;
   k.src = dev;
@@ -1304,6 +1305,10 @@ Test(double_semantics, copy_kernel_launch_is_checked_and_runs_at_the_sync) {
                CUDA_ERROR_INVALID_VALUE, "extra with kernelParams");
   cr_expect_eq(cu->LaunchKernel(NULL, 1, 1, 1, 256, 1, 1, 0, s, args, NULL),
                CUDA_ERROR_INVALID_HANDLE);
+  cr_expect_eq(
+      cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, (k.tile = 0, args), NULL),
+      CUDA_ERROR_INVALID_VALUE, "a tile dim for the element walk");
+  k.tile = -1;
   CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
   /* The parameters were taken at the call. */
   k.numel = 0;
@@ -1312,6 +1317,34 @@ Test(double_semantics, copy_kernel_launch_is_checked_and_runs_at_the_sync) {
   for (int r = 0; r < 8; r++)
     for (int c = 0; c < 4; c++)
       cr_expect_eq(dst[r * 4 + c], src[c * 8 + r], "element (%d, %d)", r, c);
+
+  /* The tiled kernel: the same transpose, its tile dim the one the source
+   * runs fastest along (0), blocks of its shape only. */
+  CUfunction tiled;
+  CU_OK(cu->ModuleGetFunction(&tiled, mod, TD_KCOPY_TILED_NAME));
+  memset(dst, 0, 32 * sizeof *dst);
+  k.numel = 32;
+  k.tile = 0;
+  cr_expect_eq(cu->LaunchKernel(tiled, 1, 1, 1, 256, 1, 1, 0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "the tiled kernel's block is 32 x 8");
+  k.tile = 1;
+  cr_expect_eq(cu->LaunchKernel(tiled, 1, 1, 1, TD_KCOPY_TILE, TD_KCOPY_ROWS, 1,
+                                0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "the innermost dim as the tile dim");
+  k.tile = 0;
+  k.es = 3;
+  cr_expect_eq(cu->LaunchKernel(tiled, 1, 1, 1, TD_KCOPY_TILE, TD_KCOPY_ROWS, 1,
+                                0, s, args, NULL),
+               CUDA_ERROR_INVALID_VALUE, "3-byte elements, tiled");
+  k.es = 4;
+  CU_OK(cu->LaunchKernel(tiled, 1, 1, 1, TD_KCOPY_TILE, TD_KCOPY_ROWS, 1, 0, s,
+                         args, NULL));
+  CU_OK(cu->StreamSynchronize(s));
+  for (int r = 0; r < 8; r++)
+    for (int c = 0; c < 4; c++)
+      cr_expect_eq(dst[r * 4 + c], src[c * 8 + r], "tiled: element (%d, %d)", r,
+                   c);
+  k.tile = -1;
   /* Past the end of the mapping: launched, then the stream fails. */
   k.numel = 32;
   k.dst = dev + 2 * MiB - 64;

@@ -786,8 +786,16 @@ static int kernel_copier(void *arg) {
     }
   }
   unsetenv("TENSORD_CUDA_COPY_KERNEL");
-  int64_t big[2] = {1024, 768}, bigt[2] = {768, 1024};
   td_view sv, dv;
+  /* Many tiles, ragged at both edges, and more rows of tiles than one pass
+   * of the grid: the tiled kernel's indexing. */
+  int64_t odd[2] = {1000, 777}, oddt[2] = {777, 1000};
+  CHECK(td_view_contiguous(TD_FLOAT32, 2, odd, &sv) == 0);
+  CHECK(td_view_transpose(&sv, 0, 1) == 0);
+  CHECK(td_view_contiguous(TD_FLOAT32, 2, oddt, &dv) == 0);
+  CHECK(copy_matches_cpu(c, 0, &dv, (size_t)(1000 * 777) * 4, 0, &sv,
+                         (size_t)(1000 * 777) * 4));
+  int64_t big[2] = {1024, 768}, bigt[2] = {768, 1024};
   CHECK(td_view_contiguous(TD_FLOAT32, 2, big, &sv) == 0);
   dv = sv;
   size_t n = 1024 * 768 * 4;

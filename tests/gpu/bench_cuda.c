@@ -33,6 +33,11 @@
  * Columns: p50 and p99 in microseconds (nearest rank; with fewer than 100
  * samples p99 is the maximum).
  *
+ * Handoff: 64 MiB created TD_UNINIT, published under a key, looked up and
+ * mapped by the consumer, released; a CPU storage's against a CUDA one's,
+ * both recycled by the daemon's pools, p50 and p99 of the whole round
+ * trip, and the ratio of the p50s. Target: at most 2.
+ *
  * Attach: the producer publishes 1,000 storages of 2 MiB under keys sd/<i>
  * (a model's state dict); the consumer looks every key up read-only, then
  * takes every device pointer, and releases them: the time of the lookups,
@@ -95,7 +100,7 @@
 #define NAME_(x) #x
 #define NAME(x) NAME_(x)
 
-enum { OP_QUIT, OP_IMPORT, OP_OPEN, OP_BW, OP_ATTACH };
+enum { OP_QUIT, OP_IMPORT, OP_OPEN, OP_BW, OP_ATTACH, OP_HANDOFF };
 
 typedef struct msg {
   uint32_t op;
@@ -263,6 +268,15 @@ static int consumer(void *arg) {
       bandwidth(cu, c, &m);
     } else if (m.op == OP_ATTACH) {
       attach(c, &m);
+    } else if (m.op == OP_HANDOFF) {
+      /* The consumer's half of a handoff: look the key up, map, let go. */
+      td_storage *st = NULL;
+      if (td_lookup(c, "handoff", TD_RDONLY, 0, &st, NULL) < 0)
+        bench_die("td_lookup(handoff): %s", td_last_error(c));
+      if (td_storage_data(st) == NULL)
+        bench_die("td_storage_data of the handoff: NULL");
+      td_storage_release(st);
+      m.ok = 1;
     }
     if (fd >= 0)
       close(fd);
@@ -305,6 +319,49 @@ static td_storage *create(td_client *c, uint64_t n, uint64_t flags) {
   if (td_storage_data(s) == NULL)
     bench_die("td_storage_data of a new CUDA storage: NULL");
   return s;
+}
+
+/* Handoffs of 64 MiB, as a data loader hands a batch over: the producer
+ * creates a storage (TD_UNINIT: it is about to fill it), publishes it
+ * under a key, the consumer looks the key up, maps it and lets go, and the
+ * producer unpublishes and releases it; timed from the create to the
+ * consumer's answer. A CPU storage's against a CUDA one's, both recycled
+ * (three rounds first, unmeasured: the daemon's pools and the processes'
+ * warm mappings fill). Target: the CUDA p50 at most twice the CPU's. */
+static void handoffs(td_client *c) {
+  const uint64_t n = 64 * MiB;
+  int reps = (int)(50 * bench_scale());
+  reps = reps < 5 ? 5 : reps;
+  bench_samples t[2] = {{0}, {0}};
+  for (int dev = 0; dev < 2; dev++) {
+    td_create_opts o;
+    memset(&o, 0, sizeof(o));
+    o.nbytes = n;
+    o.device = dev ? TD_CUDA : TD_CPU;
+    o.flags = TD_UNINIT;
+    for (int i = -3; i < reps; i++) {
+      uint64_t t0 = bench_now_ns();
+      td_storage *s = NULL;
+      if (td_storage_create_ex(c, &o, &s) < 0 || td_storage_data(s) == NULL ||
+          td_publish(c, "handoff", s, NULL) < 0)
+        bench_die("handoff on %s: %s", dev ? "cuda:0" : "the CPU",
+                  td_last_error(c));
+      msg m = {.op = OP_HANDOFF};
+      m = ask(m, -1);
+      if (i >= 0)
+        bench_samples_add(&t[dev], bench_now_ns() - t0);
+      td_unpublish(c, "handoff");
+      td_storage_release(s);
+    }
+  }
+  double cpu50 = bench_pct(&t[0], 50), gpu50 = bench_pct(&t[1], 50);
+  printf("handoff 64 MiB (create uninit, publish, another process's lookup "
+         "+ map, release)\n");
+  row("64 MiB", "handoff cpu", &t[0]);
+  row("64 MiB", "handoff cuda:0", &t[1]);
+  printf("%-9s %-17s %10.2f (target: at most 2)\n", "64 MiB", "cuda/cpu",
+         cpu50 > 0 ? gpu50 / cpu50 : 0);
+  fflush(stdout);
 }
 
 /* Writes a safetensors file of one U8 tensor of n bytes (n a multiple of
@@ -669,6 +726,8 @@ int main(int argc, char **argv) {
     }
     fflush(stdout);
   }
+
+  handoffs(c);
 
   /* A state dict of 1,000 tensors of 2 MiB, each its own storage under
    * its own key: what attaching it costs another process (the issue's

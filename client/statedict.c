@@ -97,7 +97,7 @@ static int read_regions(const json_t *a, td__statedict *sd, char *msg,
     if (off == NULL || nb == NULL)
       return td__msg(msg, len, TD_EINVAL, "region %zu has no '%s'", i,
                      off == NULL ? "offset" : "nbytes");
-    int64_t o, b;
+    int64_t o = 0, b = 0; /* set by count() on success */
     int err;
     if ((err = count(off, where, "offset", &o, msg, len)) < 0 ||
         (err = count(nb, where, "nbytes", &b, msg, len)) < 0)
@@ -130,7 +130,7 @@ static int read_entry(const json_t *e, td__sd_tensor *t, const char *where,
   memcpy(t->dtype_name, json_string_value(f[0]), dl);
   t->dtype_name[dl] = '\0';
   int32_t nstride = 0;
-  int64_t region;
+  int64_t region = 0;
   int err;
   if ((err = dims(f[1], where, "shape", t->shape, &t->ndim, msg, len)) < 0 ||
       (err = dims(f[2], where, "stride", t->stride, &nstride, msg, len)) < 0 ||

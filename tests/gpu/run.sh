@@ -57,8 +57,10 @@ t0=$(date +%s)
 
 echo "== build ($build, Release, TENSORD_CUDA=ON)"
 log=$(mktemp /tmp/tensord-gpu-configure.XXXXXX) || exit 1
+# No -Werror: this machine's compiler may warn of what the development
+# one does not, and one GPU run must not end at a warning.
 if ! cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-  -DTENSORD_CUDA=ON >"$log" 2>&1; then
+  -DTENSORD_CUDA=ON -DTD_WERROR=OFF >"$log" 2>&1; then
   cat "$log" >&2
   rm -f "$log"
   echo "tests/gpu/run.sh: configure failed" >&2

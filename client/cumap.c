@@ -1037,6 +1037,25 @@ static CUresult peer_grant(td__cumap *m, CUdevice peer) {
   return r;
 }
 
+int td__cumap_reach(td__cumap *dm, td__cumap *sm) {
+  const td__cu *cu = dm->cu;
+  if (td__cu_forked(NULL, 0) < 0)
+    return 0;
+  int can = 0;
+  if (cu->DeviceCanAccessPeer == NULL ||
+      cu->DeviceCanAccessPeer(&can, dm->dev, sm->dev) != CUDA_SUCCESS || !can)
+    return 0;
+  CUcontext popped;
+  CUresult g = cu->CtxPushCurrent(dm->ctx);
+  if (g == CUDA_SUCCESS) {
+    g = peer_grant(sm, dm->dev);
+    if (g == CUDA_SUCCESS)
+      g = peer_grant(dm, sm->dev);
+    cu->CtxPopCurrent(&popped);
+  }
+  return g == CUDA_SUCCESS;
+}
+
 int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                    size_t n, char *msg, size_t len) {
   const td__cu *cu = dm->cu;
@@ -1046,24 +1065,15 @@ int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
   if (cu->MemcpyPeerAsync == NULL)
     return 1;
   /* GPUs that reach each other copy directly: each mapping must let the
-   * other GPU in. Where they do not, the driver stages the copy through
-   * the host with each GPU's own engine, which needs no access. */
+   * other GPU in, or the staged path copies instead. Where they do not
+   * reach each other, the driver stages the copy through the host with
+   * each GPU's own engine, which needs no access. */
   int can = 0;
   if (cu->DeviceCanAccessPeer != NULL &&
       cu->DeviceCanAccessPeer(&can, dm->dev, sm->dev) != CUDA_SUCCESS)
     can = 0;
-  if (can) {
-    CUcontext popped;
-    CUresult g = cu->CtxPushCurrent(dm->ctx);
-    if (g == CUDA_SUCCESS) {
-      g = peer_grant(sm, dm->dev);
-      if (g == CUDA_SUCCESS)
-        g = peer_grant(dm, sm->dev);
-      cu->CtxPopCurrent(&popped);
-    }
-    if (g != CUDA_SUCCESS)
-      return 1; /* the staged path still can */
-  }
+  if (can && !td__cumap_reach(dm, sm))
+    return 1;
   CUcontext popped;
   CUstream s;
   char e[128];
@@ -1383,6 +1393,10 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     const int64_t *ss, size_t es, int64_t numel, int tile,
                     char *msg, size_t len) {
   return 1;
+}
+
+int td__cumap_reach(td__cumap *dm, td__cumap *sm) {
+  return 0;
 }
 
 int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,

@@ -165,6 +165,12 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
                     int nd, const int64_t *size, const int64_t *ds,
                     const int64_t *ss, size_t es, int64_t numel, int tile,
                     char *msg, size_t len);
+/* 1 if dm's GPU and sm's (two different GPUs) reach each other (NVLink,
+ * PCIe P2P: cuDeviceCanAccessPeer) and each mapping now lets the other GPU
+ * in (cuMemSetAccess, made once per mapping and GPU), so that a kernel on
+ * either GPU may read and write both; else 0 (no P2P, or the grant was
+ * refused: the caller stages instead). */
+int td__cumap_reach(td__cumap *dm, td__cumap *sm);
 /* Copies n bytes from soff bytes into sm to doff bytes into dm, mappings on
  * two different GPUs, with cuMemcpyPeerAsync on dm's library stream, and
  * waits for it. Returns 0; 1 if the driver lacks the call or refuses it

@@ -2171,6 +2171,7 @@ static int covers(CUstream s, CUstream t) {
  * on, as a kernel's fault makes the driver's context fail. Called with mu
  * held. */
 static void run_kcopy(CUstream s, queued *c);
+static int reaches(int ord, uintptr_t p, size_t n, int need);
 
 /* Whether the work about to run is the TDCUDA_FAULT_AFTER-th. */
 static int fault_due(void) {
@@ -2866,8 +2867,13 @@ static void run_kcopy(CUstream s, queued *c) {
   size_t dn, sn;
   kcopy_extent(p, p->dst, p->ds, &dlo, &dn);
   kcopy_extent(p, p->src, p->ss, &slo, &sn);
+  /* A kernel runs on its context's device: every byte it touches must be
+   * mapped, and a VMM mapping must let that device in (its own, or a peer
+   * cuMemSetAccess named). */
   if (!accessible(dlo, dn, PROT_READ | PROT_WRITE) ||
-      !accessible(slo, sn, PROT_READ) || fault_due())
+      !accessible(slo, sn, PROT_READ) ||
+      !reaches(c->ord, dlo, dn, CU_MEM_ACCESS_FLAGS_PROT_READWRITE) ||
+      !reaches(c->ord, slo, sn, CU_MEM_ACCESS_FLAGS_PROT_READ) || fault_due())
     fault(s, c);
   else if (s->sticky == CUDA_SUCCESS)
     for (int64_t i = 0; i < p->numel; i++) {

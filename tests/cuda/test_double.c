@@ -1469,3 +1469,55 @@ Test(double_semantics, a_peer_copy_without_peer_access_faults) {
   cr_expect_eq(cu->MemsetD8(d0, 1, 64), CUDA_ERROR_ILLEGAL_ADDRESS,
                "the fault is the context's");
 }
+
+/* A kernel runs on its context's device: memory of another device's VMM
+ * mapping that did not let it in faults it; once cuMemSetAccess names it,
+ * the kernel reads the peer's memory. */
+Test(double_semantics, a_kernel_reaches_a_peers_memory_only_when_let_in) {
+  const td__cu *cu = load();
+  enter(cu, 0);
+  CUmemAllocationProp p0 = prop_for(0, 1);
+  CUmemGenericAllocationHandle h0, h1;
+  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
+  CUdeviceptr d0 =
+      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  memset((void *)(uintptr_t)d0, 0x6b, 4096);
+  enter(cu, 1);
+  CUmemAllocationProp p1 = prop_for(1, 1);
+  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
+  CUdeviceptr d1 =
+      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUmodule mod;
+  CUfunction fn;
+  CU_OK(cu->ModuleLoadData(&mod, fake_fatbin));
+  CU_OK(cu->ModuleGetFunction(&fn, mod, TD_KCOPY_NAME));
+  td_kcopy k;
+  memset(&k, 0, sizeof k);
+  k.nd = 1;
+  k.es = 1;
+  k.tile = -1;
+  k.numel = 4096;
+  k.dst = d1;
+  k.src = d0;
+  k.size[0] = 4096;
+  k.ds[0] = k.ss[0] = 1;
+  void *args[] = {&k};
+  CUstream s;
+  CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUmemAccessDesc a[2];
+  memset(a, 0, sizeof a);
+  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a[0].location.id = 0;
+  a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  a[1].location.id = 1;
+  a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+  CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2)); /* device 1 may read d0 */
+  CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
+  CU_OK(cu->StreamSynchronize(s));
+  cr_expect_eq(((uint8_t *)(uintptr_t)d1)[4095], 0x6b);
+  /* Taken back: the same launch faults, and the context is done. */
+  a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2));
+  CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
+  cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_ILLEGAL_ADDRESS);
+}

@@ -284,8 +284,10 @@ TDT_TEST(cuda_copy, switched_off_kernel_falls_back_to_staging) {
 }
 
 /* Dense views of one layout on two GPUs: one cuMemcpyPeerAsync, whether
- * the GPUs have peer access or not (the driver stages it then). */
-static void peer_copies(td_client *c) {
+ * the GPUs have peer access or not (the driver stages it then). Other
+ * views: where the GPUs reach each other, one launch of the kernel on the
+ * destination's GPU, reading the source over the link; else staged. */
+static void peer_copies(td_client *c, int peer) {
   int64_t n = 3000;
   td_view sv, dv;
   cr_assert_eq(td_view_contiguous(TD_INT32, 1, &n, &sv), 0);
@@ -298,24 +300,39 @@ static void peer_copies(td_client *c) {
   cr_assert_eq(calls("cuMemcpyPeerAsync"), 2);
   cr_assert_eq(calls("cuMemcpyDtoHAsync"), 0,
                "a dense copy between GPUs was staged through the host");
-  /* Not dense: staged through the host (docs/cuda.md). */
+  /* Not dense: a transpose from cuda:0 into cuda:1, and every other
+   * element back. */
   int64_t s[2] = {40, 30}, t[2] = {30, 40};
   cr_assert_eq(td_view_contiguous(TD_INT32, 2, s, &sv), 0);
   cr_assert_eq(td_view_transpose(&sv, 0, 1), 0);
   cr_assert_eq(td_view_contiguous(TD_INT32, 2, t, &dv), 0);
   check_copy(c, 1, &dv, 4800, 0, &sv, 4800, 97);
+  int64_t m = 500;
+  cr_assert_eq(td_view_contiguous(TD_INT32, 1, &m, &sv), 0);
+  dv = sv;
+  sv.stride[0] = 2;
+  check_copy(c, 0, &dv, 2000, 1, &sv, 4000, 96);
   cr_assert_eq(calls("cuMemcpyPeerAsync"), 2);
-  cr_assert_eq(calls("cuLaunchKernel"), 0);
+  if (peer && TD_HAVE_KCOPY) {
+    cr_assert_eq(calls("cuLaunchKernel td_copy_tiled"), 1);
+    cr_assert_eq(calls("cuLaunchKernel td_copy_strided"), 1);
+    cr_assert_eq(calls("cuMemcpyDtoHAsync"), 0,
+                 "a copy between GPUs that reach each other was staged");
+  } else {
+    cr_assert_eq(calls("cuLaunchKernel"), 0);
+    cr_assert_gt(calls("cuMemcpyDtoHAsync"), 0,
+                 "GPUs without peer access: not staged through the host");
+  }
 }
 
 TDT_TEST(cuda_copy, dense_copy_between_gpus_is_one_peer_copy) {
   td_client *c = start(NULL);
-  peer_copies(c);
+  peer_copies(c, 1);
   td_close(c);
 }
 
 TDT_TEST(cuda_copy, peer_copy_without_peer_access) {
   td_client *c = start("TDCUDA_NO_PEER=1");
-  peer_copies(c);
+  peer_copies(c, 0);
   td_close(c);
 }

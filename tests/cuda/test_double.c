@@ -1377,6 +1377,32 @@ Test(double_semantics, no_module_refuses_every_image) {
                CUDA_ERROR_NO_BINARY_FOR_GPU);
 }
 
+/* 2 MiB on device dev (its context current), mapped read-write there;
+ * its handle in *h. */
+static CUdeviceptr alloc_on(const td__cu *cu, int dev,
+                            CUmemGenericAllocationHandle *h) {
+  CUmemAllocationProp p = prop_for(dev, 1);
+  CU_OK(cu->MemCreate(h, 2 * MiB, &p, 0));
+  CUdeviceptr d =
+      map_handle(cu, *h, 2 * MiB, dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(d, 0);
+  return d;
+}
+
+/* Sets the 2 MiB mapping at d (of device own, read-write there) to let
+ * device peer in with flags. */
+static void let_in(const td__cu *cu, CUdeviceptr d, int own, int peer,
+                   CUmemAccess_flags flags) {
+  CUmemAccessDesc a[2];
+  memset(a, 0, sizeof a);
+  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a[0].location.id = own;
+  a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  a[1].location.id = peer;
+  a[1].flags = flags;
+  CU_OK(cu->MemSetAccess(d, 2 * MiB, a, 2));
+}
+
 /* Peer copies: each pointer in its context's device's memory, queued like
  * any device-to-device copy; peer access is reported between two devices
  * unless TDCUDA_NO_PEER=1, and never changes whether the copy works. */
@@ -1389,17 +1415,11 @@ static void peer_copy(int no_peer) {
   cr_expect_eq(can, !no_peer);
   CU_OK(cu->DeviceCanAccessPeer(&can, 0, 0));
   cr_expect_eq(can, 0);
-  CUcontext c1 = enter(cu, 1);
-  CUmemAllocationProp p1 = prop_for(1, 1);
   CUmemGenericAllocationHandle h1, h0;
-  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
-  CUdeviceptr d1 =
-      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUcontext c1 = enter(cu, 1);
+  CUdeviceptr d1 = alloc_on(cu, 1, &h1);
   CUcontext c0 = enter(cu, 0);
-  CUmemAllocationProp p0 = prop_for(0, 1);
-  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
-  CUdeviceptr d0 =
-      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUdeviceptr d0 = alloc_on(cu, 0, &h0);
   cr_assert(d0 != 0 && d1 != 0);
   CU_OK(cu->MemsetD8(d1, 0, 4096));
   CU_OK(cu->MemsetD8(d0, 0x5a, 4096));
@@ -1413,18 +1433,8 @@ static void peer_copy(int no_peer) {
     /* GPUs that reach each other copy by DMA into the other's memory: a
      * VMM mapping must give the peer access first (below: else the copy
      * faults). */
-    CUmemAccessDesc a[2];
-    memset(a, 0, sizeof a);
-    a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    a[0].location.id = 0;
-    a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    a[1].location.id = 1;
-    a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
-    CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2)); /* device 1 reads d0 */
-    a[0].location.id = 1;
-    a[1].location.id = 0;
-    a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CU_OK(cu->MemSetAccess(d1, 2 * MiB, a, 2)); /* device 0 writes d1 */
+    let_in(cu, d0, 0, 1, CU_MEM_ACCESS_FLAGS_PROT_READ);
+    let_in(cu, d1, 1, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   }
   CU_OK(cu->MemcpyPeerAsync(d1, c1, d0, c0, 4096, s));
   cr_expect_eq(b1[0], 0, "the peer copy landed before the sync");
@@ -1451,17 +1461,11 @@ Test(double_semantics, peer_copies_work_without_peer_access) {
  * the context's, sticky. */
 Test(double_semantics, a_peer_copy_without_peer_access_faults) {
   const td__cu *cu = load();
-  CUcontext c1 = enter(cu, 1);
-  CUmemAllocationProp p1 = prop_for(1, 1);
   CUmemGenericAllocationHandle h1, h0;
-  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
-  CUdeviceptr d1 =
-      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUcontext c1 = enter(cu, 1);
+  CUdeviceptr d1 = alloc_on(cu, 1, &h1);
   CUcontext c0 = enter(cu, 0);
-  CUmemAllocationProp p0 = prop_for(0, 1);
-  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
-  CUdeviceptr d0 =
-      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUdeviceptr d0 = alloc_on(cu, 0, &h0);
   CUstream s;
   CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
   CU_OK(cu->MemcpyPeerAsync(d1, c1, d0, c0, 4096, s)); /* issued */
@@ -1475,18 +1479,12 @@ Test(double_semantics, a_peer_copy_without_peer_access_faults) {
  * the kernel reads the peer's memory. */
 Test(double_semantics, a_kernel_reaches_a_peers_memory_only_when_let_in) {
   const td__cu *cu = load();
-  enter(cu, 0);
-  CUmemAllocationProp p0 = prop_for(0, 1);
   CUmemGenericAllocationHandle h0, h1;
-  CU_OK(cu->MemCreate(&h0, 2 * MiB, &p0, 0));
-  CUdeviceptr d0 =
-      map_handle(cu, h0, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  enter(cu, 0);
+  CUdeviceptr d0 = alloc_on(cu, 0, &h0);
   memset((void *)(uintptr_t)d0, 0x6b, 4096);
   enter(cu, 1);
-  CUmemAllocationProp p1 = prop_for(1, 1);
-  CU_OK(cu->MemCreate(&h1, 2 * MiB, &p1, 0));
-  CUdeviceptr d1 =
-      map_handle(cu, h1, 2 * MiB, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUdeviceptr d1 = alloc_on(cu, 1, &h1);
   CUmodule mod;
   CUfunction fn;
   CU_OK(cu->ModuleLoadData(&mod, fake_fatbin));
@@ -1504,20 +1502,12 @@ Test(double_semantics, a_kernel_reaches_a_peers_memory_only_when_let_in) {
   void *args[] = {&k};
   CUstream s;
   CU_OK(cu->StreamCreate(&s, CU_STREAM_NON_BLOCKING));
-  CUmemAccessDesc a[2];
-  memset(a, 0, sizeof a);
-  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  a[0].location.id = 0;
-  a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  a[1].location.id = 1;
-  a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
-  CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2)); /* device 1 may read d0 */
+  let_in(cu, d0, 0, 1, CU_MEM_ACCESS_FLAGS_PROT_READ); /* 1 may read d0 */
   CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
   CU_OK(cu->StreamSynchronize(s));
   cr_expect_eq(((uint8_t *)(uintptr_t)d1)[4095], 0x6b);
   /* Taken back: the same launch faults, and the context is done. */
-  a[1].flags = CU_MEM_ACCESS_FLAGS_PROT_NONE;
-  CU_OK(cu->MemSetAccess(d0, 2 * MiB, a, 2));
+  let_in(cu, d0, 0, 1, CU_MEM_ACCESS_FLAGS_PROT_NONE);
   CU_OK(cu->LaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, args, NULL));
   cr_expect_eq(cu->StreamSynchronize(s), CUDA_ERROR_ILLEGAL_ADDRESS);
 }

@@ -30,6 +30,32 @@ static const td__cu *load(void) {
   return cu;
 }
 
+/* 2 MiB on device dev (its context current), mapped read-write there;
+ * its handle in *h. */
+static CUdeviceptr alloc_on(const td__cu *cu, int dev,
+                            CUmemGenericAllocationHandle *h) {
+  CUmemAllocationProp p = prop_for(dev, 1);
+  CU_OK(cu->MemCreate(h, 2 * MiB, &p, 0));
+  CUdeviceptr d =
+      map_handle(cu, *h, 2 * MiB, dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  cr_assert_neq(d, 0);
+  return d;
+}
+
+/* Sets the 2 MiB mapping at d (of device own, read-write there) to let
+ * device peer in with flags. */
+static void let_in(const td__cu *cu, CUdeviceptr d, int own, int peer,
+                   CUmemAccess_flags flags) {
+  CUmemAccessDesc a[2];
+  memset(a, 0, sizeof a);
+  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a[0].location.id = own;
+  a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  a[1].location.id = peer;
+  a[1].flags = flags;
+  CU_OK(cu->MemSetAccess(d, 2 * MiB, a, 2));
+}
+
 /* ---- granularity ---- */
 
 Test(double_semantics, granularity_reported_and_enforced) {
@@ -924,12 +950,9 @@ Test(double_semantics, sticky_errors_end_the_context) {
   setenv("TDCUDA_FAULT_AFTER", "2", 1);
   const td__cu *cu = load();
   enter(cu, 0);
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
+  CUmemAllocationProp p = prop_for(0, 1);
   CU_OK(cu->MemsetD8(dev, 1, 64));
   CU_OK(cu->CtxSynchronize()); /* the first piece of work runs */
   CU_OK(cu->MemsetD8(dev, 2, 64));
@@ -1375,32 +1398,6 @@ Test(double_semantics, no_module_refuses_every_image) {
   CUmodule mod;
   cr_expect_eq(cu->ModuleLoadData(&mod, fake_fatbin),
                CUDA_ERROR_NO_BINARY_FOR_GPU);
-}
-
-/* 2 MiB on device dev (its context current), mapped read-write there;
- * its handle in *h. */
-static CUdeviceptr alloc_on(const td__cu *cu, int dev,
-                            CUmemGenericAllocationHandle *h) {
-  CUmemAllocationProp p = prop_for(dev, 1);
-  CU_OK(cu->MemCreate(h, 2 * MiB, &p, 0));
-  CUdeviceptr d =
-      map_handle(cu, *h, 2 * MiB, dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(d, 0);
-  return d;
-}
-
-/* Sets the 2 MiB mapping at d (of device own, read-write there) to let
- * device peer in with flags. */
-static void let_in(const td__cu *cu, CUdeviceptr d, int own, int peer,
-                   CUmemAccess_flags flags) {
-  CUmemAccessDesc a[2];
-  memset(a, 0, sizeof a);
-  a[0].location.type = a[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  a[0].location.id = own;
-  a[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  a[1].location.id = peer;
-  a[1].flags = flags;
-  CU_OK(cu->MemSetAccess(d, 2 * MiB, a, 2));
 }
 
 /* Peer copies: each pointer in its context's device's memory, queued like

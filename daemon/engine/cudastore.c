@@ -713,21 +713,23 @@ static int cuda_create_on(const char *name, const uint8_t uuid[16],
   pthread_mutex_lock(&mu);
   alloc *pooled = d->legacy ? NULL : pool_take(d, uid, size);
   alloc *gone = NULL, **tail = &gone, **t;
-  /* A release queued just before this create (a client releasing, then
-   * creating, at the capacity) frees its bytes, or pools them, in a
-   * moment on another thread: wait for it rather than fail. */
+  /* Short of room that could be had: the pool gives way first; then a
+   * release queued just before this create (a client releasing, then
+   * creating, at the capacity), which frees its bytes or pools them in a
+   * moment on another thread, is waited for rather than failed. */
   int64_t deadline = mono_ms() + RELEASE_WAIT_MS;
-  while (pooled == NULL && d->releasing > 0 &&
-         (size > d->capacity || d->used > d->capacity - size) &&
-         mono_ms() < deadline) {
+  while (pooled == NULL && size <= d->capacity &&
+         d->used > d->capacity - size) {
+    if ((t = pool_evict_oldest(d, tail)) != NULL) {
+      tail = t;
+      continue;
+    }
+    if (d->releasing == 0 || mono_ms() >= deadline)
+      break;
     struct timespec ts = {.tv_sec = deadline / 1000,
                           .tv_nsec = (deadline % 1000) * 1000000};
     pthread_cond_timedwait(&released_cv, &mu, &ts);
     pooled = d->legacy ? NULL : pool_take(d, uid, size);
-    while (pooled == NULL && size <= d->capacity &&
-           d->used > d->capacity - size &&
-           (t = pool_evict_oldest(d, tail)) != NULL)
-      tail = t;
   }
   if (pooled != NULL) {
     d->pool_hits++;

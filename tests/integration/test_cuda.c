@@ -42,6 +42,10 @@ static uint64_t first_instance;
 static char memcpy2d_log[64];
 /* The double's TDCUDA_STATE_DIR, while a test shares a GPU's memory. */
 static char mem_dir[64];
+/* The double's logs of contexts and of calls, while a test reads one
+ * (their formats below). */
+static char ctx_log[64];
+static char call_log[64];
 
 static void teardown(void) {
   tdt_cleanup();
@@ -57,6 +61,10 @@ static void teardown(void) {
     tdt_rmdir(mem_dir);
     mem_dir[0] = '\0';
   }
+  if (ctx_log[0] != '\0')
+    unlink(ctx_log);
+  if (call_log[0] != '\0')
+    unlink(call_log);
 }
 
 TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
@@ -321,7 +329,6 @@ TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
 
 /* The double's TDCUDA_CTX_LOG: "<pid> create|destroy <device>" lines. How
  * many of what the daemon wrote for device 0. */
-static char ctx_log[64];
 
 static int ctx_events(const char *what) {
   FILE *f = fopen(ctx_log, "r");
@@ -1694,7 +1701,6 @@ TDT_TEST(cuda, lookup_many_attaches_legacy_gpu_keys) {
 
 /* The double's TDCUDA_CALL_LOG: "<pid> <call>" lines ("<pid> <call>
  * refused" for a call refused in a forked child). */
-static char call_log[64];
 
 /* How many of pid's lines name call (NULL: any call). */
 static int calls(pid_t pid, const char *call) {

@@ -327,7 +327,7 @@ void tdt_rmdir(const char *dir) {
       continue;
     snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
     if (unlink(path) < 0 && errno == EISDIR)
-      rmdir(path);
+      tdt_rmdir(path); /* a test's subdirectory, and what it holds */
   }
   if (dd != NULL)
     closedir(dd);

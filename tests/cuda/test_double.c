@@ -780,12 +780,8 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
     fclose(f);
   unlink(log);
 
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
   CU_OK(cu->MemsetD8(dev, 0, 2 * MiB)); /* fresh memory holds junk */
   CU_OK(cu->StreamSynchronize(NULL));
   CUstream s;
@@ -846,12 +842,8 @@ Test(double_semantics, async_copies_land_at_the_streams_sync) {
 Test(double_semantics, device_writes_land_only_at_a_synchronisation) {
   const td__cu *cu = load();
   enter(cu, 0);
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
   volatile uint8_t *raw = (volatile uint8_t *)dev;
   /* A fresh allocation's bytes are junk at its ends (the driver's are
    * unspecified), so that reading memory never written is caught. */
@@ -987,12 +979,8 @@ Test(double_semantics, tdcuda_sync_runs_work_at_once) {
   setenv("TDCUDA_SYNC", "1", 1);
   const td__cu *cu = load();
   enter(cu, 0);
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
   CU_OK(cu->MemsetD8(dev, 0xa5, 64));
   cr_expect_eq(((volatile uint8_t *)dev)[63], 0xa5);
   CU_OK(unmap(cu, dev, 2 * MiB));
@@ -1012,12 +1000,8 @@ Test(double_semantics, global_capture_forbids_unsafe_calls_elsewhere) {
   capturer k;
   pthread_t t;
   capture_start(&k, cu, TDCUDA_DOUBLE, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, &t);
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
   CUstream own;
   CU_OK(cu->StreamCreate(&own, CU_STREAM_NON_BLOCKING));
   uint8_t src[64], back[64];
@@ -1207,12 +1191,8 @@ static void child_after_init(int sock) {
 Test(double_semantics, a_child_forked_after_cuinit_may_call_nothing) {
   const td__cu *cu = load();
   enter(cu, 0);
-  CUmemAllocationProp p = prop_for(0, 0);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr v =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(v, 0);
+  CUdeviceptr v = alloc_on(cu, 0, &h);
   int sv[2];
   pid_t pid = fork_child(sv, child_after_init);
   uint64_t vv = v, hh = h;
@@ -1283,12 +1263,8 @@ Test(double_semantics, copy_kernel_launch_is_checked_and_runs_at_the_sync) {
                CUDA_ERROR_NOT_FOUND);
   CU_OK(cu->ModuleGetFunction(&fn, mod, TD_KCOPY_NAME));
 
-  CUmemAllocationProp p = prop_for(0, 1);
   CUmemGenericAllocationHandle h;
-  CU_OK(cu->MemCreate(&h, 2 * MiB, &p, 0));
-  CUdeviceptr dev =
-      map_handle(cu, h, 2 * MiB, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  cr_assert_neq(dev, 0);
+  CUdeviceptr dev = alloc_on(cu, 0, &h);
   CU_OK(cu->MemsetD8(dev, 0, 2 * MiB));
   CU_OK(cu->StreamSynchronize(NULL));
   /* A 4 x 8 int32 source at dev, its transpose into dev + 4096. */

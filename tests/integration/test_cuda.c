@@ -71,16 +71,6 @@ TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 30);
 
 static void start_with(const char *name, const char *value);
 
-/* Creates nbytes on this process's cuda:index. */
-static int create_on(td_client *c, int64_t index, size_t nbytes,
-                     td_storage **s) {
-  td_create_opts o = {0};
-  o.nbytes = nbytes;
-  o.device = TD_CUDA;
-  o.device_index = index;
-  return td_storage_create_ex(c, &o, s);
-}
-
 /* The daemon's figures for its GPU with uuid. Asserts it lists it. */
 static td_device_stat gpu_stat(td_client *c, const uint8_t uuid[16]) {
   td_device_stat ds[8];
@@ -195,7 +185,7 @@ TDT_TEST(cuda, two_processes_share_the_same_device_memory) {
   td_client *c = tdt_connect(&d);
   td_storage *s;
   size_t n = 4 * MiB + 1;
-  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, n, &s), 0, "%s", td_last_error(c));
   shared_both_ways(c, s, n, peer);
 }
 
@@ -225,7 +215,7 @@ TDT_TEST(cuda, readonly_lookup_maps_read_only) {
   }
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   ((unsigned char *)td_storage_data(s))[10] = 42;
   cr_assert_eq(td_publish(c, "ro", s, NULL), 0);
   for (size_t i = 0; i < 2; i++) {
@@ -261,7 +251,7 @@ TDT_TEST(cuda, sigkill_of_the_last_holder_frees_the_allocation) {
   close(pfd[1]);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
   uint8_t uuid[16];
   cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
   cr_assert_eq(td_publish(c, "held", s, NULL), 0);
@@ -290,7 +280,7 @@ TDT_TEST(cuda, the_creator_may_go_first) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   ((unsigned char *)td_storage_data(s))[0] = 9;
   cr_assert_eq(td_publish(c, "k", s, NULL), 0);
   td_storage_release(s);
@@ -315,7 +305,7 @@ TDT_TEST(cuda, the_daemon_touches_the_driver_at_its_first_cuda_create) {
   cr_assert_eq(n, 0, "the daemon lists %zu GPUs before any CUDA create", n);
   cr_assert(!tdt_log_has(&d, "cuda: device"),
             "the daemon loaded the driver early");
-  cr_assert_eq(create_on(c, 1, 4096, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 4096, &g), 0, "%s", td_last_error(c));
   cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
   cr_assert_eq(n, 2, "the double has 2 GPUs; the daemon lists %zu", n);
   cr_assert(tdt_log_has(&d, "cuda: device"));
@@ -360,8 +350,8 @@ TDT_TEST(cuda, the_daemon_holds_a_context_only_while_it_has_storages) {
   unsetenv("TDCUDA_CTX_LOG");
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
   cr_assert_eq(ctx_events("create"), 1, "one context for both");
   cr_assert_eq(td_publish(c, "k", s, NULL), 0);
   td_storage_release(s);
@@ -371,7 +361,7 @@ TDT_TEST(cuda, the_daemon_holds_a_context_only_while_it_has_storages) {
   cr_assert(tdt_until(ctx_destroyed_once, &d, 10000),
             "the daemon kept its context with no storage on the GPU");
   /* The next create makes one again. */
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(ctx_events("create"), 2);
   td_storage_release(s);
   td_close(c);
@@ -387,7 +377,7 @@ TDT_TEST(cuda, an_exclusive_process_gpu_is_left_to_its_one_process) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_EBUSY);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_EBUSY);
   cr_assert(strstr(td_last_error(c), "EXCLUSIVE_PROCESS") != NULL &&
                 strstr(td_last_error(c), "cuda:0") != NULL,
             "%s", td_last_error(c));
@@ -407,7 +397,7 @@ TDT_TEST(cuda, an_exclusive_process_gpu_is_left_to_its_one_process) {
                "tensord took the exclusive GPU's context");
   /* Another GPU in the default mode would serve; here all are exclusive,
    * so the daemon still makes nothing, and says so again. */
-  cr_assert_eq(create_on(c, 1, 1 * MiB, &s), TD_EBUSY);
+  cr_assert_eq(tdt_create_cuda(c, 1, 1 * MiB, &s), TD_EBUSY);
   cr_assert_eq(release(0), CUDA_SUCCESS);
   unsetenv("TDCUDA_COMPUTE_MODE");
   td_close(c);
@@ -417,7 +407,7 @@ TDT_TEST(cuda, a_prohibited_gpu_is_named) {
   start_with("TDCUDA_COMPUTE_MODE", "prohibited");
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "PROHIBITED") != NULL, "%s",
             td_last_error(c));
   td_close(c);
@@ -445,11 +435,11 @@ TDT_TEST(cuda, a_mig_instance_is_named_and_accepted_as_mig) {
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 5 * MiB, &s), TD_ENOMEM);
+  cr_assert_eq(tdt_create_cuda(c, 0, 5 * MiB, &s), TD_ENOMEM);
   cr_assert(strstr(td_last_error(c), mig) != NULL &&
                 strstr(td_last_error(c), "capacity") != NULL,
             "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   td_device_stat ds[4];
   size_t n;
   cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0, "%s", td_last_error(c));
@@ -479,7 +469,7 @@ TDT_TEST(cuda, a_mig_instance_is_also_taken_as_gpu_dash) {
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   td_storage_release(s);
   td_close(c);
   unsetenv("TDCUDA_MIG");
@@ -492,17 +482,17 @@ TDT_TEST(cuda, capacity_is_per_device) {
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *s, *t, *u;
-  cr_assert_eq(create_on(c, 0, 5 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 5 * MiB, &s), 0, "%s", td_last_error(c));
   /* 5 MiB took 6: 2 MiB left of 8. */
-  cr_assert_eq(create_on(c, 0, 3 * MiB, &t), TD_ENOMEM);
+  cr_assert_eq(tdt_create_cuda(c, 0, 3 * MiB, &t), TD_ENOMEM);
   cr_assert_null(t);
   const char *e = td_last_error(c);
   cr_assert(strstr(e, "capacity") != NULL && strstr(e, "cuda:0") != NULL &&
                 strstr(e, "2.0 MiB") != NULL,
             "the message names neither the capacity nor the device: %s", e);
   /* The other device has its own. */
-  cr_assert_eq(create_on(c, 1, 3 * MiB, &u), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 3 * MiB, &u), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &t), 0, "%s", td_last_error(c));
   uint8_t uuid[16];
   cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
   td_device_stat g = gpu_stat(c, uuid);
@@ -520,10 +510,10 @@ TDT_TEST(cuda, cuda_devices_limits_what_tensord_touches) {
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "--cuda-devices") != NULL, "%s",
             td_last_error(c));
-  cr_assert_eq(create_on(c, 1, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 1 * MiB, &s), 0, "%s", td_last_error(c));
   td_device_stat ds[4];
   size_t n;
   cr_assert_eq(td_stat_devices(c, ds, 4, &n), 0);
@@ -537,7 +527,7 @@ TDT_TEST(cuda, no_device_of_that_ordinal) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 2, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 2, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "cuda:2") != NULL, "%s", td_last_error(c));
   td_create_opts o = {.nbytes = 4096, .device_index = 1};
   cr_assert_eq(td_storage_create_ex(c, &o, &s), TD_EINVAL,
@@ -550,7 +540,7 @@ TDT_TEST(cuda, without_a_driver_the_client_says_why) {
   setenv("TENSORD_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
             td_last_error(c));
   /* CPU storages are unaffected. */
@@ -568,7 +558,7 @@ TDT_TEST(cuda, without_a_driver_the_daemon_says_why) {
   setenv("TENSORD_CUDA_DRIVER", keep, 1); /* the client has the double */
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "/nonexistent/libcuda.so.1") != NULL, "%s",
             td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &s), 0);
@@ -630,7 +620,7 @@ TDT_TEST(cuda, legacy_ipc_handles_share_device_memory_across_processes) {
   td_storage *s;
   size_t n = 4 * MiB + 1;
   int fds = fds_of(getpid(), 0);
-  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, n, &s), 0, "%s", td_last_error(c));
   /* No fd travelled with the reply: the handle is in it. (The double's
    * open of it keeps a memfd here, as the driver keeps its device files.) */
   cr_assert_eq(fds_of(getpid(), 0), fds, "a legacy create left %d new fds here",
@@ -652,7 +642,7 @@ TDT_TEST(cuda, legacy_sigkill_of_the_last_holder_frees_the_allocation) {
   close(pfd[1]);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
   uint8_t uuid[16];
   cr_assert_eq(td_storage_device_uuid(s, uuid), 0);
   cr_assert_eq(td_publish(c, "held", s, NULL), 0);
@@ -686,7 +676,7 @@ TDT_TEST(cuda, legacy_handle_opens_once_per_process) {
   start_legacy();
   td_client *c = tdt_connect(&d);
   td_storage *s, *r, *r2;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "k", s, NULL), 0);
   cr_assert_eq(td_lookup(c, "k", TD_RDONLY, 0, &r, NULL), 0, "%s",
                td_last_error(c));
@@ -726,7 +716,7 @@ static void legacy_round_trip(void) {
   td_storage *s;
   size_t n = 4 * MiB + 1;
   int fds = fds_of(getpid(), 0);
-  cr_assert_eq(create_on(c, 0, n, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, n, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(fds_of(getpid(), 0), fds, "an fd travelled: not legacy");
   cr_assert_eq(daemon_allocations(), 1);
   shared_both_ways(c, s, n, peer);
@@ -756,14 +746,14 @@ TDT_TEST(cuda, a_driver_not_yet_ready_is_tried_again) {
   start_with("TDCUDA_INIT_NOT_READY", "1");
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   cr_assert(strstr(td_last_error(c), "CUDA_ERROR_SYSTEM_NOT_READY") != NULL &&
                 strstr(td_last_error(c), "still starting") != NULL,
             "%s", td_last_error(c));
   /* At once: the same answer, without hammering the driver. */
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), TD_ENODEV);
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), TD_ENODEV);
   usleep(1100 * 1000);
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   td_storage_release(s);
   td_close(c);
 }
@@ -776,7 +766,7 @@ static int make_on_1(void *p) {
   td_storage *s;
   unsetenv("CUDA_VISIBLE_DEVICES");
   CHECK(td_connect(a->sock, &c) == 0);
-  CHECK_ERR(c, create_on(c, 1, 1 * MiB, &s), 0);
+  CHECK_ERR(c, tdt_create_cuda(c, 1, 1 * MiB, &s), 0);
   ((unsigned char *)td_storage_data(s))[7] = 77;
   CHECK_ERR(c, td_publish(c, a->key, s, NULL), 0);
   td_storage_release(s);
@@ -842,7 +832,7 @@ TDT_TEST(cuda, tensorctl_shows_the_device) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s, *h;
-  cr_assert_eq(create_on(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 3 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &h), 0);
   char out[8192];
   cr_assert_eq(ctl("ls", out, sizeof(out)), 0);
@@ -869,7 +859,7 @@ TDT_TEST(cuda, keys_of_gpu_storages_do_not_outlive_the_daemon) {
   first_instance = d.instance;
   td_client *c = tdt_connect(&d);
   td_storage *g, *h, *o;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &g), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &h), 0);
   cr_assert_eq(td_storage_create(c, 4096, &o), 0);
   cr_assert_eq(td_publish(c, "gpu", g, NULL), 0);
@@ -918,8 +908,8 @@ TDT_TEST(cuda, copy_between_host_and_device) {
   cr_assert_eq(td_view_contiguous(TD_INT32, 2, shape, &v), 0);
   cr_assert_eq(td_storage_create(c, 48, &h), 0);
   cr_assert_eq(td_storage_create(c, 48, &h2), 0);
-  cr_assert_eq(create_on(c, 0, 48, &g), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 1, 48, &g2), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 48, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 1, 48, &g2), 0, "%s", td_last_error(c));
   int32_t *hp = td_storage_data(h), *h2p = td_storage_data(h2);
   /* The double's device pointers are host addresses: read them to check. */
   int32_t *gp = td_storage_data(g), *g2p = td_storage_data(g2);
@@ -999,8 +989,8 @@ static void check_rows(td_client *c, const td_view *dv, size_t dn,
   cr_assert_eq(td_storage_create(c, sn * 4, &hs), 0);
   cr_assert_eq(td_storage_create(c, dn * 4, &hd), 0);
   cr_assert_eq(td_storage_create(c, dn * 4, &ref), 0);
-  cr_assert_eq(create_on(c, 0, sn * 4, &gs), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, dn * 4, &gd), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, sn * 4, &gs), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, dn * 4, &gd), 0, "%s", td_last_error(c));
   fill(hs, sn, 1);
   fill(gs, sn, 1);
   fill(ref, dn, -1000);
@@ -1114,8 +1104,8 @@ TDT_TEST(cuda, td_copy_to_a_gpu_is_done_when_it_returns) {
   td_storage *h, *g, *g2;
   size_t n = 3 * 4096;
   cr_assert_eq(td_storage_create(c, n, &h), 0);
-  cr_assert_eq(create_on(c, 0, n, &g), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, n, &g2), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, n, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, n, &g2), 0, "%s", td_last_error(c));
   unsigned char *hp = td_storage_data(h);
   for (size_t i = 0; i < n; i++)
     hp[i] = (unsigned char)(i % 251);
@@ -1171,7 +1161,7 @@ TDT_TEST(cuda, a_new_gpu_storage_reads_as_zeros_elsewhere_at_once) {
   pid_t peer2 = tdt_fork_held(peer_sees_zeros, &a2, 0);
   td_client *c = tdt_connect(&d);
   td_storage *z, *u;
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &z), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "zeroed", z, NULL), 0, "%s", td_last_error(c));
   cr_assert_eq(tdt_wait(tdt_go(peer)), 0,
                "a zeroed storage is not zeros in another process");
@@ -1239,7 +1229,7 @@ TDT_TEST(cuda, storages_work_while_another_thread_captures_a_graph) {
   cr_assert_eq(td_storage_create(c, 8192, &back), 0);
   /* Loads the driver in this process and maps one storage first, so that
    * the capture is the only thing new below. */
-  cr_assert_eq(create_on(c, 0, 4096, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4096, &g), 0, "%s", td_last_error(c));
   td_storage_release(g);
 
   void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
@@ -1261,7 +1251,7 @@ TDT_TEST(cuda, storages_work_while_another_thread_captures_a_graph) {
   pthread_barrier_wait(&k.capturing);
   cr_assert_eq(k.begun, CUDA_SUCCESS, "cuStreamBeginCapture: %d", k.begun);
 
-  int err = create_on(c, 0, 8192, &g);
+  int err = tdt_create_cuda(c, 0, 8192, &g);
   const char *why = err < 0 ? td_last_error(c) : "";
   int copied = -1, fetched = -1;
   if (err == 0) {
@@ -1357,7 +1347,7 @@ TDT_TEST(cuda, a_consumer_waits_on_the_event_published_with_the_key) {
   pid_t late = tdt_fork_held(peer_wait, &a, 0);
   td_client *c = tdt_connect(&d);
   td_storage *s, *h;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   app_cu cu = app_driver();
   /* The producer's work, then its record. */
   ((unsigned char *)td_storage_data(s))[3] = 33;
@@ -1395,7 +1385,7 @@ TDT_TEST(cuda, the_publishing_process_waits_on_its_own_event) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d), *c2 = tdt_connect(&d);
   td_storage *s, *h;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   app_cu cu = app_driver();
   CUevent ev;
   cr_assert_eq(
@@ -1422,7 +1412,7 @@ TDT_TEST(cuda, a_publish_with_an_event_needs_an_interprocess_one_on_a_gpu) {
   tdt_start(&d, NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s, *h;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   app_cu cu = app_driver();
   CUevent ev;
   cr_assert_eq(cu.EventCreate(&ev, CU_EVENT_DISABLE_TIMING), CUDA_SUCCESS);
@@ -1465,7 +1455,7 @@ static int producer(void *p) {
   td_client *c;
   td_storage *s;
   CHECK(td_connect(a->sock, &c) == 0);
-  CHECK_ERR(c, create_on(c, 0, 1 * MiB, &s), 0);
+  CHECK_ERR(c, tdt_create_cuda(c, 0, 1 * MiB, &s), 0);
   void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW);
   CHECK(lib != NULL);
   CUresult (*retain)(CUcontext *, CUdevice);
@@ -1663,7 +1653,8 @@ static void many_gpu_and_cpu(void) {
   for (size_t i = 0; i < MANY_GPU + 2; i++) {
     int gpu = i < MANY_GPU;
     if (gpu)
-      cr_assert_eq(create_on(c, 0, 1 * MiB, &s[i]), 0, "%s", td_last_error(c));
+      cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s[i]), 0, "%s",
+                   td_last_error(c));
     else
       cr_assert_eq(td_storage_create(c, 4096, &s[i]), 0);
     memset(td_storage_data(s[i]), gpu ? (int)i + 1 : 0xc0 + (int)(i - MANY_GPU),
@@ -1759,7 +1750,7 @@ TDT_TEST(cuda, a_pooled_create_and_attach_makes_no_allocation_and_no_import) {
   start_logged(NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 3 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 3 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
   memset(td_storage_data(s), 0x5c, 3 * MiB); /* the double's memory is ours */
   td_storage_release(s);
@@ -1773,7 +1764,7 @@ TDT_TEST(cuda, a_pooled_create_and_attach_makes_no_allocation_and_no_import) {
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 1);
 
   /* The same uid, GPU and rounded size: the pooled allocation serves it. */
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 1, "the daemon made a fresh one");
   cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), imports,
                "the client imported the recycled allocation again");
@@ -1786,7 +1777,7 @@ TDT_TEST(cuda, a_pooled_create_and_attach_makes_no_allocation_and_no_import) {
   cr_assert_eq(g.bytes_used, 4 * MiB);
   /* Another size is another class: a fresh allocation. */
   td_storage *t;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &t), 0, "%s", td_last_error(c));
   cr_assert_eq(calls(d.pid, "cuMemCreate"), 2);
   td_storage_release(t);
   td_storage_release(s);
@@ -1800,12 +1791,12 @@ TDT_TEST(cuda, pooled_bytes_count_against_the_capacity) {
                                      "--cuda-recycle-bytes", "8M", NULL});
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
   td_storage_release(s);
   pool_is(1);
   /* 8 MiB fit only once the pooled 4 MiB give way. */
-  cr_assert_eq(create_on(c, 0, 8 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 8 * MiB, &s), 0, "%s", td_last_error(c));
   td_device_stat g = pool_stat(&d);
   cr_assert_eq(g.pool_allocs, 0, "the pool kept its allocation");
   cr_assert_eq(g.bytes_used, 8 * MiB);
@@ -1815,7 +1806,7 @@ TDT_TEST(cuda, pooled_bytes_count_against_the_capacity) {
   td_storage_release(s);
   pool_is(1);
   cr_assert_eq(pool_stat(&d).pool_bytes, 8 * MiB);
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   g = pool_stat(&d);
   cr_assert_eq(g.pool_bytes, 0);
   cr_assert_eq(g.bytes_used, 2 * MiB);
@@ -1834,7 +1825,7 @@ TDT_TEST(cuda, pooled_allocations_age_out_and_none_outlive_tensord) {
   start_logged((const char *const[]){"--recycle-idle", "300", NULL});
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_device_uuid(s, pool_uuid), 0);
   td_storage_release(s);
   pool_is(1);
@@ -1845,8 +1836,8 @@ TDT_TEST(cuda, pooled_allocations_age_out_and_none_outlive_tensord) {
   cr_assert(tdt_until(released_want, &d, 5000), "%d release(s), not 1",
             calls(d.pid, "cuMemRelease"));
   /* At the stop, everything pooled is released. */
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
   td_storage_release(s);
   td_storage_release(t);
   td_close(c);
@@ -1929,14 +1920,14 @@ TDT_TEST(cuda, a_warm_mapping_never_serves_another_daemons_allocation) {
   start_logged(NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   memset(td_storage_data(s), 0x77, 2 * MiB);
   td_storage_release(s);
   td_close(c);
   tdt_stop(&d);
   tdt_start(&d, NULL);
   c = tdt_connect(&d);
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(calls(getpid(), "cuMemImportFromShareableHandle"), 2,
                "the first daemon's mapping served the second's allocation");
   const unsigned char *b = td_storage_data(s);
@@ -1958,7 +1949,7 @@ static int faulting_client(void *p) {
   td_client *c;
   td_storage *s, *t;
   CHECK(td_connect(sock, &c) == 0);
-  CHECK_ERR(c, create_on(c, 0, 2 * MiB, &s), 0);
+  CHECK_ERR(c, tdt_create_cuda(c, 0, 2 * MiB, &s), 0);
   CHECK_ERR(c, td_publish(c, "pre-fault", s, NULL), 0);
   void *lib = dlopen(getenv("TENSORD_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
   CHECK(lib != NULL);
@@ -1993,10 +1984,10 @@ static int faulting_client(void *p) {
   }
   /* A new storage: the daemon makes it, this process cannot map it, and
    * the reference it was given goes back. */
-  CHECK_ERR(c, create_on(c, 0, 2 * MiB, &t), TD_EIO);
+  CHECK_ERR(c, tdt_create_cuda(c, 0, 2 * MiB, &t), TD_EIO);
   CHECK_MSG(c, "unusable");
   /* Another GPU's context is not this one. */
-  CHECK_ERR(c, create_on(c, 1, 2 * MiB, &t), 0);
+  CHECK_ERR(c, tdt_create_cuda(c, 1, 2 * MiB, &t), 0);
   td_storage_release(t);
   td_storage_release(h);
   td_storage_release(s);
@@ -2016,7 +2007,7 @@ TDT_TEST(cuda, a_sticky_fault_in_one_process_leaves_the_others_working) {
   cr_assert_eq(tdt_storages(&d), 0, "the faulted process's storages stay");
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   td_view v;
   cr_assert_eq(td_view_contiguous(TD_UINT8, 1, (int64_t[]){4096}, &v), 0);
   td_storage *h;
@@ -2093,7 +2084,7 @@ TDT_TEST(cuda, a_gpu_filled_by_another_program_is_out_of_memory_for_tensord) {
 
   td_client *c = tdt_connect(&d);
   td_storage *s, *t;
-  cr_assert_eq(create_on(c, 0, 8 * MiB, &s), TD_ENOMEM);
+  cr_assert_eq(tdt_create_cuda(c, 0, 8 * MiB, &s), TD_ENOMEM);
   const char *m = td_last_error(c);
   cr_assert(strstr(m, "cuda:0 (GPU-") != NULL &&
                 strstr(m, "CUDA_ERROR_OUT_OF_MEMORY") != NULL &&
@@ -2103,16 +2094,16 @@ TDT_TEST(cuda, a_gpu_filled_by_another_program_is_out_of_memory_for_tensord) {
 
   /* 2 MiB fits; released, it waits in the pool, where a 4 MiB storage
    * cannot use it and the GPU has no room beside it: the pool gives way. */
-  cr_assert_eq(create_on(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 2 * MiB, &s), 0, "%s", td_last_error(c));
   td_storage_release(s);
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &t), 0, "%s", td_last_error(c));
   cr_assert(tdt_log_has(&d, "released 1 pooled allocation(s)"));
   td_storage_release(t);
 
   close(done[1]);
   cr_assert_eq(tdt_wait(hog), 0);
   close(ready[0]);
-  cr_assert_eq(create_on(c, 0, 14 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 14 * MiB, &s), 0, "%s", td_last_error(c));
   td_storage_release(s);
   td_close(c);
   tdt_stop(&d);
@@ -2127,14 +2118,14 @@ static void release_then_create(const char *const *args) {
   tdt_start(&d, args);
   td_client *c = tdt_connect(&d);
   td_storage *a, *b;
-  cr_assert_eq(create_on(c, 0, 8 * MiB, &a), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 8 * MiB, &a), 0, "%s", td_last_error(c));
   for (int i = 0; i < 50; i++) {
     td_storage_release(a);
     /* Another size, so that the pool cannot serve it. */
-    cr_assert_eq(create_on(c, 0, (size_t)(i % 2 ? 8 : 6) * MiB, &a), 0,
+    cr_assert_eq(tdt_create_cuda(c, 0, (size_t)(i % 2 ? 8 : 6) * MiB, &a), 0,
                  "round %d: %s", i, td_last_error(c));
   }
-  cr_assert_eq(create_on(c, 0, 4 * MiB, &b), TD_ENOMEM,
+  cr_assert_eq(tdt_create_cuda(c, 0, 4 * MiB, &b), TD_ENOMEM,
                "the capacity is not full");
   td_storage_release(a);
   td_close(c);
@@ -2181,7 +2172,7 @@ static int forked_child_may_not_use_cuda(void *p) {
   CHECK(s == NULL);
   CHECK(strstr(td_last_error(c), "CUDA storage ") != NULL);
   CHECK(names_the_fork(td_last_error(c), a->parent));
-  CHECK_ERR(c, create_on(c, 0, 1 * MiB, &s), TD_EFORKED);
+  CHECK_ERR(c, tdt_create_cuda(c, 0, 1 * MiB, &s), TD_EFORKED);
   CHECK(names_the_fork(td_last_error(c), a->parent));
   /* td_copy into the inherited mapping is refused too. */
   td_storage *h;
@@ -2209,7 +2200,7 @@ TDT_TEST(cuda,
   start_logged(NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s, *cpu;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   ((unsigned char *)td_storage_data(s))[0] = 7;
   cr_assert_eq(td_publish(c, "g", s, NULL), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_create(c, 64, &cpu), 0, "%s", td_last_error(c));
@@ -2259,7 +2250,7 @@ TDT_TEST(cuda, the_double_refuses_a_forked_child_as_the_driver_does) {
   start_logged(NULL);
   td_client *c = tdt_connect(&d);
   td_storage *s;
-  cr_assert_eq(create_on(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 1 * MiB, &s), 0, "%s", td_last_error(c));
   cr_assert_eq(td_publish(c, "g", s, NULL), 0, "%s", td_last_error(c));
   fork_arg a = {d.sock, getpid(), NULL, NULL};
   pid_t pid = tdt_fork(child_asks_the_driver, &a);

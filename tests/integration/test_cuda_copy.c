@@ -63,15 +63,6 @@ static int calls(const char *call) {
   return count;
 }
 
-static int create_on(td_client *c, int64_t index, size_t nbytes,
-                     td_storage **s) {
-  td_create_opts o = {0};
-  o.nbytes = nbytes;
-  o.device = TD_CUDA;
-  o.device_index = index;
-  return td_storage_create_ex(c, &o, s);
-}
-
 /* Fills n bytes of s (a CPU storage, or a GPU's through the double, whose
  * device pointers are host addresses) from a seed. */
 static void fill(td_storage *s, size_t n, unsigned seed) {
@@ -126,8 +117,8 @@ static void check_copy(td_client *c, int dgpu, const td_view *dv, size_t dn,
   td_storage *hs, *ref, *gs, *gd;
   cr_assert_eq(td_storage_create(c, sn, &hs), 0);
   cr_assert_eq(td_storage_create(c, dn, &ref), 0);
-  cr_assert_eq(create_on(c, sgpu, sn, &gs), 0, "%s", td_last_error(c));
-  cr_assert_eq(create_on(c, dgpu, dn, &gd), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, sgpu, sn, &gs), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, dgpu, dn, &gd), 0, "%s", td_last_error(c));
   fill(hs, sn, seed);
   fill(gs, sn, seed);
   fill(ref, dn, ~seed);
@@ -226,7 +217,7 @@ TDT_TEST(cuda_copy, module_is_unloaded_with_the_last_mapping) {
 TDT_TEST(cuda_copy, overlapping_views_of_one_storage_are_staged) {
   td_client *c = start(NULL);
   td_storage *g, *h;
-  cr_assert_eq(create_on(c, 0, 4096, &g), 0, "%s", td_last_error(c));
+  cr_assert_eq(tdt_create_cuda(c, 0, 4096, &g), 0, "%s", td_last_error(c));
   cr_assert_eq(td_storage_create(c, 4096, &h), 0);
   fill(g, 4096, 3);
   memcpy(td_storage_data(h), td_storage_data(g), 4096);

@@ -436,20 +436,25 @@ int tdt_log_has(const tdt_daemon *d, const char *needle) {
   return found;
 }
 
-pid_t tdt_fork(int (*fn)(void *), void *arg) {
+/* Forks a child that dies with the test. A test that fails ends its
+ * process at once: a child parked in pause() would outlive it, hold
+ * ctest's output pipe open until ctest's timeout and keep its client
+ * connected. So the child dies with the test (and if the test died before
+ * the prctl, at once). Returns the pid, 0 in the child. */
+static pid_t fork_tied(void) {
   fflush(NULL);
   pid_t parent = getpid();
   pid_t pid = fork();
   cr_assert(pid >= 0, "fork: %s", strerror(errno));
-  if (pid == 0) {
-    /* A test that fails ends its process at once: a child parked in
-     * pause() would outlive it, hold ctest's output pipe open until ctest's
-     * timeout and keep its client connected. It dies with the test (and if
-     * the test died before the prctl, at once). */
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
-      _exit(125);
+  if (pid == 0 && (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent))
+    _exit(125);
+  return pid;
+}
+
+pid_t tdt_fork(int (*fn)(void *), void *arg) {
+  pid_t pid = fork_tied();
+  if (pid == 0)
     _exit(fn(arg));
-  }
   return pid;
 }
 
@@ -485,13 +490,8 @@ pid_t tdt_fork_held(int (*fn)(void *), void *arg, size_t size) {
   int pfd[2];
   /* Close-on-exec: a tensord started later must not hold it. */
   cr_assert_eq(pipe2(pfd, O_CLOEXEC), 0, "pipe2: %s", strerror(errno));
-  fflush(NULL);
-  pid_t parent = getpid();
-  pid_t pid = fork();
-  cr_assert(pid >= 0, "fork: %s", strerror(errno));
+  pid_t pid = fork_tied();
   if (pid == 0) {
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
-      _exit(125);
     close(pfd[1]);
     char go;
     /* EOF: the parent closed it without tdt_go (it failed): give up. */
@@ -602,4 +602,13 @@ int tdt_raw_connect(const tdt_daemon *d, int hello) {
     td__wire_free(&w);
   }
   return fd;
+}
+
+int tdt_create_cuda(td_client *c, int64_t index, size_t nbytes,
+                    td_storage **s) {
+  td_create_opts o = {0};
+  o.nbytes = nbytes;
+  o.device = TD_CUDA;
+  o.device_index = index;
+  return td_storage_create_ex(c, &o, s);
 }

@@ -109,6 +109,9 @@ void tdt_preload(const char *lib);
 
 /* Connects to d; asserts. */
 td_client *tdt_connect(const tdt_daemon *d);
+/* Creates nbytes on c's process's cuda:index (td_storage_create_ex).
+ * Returns its result. */
+int tdt_create_cuda(td_client *c, int64_t index, size_t nbytes, td_storage **s);
 /* Segments of d's instance in /dev/shm now. */
 int tdt_segments(const tdt_daemon *d);
 /* Storages d has now (asserts the stat call works). */

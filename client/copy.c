@@ -542,7 +542,8 @@ static int copy_device(td_storage *dst, const td_view *dv,
                              (unsigned long long)td_storage_id(src), why);
       return 0;
     }
-  } else if (dm != NULL && sm != NULL && !one_gpu && td__cumap_reach(dm, sm) &&
+  } else if (dm != NULL && sm != NULL && !one_gpu &&
+             td__cumap_reach(dm, sm) > 0 &&
              (err = copy_kernel(dm, dst, dv, sm, src, sv)) <= 0) {
     /* Other views on two GPUs that reach each other: the kernel on the
      * destination's GPU, reading the source over the link (writes stay

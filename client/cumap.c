@@ -1040,7 +1040,7 @@ static CUresult peer_grant(td__cumap *m, CUdevice peer) {
 int td__cumap_reach(td__cumap *dm, td__cumap *sm) {
   const td__cu *cu = dm->cu;
   if (td__cu_forked(NULL, 0) < 0)
-    return 0;
+    return -1;
   int can = 0;
   if (cu->DeviceCanAccessPeer == NULL ||
       cu->DeviceCanAccessPeer(&can, dm->dev, sm->dev) != CUDA_SUCCESS || !can)
@@ -1053,7 +1053,7 @@ int td__cumap_reach(td__cumap *dm, td__cumap *sm) {
       g = peer_grant(dm, sm->dev);
     cu->CtxPopCurrent(&popped);
   }
-  return g == CUDA_SUCCESS;
+  return g == CUDA_SUCCESS ? 1 : -1;
 }
 
 int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
@@ -1068,11 +1068,7 @@ int td__cumap_peer(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
    * other GPU in, or the staged path copies instead. Where they do not
    * reach each other, the driver stages the copy through the host with
    * each GPU's own engine, which needs no access. */
-  int can = 0;
-  if (cu->DeviceCanAccessPeer != NULL &&
-      cu->DeviceCanAccessPeer(&can, dm->dev, sm->dev) != CUDA_SUCCESS)
-    can = 0;
-  if (can && !td__cumap_reach(dm, sm))
+  if (td__cumap_reach(dm, sm) < 0)
     return 1;
   CUcontext popped;
   CUstream s;

@@ -168,8 +168,9 @@ int td__cumap_kcopy(td__cumap *dm, size_t doff, td__cumap *sm, size_t soff,
 /* 1 if dm's GPU and sm's (two different GPUs) reach each other (NVLink,
  * PCIe P2P: cuDeviceCanAccessPeer) and each mapping now lets the other GPU
  * in (cuMemSetAccess, made once per mapping and GPU), so that a kernel on
- * either GPU may read and write both; else 0 (no P2P, or the grant was
- * refused: the caller stages instead). */
+ * either GPU may read and write both; 0 if they do not reach each other;
+ * -1 if they do but the grant was refused (or this is a forked child):
+ * the caller stages instead. */
 int td__cumap_reach(td__cumap *dm, td__cumap *sm);
 /* Copies n bytes from soff bytes into sm to doff bytes into dm, mappings on
  * two different GPUs, with cuMemcpyPeerAsync on dm's library stream, and

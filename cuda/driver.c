@@ -286,10 +286,10 @@ const char *td__cu_strerror(const td__cu *cu, CUresult r, char *buf,
     if (cu->GetErrorString(r, &text) != CUDA_SUCCESS)
       text = NULL;
   }
+  /* Short enough that the longest sticky error's name and text and this
+   * fit the 128-byte buffers the callers format into. */
   const char *sticky = td__cu_sticky(r)
-                           ? ": this process's CUDA context on that GPU is "
-                             "unusable (a sticky error: every later CUDA call "
-                             "there fails), so the process must restart"
+                           ? ": sticky, this GPU's context is unusable: restart"
                            : "";
   if (name != NULL && text != NULL)
     snprintf(buf, len, "%s (%s)%s", name, text, sticky);

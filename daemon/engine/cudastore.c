@@ -621,32 +621,61 @@ static CUresult vmm_make(const dev *d, alloc *m, uint64_t size,
   return r;
 }
 
+/* Makes m's memory, size bytes, on d's path, once. */
+static CUresult mem_make_once(const dev *d, alloc *m, uint64_t size,
+                              td__created *out, const char **what) {
+  return d->legacy ? legacy_make(d, m, out, what) : vmm_make(d, m, size, what);
+}
+
+/* Evicts every pooled allocation of d onto *gone, adding up *bytes and *n.
+ * Called with mu held. */
+static void pool_evict_all(dev *d, alloc **gone, uint64_t *bytes, uint64_t *n) {
+  alloc **tail = gone, **t;
+  while (*tail != NULL)
+    tail = &(*tail)->next;
+  while ((t = pool_evict_oldest(d, tail)) != NULL) {
+    *bytes += (*tail)->size;
+    (*n)++;
+    tail = t;
+  }
+}
+
 /* Makes m's memory, size bytes, on d's path. A GPU's memory is shared with
  * every process on it, so the driver may be out of memory well inside
  * --cuda-capacity: then the pool gives way (all of d's pooled allocations,
- * whatever their uid, are released) and the driver is asked once more. */
+ * whatever their uid, are released) and the driver is asked again; and
+ * with nothing pooled, a release queued before this create (which frees
+ * its memory, or pools it, in a moment on another thread) is waited for,
+ * up to RELEASE_WAIT_MS, before the create fails. */
 static CUresult mem_make(dev *d, alloc *m, uint64_t size, td__created *out,
                          const char **what) {
-  CUresult r =
-      d->legacy ? legacy_make(d, m, out, what) : vmm_make(d, m, size, what);
-  if (r != CUDA_ERROR_OUT_OF_MEMORY)
-    return r;
-  alloc *gone = NULL, **tail = &gone, **t;
-  uint64_t bytes = 0, n = 0;
-  pthread_mutex_lock(&mu);
-  while ((t = pool_evict_oldest(d, tail)) != NULL) {
-    bytes += (*tail)->size;
-    n++;
-    tail = t;
+  CUresult r = mem_make_once(d, m, size, out, what);
+  int64_t deadline = mono_ms() + RELEASE_WAIT_MS;
+  while (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    alloc *gone = NULL;
+    uint64_t bytes = 0, n = 0;
+    int waited = 0;
+    pthread_mutex_lock(&mu);
+    pool_evict_all(d, &gone, &bytes, &n);
+    if (gone == NULL && d->releasing > 0 && mono_ms() < deadline) {
+      struct timespec ts = {.tv_sec = deadline / 1000,
+                            .tv_nsec = (deadline % 1000) * 1000000};
+      pthread_cond_timedwait(&released_cv, &mu, &ts);
+      waited = 1;
+      pool_evict_all(d, &gone, &bytes, &n);
+    }
+    pthread_mutex_unlock(&mu);
+    if (gone == NULL && !waited)
+      break;
+    if (gone != NULL) {
+      td__info("cuda:%d: the GPU is out of memory: released %llu pooled "
+               "allocation(s) (%llu bytes) and asked again",
+               d->index, (unsigned long long)n, (unsigned long long)bytes);
+      pool_free(gone);
+    }
+    r = mem_make_once(d, m, size, out, what);
   }
-  pthread_mutex_unlock(&mu);
-  if (gone == NULL)
-    return r;
-  td__info("cuda:%d: the GPU is out of memory: released %llu pooled "
-           "allocation(s) (%llu bytes) and asked again",
-           d->index, (unsigned long long)n, (unsigned long long)bytes);
-  pool_free(gone);
-  return d->legacy ? legacy_make(d, m, out, what) : vmm_make(d, m, size, what);
+  return r;
 }
 
 /* For a driver's out-of-memory: "the GPU has 4 MiB free of 16 MiB, tensord
